@@ -1,0 +1,10 @@
+"""QuantWM: training-free 2-bit KV-cache quantization for autoregressive video world models.
+
+Public names: the cache (`KVCache`, `CacheConfig`), the method registry (`get_method`, `known_methods`),
+trace files (`TraceWriter`, `read_trace`). See README.md and SPEC.md.
+"""
+from .cache import CacheConfig, KVCache
+from .methods import get_method, known_methods
+from .trace import TraceWriter, read_trace
+
+__all__ = ["CacheConfig", "KVCache", "get_method", "known_methods", "TraceWriter", "read_trace"]

@@ -1,0 +1,314 @@
+"""The chunked, quantized KV cache that a causal video model's attention talks to.
+
+Contract (Self-Forcing family: Matrix-Game-2, Causal-Forcing, LingBot-World): each chunk is denoised in a
+few passes, every pass overwriting the current chunk's K/V, then a clean pass writes it once more and
+commits it. So, per layer:
+
+    out = cache.attend(layer, q, k, v, chunk=i)               # a denoising pass: write chunk i, attend
+    out = cache.attend(layer, q, k, v, chunk=i, commit=True)  # the clean pass: same, then commit chunk i
+
+* `write` at the current chunk's position replaces it; committed chunks are never rewritten.
+* `commit` appends the chunk to history. A committed chunk is quantized exactly once, when it leaves the
+  full-precision set: the first `sink_chunks` chunks and the `recent_chunks` most recent committed chunks
+  stay unquantized (in the dtype they were written in; "BF16" in the paper).
+* Sliding-window eviction (`max_chunks`) drops whole chunks, oldest non-sink first.
+* Layouts (B, H, L, D) ("BHLD") or (B, L, H, D) ("BLHD"); outputs come back in the caller's layout.
+* Keys stored post-RoPE (default) or pre-RoPE, with `rope(x, positions, inverse=False)` applied at read.
+* The queries that attend to the cache feed the running S = E[q qᵀ] per (layer, head) that QSAC and PSAC
+  use (in pre-RoPE mode the queries are un-rotated by their own positions first).
+* `attend` here is the reference path: dequantize everything, then scaled_dot_product_attention.
+  With `+jensen` methods the logit of every quantized key j gets -(τ²/24) Σ_i q_i² Δ_{j,i}².
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .methods import Encoded, SpanContext, get_method, parse_method_name
+from .quant import check_bits, check_finite
+from .stats import QueryStats
+
+LAYOUTS = ("BHLD", "BLHD")
+TARGETS = ("k", "v", "kv")
+ROPE_MODES = ("post", "pre")
+RopeFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    method: str = "bf16"
+    target: str = "kv"
+    k_bits: int = 2
+    v_bits: int = 2
+    sink_chunks: int = 1
+    recent_chunks: int = 1
+    max_chunks: int | None = None
+    layout: str = "BHLD"
+    rope: str = "post"
+    stats_decay: float | None = None
+    keep_exact: bool = False
+    seed: int = 0
+    method_options: tuple = ()
+
+    def __post_init__(self):
+        parse_method_name(self.method)
+        check_bits(self.k_bits), check_bits(self.v_bits)
+        for name, value, allowed in (("target", self.target, TARGETS), ("layout", self.layout, LAYOUTS),
+                                     ("rope", self.rope, ROPE_MODES)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.sink_chunks < 0 or self.recent_chunks < 0:
+            raise ValueError("sink_chunks and recent_chunks must be >= 0")
+        if self.max_chunks is not None and self.max_chunks <= self.sink_chunks:
+            raise ValueError(f"max_chunks ({self.max_chunks}) must exceed sink_chunks ({self.sink_chunks})")
+
+    @property
+    def jensen(self) -> bool:
+        return parse_method_name(self.method)[1]
+
+
+@dataclass
+class Chunk:
+    """One chunk of one layer. `k`/`v` hold full-precision tensors (B, H, N, D) until quantized."""
+
+    index: int
+    start: int
+    n_tokens: int
+    bhd: tuple[int, int, int]
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    k_enc: Encoded | None = None
+    v_enc: Encoded | None = None
+    exact_k: torch.Tensor | None = None
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_enc is not None or self.v_enc is not None
+
+
+@dataclass
+class LayerState:
+    chunks: list[Chunk] = field(default_factory=list)
+    current: Chunk | None = None
+    next_chunk: int = 0
+    next_token: int = 0
+    stats: QueryStats | None = None
+    method_state: dict = field(default_factory=dict)
+
+
+class KVCache:
+    """Chunk-granular KV cache for `n_layers` layers; see the module docstring for the contract."""
+
+    def __init__(self, config: CacheConfig, n_layers: int, rope: RopeFn | None = None):
+        if config.rope == "pre" and rope is None:
+            raise ValueError("rope='pre' stores keys before RoPE: pass the rope function to apply at read")
+        self.config, self.rope = config, rope
+        base, _ = parse_method_name(config.method)
+        opts = dict(config.method_options)
+        self.k_method = get_method(base, **({} if base == "bf16" else {"bits": config.k_bits, **opts}))
+        self.v_method = get_method(base, **({} if base == "bf16" else {"bits": config.v_bits, **opts}))
+        self.quantize_k = self.k_method.quantized and config.target in ("k", "kv")
+        self.quantize_v = self.v_method.quantized and config.target in ("v", "kv")
+        self.layers = [LayerState() for _ in range(n_layers)]
+
+    # ---- layout ---------------------------------------------------------------------------------
+    def _in(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be 4-D in layout {self.config.layout}, got shape {tuple(x.shape)}")
+        check_finite(x, name)
+        return x.transpose(1, 2) if self.config.layout == "BLHD" else x
+
+    def _out(self, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(1, 2) if self.config.layout == "BLHD" else x
+
+    def _layer(self, layer: int) -> LayerState:
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"layer {layer} out of range: the cache has {len(self.layers)} layers")
+        return self.layers[layer]
+
+    # ---- writing --------------------------------------------------------------------------------
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, chunk: int) -> None:
+        """Write (overwrite) the current chunk's K/V (layout of the config) at chunk position `chunk`."""
+        st = self._layer(layer)
+        k, v = self._in(k, "k"), self._in(v, "v")
+        if k.shape != v.shape or k.shape[2] == 0:
+            raise ValueError(f"k and v must have the same non-empty shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        if chunk < st.next_chunk:
+            raise ValueError(f"chunk {chunk} of layer {layer} is already committed; committed chunks are never rewritten")
+        if chunk > st.next_chunk:
+            raise ValueError(f"chunk {chunk} skips ahead: layer {layer} expects chunk {st.next_chunk} next")
+        B, H, N, D = k.shape
+        if st.chunks and (B, H, D) != st.chunks[-1].bhd:
+            raise ValueError(f"chunk (B, H, D) = {(B, H, D)} does not match the cached chunks' {st.chunks[-1].bhd}")
+        st.current = Chunk(chunk, st.next_token, N, (B, H, D), k.detach(), v.detach())
+
+    def commit(self, layer: int, chunk: int) -> None:
+        """Commit the current chunk: it joins history; chunks leaving the full-precision set are quantized."""
+        st = self._layer(layer)
+        if st.current is None or st.current.index != chunk:
+            raise ValueError(f"layer {layer} has no chunk {chunk} written to commit")
+        c, st.current = st.current, None
+        st.chunks.append(c)
+        st.next_chunk, st.next_token = chunk + 1, c.start + c.n_tokens
+        keep = set(x.index for x in st.chunks[-self.config.recent_chunks:]) if self.config.recent_chunks else set()
+        for old in st.chunks:
+            if old.index >= self.config.sink_chunks and old.index not in keep and not old.quantized:
+                self._quantize(layer, st, old)
+        limit = self.config.max_chunks
+        while limit is not None and len(st.chunks) > limit:
+            victim = next(i for i, x in enumerate(st.chunks) if x.index >= self.config.sink_chunks)
+            st.chunks.pop(victim)
+
+    def _quantize(self, layer: int, st: LayerState, c: Chunk) -> None:
+        B, H, N, D = c.k.shape
+        stats = self._stats(st, H, D).matrix().to(c.k.device)
+        seed = self.config.seed + 7919 * layer + c.index
+        ctx = SpanContext(stats=stats.repeat(B, 1, 1), state=st.method_state, seed=seed)
+        if self.quantize_k:
+            c.exact_k = c.k if self.config.keep_exact else None  # diagnostics only, not counted in nbytes
+            c.k_enc, c.k = self.k_method.encode(c.k.reshape(B * H, N, D), "k", ctx), None
+        if self.quantize_v:
+            c.v_enc, c.v = self.v_method.encode(c.v.reshape(B * H, N, D), "v", ctx), None
+
+    def _stats(self, st: LayerState, H: int, D: int) -> QueryStats:
+        if st.stats is None:
+            st.stats = QueryStats(H, D, self.config.stats_decay)
+        return st.stats
+
+    # ---- reading --------------------------------------------------------------------------------
+    def _chunks(self, st: LayerState) -> list[Chunk]:
+        return st.chunks + ([st.current] if st.current is not None else [])
+
+    def _decode(self, c: Chunk, which: str) -> torch.Tensor:
+        full = c.k if which == "k" else c.v
+        if full is not None:
+            return full.float()
+        enc, method = (c.k_enc, self.k_method) if which == "k" else (c.v_enc, self.v_method)
+        B, H, D = c.bhd
+        return method.decode(enc).reshape(B, H, c.n_tokens, D)
+
+    def positions(self, layer: int) -> torch.Tensor:
+        """Absolute token positions (L,) of everything cached in `layer`, in cache order."""
+        cs = self._chunks(self._layer(layer))
+        if not cs:
+            return torch.zeros(0, dtype=torch.long)
+        return torch.cat([torch.arange(c.start, c.start + c.n_tokens) for c in cs])
+
+    def _rotate(self, k: torch.Tensor, pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        return self.rope(k, pos.to(k.device), inverse=inverse) if self.config.rope == "pre" else k
+
+    def keys(self, layer: int, exact: bool = False) -> torch.Tensor:
+        """All cached keys, dequantized and (pre-RoPE mode) rotated: caller's layout, float32.
+
+        exact=True returns the unquantized keys (needs keep_exact=True for quantized chunks).
+        """
+        cs = self._chunks(self._layer(layer))
+        if not cs:
+            raise ValueError(f"layer {layer} of the cache is empty")
+        parts = []
+        for c in cs:
+            if exact and c.k is None:
+                if c.exact_k is None:
+                    raise ValueError("exact keys of quantized chunks need CacheConfig(keep_exact=True)")
+                parts.append(c.exact_k.float())
+            else:
+                parts.append(self._decode(c, "k"))
+        return self._out(self._rotate(torch.cat(parts, 2), self.positions(layer)))
+
+    def values(self, layer: int) -> torch.Tensor:
+        cs = self._chunks(self._layer(layer))
+        if not cs:
+            raise ValueError(f"layer {layer} of the cache is empty")
+        return self._out(torch.cat([self._decode(c, "v") for c in cs], 2))
+
+    def logit_bias(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """The +jensen term -(τ²/24) Σ_i q_i² Δ_{j,i}² for every (query, cached key): (B, H, Nq, L) or None."""
+        if not (self.config.jensen and self.quantize_k):
+            return None
+        st = self._layer(layer)
+        parts = []
+        for c in self._chunks(st):
+            if c.k_enc is None:
+                parts.append(torch.zeros(*q.shape[:3], c.n_tokens, device=q.device))
+                continue
+            step = self.k_method.step(c.k_enc).reshape(q.shape[0], q.shape[1], c.n_tokens, -1)
+            parts.append(-(scale ** 2 / 24) * (q.float().square() @ step.square().transpose(-1, -2)))
+        return torch.cat(parts, -1)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int,
+               commit: bool = False, scale: float | None = None, observe: bool = True) -> torch.Tensor:
+        """Write chunk `chunk`'s K/V, attend its queries q to the whole cache, optionally commit.
+
+        q, k, v in the config's layout; q is post-RoPE, k post- or pre-RoPE per the config. Returns the
+        attention output in q's layout and dtype.
+        """
+        self.write(layer, k, v, chunk)
+        qb = self._in(q, "q")
+        D = qb.shape[-1]
+        scale = D ** -0.5 if scale is None else float(scale)
+        if observe:
+            self.observe(layer, q)
+        K, V = self._in(self.keys(layer), "keys"), self._in(self.values(layer), "values")
+        if qb.shape[:2] != K.shape[:2] or D != K.shape[-1]:
+            raise ValueError(f"q shape {tuple(q.shape)} does not match the cached keys {tuple(K.shape)}")
+        bias = self.logit_bias(layer, qb, scale)
+        out = F.scaled_dot_product_attention(qb.float(), K, V, attn_mask=bias, scale=scale)
+        if commit:
+            self.commit(layer, chunk)
+        return self._out(out.to(q.dtype))
+
+    def observe(self, layer: int, q: torch.Tensor) -> None:
+        """Add the current chunk's queries (caller's layout, post-RoPE) to layer's history statistics."""
+        st = self._layer(layer)
+        qb = self._in(q, "q")
+        if self.config.rope == "pre":
+            if st.current is None or st.current.n_tokens != qb.shape[2]:
+                raise ValueError("pre-RoPE statistics need queries of the current chunk (one per token)")
+            qb = self.rope(qb, torch.arange(st.current.start, st.current.start + qb.shape[2]), inverse=True)
+        self._stats(st, qb.shape[1], qb.shape[3]).update(qb)
+
+    def query_stats(self, layer: int) -> torch.Tensor:
+        """S (H, D, D) of `layer` (identity before any query)."""
+        st = self._layer(layer)
+        if st.stats is None:
+            raise ValueError(f"layer {layer} has seen no queries yet")
+        return st.stats.matrix()
+
+    # ---- accounting -----------------------------------------------------------------------------
+    def bytes_by_component(self) -> dict[str, int]:
+        """Bytes of every stored tensor, by component ('full' for unquantized chunks)."""
+        out: dict[str, int] = {}
+        for st in self.layers:
+            for c in self._chunks(st):
+                for which, enc, full in (("k", c.k_enc, c.k), ("v", c.v_enc, c.v)):
+                    items = enc.bytes_by_component() if full is None else {"full": full.numel() * full.element_size()}
+                    for name, n in items.items():
+                        key = f"{which}.{name}"
+                        out[key] = out.get(key, 0) + n
+        return out
+
+    def nbytes(self) -> int:
+        return sum(self.bytes_by_component().values())
+
+    def _quantized_totals(self) -> tuple[int, int]:
+        """(bytes, elements) of the quantized halves of the committed chunks."""
+        nbytes = elems = 0
+        for st in self.layers:
+            for c in st.chunks:
+                for enc in (c.k_enc, c.v_enc):
+                    if enc is not None:
+                        nbytes, elems = nbytes + enc.nbytes(), elems + enc.shape[0] * enc.shape[1] * enc.shape[2]
+        return nbytes, elems
+
+    def bits_per_element(self) -> float:
+        """Bits per element of the quantized storage (codes plus all their metadata); nan if none."""
+        nbytes, elems = self._quantized_totals()
+        return 8 * nbytes / elems if elems else float("nan")
+
+    def cache_bits_per_element(self) -> float:
+        """Bits per element of the whole cache: quantized and full-precision chunks together."""
+        elems = sum(2 * c.n_tokens * c.bhd[0] * c.bhd[1] * c.bhd[2] for st in self.layers for c in self._chunks(st))
+        return 8 * self.nbytes() / elems if elems else float("nan")

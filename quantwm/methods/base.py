@@ -1,0 +1,107 @@
+"""The one interface every quantization method implements, and the registry keyed by name.
+
+A method only says how a span is encoded and decoded. Bookkeeping (chunks, sink, recent window,
+commit, eviction, statistics) lives once, in `quantwm.cache`.
+
+    enc = method.encode(x, kind="k", ctx=SpanContext(stats=S, state=state))   # x: (S, N, D)
+    x_hat = method.decode(enc)                                                 # (S, N, D) float32
+    enc.nbytes()                                                               # every stored tensor
+
+A stream is one (batch, head) of one layer; S streams are encoded together. `kind` is "k" or "v":
+methods such as KIVI and QuantWM treat Keys and Values differently.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SpanContext:
+    """What a method may use when encoding a span.
+
+    stats: (S, D, D) history-Query second moment in the stored keys' space (identity when no history).
+    state: per-(layer, kind) mutable dict that persists across spans (k-means warm start).
+    seed:  seed for anything random (k-means initialisation).
+    """
+
+    stats: torch.Tensor | None = None
+    state: dict = field(default_factory=dict)
+    seed: int = 0
+
+    def stats_or_identity(self, S: int, D: int, device: torch.device) -> torch.Tensor:
+        if self.stats is None:
+            return torch.eye(D, device=device).expand(S, D, D)
+        if self.stats.shape != (S, D, D):
+            raise ValueError(f"query statistics have shape {tuple(self.stats.shape)}, expected {(S, D, D)}")
+        return self.stats.float()
+
+
+@dataclass
+class Encoded:
+    """A stored span: named tensors (everything counted in bytes) plus small metadata."""
+
+    tensors: dict[str, torch.Tensor]
+    shape: tuple[int, int, int]
+    meta: dict = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def bytes_by_component(self) -> dict[str, int]:
+        return {k: t.numel() * t.element_size() for k, t in self.tensors.items()}
+
+
+class Method:
+    """Base class: subclasses set `name` and implement encode/decode (and `step` for +jensen)."""
+
+    name = "method"
+    quantized = True
+
+    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
+        raise NotImplementedError
+
+    def decode(self, enc: Encoded) -> torch.Tensor:
+        raise NotImplementedError
+
+    def step(self, enc: Encoded) -> torch.Tensor | None:
+        """Per-element quantization step Δ (S, N, D) of the decoded span, or None if exact."""
+        return None
+
+    def grid(self) -> str:
+        """One line naming the quantization grid, for reports."""
+        return "bf16"
+
+
+REGISTRY: dict[str, type] = {}
+JENSEN_SUFFIX = "+jensen"
+
+
+def register(name: str):
+    def deco(cls):
+        REGISTRY[name] = cls
+        return cls
+    return deco
+
+
+def known_methods() -> list[str]:
+    return sorted(REGISTRY) + [n + JENSEN_SUFFIX for n in sorted(REGISTRY) if n != "bf16"]
+
+
+def parse_method_name(name: str) -> tuple[str, bool]:
+    """'qvg+jensen' -> ('qvg', True). Unknown names raise ValueError listing the known ones."""
+    base, jensen = (name[: -len(JENSEN_SUFFIX)], True) if name.endswith(JENSEN_SUFFIX) else (name, False)
+    if base not in REGISTRY or (jensen and base == "bf16"):
+        raise ValueError(f"unknown method {name!r}; known methods: {', '.join(known_methods())}")
+    return base, jensen
+
+
+def get_method(name: str, **overrides) -> Method:
+    """Build a method by registry name (a '+jensen' suffix is accepted and ignored here)."""
+    base, _ = parse_method_name(name)
+    cls = REGISTRY[base]
+    try:
+        return cls(**overrides)
+    except TypeError as e:
+        raise ValueError(f"bad option for method {base!r}: {e}") from None

@@ -1,0 +1,211 @@
+"""Affine group quantization and bit packing: the primitives every method builds on.
+
+* `quantize_groups` / `dequantize_groups`: asymmetric (min/max, 2^b levels) or symmetric
+  (absmax, 2^b - 1 levels centred on zero; at 2 bits that is QVG's ternary grid {-1, 0, +1}) affine
+  quantization in groups of `group_size` elements, along the channel axis (per token, axis="channel")
+  or along the token axis (per channel, axis="token", KIVI's Key layout).
+* bits in {2, 3, 4, 8}; codes are bit-packed little-endian into uint8 rows (`pack_bits_ref`):
+  element i of a row lives in bits [i*b, (i+1)*b) of the row's byte stream, so for 2 bits element i sits
+  in byte i // 4 at bit 2 * (i % 4). The round trip is exact.
+* scales and zeros are stored in fp16 or fp8-e4m3. Codes are computed against the *stored* (rounded)
+  scale and zero, so the error bound |x - x̂| <= step / 2 holds for the stored step (fp8 zeros add their own
+  rounding, which the clamp absorbs at the grid's ends).
+
+Deliberate edge cases: a group whose values are all equal gets step 1 and code 0 (exact); NaN/Inf input
+raises ValueError; per-token groups need D % group_size == 0 (ValueError otherwise); per-channel groups
+along a token count that does not divide by group_size get a shorter last group (documented padding: the
+last group's scale and zero come from its real members only, and padded codes are never stored).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_BITS = (2, 3, 4, 8)
+SCALE_DTYPES = {"fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+AXES = ("channel", "token")
+
+
+def check_bits(bits: int) -> int:
+    if bits not in SUPPORTED_BITS:
+        raise ValueError(f"unsupported bits={bits!r}; allowed: {', '.join(map(str, SUPPORTED_BITS))}")
+    return bits
+
+
+def check_finite(x: torch.Tensor, what: str = "input") -> None:
+    if not torch.is_floating_point(x):
+        raise ValueError(f"{what} must be a floating-point tensor, got dtype {x.dtype}")
+    if x.numel() and not torch.isfinite(x).all():
+        bad = (~torch.isfinite(x)).sum().item()
+        raise ValueError(f"{what} contains {bad} NaN/Inf value(s)")
+
+
+def pack_bits_ref(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes (..., n) in [0, 2^bits) into uint8 (..., ceil(n * bits / 8))."""
+    check_bits(bits)
+    *lead, n = codes.shape
+    pad = (-n) % 8
+    c = codes.to(torch.int32)
+    if pad:
+        c = torch.nn.functional.pad(c, (0, pad))
+    # (..., n8) -> (..., n8 // 8, 8) -> bit planes (..., n8 // 8, 8, bits) -> (..., n8 // 8, bits, 8)
+    c = c.reshape(*lead, -1, 8)
+    shifts = torch.arange(bits, device=c.device, dtype=torch.int32)
+    bitplanes = (c.unsqueeze(-1) >> shifts) & 1
+    stream = bitplanes.reshape(*lead, -1, bits, 8)  # 8 codes * bits -> bits bytes of 8 bits each
+    weights = (1 << torch.arange(8, device=c.device, dtype=torch.int32))
+    packed = (stream * weights).sum(-1).to(torch.uint8).reshape(*lead, -1)
+    return packed[..., : (n * bits + 7) // 8]
+
+
+def unpack_bits_ref(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of `pack_bits_ref`: uint8 (..., ceil(n*bits/8)) -> int64 codes (..., n)."""
+    check_bits(bits)
+    *lead, nbytes = packed.shape
+    if nbytes != (n * bits + 7) // 8:
+        raise ValueError(f"packed row has {nbytes} bytes, expected {(n * bits + 7) // 8} for n={n}, bits={bits}")
+    full = ((n + 7) // 8) * bits
+    p = packed.to(torch.int32)
+    if full > nbytes:
+        p = torch.nn.functional.pad(p, (0, full - nbytes))
+    bitstream = (p.unsqueeze(-1) >> torch.arange(8, device=p.device, dtype=torch.int32)) & 1
+    bitplanes = bitstream.reshape(*lead, -1, 8, bits)
+    codes = (bitplanes << torch.arange(bits, device=p.device, dtype=torch.int32)).sum(-1)
+    return codes.reshape(*lead, -1)[..., :n].to(torch.int64)
+
+
+@dataclass
+class GroupQuant:
+    """A quantized tensor: packed codes plus per-group scale (and zero for asymmetric grids).
+
+    Layout for x of shape (..., T, D):
+      axis="channel": codes (..., T, D*bits/8), scale/zero (..., T, D // G)
+      axis="token":   codes (..., T, D*bits/8), scale/zero (..., ceil(T / G), D)
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    shape: tuple[int, ...]
+    bits: int
+    group_size: int
+    axis: str
+    symmetric: bool
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"codes": self.codes, "scales": self.scale}
+        if self.zero is not None:
+            out["zeros"] = self.zero
+        return out
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+
+def _to_storage(x: torch.Tensor, dtype: torch.dtype, toward: str | None = None) -> torch.Tensor:
+    """Cast to the storage dtype, optionally never rounding "up"-wards values down (or "down" values up)."""
+    info = torch.finfo(dtype)
+    big = x.abs().max().item() if x.numel() else 0.0
+    if big > info.max:
+        raise ValueError(f"value {big:.4g} exceeds the range of {dtype} scales/zeros (max {info.max}); "
+                         "use scale_dtype='fp16' or smaller group ranges")
+    s = x.to(dtype)
+    s = torch.where(s.float() == 0, torch.zeros_like(s), s)  # no negative zero
+    if toward is None:
+        return s
+    wrong = s.float() < x if toward == "up" else s.float() > x
+    if not wrong.any():
+        return s
+    # Neighbouring floats differ by one in the magnitude bits (sign-magnitude layout).
+    int_t = torch.uint8 if info.bits == 8 else torch.int16
+    bits = s.view(int_t).to(torch.int32)
+    sf = s.float()
+    away_from_zero = sf >= 0 if toward == "up" else sf < 0
+    stepped = torch.where(away_from_zero, bits + 1, bits - 1)
+    if toward == "down":  # +0 stepping down becomes the smallest negative subnormal
+        sign = 0x80 if info.bits == 8 else -0x8000
+        stepped = torch.where(sf == 0, torch.full_like(bits, sign + 1), stepped)
+    stepped = stepped.to(int_t).view(dtype)
+    return torch.where(wrong, stepped, s)
+
+
+def _group_view(x: torch.Tensor, group_size: int, axis: str) -> tuple[torch.Tensor, int]:
+    """(..., T, D) -> grouped view with the group on the last axis; returns (view, padded T)."""
+    *lead, T, D = x.shape
+    if axis == "channel":
+        if D % group_size:
+            raise ValueError(f"head dim {D} does not divide by group_size={group_size} (per-token groups)")
+        return x.reshape(*lead, T, D // group_size, group_size), T
+    pad = (-T) % group_size
+    if pad:  # repeat the last token so padded slots do not widen the group's range
+        x = torch.cat([x, x[..., -1:, :].expand(*lead, pad, D)], dim=-2)
+    Tp = T + pad
+    # (..., Tp, D) -> (..., Tp//G, G, D) -> (..., Tp//G, D, G)
+    return x.reshape(*lead, Tp // group_size, group_size, D).transpose(-1, -2), Tp
+
+
+def _ungroup(g: torch.Tensor, shape: tuple[int, ...], axis: str) -> torch.Tensor:
+    *lead, T, D = shape
+    if axis == "channel":
+        return g.reshape(*lead, T, D)
+    return g.transpose(-1, -2).reshape(*lead, -1, D)[..., :T, :]
+
+
+def quantize_groups(x: torch.Tensor, bits: int = 2, group_size: int = 64, axis: str = "channel",
+                    symmetric: bool = False, scale_dtype: str = "fp16") -> GroupQuant:
+    """Quantize x (..., T, D) in groups of `group_size` along `axis`; see the module docstring."""
+    check_bits(bits)
+    check_finite(x, "tensor to quantize")
+    if axis not in AXES:
+        raise ValueError(f"unknown axis {axis!r}; allowed: {', '.join(AXES)}")
+    if scale_dtype not in SCALE_DTYPES:
+        raise ValueError(f"unknown scale_dtype {scale_dtype!r}; allowed: {', '.join(SCALE_DTYPES)}")
+    if x.dim() < 2 or x.shape[-1] == 0 or x.shape[-2] == 0:
+        raise ValueError(f"expected a non-empty (..., T, D) tensor, got shape {tuple(x.shape)}")
+    if group_size < 1:
+        raise ValueError(f"group_size must be >= 1, got {group_size}")
+    sdt = SCALE_DTYPES[scale_dtype]
+    g, _ = _group_view(x.float(), group_size, axis)
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        absmax = g.abs().amax(-1, keepdim=True)
+        step = torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
+        scale = _to_storage(step, sdt, toward="up")
+        s = scale.float()
+        codes = (torch.round(g / s).clamp(-qmax, qmax) + qmax).to(torch.uint8)
+        zero = None
+    else:
+        qmax = 2 ** bits - 1
+        lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+        zero = _to_storage(lo, sdt, toward="down")  # zero <= lo and zero + qmax * scale >= hi
+        width = hi - zero.float()
+        step = torch.where(width > 0, width / qmax, torch.ones_like(lo))
+        scale = _to_storage(step, sdt, toward="up")
+        codes = torch.round((g - zero.float()) / scale.float()).clamp(0, qmax).to(torch.uint8)
+        zero = zero.squeeze(-1)
+    codes = _ungroup(codes, tuple(x.shape), axis)
+    return GroupQuant(pack_bits_ref(codes, bits), scale.squeeze(-1), zero, tuple(x.shape), bits,
+                      group_size, axis, symmetric)
+
+
+def dequantize_groups(q: GroupQuant, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Rebuild (..., T, D) from a GroupQuant."""
+    *lead, T, D = q.shape
+    codes = unpack_bits_ref(q.codes, q.bits, D).float()
+    g, _ = _group_view(codes, q.group_size, q.axis)
+    s = q.scale.float().unsqueeze(-1)
+    if q.symmetric:
+        x = (g - (2 ** (q.bits - 1) - 1)) * s
+    else:
+        x = g * s + q.zero.float().unsqueeze(-1)
+    return _ungroup(x, q.shape, q.axis).to(dtype)
+
+
+def group_step(q: GroupQuant) -> torch.Tensor:
+    """Per-element quantization step (..., T, D): the Δ that the Jensen correction uses."""
+    *lead, T, D = q.shape
+    s = q.scale.float()
+    if q.axis == "channel":
+        return s.repeat_interleave(q.group_size, dim=-1)
+    return s.repeat_interleave(q.group_size, dim=-2)[..., :T, :]
