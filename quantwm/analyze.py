@@ -1,0 +1,90 @@
+"""Trace analysis: how much each method moves attention, on the same cache state (SPEC.md §4).
+
+For every traced layer the cached K/V are written into a `KVCache` chunk by chunk and committed, exactly
+as during generation (sink and most recent chunk stay full precision unless configured otherwise), with
+the history-Query statistics seeded from `L{l}.q_hist` (or, when the trace has none, from the traced
+queries themselves). The traced queries then attend to exact and to quantized keys/values.
+
+Pre-RoPE traces are read with the standard 3-D RoPE of `quantwm.rope` over the trace's frame grid.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .cache import CacheConfig, KVCache
+from .metrics import attention_metrics, query_energy, rel_err, second_moment
+from .methods import get_method, parse_method_name
+from .rope import Rope3D
+from .trace import Trace
+
+MEAN_KEYS = ("shift_rate", "topk_overlap", "attn_kl", "logit_rmse", "k_rel_err", "v_rel_err", "out_rel_err",
+             "bits_per_element")
+
+
+def _layer_cache(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: int) -> tuple[KVCache, Callable]:
+    t = trace.layers[layer]
+    H, Nk, D = t["k"].shape
+    rope = Rope3D(D, trace.frame_grid) if trace.meta["rope"] == "pre" else None
+    cache = KVCache(config, 1, rope=rope)
+    stats_q = t.get("q_hist", t["q"])
+    cache.load_query_stats(0, second_moment(stats_q.float()), count=stats_q.shape[1])
+    for i, s in enumerate(range(0, Nk, chunk_tokens)):
+        cache.write(0, t["k"][None, :, s:s + chunk_tokens].float(), t["v"][None, :, s:s + chunk_tokens].float(), i)
+        cache.commit(0, i)
+    return cache, rope
+
+
+def analyze_layer(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: int, topk: int = 8) -> dict:
+    """Metrics of one method on one traced layer: means plus per-head lists."""
+    t = trace.layers[layer]
+    q, k, v = t["q"].float(), t["k"].float(), t["v"].float()
+    scale = trace.softmax_scale
+    cache, rope = _layer_cache(trace, layer, config, chunk_tokens)
+    if rope is not None:
+        k = rope(k[None], torch.arange(k.shape[1]))[0]
+    k_hat, v_hat = cache.keys(0)[0], cache.values(0)[0]
+    bias = cache.logit_bias(0, q[None], scale)
+    heads = attention_metrics(q, k, k_hat, scale, None if bias is None else bias[0], topk=topk)
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+    out_hat = torch.nn.functional.scaled_dot_product_attention(q, k_hat, v_hat, scale=scale,
+                                                               attn_mask=None if bias is None else bias[0])
+    row = {name: float(x.mean()) for name, x in heads.items()}
+    row.update(k_rel_err=rel_err(k_hat, k), v_rel_err=rel_err(v_hat, v), out_rel_err=rel_err(out_hat, out),
+               bits_per_element=cache.bits_per_element())
+    row["heads"] = {name: [float(a) for a in x] for name, x in heads.items()}
+    return {"layer": layer, **row}
+
+
+def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int = 2, chunk_frames: int | None = None,
+                  sink_chunks: int = 1, recent_chunks: int = 1, progress: Callable | None = None) -> dict:
+    """The `quantwm analyze` report: {"methods": {name: {"mean", "layers"}}, "query_energy_top8", "trace"}."""
+    for m in methods:
+        parse_method_name(m)
+    if chunk_frames is None:
+        chunk_frames = int(trace.meta.get("chunk_frames", 1))
+    if chunk_frames < 1:
+        raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
+    chunk_tokens = chunk_frames * trace.tokens_per_frame
+    report: dict = {"methods": {}, "trace": dict(trace.meta),
+                    "config": {"target": target, "bits": bits, "chunk_frames": chunk_frames,
+                               "sink_chunks": sink_chunks, "recent_chunks": recent_chunks, "grid": {}}}
+    steps = [(m, l) for m in methods for l in trace.layers]
+    for i, (m, layer) in enumerate(steps):
+        config = CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits, sink_chunks=sink_chunks,
+                             recent_chunks=recent_chunks)
+        entry = report["methods"].setdefault(m, {"mean": {}, "layers": []})
+        entry["layers"].append(analyze_layer(trace, layer, config, chunk_tokens))
+        if progress:
+            progress(i + 1, len(steps), f"{m} layer {layer}")
+    for m, entry in report["methods"].items():
+        entry["mean"] = {key: sum(r[key] for r in entry["layers"]) / len(entry["layers"]) for key in MEAN_KEYS}
+        base = parse_method_name(m)[0]
+        report["config"]["grid"][m] = get_method(base, **({} if base == "bf16" else {"bits": bits})).grid()
+    energy = []
+    for layer, t in trace.layers.items():
+        _, frac = query_energy(second_moment(t.get("q_hist", t["q"]).float()), rank=8)
+        energy.append([float(x) for x in frac])
+    report["query_energy_top8"] = energy
+    return report

@@ -1,0 +1,156 @@
+"""Command line: `python -m quantwm {analyze,memory,synth-trace,methods} ...` (also installed as `quantwm`).
+
+Long work shows a progress bar on stderr. Bad arguments or files print one line on stderr and exit 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .methods import known_methods, parse_method_name
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, no usage dump
+        raise SystemExit(_fail(f"{self.prog}: {message}"))
+
+
+def _fail(message: str) -> int:
+    print(f"quantwm: error: {message}", file=sys.stderr)
+    return 2
+
+
+def _methods(text: str) -> list[str]:
+    names = [m.strip() for m in text.split(",") if m.strip()]
+    if not names:
+        raise ValueError("--methods is empty; known methods: " + ", ".join(known_methods()))
+    for m in names:
+        parse_method_name(m)
+    return names
+
+
+def _progress(desc: str):
+    bar = None
+
+    def update(done: int, total: int, what: str = ""):
+        nonlocal bar
+        if bar is None:
+            bar = tqdm(total=total, desc=desc, file=sys.stderr, leave=False, disable=None)
+        bar.set_postfix_str(what)
+        bar.update(done - bar.n)
+        if done >= total:
+            bar.close()
+    return update
+
+
+def _write_json(obj: dict, path: str | None) -> None:
+    text = json.dumps(obj, indent=2, allow_nan=True)
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(text)
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in rows]
+    lines.insert(1, "|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(lines)
+
+
+def _fmt(x: float, digits: int = 4) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def cmd_analyze(a) -> int:
+    from .analyze import analyze_trace
+    from .trace import read_trace
+
+    methods = _methods(a.methods)
+    trace = read_trace(a.trace)
+    report = analyze_trace(trace, methods, a.target, a.bits, a.chunk_frames, a.sink_chunks, a.recent_chunks,
+                           progress=_progress("analyze"))
+    _write_json(report, a.json)
+    keys = ("shift_rate", "topk_overlap", "attn_kl", "logit_rmse", "k_rel_err", "v_rel_err", "out_rel_err",
+            "bits_per_element")
+    rows = [["method", *keys]] + [[m, *(_fmt(e["mean"][k]) for k in keys)] for m, e in report["methods"].items()]
+    print(f"trace {a.trace} ({trace.meta['model']}), target={a.target}, bits={a.bits}")
+    print(_table(rows))
+    return 0
+
+
+def cmd_memory(a) -> int:
+    from .memory import memory_report
+
+    parse_method_name(a.method)
+    r = memory_report(a.preset, a.latent_frames, a.method, a.target, a.bits, a.sample_layers,
+                      progress=_progress("memory"))
+    _write_json(r, a.json)
+    print(f"{a.method} on {a.preset}, {a.latent_frames} latent frames ({r['layers_quantized']} layer(s) quantized)")
+    print(f"  bits/element {r['bits_per_element']:.3f}  compression {r['compression']:.3f}x  "
+          f"whole cache {r['cache_compression']:.3f}x  ({r['total_bytes'] / 2**30:.3f} GiB vs "
+          f"{r['bf16_bytes'] / 2**30:.3f} GiB BF16)")
+    return 0
+
+
+def cmd_synth(a) -> int:
+    from .synthetic import make_synthetic_trace
+
+    make_synthetic_trace(a.seed, n_layers=a.layers, n_heads=a.heads, head_dim=a.head_dim).save(a.out)
+    print(f"wrote {a.out}")
+    return 0
+
+
+def cmd_methods(a) -> int:
+    print("\n".join(known_methods()))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="quantwm", description="2-bit KV-cache quantization for video world models")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    s = sub.add_parser("analyze", help="attention fidelity of methods on a trace file")
+    s.add_argument("--trace", required=True)
+    s.add_argument("--methods", default="rtn,kivi,qvg,quantwm")
+    s.add_argument("--target", choices=("k", "v", "kv"), default="k")
+    s.add_argument("--bits", type=int, default=2)
+    s.add_argument("--chunk-frames", type=int, default=None, help="frames per chunk (default: the trace's, else 1)")
+    s.add_argument("--sink-chunks", type=int, default=1)
+    s.add_argument("--recent-chunks", type=int, default=1)
+    s.add_argument("--json")
+    s.set_defaults(fn=cmd_analyze)
+    s = sub.add_parser("memory", help="stored bytes of the cache at a real model's shapes")
+    s.add_argument("--preset", default="wan-1.3b")
+    s.add_argument("--latent-frames", type=int, default=21)
+    s.add_argument("--method", default="quantwm")
+    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
+    s.add_argument("--bits", type=int, default=2)
+    s.add_argument("--sample-layers", type=int, default=None, help="quantize this many layers and scale")
+    s.add_argument("--json")
+    s.set_defaults(fn=cmd_memory)
+    s = sub.add_parser("synth-trace", help="write the synthetic world-memory trace")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--layers", type=int, default=4)
+    s.add_argument("--heads", type=int, default=8)
+    s.add_argument("--head-dim", type=int, default=128)
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_synth)
+    s = sub.add_parser("methods", help="list the registered methods")
+    s.set_defaults(fn=cmd_methods)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
+        return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,173 @@
+"""Every metric of SPEC.md §4, computed against the BF16 reference with the same inputs.
+
+Attention (one layer, same cache state, exact vs quantized keys/values): top-1 shift rate, top-k overlap,
+KL(p_exact || p_quant), logit RMSE, attention mass on the current chunk, relative reconstruction errors
+and the attention-output error they cause. Frames (T, H, W, 3) in [0, 1]: PSNR, SSIM (Gaussian σ=1.5,
+11x11 window, per channel, constants of Wang et al. 2004 for data range 1), LPIPS-Alex (quantwm.lpips),
+tdiff-L1 with its per-pixel flicker map, tLP (TecoGAN's temporal LPIPS). Query energy: eigenvalues of
+S = E[q qᵀ] and the fraction of the trace held by the top R.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from .quant import check_finite
+
+
+def rel_err(x_hat: torch.Tensor, x: torch.Tensor) -> float:
+    """Relative MSE ||x̂ - x||² / ||x||² (0 when both are zero)."""
+    if x_hat.shape != x.shape:
+        raise ValueError(f"shapes differ: {tuple(x_hat.shape)} vs {tuple(x.shape)}")
+    den = x.float().square().sum().item()
+    num = (x_hat.float() - x.float()).square().sum().item()
+    return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
+
+
+def attention_metrics(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor, scale: float,
+                      bias: torch.Tensor | None = None, topk: int = 8, current: slice | None = None,
+                      block: int = 1024) -> dict[str, torch.Tensor]:
+    """Per-head attention fidelity of quantized keys: q (H, Nq, D), k/k_hat (H, Nk, D) -> {name: (H,)}.
+
+    shift_rate: fraction of queries whose argmax over cached keys changes; topk_overlap: |top-k ∩|/k;
+    attn_kl: mean KL(p_exact || p_quant) in nats; logit_rmse: RMS of the scaled logit error;
+    current_mass: mean exact attention mass on the keys in `current` (a slice of the Nk axis), if given.
+    `bias` (H, Nq, Nk) is added to the quantized logits (the +jensen correction).
+    """
+    if q.dim() != 3 or k.shape != k_hat.shape or k.dim() != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"expected q (H, Nq, D) and k, k_hat (H, Nk, D); got {tuple(q.shape)}, "
+                         f"{tuple(k.shape)}, {tuple(k_hat.shape)}")
+    if k.shape[1] == 0 or q.shape[1] == 0:
+        raise ValueError("attention metrics need at least one query and one cached key")
+    H, Nq, _ = q.shape
+    kk = min(topk, k.shape[1])
+    sums = {n: torch.zeros(H, dtype=torch.float64) for n in ("shift", "overlap", "kl", "sq", "mass")}
+    for s in range(0, Nq, block):
+        qs = q[:, s:s + block].float()
+        a = torch.bmm(qs, k.float().transpose(1, 2)) * scale
+        b = torch.bmm(qs, k_hat.float().transpose(1, 2)) * scale
+        if bias is not None:
+            b = b + bias[:, s:s + block]
+        sums["shift"] += (a.argmax(-1) != b.argmax(-1)).double().sum(-1).cpu()
+        ta, tb = a.topk(kk, -1).indices, b.topk(kk, -1).indices
+        sums["overlap"] += ((ta[..., :, None] == tb[..., None, :]).any(-1).double().sum(-1) / kk).sum(-1).cpu()
+        la, lb = a.log_softmax(-1), b.log_softmax(-1)
+        sums["kl"] += (la.exp() * (la - lb)).sum(-1).double().sum(-1).cpu()
+        sums["sq"] += (a - b).square().double().mean(-1).sum(-1).cpu()
+        if current is not None:
+            sums["mass"] += la.exp()[..., current].sum(-1).double().sum(-1).cpu()
+    out = {"shift_rate": sums["shift"] / Nq, "topk_overlap": sums["overlap"] / Nq,
+           "attn_kl": sums["kl"] / Nq, "logit_rmse": (sums["sq"] / Nq).sqrt()}
+    if current is not None:
+        out["current_mass"] = sums["mass"] / Nq
+    return out
+
+
+# ---- frames -------------------------------------------------------------------------------------
+
+def as_frames(x, name: str = "frames") -> torch.Tensor:
+    """(T, H, W, 3) uint8 or float in [0, 1] (tensor or numpy) -> float32 tensor (T, H, W, 3)."""
+    t = torch.as_tensor(x)
+    if t.dim() == 3:
+        t = t[None]
+    if t.dim() != 4 or t.shape[-1] != 3:
+        raise ValueError(f"{name} must be (T, H, W, 3), got shape {tuple(t.shape)}")
+    if t.dtype == torch.uint8:
+        return t.float() / 255
+    check_finite(t, name)
+    t = t.float()
+    if t.numel() and (t.min() < -1e-6 or t.max() > 1 + 1e-6):
+        raise ValueError(f"{name} must lie in [0, 1], got range [{t.min().item():.3g}, {t.max().item():.3g}]")
+    return t.clamp(0, 1)
+
+
+def _pair(x, ref) -> tuple[torch.Tensor, torch.Tensor]:
+    x, ref = as_frames(x, "frames"), as_frames(ref, "reference frames")
+    if x.shape != ref.shape:
+        raise ValueError(f"frames {tuple(x.shape)} and reference {tuple(ref.shape)} differ in shape")
+    return x, ref
+
+
+def psnr(x, ref, max_db: float = 100.0) -> torch.Tensor:
+    """Per-frame PSNR in dB for data range 1: (T,); identical frames give `max_db`."""
+    x, ref = _pair(x, ref)
+    mse = (x - ref).square().mean((1, 2, 3))
+    return torch.where(mse > 0, -10 * torch.log10(mse.clamp_min(1e-30)), torch.full_like(mse, max_db)).clamp(max=max_db)
+
+
+def _gaussian_window(size: int = 11, sigma: float = 1.5) -> torch.Tensor:
+    g = torch.exp(-((torch.arange(size) - size // 2).double() ** 2) / (2 * sigma ** 2))
+    g = (g / g.sum()).float()
+    return g[:, None] * g[None, :]
+
+
+def ssim(x, ref) -> torch.Tensor:
+    """Per-frame SSIM (T,): Gaussian σ=1.5 11x11 window, valid region, mean over channels and pixels."""
+    x, ref = _pair(x, ref)
+    if min(x.shape[1:3]) < 11:
+        raise ValueError(f"SSIM needs frames of at least 11x11 pixels, got {tuple(x.shape[1:3])}")
+    w = _gaussian_window().to(x)[None, None].repeat(3, 1, 1, 1)
+    a, b = x.permute(0, 3, 1, 2), ref.permute(0, 3, 1, 2)
+    blur = lambda t: F.conv2d(t, w, groups=3)  # noqa: E731
+    mu_a, mu_b = blur(a), blur(b)
+    var_a = blur(a * a) - mu_a ** 2
+    var_b = blur(b * b) - mu_b ** 2
+    cov = blur(a * b) - mu_a * mu_b
+    c1, c2 = 0.01 ** 2, 0.03 ** 2
+    s = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a ** 2 + mu_b ** 2 + c1) * (var_a + var_b + c2))
+    return s.mean((1, 2, 3))
+
+
+def lpips(x, ref, batch: int = 16) -> torch.Tensor:
+    """Per-frame LPIPS-Alex (T,) with the real weights (see quantwm.lpips)."""
+    from .lpips import lpips_alex
+
+    x, ref = _pair(x, ref)
+    net = lpips_alex()
+    with torch.no_grad():
+        return torch.cat([net(x[i:i + batch].permute(0, 3, 1, 2), ref[i:i + batch].permute(0, 3, 1, 2))
+                          for i in range(0, x.shape[0], batch)])
+
+
+def flicker_map(x, ref) -> torch.Tensor:
+    """Per-pixel flicker (T-1, H, W): |(x_t - x_{t-1}) - (r_t - r_{t-1})| averaged over channels."""
+    x, ref = _pair(x, ref)
+    if x.shape[0] < 2:
+        raise ValueError("flicker needs at least 2 frames")
+    return ((x[1:] - x[:-1]) - (ref[1:] - ref[:-1])).abs().mean(-1)
+
+
+def tdiff(x, ref) -> torch.Tensor:
+    """Per-frame tdiff-L1 (T-1,) for frames 1..T-1: the mean of the flicker map."""
+    return flicker_map(x, ref).mean((1, 2))
+
+
+def tlp(x, ref) -> torch.Tensor:
+    """Per-frame tLP (T-1,): |LPIPS(x_t, x_{t-1}) - LPIPS(r_t, r_{t-1})| (TecoGAN)."""
+    x, ref = _pair(x, ref)
+    if x.shape[0] < 2:
+        raise ValueError("tLP needs at least 2 frames")
+    return (lpips(x[1:], x[:-1]) - lpips(ref[1:], ref[:-1])).abs()
+
+
+# ---- query energy -------------------------------------------------------------------------------
+
+def query_energy(stats: torch.Tensor, rank: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eigenvalues of S (..., D, D), descending, and the fraction of the trace in the top `rank`."""
+    if stats.dim() < 2 or stats.shape[-1] != stats.shape[-2]:
+        raise ValueError(f"stats must be (..., D, D), got {tuple(stats.shape)}")
+    check_finite(stats, "query statistics")
+    ev = torch.linalg.eigvalsh(stats.double()).flip(-1).clamp_min(0)
+    total = ev.sum(-1)
+    frac = torch.where(total > 0, ev[..., :rank].sum(-1) / total.clamp_min(1e-300), torch.full_like(total, math.nan))
+    return ev.float(), frac.float()
+
+
+def second_moment(q: torch.Tensor) -> torch.Tensor:
+    """S = E[q qᵀ] per head: q (H, N, D) -> (H, D, D)."""
+    if q.dim() != 3 or q.shape[1] == 0:
+        raise ValueError(f"queries must be a non-empty (H, N, D) tensor, got {tuple(q.shape)}")
+    qd = q.double()
+    return (qd.transpose(1, 2) @ qd / q.shape[1]).float()

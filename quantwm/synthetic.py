@@ -1,0 +1,87 @@
+"""A synthetic trace that models how a video world model's attention retrieves memory.
+
+The world is a 2-D map of locations, each with a random content vector. A camera sees an h x w window
+of it, pans away along a trajectory and comes back, so the chunk being generated looks at places that
+earlier (now cached) frames saw. Each head of each layer:
+
+* Keys: the content of the token's location projected into the head (living, as in trained video
+  models, on the slowly rotating RoPE pairs so that the same place matches across frames), a per-frame
+  perturbation (lighting, moving things), isotropic detail noise, a few large outlier channels (as in
+  real K caches), and a temporal component so recent frames win ties; then 3-D RoPE at the token's
+  (frame, row, col), i.e. post-RoPE storage.
+* Queries: the same projection of the location the query looks for, scaled so attention is sharp, plus
+  the temporal component and a little noise: query energy sits in a few directions.
+* Values: another projection of the content plus noise.
+
+Nothing here knows about any quantization method; the parameters are fixed, not tuned to a result.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .rope import Rope3D
+from .trace import TraceWriter
+
+
+def camera_path(n_frames: int, world: tuple[int, int], grid: tuple[int, int], g: torch.Generator) -> torch.Tensor:
+    """Integer camera offsets (n_frames, 2): out along a random direction, then back past the start."""
+    (H, W), (h, w) = world, grid
+    span = torch.tensor([H - h, W - w], dtype=torch.float64)
+    start = span * torch.rand(2, generator=g, dtype=torch.float64) * 0.25
+    end = span * (0.75 + 0.25 * torch.rand(2, generator=g, dtype=torch.float64))
+    t = torch.linspace(0, 1, n_frames, dtype=torch.float64)
+    phase = torch.sin(math.pi * t)[:, None] * 1.05  # out and back (a loop that revisits)
+    return (start + (end - start) * phase).round().long().clamp(torch.zeros(2, dtype=torch.long), span.long())
+
+
+def make_synthetic_trace(seed: int = 0, n_layers: int = 4, n_heads: int = 8, head_dim: int = 128,
+                         grid: tuple[int, int] = (12, 16), cached_frames: int = 24, chunk_frames: int = 3,
+                         world: tuple[int, int] = (30, 48), content_dim: int = 8) -> TraceWriter:
+    """Build the trace in memory; `.save(path)` writes it. Cached chunks are `chunk_frames` frames."""
+    g = torch.Generator().manual_seed(seed)
+    h, w = grid
+    tpf = h * w
+    total = cached_frames + chunk_frames
+    rope = Rope3D(head_dim, grid)
+    content = torch.randn(world[0], world[1], content_dim, generator=g)
+    path = camera_path(total, world, grid, g)
+    rows = torch.arange(h)[:, None] + path[:, None, None, 0]  # (T, h, 1)
+    cols = torch.arange(w)[None, :] + path[:, None, None, 1]  # (T, 1, w)
+    loc = content[rows.expand(total, h, w), cols.expand(total, h, w)].reshape(total, tpf, content_dim)
+    frame_noise = 0.3 * torch.randn(total, tpf, content_dim, generator=g)
+    seen = loc + frame_noise  # what each frame's tokens carry
+    positions = torch.arange(total * tpf)
+
+    # Slow RoPE pairs (the last pairs of each of the t/row/col groups) carry content.
+    pairs_t, pairs_r, _ = (s // 2 for s in rope.split)
+    slow = [p for start, n in ((0, pairs_t), (pairs_t, pairs_r), (pairs_t + pairs_r, pairs_r))
+            for p in range(start + n - 4, start + n)]
+    slow_ch = torch.tensor([c for p in slow for c in (2 * p, 2 * p + 1)])
+    recency_pair = pairs_t // 2  # a temporal pair of middling frequency: cos(ω Δt) favours recent frames
+    writer = TraceWriter(tpf, grid, head_dim ** -0.5, rope="post", model=f"synthetic-world(seed={seed})")
+    writer.extra_meta["chunk_frames"] = chunk_frames
+    for layer in range(n_layers):
+        qs, ks, vs, qh = [], [], [], []
+        for _ in range(n_heads):
+            basis = torch.linalg.qr(torch.randn(len(slow_ch), content_dim, generator=g))[0]
+            P = torch.zeros(head_dim, content_dim)
+            P[slow_ch] = basis * math.sqrt(len(slow_ch) / content_dim)  # content -> slow channels
+            sharp = 3.0 + 2.0 * torch.rand(1, generator=g).item()
+            outliers = torch.randperm(head_dim, generator=g)[:4]
+            k = seen @ P.T + 0.5 * torch.randn(total, tpf, head_dim, generator=g)
+            k[..., outliers] += 6.0 * torch.randn(4, generator=g).sign() * (1 + torch.rand(4, generator=g))
+            k[..., 2 * recency_pair] += 2.0
+            q = sharp * (loc + 0.1 * torch.randn(total, tpf, content_dim, generator=g)) @ P.T
+            q = q + 0.2 * torch.randn(total, tpf, head_dim, generator=g)
+            q[..., 2 * recency_pair] += 2.0
+            v = seen @ torch.randn(content_dim, head_dim, generator=g) / math.sqrt(content_dim)
+            v = v + 0.3 * torch.randn(total, tpf, head_dim, generator=g)
+            k = rope(k.reshape(1, 1, -1, head_dim), positions)[0, 0]
+            q = rope(q.reshape(1, 1, -1, head_dim), positions)[0, 0]
+            n_cached = cached_frames * tpf
+            ks.append(k[:n_cached]), vs.append(v.reshape(-1, head_dim)[:n_cached])
+            qs.append(q[n_cached:]), qh.append(q[tpf:n_cached])
+        writer.record(layer, torch.stack(qs), torch.stack(ks), torch.stack(vs), q_hist=torch.stack(qh))
+    return writer
