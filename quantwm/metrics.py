@@ -108,8 +108,8 @@ def ssim(x, ref) -> torch.Tensor:
     x, ref = _pair(x, ref)
     if min(x.shape[1:3]) < 11:
         raise ValueError(f"SSIM needs frames of at least 11x11 pixels, got {tuple(x.shape[1:3])}")
-    w = _gaussian_window().to(x)[None, None].repeat(3, 1, 1, 1)
-    a, b = x.permute(0, 3, 1, 2), ref.permute(0, 3, 1, 2)
+    w = _gaussian_window().double()[None, None].repeat(3, 1, 1, 1)
+    a, b = x.permute(0, 3, 1, 2).double(), ref.permute(0, 3, 1, 2).double()  # float64: var = E[x²] - μ² cancels
     blur = lambda t: F.conv2d(t, w, groups=3)  # noqa: E731
     mu_a, mu_b = blur(a), blur(b)
     var_a = blur(a * a) - mu_a ** 2
@@ -117,7 +117,7 @@ def ssim(x, ref) -> torch.Tensor:
     cov = blur(a * b) - mu_a * mu_b
     c1, c2 = 0.01 ** 2, 0.03 ** 2
     s = ((2 * mu_a * mu_b + c1) * (2 * cov + c2)) / ((mu_a ** 2 + mu_b ** 2 + c1) * (var_a + var_b + c2))
-    return s.mean((1, 2, 3))
+    return s.mean((1, 2, 3)).float()
 
 
 def lpips(x, ref, batch: int = 16) -> torch.Tensor:

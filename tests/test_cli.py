@@ -1,0 +1,57 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from quantwm.cli import main
+from quantwm.synthetic import make_synthetic_trace
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "syn.safetensors"
+    make_synthetic_trace(seed=5, n_layers=1, n_heads=2, head_dim=64, grid=(8, 8), cached_frames=8,
+                         chunk_frames=2, world=(16, 24)).save(path)
+    return path
+
+
+def test_cli_analyze_writes_the_documented_json(trace_file, tmp_path, capsys):
+    out = tmp_path / "a.json"
+    assert main(["analyze", "--trace", str(trace_file), "--methods", "rtn,qvg+jensen", "--target", "k",
+                 "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert set(r["methods"]) == {"rtn", "qvg+jensen"}
+    assert {"shift_rate", "topk_overlap", "attn_kl", "logit_rmse", "k_rel_err", "v_rel_err", "out_rel_err",
+            "bits_per_element"} <= set(r["methods"]["rtn"]["mean"])
+    assert "| rtn" in capsys.readouterr().out
+
+
+def test_cli_memory_json_fields(tmp_path):
+    out = tmp_path / "m.json"
+    assert main(["memory", "--preset", "tiny", "--latent-frames", "8", "--method", "rtn", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["bits_per_element"] == pytest.approx(2.5)
+    assert r["compression"] == pytest.approx(6.4)
+    assert 1 < r["cache_compression"] < r["compression"]
+    assert {"k.codes", "k.scales", "k.zeros", "k.full"} <= set(r["bytes"])
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["analyze", "--trace", "/nonexistent.safetensors"], "no such trace file"),
+    (["analyze", "--trace", "{trace}", "--methods", "nope"], "unknown method"),
+    (["analyze", "--trace", "{garbage}"], "not a valid QuantWM trace"),
+    (["analyze", "--trace", "{trace}", "--target", "x"], "invalid choice"),
+    (["memory", "--preset", "nope"], "unknown preset"),
+    (["memory", "--preset", "tiny", "--bits", "5"], "unsupported bits"),
+    (["memory", "--preset", "tiny", "--latent-frames", "zero"], "invalid int"),
+    (["frobnicate"], "invalid choice"),
+])
+def test_cli_errors_are_one_line_exit_2(argv, needle, trace_file, tmp_path):
+    garbage = tmp_path / "garbage.safetensors"
+    garbage.write_bytes(b"garbage")
+    argv = [a.format(trace=trace_file, garbage=garbage) for a in argv]
+    p = subprocess.run([sys.executable, "-m", "quantwm", *argv], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr

@@ -1,0 +1,136 @@
+import math
+
+import pytest
+import torch
+
+from quantwm import metrics as M
+
+
+def test_attention_metrics_constant_logit_shift_changes_nothing_but_rmse():
+    torch.manual_seed(0)
+    H, Nq, Nk, D = 2, 5, 7, 8
+    q = torch.zeros(H, Nq, D)
+    q[..., 0] = 1.0
+    q[..., 1:] = torch.randn(H, Nq, D - 1)
+    k = torch.randn(H, Nk, D)
+    k_hat = k.clone()
+    k_hat[..., 0] += 0.5  # every logit moves by scale * 0.5: softmax and argmax unchanged
+    m = M.attention_metrics(q, k, k_hat, scale=0.25)
+    assert torch.allclose(m["shift_rate"], torch.zeros(H, dtype=torch.float64))
+    assert torch.allclose(m["topk_overlap"], torch.ones(H, dtype=torch.float64))
+    assert m["attn_kl"].abs().max() < 1e-6
+    assert torch.allclose(m["logit_rmse"], torch.full((H,), 0.125, dtype=torch.float64), atol=1e-6)
+
+
+def test_attention_metrics_shift_rate_counts_swapped_top1():
+    D = 4
+    k = torch.eye(D)[None]  # 4 keys, one per axis
+    q = torch.eye(D)[None] * 5  # query i selects key i
+    k_hat = k.clone()
+    k_hat[0, [0, 1]] = k[0, [1, 0]]  # swap keys 0 and 1: queries 0 and 1 now pick the other
+    m = M.attention_metrics(q, k, k_hat, scale=1.0, topk=1, current=slice(2, 4))
+    assert m["shift_rate"].item() == pytest.approx(0.5)
+    assert m["topk_overlap"].item() == pytest.approx(0.5)
+    assert m["attn_kl"].item() > 0.5
+    p = torch.softmax(q[0] @ k[0].T, -1)[:, 2:].sum(-1).mean()
+    assert m["current_mass"].item() == pytest.approx(p.item(), rel=1e-5)
+
+
+def test_attention_metrics_bias_enters_the_quantized_logits():
+    q = torch.ones(1, 1, 2)
+    k = torch.tensor([[[1.0, 0.0], [0.0, 0.9]]])
+    bias = torch.tensor([[[-1.0, 0.0]]])
+    assert M.attention_metrics(q, k, k, 1.0, bias=bias)["shift_rate"].item() == 1.0
+
+
+def test_attention_metrics_rejects_bad_shapes_and_empty_cache():
+    with pytest.raises(ValueError, match="expected q"):
+        M.attention_metrics(torch.zeros(2, 3, 4), torch.zeros(2, 5, 4), torch.zeros(2, 6, 4), 1.0)
+    with pytest.raises(ValueError, match="at least one"):
+        M.attention_metrics(torch.zeros(2, 3, 4), torch.zeros(2, 0, 4), torch.zeros(2, 0, 4), 1.0)
+
+
+def test_rel_err_known_value_and_shape_check():
+    x = torch.tensor([3.0, 4.0])
+    assert M.rel_err(x + torch.tensor([0.0, 1.0]), x) == pytest.approx(1 / 25)
+    assert M.rel_err(torch.zeros(2), torch.zeros(2)) == 0.0
+    with pytest.raises(ValueError, match="shapes differ"):
+        M.rel_err(torch.zeros(2), torch.zeros(3))
+
+
+def test_psnr_of_constant_offset_is_20db():
+    ref = torch.full((3, 16, 16, 3), 0.5)
+    assert torch.allclose(M.psnr(ref + 0.1, ref), torch.full((3,), 20.0), atol=1e-4)
+    assert M.psnr(ref, ref)[0].item() == 100.0
+
+
+def test_psnr_accepts_uint8_and_checks_range_and_finiteness():
+    a = torch.zeros(1, 8, 8, 3, dtype=torch.uint8)
+    b = torch.full((1, 8, 8, 3), 255, dtype=torch.uint8)
+    assert M.psnr(a, b)[0].item() == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        M.psnr(torch.full((1, 8, 8, 3), 2.0), torch.zeros(1, 8, 8, 3))
+    with pytest.raises(ValueError, match="NaN"):
+        M.psnr(torch.full((1, 8, 8, 3), float("nan")), torch.zeros(1, 8, 8, 3))
+    with pytest.raises(ValueError, match="differ in shape"):
+        M.psnr(torch.zeros(1, 8, 8, 3), torch.zeros(2, 8, 8, 3))
+    with pytest.raises(ValueError, match=r"\(T, H, W, 3\)"):
+        M.psnr(torch.zeros(1, 8, 8), torch.zeros(1, 8, 8))
+
+
+def test_ssim_identity_and_constant_images_match_the_formula():
+    x = torch.rand(2, 24, 24, 3, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(M.ssim(x, x), torch.ones(2), atol=1e-5)
+    a, b = torch.full((1, 16, 16, 3), 0.5), torch.full((1, 16, 16, 3), 0.6)
+    c1 = 0.01 ** 2
+    expect = (2 * 0.5 * 0.6 + c1) / (0.5 ** 2 + 0.6 ** 2 + c1)
+    assert M.ssim(a, b)[0].item() == pytest.approx(expect, rel=1e-4)
+    noisy = (x + 0.2 * torch.randn(x.shape, generator=torch.Generator().manual_seed(1))).clamp(0, 1)
+    assert M.ssim(noisy, x).max() < 0.9
+    with pytest.raises(ValueError, match="11x11"):
+        M.ssim(torch.zeros(1, 8, 8, 3), torch.zeros(1, 8, 8, 3))
+
+
+def test_flicker_map_and_tdiff_on_known_flicker():
+    ref = torch.full((4, 8, 8, 3), 0.5)
+    x = ref.clone()
+    x[1, 2, 3] += 0.2  # one pixel brightens in frame 1 only
+    fmap = M.flicker_map(x, ref)
+    assert fmap.shape == (3, 8, 8)
+    assert fmap[0, 2, 3].item() == pytest.approx(0.2, abs=1e-6)
+    assert fmap[1, 2, 3].item() == pytest.approx(0.2, abs=1e-6)
+    assert fmap[2].abs().max().item() == 0.0
+    assert M.tdiff(x, ref)[0].item() == pytest.approx(0.2 / 64, rel=1e-5)
+    static_offset = ref + 0.1  # constant error is not flicker
+    assert M.tdiff(static_offset, ref).abs().max().item() < 1e-6
+    with pytest.raises(ValueError, match="2 frames"):
+        M.tdiff(ref[:1], ref[:1])
+
+
+def test_lpips_and_tlp_zero_for_identical_and_positive_for_flicker():
+    g = torch.Generator().manual_seed(0)
+    ref = torch.rand(1, 32, 32, 3, generator=g).repeat(3, 1, 1, 1)  # a static scene
+    assert M.lpips(ref, ref).abs().max().item() < 1e-6
+    assert M.tlp(ref, ref).abs().max().item() < 1e-6
+    x = ref.clone()
+    x[1] = torch.rand(32, 32, 3, generator=g)
+    assert M.lpips(x, ref)[1] > 0.05
+    assert M.tlp(x, ref)[0] > 0.01
+
+
+def test_query_energy_top_fraction_of_a_known_spectrum():
+    ev = torch.tensor([8.0, 4.0, 2.0, 1.0, 1.0])
+    S = torch.diag(ev)[None]
+    vals, frac = M.query_energy(S, rank=2)
+    assert torch.allclose(vals[0], ev)
+    assert frac.item() == pytest.approx(12 / 16)
+    assert math.isnan(M.query_energy(torch.zeros(1, 3, 3))[1].item())
+    with pytest.raises(ValueError):
+        M.query_energy(torch.zeros(3, 2))
+
+
+def test_second_moment_is_mean_outer_product():
+    q = torch.tensor([[[1.0, 0.0], [0.0, 2.0]]])
+    assert torch.allclose(M.second_moment(q), torch.tensor([[[0.5, 0.0], [0.0, 2.0]]]))
+    with pytest.raises(ValueError):
+        M.second_moment(torch.zeros(1, 0, 2))
