@@ -88,3 +88,11 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
         energy.append([float(x) for x in frac])
     report["query_energy_top8"] = energy
     return report
+
+
+def report_rows(report: dict) -> tuple[list[str], list[list]]:
+    """A report's per-method means as a table: (header, rows), rounded for display."""
+    header = ["method", *MEAN_KEYS]
+    rows = [[m, *(round(e["mean"][k], 4) if e["mean"][k] == e["mean"][k] else None for k in MEAN_KEYS)]
+            for m, e in report["methods"].items()]
+    return header, rows

@@ -143,7 +143,8 @@ class KVCache:
         B, H, N, D = k.shape
         if st.chunks and (B, H, D) != st.chunks[-1].bhd:
             raise ValueError(f"chunk (B, H, D) = {(B, H, D)} does not match the cached chunks' {st.chunks[-1].bhd}")
-        st.current = Chunk(chunk, st.next_token, N, (B, H, D), k.detach(), v.detach())
+        copy = lambda x: x.detach().clone(memory_format=torch.contiguous_format)  # noqa: E731 (no aliasing)
+        st.current = Chunk(chunk, st.next_token, N, (B, H, D), copy(k), copy(v))
 
     def commit(self, layer: int, chunk: int) -> None:
         """Commit the current chunk: it joins history; chunks leaving the full-precision set are quantized."""
@@ -245,8 +246,10 @@ class KVCache:
         q, k, v in the config's layout; q is post-RoPE, k post- or pre-RoPE per the config. Returns the
         attention output in q's layout and dtype.
         """
+        qb, kb = self._in(q, "q"), self._in(k, "k")
+        if qb.shape[:2] != kb.shape[:2] or qb.shape[3] != kb.shape[3]:
+            raise ValueError(f"q shape {tuple(q.shape)} does not match k {tuple(k.shape)} on (B, H, D)")
         self.write(layer, k, v, chunk)
-        qb = self._in(q, "q")
         D = qb.shape[-1]
         scale = D ** -0.5 if scale is None else float(scale)
         if observe:
@@ -279,7 +282,11 @@ class KVCache:
         """S (H, D, D) of `layer` (identity before any query)."""
         st = self._layer(layer)
         if st.stats is None:
-            raise ValueError(f"layer {layer} has seen no queries yet")
+            cs = self._chunks(st)
+            if not cs:
+                raise ValueError(f"layer {layer} is empty: its head count and head dim are not known yet")
+            _, H, D = cs[0].bhd
+            return self._stats(st, H, D).matrix()
         return st.stats.matrix()
 
     # ---- accounting -----------------------------------------------------------------------------

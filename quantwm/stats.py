@@ -40,7 +40,7 @@ class QueryStats:
         """Seed S from a calibration run: second (H, D, D)."""
         if second.shape != self.second.shape:
             raise ValueError(f"calibration statistics must be {tuple(self.second.shape)}, got {tuple(second.shape)}")
-        self.second, self.count = second.to(self.second), int(count)
+        self.second, self.count = second.to(self.second).clone(), int(count)
 
     def matrix(self) -> torch.Tensor:
         """S (H, D, D) float32; the identity before any query."""

@@ -1,0 +1,1 @@
+"""The Gradio diagnostics app: one module per tab, each exposing build_...(compute functions)."""

@@ -1,0 +1,49 @@
+import pytest
+
+from app.handlers import analyze_handler
+from quantwm.synthetic import make_synthetic_trace
+
+
+@pytest.fixture(scope="module")
+def trace_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("app") / "syn.safetensors"
+    make_synthetic_trace(seed=2, n_layers=1, n_heads=2, head_dim=64, grid=(8, 8), cached_frames=8,
+                         chunk_frames=2, world=(16, 24)).save(path)
+    return str(path)
+
+
+def test_analyze_handler_returns_a_row_per_method(trace_file):
+    message, header, rows = analyze_handler(trace_file, ["rtn", "quantwm"], "k", 2)
+    assert header[0] == "method" and "shift_rate" in header
+    assert [r[0] for r in rows] == ["rtn", "quantwm"]
+    shift = header.index("shift_rate")
+    assert 0 <= rows[1][shift] < rows[0][shift] <= 1
+    assert "2 bits" in message
+
+
+@pytest.mark.parametrize("path, methods, needle", [
+    (None, ["rtn"], "no trace file"),
+    ("{trace}", [], "at least one method"),
+    ("{trace}", ["nope"], "unknown method"),
+    ("{garbage}", ["rtn"], "not a valid QuantWM trace"),
+])
+def test_analyze_handler_turns_bad_input_into_a_message(path, methods, needle, trace_file, tmp_path):
+    garbage = tmp_path / "g.safetensors"
+    garbage.write_bytes(b"nope")
+    if path:
+        path = path.format(trace=trace_file, garbage=garbage)
+    message, header, rows = analyze_handler(path, methods, "k", 2)
+    assert message.startswith("**Error:**") and needle in message and rows == []
+
+
+def test_app_builds_with_an_api_name_on_every_event(trace_file):
+    import app as app_module  # noqa: F401  (the package app/)
+    import importlib.util
+    import pathlib
+
+    spec = importlib.util.spec_from_file_location("app_main", pathlib.Path(__file__).parents[1] / "app.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    demo = mod.build_app(trace_file)
+    fns = list(demo.fns.values()) if isinstance(demo.fns, dict) else list(demo.fns)
+    assert fns and all(getattr(f, "api_name", None) for f in fns)

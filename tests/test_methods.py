@@ -1,0 +1,451 @@
+"""Tests for quantwm/methods/: the registry, the shared encode/decode contract and each method's specifics."""
+import functools
+
+import pytest
+import torch
+
+from quantwm.methods import REGISTRY, SpanContext, get_method, known_methods, parse_method_name
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny tensors: one intra-op thread is as fast and does not spin against other work on the machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+METHODS = sorted(REGISTRY)
+QUANTIZED = [m for m in METHODS if m != "bf16"]
+S, N, D = 4, 256, 64
+
+# Relative error ||x̂ - x||² / ||x||² at 2 bits on Gaussian data (S=4, N=256, D=64), default options.
+# Measured: rtn/kivi 0.202, qvg 0.175, qvg-pro 0.061, quantwm* 0.18-0.22 (fewer centroids, fp8 scales).
+REL_ERR_2BIT = {
+    "bf16": 2e-5,
+    "rtn": 0.22,
+    "kivi": 0.22,
+    "qvg": 0.20,
+    "qvg-pro": 0.075,
+    "quantwm": 0.24,
+    "quantwm-qsac": 0.24,
+    "quantwm-psac": 0.24,
+}
+
+
+def _randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _make(name, **kw):
+    return get_method(name) if name == "bf16" else get_method(name, **kw)
+
+
+def _same_bytes(a, b):
+    return a.dtype == b.dtype and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+GAUSS = _randn(S, N, D, seed=0)
+
+
+@functools.lru_cache(maxsize=None)
+def _roundtrip(name, kind, bits=2):
+    """(method, Encoded, decoded) for GAUSS with a fresh SpanContext; cached across tests."""
+    m = _make(name, bits=bits)
+    enc = m.encode(GAUSS, kind, SpanContext())
+    return m, enc, m.decode(enc)
+
+
+def _rel_err(x_hat, x):
+    return ((x_hat - x).square().sum() / x.square().sum()).item()
+
+
+def _outlier_keys(seed=1):
+    """Keys with two large outlier channels, as real K caches have."""
+    x = _randn(S, N, D, seed=seed)
+    x[..., [3, 41]] *= 20
+    return x
+
+
+@pytest.fixture
+def gauss():
+    return GAUSS
+
+
+@pytest.fixture(scope="module")
+def concentrated_stats():
+    """History-query second moment with its energy in 8 random directions (top-8 share ~99%)."""
+    Q = torch.linalg.qr(_randn(S, D, D, seed=2))[0]
+    ev = torch.cat([torch.full((8,), 50.0), torch.full((D - 8,), 0.1)])
+    return Q @ torch.diag_embed(ev.expand(S, D)) @ Q.transpose(1, 2)
+
+
+# --- registry -------------------------------------------------------------------------------------
+
+def test_registry_has_every_spec_method():
+    assert set(REGISTRY) >= {"bf16", "rtn", "kivi", "qvg", "qvg-pro", "quantwm", "quantwm-qsac", "quantwm-psac"}
+    known = known_methods()
+    assert set(METHODS) <= set(known)
+    assert {m + "+jensen" for m in QUANTIZED} <= set(known)
+    assert "bf16+jensen" not in known
+
+
+def test_get_method_unknown_name_lists_known_methods():
+    with pytest.raises(ValueError) as e:
+        get_method("kvquant")
+    msg = str(e.value)
+    assert "kvquant" in msg
+    for m in METHODS:
+        assert m in msg
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_parse_method_name_jensen_suffix(name):
+    assert parse_method_name(name) == (name, False)
+    assert parse_method_name(name + "+jensen") == (name, True)
+    assert type(get_method(name + "+jensen")) is type(get_method(name))
+
+
+def test_parse_method_name_rejects_bf16_jensen():
+    with pytest.raises(ValueError, match="known methods"):
+        parse_method_name("bf16+jensen")
+    with pytest.raises(ValueError, match="known methods"):
+        get_method("bf16+jensen")
+
+
+@pytest.mark.parametrize("name", ["", "+jensen", "rtn+jensen+jensen", "RTN"])
+def test_parse_method_name_rejects_malformed(name):
+    with pytest.raises(ValueError, match="known methods"):
+        parse_method_name(name)
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("kwargs,match", [
+    ({"bits": 5}, "2, 3, 4, 8"),
+    ({"bits": 1}, "2, 3, 4, 8"),
+    ({"group_size": 0}, "group_size"),
+    ({"scale_dtype": "x"}, "fp16"),
+    ({"no_such_option": 1}, "no_such_option"),
+])
+def test_get_method_bad_options_raise_value_error(name, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        get_method(name, **kwargs)
+
+
+def test_get_method_bf16_takes_no_options():
+    with pytest.raises(ValueError):
+        get_method("bf16", bits=2)
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("qvg", {"n_centroids": 0}), ("qvg", {"stages": 0}), ("qvg", {"codebook_dtype": "int8"}),
+    ("quantwm", {"psac_rank": 0}), ("quantwm", {"psac_bits": 5}), ("quantwm", {"lam": -1.0}),
+    ("quantwm", {"candidates": 0}),
+])
+def test_get_method_bad_method_specific_options(name, kwargs):
+    with pytest.raises(ValueError):
+        get_method(name, **kwargs)
+
+
+# --- round trip -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("name", METHODS)
+def test_method_roundtrip_2bit_error_bound(name, kind, gauss):
+    m, enc, x_hat = _roundtrip(name, kind)
+    assert enc.shape == tuple(gauss.shape)
+    assert x_hat.shape == gauss.shape
+    assert x_hat.dtype == torch.float32
+    err = _rel_err(x_hat, gauss)
+    assert err < REL_ERR_2BIT[name], f"{name} {kind}: relative error {err:.4f}"
+    if name != "bf16":
+        assert err > 1e-3  # it really quantized
+
+
+def test_bf16_roundtrip_is_bf16_rounding(gauss):
+    m = get_method("bf16")
+    assert m.quantized is False
+    x_hat = m.decode(m.encode(gauss, "k", SpanContext()))
+    assert torch.equal(x_hat, gauss.bfloat16().float())
+    assert ((x_hat - gauss).abs() <= 2 ** -8 * gauss.abs()).all()
+    assert m.step(m.encode(gauss, "k", SpanContext())) is None
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_method_4bit_error_below_2bit_error(name, kind, gauss):
+    errs = {bits: _rel_err(_roundtrip(name, kind, bits)[2], gauss) for bits in (2, 4)}
+    assert errs[4] < 0.1 * errs[2]
+    assert errs[4] < 0.015
+
+
+@pytest.mark.parametrize("name", ["qvg", "qvg-pro", "quantwm", "quantwm-qsac", "quantwm-psac"])
+def test_kmeans_methods_beat_rtn_on_outlier_channels(name):
+    x = _outlier_keys()
+    rtn = get_method("rtn")
+    err_rtn = _rel_err(rtn.decode(rtn.encode(x, "k", SpanContext())), x)
+    m = get_method(name)
+    err = _rel_err(m.decode(m.encode(x, "k", SpanContext())), x)
+    assert err < 0.85 * err_rtn, f"{name}: {err:.4f} vs rtn {err_rtn:.4f}"
+
+
+def test_kivi_keys_beat_rtn_on_outlier_channels():
+    x = _outlier_keys()
+    rtn, kivi = get_method("rtn"), get_method("kivi")
+    err_rtn = _rel_err(rtn.decode(rtn.encode(x, "k", SpanContext())), x)
+    err_kivi = _rel_err(kivi.decode(kivi.encode(x, "k", SpanContext())), x)
+    assert err_kivi < 0.6 * err_rtn
+    # Values are per-token in KIVI: same coder as rtn
+    assert torch.equal(kivi.decode(kivi.encode(x, "v", SpanContext())), rtn.decode(rtn.encode(x, "v", SpanContext())))
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_symmetric_grid_roundtrip(name, gauss):
+    # QVG's released ternary grid {-1, 0, +1} x absmax: coarser than the 4-level asymmetric grid
+    m = get_method(name, symmetric=True)
+    assert "3 levels" in m.grid() and "symmetric" in m.grid()
+    x_hat = m.decode(m.encode(gauss, "k", SpanContext()))
+    err = _rel_err(x_hat, gauss)
+    assert err < 0.6  # measured 0.47-0.53
+    assert err > _rel_err(_roundtrip(name, "k")[2], gauss)
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_grid_names_bits_and_levels(name):
+    g = get_method(name, bits=3).grid()
+    assert "3-bit" in g and "asymmetric" in g and "8 levels" in g
+
+
+# --- bytes ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("name", METHODS)
+def test_nbytes_is_sum_of_stored_tensors(name, kind, gauss):
+    enc = _roundtrip(name, kind)[1]
+    total = sum(t.numel() * t.element_size() for t in enc.tensors.values())
+    assert enc.nbytes() == total
+    assert sum(enc.bytes_by_component().values()) == total
+    assert set(enc.bytes_by_component()) == set(enc.tensors)
+    if name == "bf16":
+        assert total == gauss.numel() * 2
+    else:
+        assert total * 8 < 10 * gauss.numel()  # < 10 bits per element (qvg-pro, 4 codebooks: 8.5)
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("name", ["rtn", "kivi"])
+def test_rtn_kivi_2bit_g64_fp16_is_2_5_bits_per_element(name, kind, gauss):
+    m = get_method(name, bits=2, group_size=64, scale_dtype="fp16")
+    assert (m.bits, m.group_size, m.scale_dtype) == (2, 64, "fp16")  # the defaults
+    enc = _roundtrip(name, kind)[1]
+    assert enc.nbytes() * 8 / gauss.numel() == 2.5
+
+
+@pytest.mark.parametrize("name", ["rtn", "kivi"])
+def test_rtn_kivi_fp8_scales_is_2_25_bits_per_element(name, gauss):
+    enc = get_method(name, scale_dtype="fp8").encode(gauss, "k", SpanContext())
+    assert enc.nbytes() * 8 / gauss.numel() == 2.25
+
+
+@pytest.mark.parametrize("name,has_psac", [("quantwm", True), ("quantwm-psac", True), ("quantwm-qsac", False)])
+def test_quantwm_psac_tensors_stored_for_keys_only(name, has_psac, gauss):
+    m, enc_k, _ = _roundtrip(name, "k")
+    enc_v = _roundtrip(name, "v")[1]
+    assert ("psac_basis" in enc_k.tensors) == has_psac
+    assert not any(k.startswith("psac") for k in enc_v.tensors)
+    if has_psac:
+        assert enc_k.tensors["psac_basis"].shape == (S, D, m.psac_rank)
+
+
+# --- method specifics -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_tokens", [97, 256])
+def test_kivi_keys_per_channel_values_per_token(n_tokens):
+    x = _randn(S, n_tokens, D, seed=3)
+    m = get_method("kivi", group_size=64)
+    enc_k = m.encode(x, "k", SpanContext())
+    enc_v = m.encode(x, "v", SpanContext())
+    assert enc_k.tensors["scales"].shape == (S, -(-n_tokens // 64), D)
+    assert enc_k.tensors["zeros"].shape == (S, -(-n_tokens // 64), D)
+    assert enc_v.tensors["scales"].shape == (S, n_tokens, D // 64)
+    assert m.decode(enc_k).shape == x.shape
+    assert m.step(enc_k).shape == x.shape
+
+
+def test_rtn_per_token_groups_for_both_kinds(gauss):
+    m = get_method("rtn", group_size=32)
+    for kind in "kv":
+        assert m.encode(gauss, kind, SpanContext()).tensors["scales"].shape == (S, N, D // 32)
+
+
+def test_quantwm_psac_lowers_logit_error_vs_qsac(gauss, concentrated_stats):
+    L = torch.linalg.cholesky(concentrated_stats)
+    q = L @ _randn(S, D, 256, seed=4)  # (S, D, M) queries with E[q qᵀ] = stats
+    logit_err = {}
+    for name in ("quantwm", "quantwm-qsac"):
+        m = get_method(name)  # same clustering settings: the ablation only drops PSAC
+        e = m.decode(m.encode(gauss, "k", SpanContext(stats=concentrated_stats))) - gauss
+        logit_err[name] = torch.bmm(e, q).square().mean().item()
+    # measured: ~2.2 vs ~84
+    assert logit_err["quantwm"] < 0.2 * logit_err["quantwm-qsac"]
+
+
+def test_quantwm_same_clustering_with_and_without_psac(gauss, concentrated_stats):
+    full = get_method("quantwm").encode(gauss, "k", SpanContext(stats=concentrated_stats))
+    qsac = get_method("quantwm-qsac").encode(gauss, "k", SpanContext(stats=concentrated_stats))
+    for key in qsac.tensors:
+        assert _same_bytes(full.tensors[key], qsac.tensors[key]), key
+
+
+def test_quantwm_qsac_without_range_term_and_history_is_euclidean_kmeans(gauss):
+    # lam=0 and S=I make J the plain squared distance: QSAC must then cluster exactly like k-means
+    qsac = get_method("quantwm", lam=0.0, psac=False).encode(gauss, "k", SpanContext())
+    plain = get_method("quantwm", qsac=False, psac=False).encode(gauss, "k", SpanContext())
+    for key in plain.tensors:
+        assert _same_bytes(qsac.tensors[key], plain.tensors[key]), key
+
+
+def test_quantwm_qsac_clustering_follows_query_stats(gauss):
+    diag = torch.cat([torch.full((8,), 100.0), torch.full((D - 8,), 0.1)])
+    stats = torch.diag(diag).expand(S, D, D)
+    m = get_method("quantwm-qsac")
+    ids_i = m.encode(gauss, "k", SpanContext()).tensors["centroid_ids0"]
+    ids_s = m.encode(gauss, "k", SpanContext(stats=stats)).tensors["centroid_ids0"]
+    assert (ids_i != ids_s).float().mean() > 0.1
+
+
+def test_quantwm_rejects_stats_of_wrong_shape(gauss):
+    with pytest.raises(ValueError, match="shape"):
+        get_method("quantwm").encode(gauss, "k", SpanContext(stats=torch.eye(D + 1).expand(S, D + 1, D + 1)))
+
+
+def test_quantwm_without_history_uses_identity_stats(gauss):
+    a = _roundtrip("quantwm", "k")[1]
+    b = get_method("quantwm").encode(gauss, "k", SpanContext(stats=torch.eye(D).expand(S, D, D)))
+    for key in a.tensors:
+        assert _same_bytes(a.tensors[key], b.tensors[key]), key
+
+
+@pytest.mark.parametrize("name", ["qvg", "qvg-pro", "quantwm"])
+def test_kmeans_methods_store_codebooks_and_ids(name, gauss):
+    m, enc, _ = _roundtrip(name, "v")
+    K = m.n_clusters(N)
+    for s in range(m.stages):
+        assert enc.tensors[f"codebook{s}"].shape == (S, K, D)
+        ids = enc.tensors[f"centroid_ids{s}"]
+        assert ids.shape == (S, N) and ids.dtype == torch.uint8
+        assert int(ids.max()) < K
+
+
+def test_qvg_cluster_count_for_small_spans():
+    m = get_method("qvg")
+    assert m.n_clusters(10_000) == 256
+    assert m.n_clusters(97) == 6
+    assert m.n_clusters(5) == 1
+
+
+@pytest.mark.parametrize("name", ["qvg", "qvg-pro", "quantwm"])
+def test_qvg_warm_start_state_per_kind_and_stage(name, gauss):
+    m = get_method(name)
+    state = {}
+    for kind in "kv":
+        m.encode(gauss, kind, SpanContext(state=state))
+    K = m.n_clusters(N)
+    assert set(state) == {f"{kind}.centroids{s}" for kind in "kv" for s in range(m.stages)}
+    assert all(c.shape == (S, K, D) for c in state.values())
+
+
+def test_qvg_warm_start_reuses_centroids(gauss):
+    m = get_method("qvg", iters=0)
+    K = m.n_clusters(N)
+    init = _randn(S, K, D, seed=6)
+    state = {"k.centroids0": init}
+    enc = m.encode(gauss, "k", SpanContext(state=state, seed=11))
+    assert torch.equal(enc.tensors["codebook0"], init.half())
+    # without the state the codebook is drawn from the tokens instead
+    cold = m.encode(gauss, "k", SpanContext(seed=11))
+    assert not torch.equal(cold.tensors["codebook0"], init.half())
+
+
+def test_qvg_warm_start_from_converged_centroids_is_stable(gauss):
+    m = get_method("qvg", iters=100)
+    state = {}
+    first = m.encode(gauss, "k", SpanContext(state=state, seed=0))
+    c = state["k.centroids0"].clone()
+    second = m.encode(gauss, "k", SpanContext(state=state, seed=1))  # another seed: only the warm start counts
+    assert torch.equal(first.tensors["codebook0"], second.tensors["codebook0"])
+    assert torch.equal(first.tensors["centroid_ids0"], second.tensors["centroid_ids0"])
+    assert torch.equal(state["k.centroids0"], c)
+    other_seed = m.encode(gauss, "k", SpanContext(seed=1))
+    assert not torch.equal(other_seed.tensors["centroid_ids0"], first.tensors["centroid_ids0"])
+
+
+@pytest.mark.parametrize("name", ["qvg", "qvg-pro", "quantwm"])
+def test_kmeans_methods_deterministic_across_spans(name, gauss):
+    x2 = _randn(S, N, D, seed=7)
+    runs = []
+    for _ in range(2):
+        state, m = {}, get_method(name)
+        runs.append([m.encode(x, "k", SpanContext(state=state, seed=3)) for x in (gauss, x2)])
+    for a, b in zip(*runs):
+        assert set(a.tensors) == set(b.tensors)
+        for key in a.tensors:
+            assert _same_bytes(a.tensors[key], b.tensors[key]), key
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_decode_and_step_shapes_match_input_odd_token_count(name, kind):
+    x = _randn(S, 97, D, seed=8)
+    m = get_method(name)
+    enc = m.encode(x, kind, SpanContext())
+    assert m.decode(enc).shape == x.shape
+    step = m.step(enc)
+    assert step.shape == x.shape
+    assert (step > 0).all()
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("name", ["rtn", "kivi", "qvg", "qvg-pro", "quantwm-qsac"])
+def test_step_bounds_reconstruction_error(name, kind, gauss):
+    # without PSAC the decoded span is centroids + a group-quantized residual: |x - x̂| <= Δ/2
+    m, enc, x_hat = _roundtrip(name, kind)
+    err = (x_hat - gauss).abs()
+    assert (err <= m.step(enc) / 2 + 1e-5 * (1 + gauss.abs())).all()
+
+
+@pytest.mark.parametrize("name,kind", [(n, k) for n in QUANTIZED for k in "kv" if (n, k) != ("kivi", "k")])
+def test_methods_reject_head_dim_not_divisible_by_group_size(name, kind):
+    # per-token groups need D % group_size == 0 (quant.py's documented ValueError), whatever the method;
+    # KIVI Keys group along tokens instead (test_kivi_keys_group_along_tokens_any_head_dim)
+    m = get_method(name, group_size=48)
+    with pytest.raises(ValueError, match="group_size"):
+        m.encode(_randn(2, 97, 64, seed=9), kind, SpanContext())
+
+
+def test_kivi_keys_group_along_tokens_any_head_dim():
+    x = _randn(2, 20, 64, seed=10)  # 20 tokens: one group shorter than group_size
+    m = get_method("kivi", group_size=48)
+    enc = m.encode(x, "k", SpanContext())
+    assert enc.tensors["scales"].shape == (2, 1, 64)
+    assert ((m.decode(enc) - x).abs() <= m.step(enc) / 2 + 1e-5 * (1 + x.abs())).all()
+
+
+@pytest.mark.parametrize("name", QUANTIZED)
+def test_quantized_methods_reject_nonfinite_input(name):
+    x = _randn(2, 64, D, seed=11)
+    x[1, 5, 7] = float("inf")
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        get_method(name).encode(x, "k", SpanContext())
+
+
+@pytest.mark.parametrize("kind", ["k", "v"])
+@pytest.mark.parametrize("name", METHODS)
+def test_bf16_input_encodes_like_its_float32_value(name, kind):
+    x = _randn(2, 128, D, seed=12).bfloat16()
+    m = get_method(name)
+    a = m.decode(m.encode(x, kind, SpanContext()))
+    b = m.decode(m.encode(x.float(), kind, SpanContext()))
+    assert a.dtype == torch.float32
+    assert torch.equal(a, b)
