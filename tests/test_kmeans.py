@@ -27,7 +27,8 @@ def _blobs(S=4, per=40, K=4, D=16, spread=0.05, seed=0):
     labels = torch.arange(K).repeat_interleave(per).expand(S, -1)
     perm = torch.stack([torch.randperm(K * per, generator=g) for _ in range(S)])
     labels = torch.gather(labels, 1, perm)
-    x = torch.gather(centres, 1, labels[..., None].expand(S, K * per, D)) + spread * torch.randn(S, K * per, D, generator=g)
+    noise = spread * torch.randn(S, K * per, D, generator=g)
+    x = torch.gather(centres, 1, labels[..., None].expand(S, K * per, D)) + noise
     return x, centres, labels
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..quant import check_finite
+
 
 @dataclass
 class SpanContext:
@@ -61,6 +63,14 @@ class Method:
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
         raise NotImplementedError
+
+    def validate(self, x: torch.Tensor, kind: str) -> None:
+        """Every encode starts here: a finite, non-empty (S, N, D) span and kind 'k' or 'v'."""
+        if kind not in ("k", "v"):
+            raise ValueError(f"kind must be 'k' or 'v', got {kind!r}")
+        if x.dim() != 3 or 0 in x.shape:
+            raise ValueError(f"a span must be a non-empty (S, N, D) tensor, got shape {tuple(x.shape)}")
+        check_finite(x, "span to encode")
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         raise NotImplementedError

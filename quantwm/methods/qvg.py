@@ -50,6 +50,7 @@ class QVG(GroupMethod):
     def smooth(self, x: torch.Tensor, kind: str, ctx: SpanContext,
                assign: AssignFn = kmeans_assign_ref) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Subtract `stages` rounds of centroids: (S, N, D) -> residual (S, N, D) and the stored tensors."""
+        self.validate(x, kind)
         r = x.float()
         K = self.n_clusters(x.shape[1])
         stored = {}

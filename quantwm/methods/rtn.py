@@ -22,6 +22,7 @@ class BF16(Method):
     quantized = False
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
+        self.validate(x, kind)
         return Encoded({"bf16": x.to(torch.bfloat16)}, tuple(x.shape))
 
     def decode(self, enc: Encoded) -> torch.Tensor:
@@ -47,6 +48,11 @@ class GroupMethod(Method):
     def axis(self, kind: str) -> str:
         return "channel"
 
+    def validate(self, x: torch.Tensor, kind: str) -> None:
+        super().validate(x, kind)
+        if self.axis(kind) == "channel" and x.shape[-1] % self.group_size:
+            raise ValueError(f"head dim {x.shape[-1]} does not divide by group_size={self.group_size} (per-token groups)")
+
     def grid(self) -> str:
         levels = 2 ** self.bits - 1 if self.symmetric else 2 ** self.bits
         kind = "symmetric" if self.symmetric else "asymmetric"
@@ -61,6 +67,7 @@ class GroupMethod(Method):
                           enc.meta["axis"], self.symmetric)
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
+        self.validate(x, kind)
         q = self.quantize_residual(x, kind)
         return Encoded(q.tensors(), tuple(x.shape), {"axis": q.axis})
 
