@@ -58,7 +58,8 @@ def analyze_layer(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: i
 
 
 def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int = 2, chunk_frames: int | None = None,
-                  sink_chunks: int = 1, recent_chunks: int = 1, progress: Callable | None = None) -> dict:
+                  sink_chunks: int = 1, recent_chunks: int = 1, progress: Callable | None = None,
+                  method_options: tuple = ()) -> dict:
     """The `quantwm analyze` report: {"methods": {name: {"mean", "layers"}}, "query_energy_top8", "trace"}."""
     for m in methods:
         parse_method_name(m)
@@ -69,11 +70,13 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
     chunk_tokens = chunk_frames * trace.tokens_per_frame
     report: dict = {"methods": {}, "trace": dict(trace.meta),
                     "config": {"target": target, "bits": bits, "chunk_frames": chunk_frames,
-                               "sink_chunks": sink_chunks, "recent_chunks": recent_chunks, "grid": {}}}
+                               "sink_chunks": sink_chunks, "recent_chunks": recent_chunks,
+                               "method_options": dict(method_options), "grid": {}}}
     steps = [(m, l) for m in methods for l in trace.layers]
     for i, (m, layer) in enumerate(steps):
+        base = parse_method_name(m)[0]
         config = CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits, sink_chunks=sink_chunks,
-                             recent_chunks=recent_chunks)
+                             recent_chunks=recent_chunks, method_options=() if base == "bf16" else method_options)
         entry = report["methods"].setdefault(m, {"mean": {}, "layers": []})
         entry["layers"].append(analyze_layer(trace, layer, config, chunk_tokens))
         if progress:
@@ -81,7 +84,8 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
     for m, entry in report["methods"].items():
         entry["mean"] = {key: sum(r[key] for r in entry["layers"]) / len(entry["layers"]) for key in MEAN_KEYS}
         base = parse_method_name(m)[0]
-        report["config"]["grid"][m] = get_method(base, **({} if base == "bf16" else {"bits": bits})).grid()
+        opts = {} if base == "bf16" else {"bits": bits, **dict(method_options)}
+        report["config"]["grid"][m] = get_method(base, **opts).grid()
     energy = []
     for layer, t in trace.layers.items():
         _, frac = query_energy(second_moment(t.get("q_hist", t["q"]).float()), rank=8)

@@ -66,6 +66,27 @@ def _fmt(x: float, digits: int = 4) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def _options(pairs: list[str]) -> tuple:
+    """['lam=4', 'psac=false'] -> (('lam', 4.0), ('psac', False)) for CacheConfig.method_options."""
+    out = []
+    for pair in pairs or []:
+        key, sep, raw = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE, got {pair!r}")
+        low = raw.lower()
+        value = {"true": True, "false": False, "none": None}.get(low, raw)
+        if isinstance(value, str):
+            try:
+                value = int(raw)
+            except ValueError:
+                try:
+                    value = float(raw)
+                except ValueError:
+                    pass
+        out.append((key, value))
+    return tuple(out)
+
+
 def cmd_analyze(a) -> int:
     from .analyze import analyze_trace
     from .trace import read_trace
@@ -73,7 +94,7 @@ def cmd_analyze(a) -> int:
     methods = _methods(a.methods)
     trace = read_trace(a.trace)
     report = analyze_trace(trace, methods, a.target, a.bits, a.chunk_frames, a.sink_chunks, a.recent_chunks,
-                           progress=_progress("analyze"))
+                           progress=_progress("analyze"), method_options=_options(a.set))
     _write_json(report, a.json)
     keys = ("shift_rate", "topk_overlap", "attn_kl", "logit_rmse", "k_rel_err", "v_rel_err", "out_rel_err",
             "bits_per_element")
@@ -121,6 +142,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk-frames", type=int, default=None, help="frames per chunk (default: the trace's, else 1)")
     s.add_argument("--sink-chunks", type=int, default=1)
     s.add_argument("--recent-chunks", type=int, default=1)
+    s.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="method option for every method, e.g. --set lam=4 (repeatable)")
     s.add_argument("--json")
     s.set_defaults(fn=cmd_analyze)
     s = sub.add_parser("memory", help="stored bytes of the cache at a real model's shapes")

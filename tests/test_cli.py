@@ -55,3 +55,14 @@ def test_cli_errors_are_one_line_exit_2(argv, needle, trace_file, tmp_path):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr
+
+
+def test_cli_set_passes_method_options(trace_file, tmp_path):
+    out = tmp_path / "a.json"
+    assert main(["analyze", "--trace", str(trace_file), "--methods", "quantwm-qsac", "--set", "lam=0",
+                 "--set", "candidates=none", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    assert r["config"]["method_options"] == {"lam": 0, "candidates": None}
+    assert "lambda=0" in r["config"]["grid"]["quantwm-qsac"]
+    assert main(["analyze", "--trace", str(trace_file), "--methods", "rtn", "--set", "nonsense"]) == 2
+    assert main(["analyze", "--trace", str(trace_file), "--methods", "rtn", "--set", "frobnicate=1"]) == 2
