@@ -3,3 +3,26 @@ import os
 # Kernels run under the Triton interpreter on CPU; this must be set before anything imports kernels/.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Small tensors: one intra-op thread is as fast and does not spin against other work on the machine."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def small_trace_path(tmp_path_factory):
+    """A small synthetic world trace file: 2 layers, 2 heads x 64, 8x8-token frames, 12 cached frames."""
+    from quantwm.synthetic import make_synthetic_trace
+
+    path = tmp_path_factory.mktemp("trace") / "syn.safetensors"
+    make_synthetic_trace(seed=3, n_layers=2, n_heads=2, head_dim=64, grid=(8, 8), cached_frames=12,
+                         chunk_frames=2, world=(20, 28)).save(path)
+    return path

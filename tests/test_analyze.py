@@ -3,16 +3,12 @@ import math
 import pytest
 
 from quantwm.analyze import MEAN_KEYS, analyze_trace
-from quantwm.synthetic import make_synthetic_trace
 from quantwm.trace import read_trace
 
 
 @pytest.fixture(scope="module")
-def small_trace(tmp_path_factory):
-    path = tmp_path_factory.mktemp("trace") / "syn.safetensors"
-    make_synthetic_trace(seed=3, n_layers=2, n_heads=2, head_dim=64, grid=(8, 8), cached_frames=12,
-                         chunk_frames=2, world=(20, 28)).save(path)
-    return read_trace(path)
+def small_trace(small_trace_path):
+    return read_trace(small_trace_path)
 
 
 def test_synthetic_trace_is_valid_and_sharp(small_trace):

@@ -1,15 +1,11 @@
 import pytest
 
 from app.handlers import analyze_handler
-from quantwm.synthetic import make_synthetic_trace
 
 
 @pytest.fixture(scope="module")
-def trace_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("app") / "syn.safetensors"
-    make_synthetic_trace(seed=2, n_layers=1, n_heads=2, head_dim=64, grid=(8, 8), cached_frames=8,
-                         chunk_frames=2, world=(16, 24)).save(path)
-    return str(path)
+def trace_file(small_trace_path):
+    return str(small_trace_path)
 
 
 def test_analyze_handler_returns_a_row_per_method(trace_file):

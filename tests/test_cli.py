@@ -5,15 +5,11 @@ import sys
 import pytest
 
 from quantwm.cli import main
-from quantwm.synthetic import make_synthetic_trace
 
 
 @pytest.fixture(scope="module")
-def trace_file(tmp_path_factory):
-    path = tmp_path_factory.mktemp("cli") / "syn.safetensors"
-    make_synthetic_trace(seed=5, n_layers=1, n_heads=2, head_dim=64, grid=(8, 8), cached_frames=8,
-                         chunk_frames=2, world=(16, 24)).save(path)
-    return path
+def trace_file(small_trace_path):
+    return small_trace_path
 
 
 def test_cli_analyze_writes_the_documented_json(trace_file, tmp_path, capsys):

@@ -7,14 +7,6 @@ from quantwm.psac import principal_basis, psac_correction, psac_encode
 from quantwm.qsac import channel_sensitivity, qsac_assign_ref, qsac_cost_ref
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread is as fast and does not spin against other work on the machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))

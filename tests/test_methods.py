@@ -7,14 +7,6 @@ import torch
 from quantwm.methods import REGISTRY, SpanContext, get_method, known_methods, parse_method_name
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread is as fast and does not spin against other work on the machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 METHODS = sorted(REGISTRY)
 QUANTIZED = [m for m in METHODS if m != "bf16"]

@@ -17,14 +17,6 @@ from quantwm.quant import (
 BITS = (2, 3, 4, 8)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny tensors: one intra-op thread is as fast and does not spin against other work on the machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 def _randn(*shape, seed=0, scale=1.0):
     g = torch.Generator().manual_seed(seed)
