@@ -154,8 +154,9 @@ class KVCache:
         c, st.current = st.current, None
         st.chunks.append(c)
         st.next_chunk, st.next_token = chunk + 1, c.start + c.n_tokens
-        keep = set(x.index for x in st.chunks[-self.config.recent_chunks:]) if self.config.recent_chunks else set()
-        for old in st.chunks:
+        recent = st.chunks[-self.config.recent_chunks:] if self.config.recent_chunks else []
+        keep = {x.index for x in recent}
+        for old in st.chunks if (self.quantize_k or self.quantize_v) else []:
             if old.index >= self.config.sink_chunks and old.index not in keep and not old.quantized:
                 self._quantize(layer, st, old)
         limit = self.config.max_chunks

@@ -130,19 +130,18 @@ def _to_storage(x: torch.Tensor, dtype: torch.dtype, toward: str | None = None) 
     return torch.where(wrong, stepped, s)
 
 
-def _group_view(x: torch.Tensor, group_size: int, axis: str) -> tuple[torch.Tensor, int]:
-    """(..., T, D) -> grouped view with the group on the last axis; returns (view, padded T)."""
+def _group_view(x: torch.Tensor, group_size: int, axis: str) -> torch.Tensor:
+    """(..., T, D) -> grouped view with the group on the last axis (token axis: T padded to a multiple of G)."""
     *lead, T, D = x.shape
     if axis == "channel":
         if D % group_size:
             raise ValueError(f"head dim {D} does not divide by group_size={group_size} (per-token groups)")
-        return x.reshape(*lead, T, D // group_size, group_size), T
+        return x.reshape(*lead, T, D // group_size, group_size)
     pad = (-T) % group_size
     if pad:  # repeat the last token so padded slots do not widen the group's range
         x = torch.cat([x, x[..., -1:, :].expand(*lead, pad, D)], dim=-2)
-    Tp = T + pad
     # (..., Tp, D) -> (..., Tp//G, G, D) -> (..., Tp//G, D, G)
-    return x.reshape(*lead, Tp // group_size, group_size, D).transpose(-1, -2), Tp
+    return x.reshape(*lead, (T + pad) // group_size, group_size, D).transpose(-1, -2)
 
 
 def _ungroup(g: torch.Tensor, shape: tuple[int, ...], axis: str) -> torch.Tensor:
@@ -166,7 +165,7 @@ def quantize_groups(x: torch.Tensor, bits: int = 2, group_size: int = 64, axis: 
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
     sdt = SCALE_DTYPES[scale_dtype]
-    g, _ = _group_view(x.float(), group_size, axis)
+    g = _group_view(x.float(), group_size, axis)
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
         absmax = g.abs().amax(-1, keepdim=True)
@@ -193,7 +192,7 @@ def dequantize_groups(q: GroupQuant, dtype: torch.dtype = torch.float32) -> torc
     """Rebuild (..., T, D) from a GroupQuant."""
     *lead, T, D = q.shape
     codes = unpack_bits_ref(q.codes, q.bits, D).float()
-    g, _ = _group_view(codes, q.group_size, q.axis)
+    g = _group_view(codes, q.group_size, q.axis)
     s = q.scale.float().unsqueeze(-1)
     if q.symmetric:
         x = (g - (2 ** (q.bits - 1) - 1)) * s
