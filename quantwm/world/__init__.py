@@ -1,0 +1,1 @@
+"""The built-in world model: procedural worlds, the model, training and generation."""

@@ -1,0 +1,131 @@
+"""Train the built-in world model: `python -m quantwm.world.train --steps N --out assets/world_model.safetensors`.
+
+Flow matching (rectified flow): for every generated chunk a flow time t ~ logit-normal, x_t = t x + (1-t) ε,
+target velocity x - ε; the clean frames run beside the noisy ones under the block mask of
+`training_mask`, so the noisy chunk sees exactly the clean history that generation will cache. Worlds are
+drawn from training seeds >= TRAIN_SEED_BASE only (evaluation uses seeds below it). A checkpoint (model,
+optimizer, step, RNG) is written every `--ckpt-every` steps and the run resumes from it, so long training
+can run in the background and be continued.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from .model import WorldConfig, WorldModel, training_mask
+from .scene import TRAJECTORIES, make_world, patchify, render, token_world_coords, trajectory
+
+TRAIN_SEED_BASE = 100_000
+
+
+def sample_clip(rng: torch.Generator, cfg: WorldConfig, n_frames: int, n_worlds: int, worlds: dict):
+    """One training clip: tokens (T*N, P) in [-1, 1] and coords (T*N, 3)."""
+    seed = TRAIN_SEED_BASE + int(torch.randint(0, n_worlds, (1,), generator=rng))
+    if seed not in worlds:
+        worlds[seed] = make_world(seed, cfg.world_patches * cfg.patch)
+    kind = TRAJECTORIES[int(torch.randint(0, len(TRAJECTORIES), (1,), generator=rng))]
+    poses = trajectory(kind, n_frames, int(torch.randint(0, 2 ** 30, (1,), generator=rng)), cfg.world_patches, cfg.view)
+    frames = render(worlds[seed], poses, cfg.view, cfg.patch)
+    tokens = patchify(frames, cfg.patch).reshape(-1, cfg.patch_dim) * 2 - 1
+    t0 = int(torch.randint(0, 24, (1,), generator=rng))  # random time offset: positions of longer rollouts
+    wc = token_world_coords(poses, cfg.view)
+    tt = (torch.arange(n_frames) + t0)[:, None, None].expand(n_frames, cfg.tokens_per_frame, 1)
+    return tokens, torch.cat([tt, wc], -1).reshape(-1, 3)
+
+
+def flow_batch(rng: torch.Generator, cfg: WorldConfig, batch: int, n_frames: int, n_worlds: int, worlds: dict):
+    """Inputs, flow times, coords and velocity targets for one step."""
+    clips = [sample_clip(rng, cfg, n_frames, n_worlds, worlds) for _ in range(batch)]
+    clean = torch.stack([c[0] for c in clips])  # (B, T*N, P)
+    n = cfg.tokens_per_frame
+    gen = clean[:, cfg.context_frames * n:]
+    n_chunks = (n_frames - cfg.context_frames) // cfg.chunk_frames
+    t_chunk = torch.sigmoid(torch.randn(batch, n_chunks, generator=rng))  # logit-normal flow time
+    t = t_chunk.repeat_interleave(cfg.chunk_frames * n, dim=1)
+    eps = torch.randn(gen.shape, generator=rng)
+    noisy = t[..., None] * gen + (1 - t[..., None]) * eps
+    tokens = torch.cat([clean, noisy], 1)
+    times = torch.cat([torch.ones(batch, clean.shape[1]), t], 1)
+    n_ctx = cfg.context_frames * n
+    coords = torch.stack([torch.cat([c[1], c[1][n_ctx:]]) for c in clips])  # (B, L, 3): noisy = clean coords
+    return tokens, times, coords, gen - eps
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description="train the built-in world model")
+    ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--frames", type=int, default=12, help="frames per training clip (context included)")
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--worlds", type=int, default=4000, help="number of distinct training worlds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ckpt", default="out/world_ckpt.pt")
+    ap.add_argument("--ckpt-every", type=int, default=50)
+    ap.add_argument("--out", default="assets/world_model.safetensors")
+    ap.add_argument("--threads", type=int, default=None)
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    cfg = WorldConfig()
+    if (a.frames - cfg.context_frames) % cfg.chunk_frames or a.frames <= cfg.context_frames:
+        raise SystemExit(f"--frames must exceed {cfg.context_frames} by a multiple of {cfg.chunk_frames}")
+    torch.manual_seed(a.seed)
+    model = WorldModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.99))
+    rng = torch.Generator().manual_seed(a.seed)
+    step, log = 0, []
+    ckpt = Path(a.ckpt)
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
+        step, log = state["step"], state.get("log", [])
+        rng.set_state(state["rng"])
+        print(f"resumed from {ckpt} at step {step}", flush=True)
+    mask = training_mask(a.frames, cfg)
+    worlds: dict = {}
+    warmup = 100
+    t_start, losses = time.time(), []
+    while step < a.steps:
+        lr = a.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / a.steps)))
+        for gparam in opt.param_groups:
+            gparam["lr"] = lr
+        tokens, times, coords, target = flow_batch(rng, cfg, a.batch, a.frames, a.worlds, worlds)
+        n_clean = a.frames * cfg.tokens_per_frame
+        pred = model(tokens, times, coords, mask=mask)[:, n_clean:]
+        loss = torch.nn.functional.mse_loss(pred, target)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        losses.append(loss.item())
+        if len(worlds) > 256:
+            worlds.clear()
+        if step % 10 == 0:
+            entry = {"step": step, "loss": sum(losses) / len(losses), "lr": lr, "s_per_step": (time.time() - t_start) / len(losses)}
+            log.append(entry)
+            print(json.dumps(entry), flush=True)
+            t_start, losses = time.time(), []
+        if step % a.ckpt_every == 0 or step == a.steps:
+            ckpt.parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
+                        "rng": rng.get_state()}, ckpt)
+            export(model, a.out, {"steps": step, "seed": a.seed, "batch": a.batch, "frames": a.frames,
+                                  "worlds": a.worlds, "lr": a.lr})
+
+
+def export(model: WorldModel, path: str, train_info: dict) -> None:
+    """Weights as fp16 safetensors with the config and training facts in the metadata."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, path, metadata={"config": json.dumps(model.config_dict()), "train": json.dumps(train_info)})
+
+
+if __name__ == "__main__":
+    main()
