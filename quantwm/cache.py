@@ -16,7 +16,8 @@ commits it. So, per layer:
 * Keys stored post-RoPE (default) or pre-RoPE, with `rope(x, positions, inverse=False)` applied at read.
 * The queries that attend to the cache feed the running S = E[q qᵀ] per (layer, head) that QSAC and PSAC
   use (in pre-RoPE mode the queries are un-rotated by their own positions first).
-* `attend` here is the reference path: dequantize everything, then scaled_dot_product_attention.
+* `attend` here is the reference path: dequantize everything, then scaled_dot_product_attention
+  (`memo_decoded=True` keeps each quantized chunk's decoded copy as working memory, outside nbytes).
   With `+jensen` methods the logit of every quantized key j gets -(τ²/24) Σ_i q_i² Δ_{j,i}².
 """
 from __future__ import annotations
@@ -50,6 +51,7 @@ class CacheConfig:
     rope: str = "post"
     stats_decay: float | None = None
     keep_exact: bool = False
+    memo_decoded: bool = False
     seed: int = 0
     method_options: tuple = ()
 
@@ -83,6 +85,8 @@ class Chunk:
     k_enc: Encoded | None = None
     v_enc: Encoded | None = None
     exact_k: torch.Tensor | None = None
+    exact_v: torch.Tensor | None = None
+    decoded: dict = field(default_factory=dict)
 
     @property
     def quantized(self) -> bool:
@@ -173,6 +177,7 @@ class KVCache:
             c.exact_k = c.k if self.config.keep_exact else None  # diagnostics only, not counted in nbytes
             c.k_enc, c.k = self.k_method.encode(c.k.reshape(B * H, N, D), "k", ctx), None
         if self.quantize_v:
+            c.exact_v = c.v if self.config.keep_exact else None
             c.v_enc, c.v = self.v_method.encode(c.v.reshape(B * H, N, D), "v", ctx), None
 
     def _stats(self, st: LayerState, H: int, D: int) -> QueryStats:
@@ -188,9 +193,14 @@ class KVCache:
         full = c.k if which == "k" else c.v
         if full is not None:
             return full.float()
+        if which in c.decoded:
+            return c.decoded[which]
         enc, method = (c.k_enc, self.k_method) if which == "k" else (c.v_enc, self.v_method)
         B, H, D = c.bhd
-        return method.decode(enc).reshape(B, H, c.n_tokens, D)
+        x = method.decode(enc).reshape(B, H, c.n_tokens, D)
+        if self.config.memo_decoded:  # committed spans never change: decode once (working memory, not counted)
+            c.decoded[which] = x
+        return x
 
     def positions(self, layer: int) -> torch.Tensor:
         """Absolute token positions (L,) of everything cached in `layer`, in cache order."""
@@ -202,29 +212,33 @@ class KVCache:
     def _rotate(self, k: torch.Tensor, pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         return self.rope(k, pos.to(k.device), inverse=inverse) if self.config.rope == "pre" else k
 
-    def keys(self, layer: int, exact: bool = False) -> torch.Tensor:
-        """All cached keys, dequantized and (pre-RoPE mode) rotated: caller's layout, float32.
-
-        exact=True returns the unquantized keys (needs keep_exact=True for quantized chunks).
-        """
+    def _gather(self, layer: int, which: str, exact: bool) -> torch.Tensor:
+        """All cached keys or values of `layer`, (B, H, L, D) float32, dequantized or exact."""
         cs = self._chunks(self._layer(layer))
         if not cs:
             raise ValueError(f"layer {layer} of the cache is empty")
         parts = []
         for c in cs:
-            if exact and c.k is None:
-                if c.exact_k is None:
-                    raise ValueError("exact keys of quantized chunks need CacheConfig(keep_exact=True)")
-                parts.append(c.exact_k.float())
+            full, kept = (c.k, c.exact_k) if which == "k" else (c.v, c.exact_v)
+            if exact and full is None:
+                if kept is None:
+                    raise ValueError(f"exact {'keys' if which == 'k' else 'values'} of quantized chunks need "
+                                     "CacheConfig(keep_exact=True)")
+                parts.append(kept.float())
             else:
-                parts.append(self._decode(c, "k"))
-        return self._out(self._rotate(torch.cat(parts, 2), self.positions(layer)))
+                parts.append(self._decode(c, which))
+        return torch.cat(parts, 2)
 
-    def values(self, layer: int) -> torch.Tensor:
-        cs = self._chunks(self._layer(layer))
-        if not cs:
-            raise ValueError(f"layer {layer} of the cache is empty")
-        return self._out(torch.cat([self._decode(c, "v") for c in cs], 2))
+    def keys(self, layer: int, exact: bool = False) -> torch.Tensor:
+        """All cached keys, dequantized and (pre-RoPE mode) rotated: caller's layout, float32.
+
+        exact=True returns the unquantized keys (needs keep_exact=True for quantized chunks).
+        """
+        return self._out(self._rotate(self._gather(layer, "k", exact), self.positions(layer)))
+
+    def values(self, layer: int, exact: bool = False) -> torch.Tensor:
+        """All cached values, dequantized: caller's layout, float32 (exact=True as for keys)."""
+        return self._out(self._gather(layer, "v", exact))
 
     def logit_bias(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor | None:
         """The +jensen term -(τ²/24) Σ_i q_i² Δ_{j,i}² for every (query, cached key): (B, H, Nq, L) or None."""
@@ -291,29 +305,37 @@ class KVCache:
         return st.stats.matrix()
 
     # ---- accounting -----------------------------------------------------------------------------
-    def bytes_by_component(self) -> dict[str, int]:
-        """Bytes of every stored tensor, by component ('full' for unquantized chunks)."""
-        out: dict[str, int] = {}
+    def _stored(self):
+        """Yield (component, bytes, quantized) for every stored tensor once (shared tensors once in all)."""
+        seen: set[int] = set()
         for st in self.layers:
             for c in self._chunks(st):
                 for which, enc, full in (("k", c.k_enc, c.k), ("v", c.v_enc, c.v)):
-                    items = enc.bytes_by_component() if full is None else {"full": full.numel() * full.element_size()}
-                    for name, n in items.items():
-                        key = f"{which}.{name}"
-                        out[key] = out.get(key, 0) + n
+                    if full is not None:
+                        yield f"{which}.full", full.numel() * full.element_size(), False
+                        continue
+                    for name, t in enc.tensors.items():
+                        yield f"{which}.{name}", t.numel() * t.element_size(), True
+                    for name, t in enc.shared.items():
+                        if id(t) not in seen:
+                            seen.add(id(t))
+                            yield f"{which}.{name}", t.numel() * t.element_size(), True
+
+    def bytes_by_component(self) -> dict[str, int]:
+        """Bytes of every stored tensor, by component ('full' for unquantized chunks)."""
+        out: dict[str, int] = {}
+        for key, n, _ in self._stored():
+            out[key] = out.get(key, 0) + n
         return out
 
     def nbytes(self) -> int:
-        return sum(self.bytes_by_component().values())
+        return sum(n for _, n, _ in self._stored())
 
     def _quantized_totals(self) -> tuple[int, int]:
         """(bytes, elements) of the quantized halves of the committed chunks."""
-        nbytes = elems = 0
-        for st in self.layers:
-            for c in st.chunks:
-                for enc in (c.k_enc, c.v_enc):
-                    if enc is not None:
-                        nbytes, elems = nbytes + enc.nbytes(), elems + enc.shape[0] * enc.shape[1] * enc.shape[2]
+        nbytes = sum(n for _, n, quantized in self._stored() if quantized)
+        elems = sum(e.shape[0] * e.shape[1] * e.shape[2] for st in self.layers for c in st.chunks
+                    for e in (c.k_enc, c.v_enc) if e is not None)
         return nbytes, elems
 
     def bits_per_element(self) -> float:

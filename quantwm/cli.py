@@ -1,4 +1,4 @@
-"""Command line: `python -m quantwm {analyze,memory,synth-trace,methods} ...` (also installed as `quantwm`).
+"""Command line: `python -m quantwm {analyze,memory,eval,trace,synth-trace,methods} ...` (also installed as `quantwm`).
 
 Long work shows a progress bar on stderr. Bad arguments or files print one line on stderr and exit 2.
 """
@@ -13,6 +13,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from .methods import known_methods, parse_method_name
+
+DEFAULT_WEIGHTS = Path(__file__).resolve().parents[1] / "assets" / "world_model.safetensors"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -126,6 +128,43 @@ def cmd_synth(a) -> int:
     return 0
 
 
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def cmd_eval(a) -> int:
+    from .world.evaluate import evaluate
+    from .world.generate import load_world_model
+
+    methods = _methods(a.methods)
+    report = evaluate(load_world_model(a.weights), methods, a.target, _ints(a.seeds, "--seeds"), a.frames, a.bits,
+                      a.trajectory, a.steps, progress=_progress("eval"))
+    _write_json(report, a.json)
+    keys = ("psnr", "ssim", "lpips", "tdiff", "shift_rate", "k_rel_err", "v_rel_err", "bits_per_element", "compression")
+    print(f"eval: target={a.target}, bits={a.bits}, seeds={a.seeds}, {a.frames} frames, {a.trajectory}, "
+          f"{report['config']['seconds']:.0f} s")
+    print(_table([["method", *keys]] + [[m, *(_fmt(e["mean"][k]) for k in keys)]
+                                          for m, e in report["methods"].items()]))
+    b = report["bf16"]
+    print(f"bf16 vs ground truth on revisited views: {_fmt(b['revisit_psnr_vs_gt'], 2)} dB; same-place attention "
+          f"mass per layer: {', '.join(_fmt(x, 3) for x in b['same_place_mass_per_layer'])}; top-1 probability "
+          f"per layer: {', '.join(_fmt(x, 3) for x in b['top1_prob_per_layer'])}")
+    return 0
+
+
+def cmd_trace(a) -> int:
+    from .cache import CacheConfig
+    from .world.generate import generate, load_world_model, rollout_trace
+
+    run = generate(load_world_model(a.weights), a.seed, a.trajectory, a.frames, CacheConfig(), progress=_progress("trace"))
+    rollout_trace(run, a.out)
+    print(f"wrote {a.out}")
+    return 0
+
+
 def cmd_methods(a) -> int:
     print("\n".join(known_methods()))
     return 0
@@ -162,6 +201,24 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--head-dim", type=int, default=128)
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_synth)
+    s = sub.add_parser("eval", help="BF16 vs methods on the built-in world model")
+    s.add_argument("--methods", default="rtn,kivi,qvg,quantwm")
+    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
+    s.add_argument("--seeds", default="0,1,2,3")
+    s.add_argument("--frames", type=int, default=32)
+    s.add_argument("--bits", type=int, default=2)
+    s.add_argument("--trajectory", default="loop")
+    s.add_argument("--steps", type=int, default=4, help="flow-matching steps per chunk")
+    s.add_argument("--weights", default=str(DEFAULT_WEIGHTS))
+    s.add_argument("--json")
+    s.set_defaults(fn=cmd_eval)
+    s = sub.add_parser("trace", help="write a trace file from the built-in world model")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--frames", type=int, default=32)
+    s.add_argument("--trajectory", default="loop")
+    s.add_argument("--weights", default=str(DEFAULT_WEIGHTS))
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_trace)
     s = sub.add_parser("methods", help="list the registered methods")
     s.set_defaults(fn=cmd_methods)
     return p

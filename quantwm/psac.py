@@ -1,9 +1,13 @@
 """PSAC: Principal Subspace Attention Compensation for Keys (SPEC.md §2.2).
 
 History-Query energy sits in a few directions of S = E[q qᵀ]; only key error along them moves logits
-much (E[(q·e)^2] = eᵀ S e). PSAC stores, per span and stream, the top-R eigenvectors U of S (fp16) and
+much (E[(q·e)^2] = eᵀ S e). PSAC stores, per stream, the top-R eigenvectors U of S (fp16) and
 for every token the coefficients a = Uᵀ e of the residual error e = k - k̂, quantized; the read is
 k̂ + U â. In a fused kernel the correction is (Uᵀ q)·â: R extra MACs per key.
+
+A basis is computed when a span is committed and shared with later spans for as long as their top-R
+subspace overlaps it by at least `reuse` (||Uᵀ U'||²_F / R): with a settled S one stored basis serves many
+spans, which is what lets bases amortise over short spans. The cache counts each shared basis once.
 
 Coefficients are quantized per (stream, direction) over the span (one scale and zero per direction,
 `bits` levels), not per token: per-token scales would cost 16 bits a token, more than the budget of a
@@ -22,17 +26,30 @@ def principal_basis(stats: torch.Tensor, rank: int) -> torch.Tensor:
     return evecs[..., -rank:].flip(-1).float()
 
 
-def psac_encode(err: torch.Tensor, stats: torch.Tensor, rank: int, bits: int) -> dict[str, torch.Tensor]:
-    """Residual key error err (S, N, D) -> stored tensors {psac_basis, psac_codes, psac_scales, psac_zeros}."""
-    U = principal_basis(stats, min(rank, err.shape[-1])).to(torch.float16)
+def subspace_overlap(U: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+    """||Uᵀ V||_F² / R per stream: 1 when two orthonormal (S, D, R) bases span the same subspace."""
+    return torch.bmm(U.float().transpose(1, 2), V.float()).square().sum((1, 2)) / U.shape[-1]
+
+
+def psac_basis(stats: torch.Tensor, rank: int, prev: torch.Tensor | None = None, reuse: float = 0.95) -> torch.Tensor:
+    """The span's basis (S, D, R) fp16: `prev` itself when every stream's top-R subspace still overlaps it
+    by at least `reuse` (so a stored basis serves many spans), else the new top-R eigenvectors of S."""
+    U = principal_basis(stats, min(rank, stats.shape[-1]))
+    if prev is not None and prev.shape == U.shape and bool((subspace_overlap(prev, U) >= reuse).all()):
+        return prev
+    return U.to(torch.float16)
+
+
+def psac_encode(err: torch.Tensor, U: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """Residual key error err (S, N, D), basis U (S, D, R) -> stored coefficients {psac_codes, psac_scales, psac_zeros}."""
     a = torch.bmm(err.float(), U.float())  # (S, N, D) @ (S, D, R) -> (S, N, R)
     q = quantize_groups(a, bits, group_size=a.shape[1], axis="token")
-    return {"psac_basis": U, "psac_codes": q.codes, "psac_scales": q.scale, "psac_zeros": q.zero}
+    return {"psac_codes": q.codes, "psac_scales": q.scale, "psac_zeros": q.zero}
 
 
-def psac_correction(t: dict[str, torch.Tensor], n_tokens: int, bits: int) -> torch.Tensor:
-    """U â for every token: the stored PSAC tensors -> (S, N, D)."""
-    U = t["psac_basis"].float()
+def psac_correction(t: dict[str, torch.Tensor], U: torch.Tensor, n_tokens: int, bits: int) -> torch.Tensor:
+    """U â for every token: the stored coefficients and basis (S, D, R) -> (S, N, D)."""
+    U = U.float()
     R = U.shape[-1]
     q = GroupQuant(t["psac_codes"], t["psac_scales"], t["psac_zeros"], (U.shape[0], n_tokens, R), bits,
                    n_tokens, "token", False)

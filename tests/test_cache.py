@@ -474,7 +474,7 @@ def test_cache_quantwm_key_encoding_depends_on_s():
 # ---- accounting -------------------------------------------------------------------------------------
 
 def _stored_bytes(cache: KVCache) -> int:
-    total = 0
+    total, shared = 0, {}
     for st in cache.layers:
         for c in st.chunks + ([st.current] if st.current is not None else []):
             for full, enc in ((c.k, c.k_enc), (c.v, c.v_enc)):
@@ -482,7 +482,20 @@ def _stored_bytes(cache: KVCache) -> int:
                     total += full.numel() * full.element_size()
                 else:
                     total += sum(t.numel() * t.element_size() for t in enc.tensors.values())
-    return total
+                    shared.update({id(t): t for t in enc.shared.values()})  # a shared tensor counts once
+    return total + sum(t.numel() * t.element_size() for t in shared.values())
+
+
+def test_cache_counts_a_shared_psac_basis_once():
+    cache = KVCache(CacheConfig(method="quantwm"), n_layers=1)
+    S = torch.diag(torch.linspace(4.0, 0.1, D)).expand(H, D, D).contiguous()
+    cache.load_query_stats(0, S)  # settled statistics: one basis serves every span
+    _fill(cache, 6, n=32)
+    encs = [c.k_enc for c in cache.layers[0].chunks if c.k_enc is not None]
+    assert len(encs) == 4 and all(e.shared["psac_basis"] is encs[0].shared["psac_basis"] for e in encs)
+    basis = encs[0].shared["psac_basis"]
+    assert cache.bytes_by_component()["k.psac_basis"] == basis.numel() * basis.element_size()
+    assert cache.nbytes() == _stored_bytes(cache)
 
 
 def test_cache_nbytes_counts_stored_tensors_rtn():

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from quantwm.kmeans import kmeans, kmeans_assign_ref, update_centroids, weighted_sqdist
-from quantwm.psac import principal_basis, psac_correction, psac_encode
+from quantwm.psac import principal_basis, psac_basis, psac_correction, psac_encode, subspace_overlap
 from quantwm.qsac import channel_sensitivity, qsac_assign_ref, qsac_cost_ref
 
 
@@ -258,10 +258,11 @@ def test_psac_correction_shrinks_error_along_basis_only(bits, max_ratio):
     err = _randn(S, N, D, seed=25) * 0.1
     diag = torch.linspace(0.1, 10.0, D)[torch.randperm(D, generator=torch.Generator().manual_seed(26))]
     stats = torch.diag(diag).expand(S, D, D)
-    t = psac_encode(err, stats, R, bits)
-    assert set(t) == {"psac_basis", "psac_codes", "psac_scales", "psac_zeros"}
-    assert t["psac_basis"].shape == (S, D, R)
-    corr = psac_correction(t, N, bits)
+    U = psac_basis(stats, R)
+    assert U.shape == (S, D, R) and U.dtype == torch.float16
+    t = psac_encode(err, U, bits)
+    assert set(t) == {"psac_codes", "psac_scales", "psac_zeros"}
+    corr = psac_correction(t, U, N, bits)
     assert corr.shape == err.shape
     top = diag.topk(R).indices
     rest = torch.ones(D, dtype=torch.bool)
@@ -277,8 +278,9 @@ def test_psac_correction_random_stats_projects_out_basis_error():
     S, N, D, R = 2, 128, 64, 8
     err = _randn(S, N, D, seed=27) * 0.05
     stats = _random_spd(S, D, seed=28)
-    t = psac_encode(err, stats, R, 4)
-    corr = psac_correction(t, N, 4)
+    Ub = psac_basis(stats, R)
+    t = psac_encode(err, Ub, 4)
+    corr = psac_correction(t, Ub, N, 4)
     U = principal_basis(stats, R)
     proj = lambda e: torch.bmm(e, U)  # noqa: E731  (S, N, D) -> (S, N, R)
     assert proj(err - corr).norm() < 0.15 * proj(err).norm()
@@ -292,8 +294,20 @@ def test_psac_correction_random_stats_projects_out_basis_error():
 
 def test_psac_stores_quantized_coefficients_compactly():
     S, N, D, R, bits = 2, 97, 64, 8, 4
-    t = psac_encode(_randn(S, N, D, seed=29), torch.eye(D).expand(S, D, D), R, bits)
-    assert t["psac_basis"].dtype == torch.float16
+    t = psac_encode(_randn(S, N, D, seed=29), psac_basis(torch.eye(D).expand(S, D, D), R), bits)
     assert t["psac_codes"].dtype == torch.uint8
     assert t["psac_codes"].shape == (S, N, R * bits // 8)
     assert t["psac_scales"].shape == (S, 1, R)  # one scale per (stream, direction) over the span
+
+
+def test_psac_basis_is_reused_while_the_subspace_holds_and_replaced_when_it_moves():
+    S, D, R = 2, 16, 4
+    diag = torch.linspace(10.0, 0.1, D)
+    stats = torch.diag(diag).expand(S, D, D).clone()
+    U = psac_basis(stats, R)
+    assert psac_basis(stats * 1.5, R, prev=U) is U  # same eigen-directions: the stored basis serves
+    assert subspace_overlap(U, principal_basis(stats, R)).min() > 0.99
+    moved = torch.diag(diag.flip(0)).expand(S, D, D).clone()  # the energy now sits in the other channels
+    V = psac_basis(moved, R, prev=U)
+    assert V is not U and subspace_overlap(U, V).max() < 0.01
+    assert psac_basis(stats, R, prev=U, reuse=1.01) is not U  # reuse > 1: always a fresh basis

@@ -42,17 +42,20 @@ class SpanContext:
 
 @dataclass
 class Encoded:
-    """A stored span: named tensors (everything counted in bytes) plus small metadata."""
+    """A stored span: named tensors (everything counted in bytes), tensors it shares with other spans
+    (a PSAC basis reused across spans), plus small metadata."""
 
     tensors: dict[str, torch.Tensor]
     shape: tuple[int, int, int]
     meta: dict = field(default_factory=dict)
+    shared: dict[str, torch.Tensor] = field(default_factory=dict)  # may be the same objects as other spans'
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+        """Bytes of this span alone, shared tensors included (the cache counts each shared tensor once)."""
+        return sum(self.bytes_by_component().values())
 
     def bytes_by_component(self) -> dict[str, int]:
-        return {k: t.numel() * t.element_size() for k, t in self.tensors.items()}
+        return {k: t.numel() * t.element_size() for k, t in {**self.tensors, **self.shared}.items()}
 
 
 class Method:

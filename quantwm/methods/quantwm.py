@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..psac import psac_correction, psac_encode
+from ..psac import psac_basis, psac_correction, psac_encode
 from ..qsac import channel_sensitivity, qsac_assign_ref
 from ..quant import check_bits, dequantize_groups
 from .base import Encoded, SpanContext, register
@@ -38,6 +38,7 @@ class QuantWM(QVG):
     candidates: int | None = 8
     psac_rank: int = 8
     psac_bits: int = 4
+    basis_reuse: float = 0.95
 
     def __post_init__(self):
         super().__post_init__()
@@ -66,14 +67,17 @@ class QuantWM(QVG):
             r, stored = self.smooth(x, kind, ctx)
         q = self.quantize_residual(r, kind)
         stored.update(q.tensors())
+        shared = {}
         if self.psac:
-            stored.update(psac_encode(r - dequantize_groups(q), stats, self.psac_rank, self.psac_bits))
-        return Encoded(stored, tuple(x.shape), {"axis": q.axis})
+            U = psac_basis(stats, self.psac_rank, ctx.state.get("k.psac_basis"), self.basis_reuse)
+            ctx.state["k.psac_basis"] = shared["psac_basis"] = U
+            stored.update(psac_encode(r - dequantize_groups(q), U, self.psac_bits))
+        return Encoded(stored, tuple(x.shape), {"axis": q.axis}, shared)
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         x = super().decode(enc)
-        if "psac_basis" in enc.tensors:
-            x = x + psac_correction(enc.tensors, enc.shape[1], self.psac_bits)
+        if "psac_basis" in enc.shared:
+            x = x + psac_correction(enc.tensors, enc.shared["psac_basis"], enc.shape[1], self.psac_bits)
         return x
 
 

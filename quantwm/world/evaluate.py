@@ -1,0 +1,115 @@
+"""`quantwm eval`: BF16 and each method rolled out from the same seeds and trajectories, compared.
+
+Per method (generated frames only; context frames are ground truth in every run): PSNR, SSIM and
+LPIPS-Alex against the BF16 rollout, tdiff-L1 flicker against BF16, the top-1 shift rate (same cache
+state, exact vs stored keys, every layer, head and query of every generated chunk), Key/Value relative
+reconstruction errors, bits per element and compression of the quantized chunks. The BF16 run also
+reports its memory: PSNR against ground truth on views the context had fully seen, and per layer the
+attention mass each query puts on cached tokens that saw its own world location, and the top-1
+probability. World seeds used here are below TRAIN_SEED_BASE, so never seen in training.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from .. import metrics as M
+from ..cache import CacheConfig
+from .generate import Rollout, generate, revisited_frames
+from .model import WorldModel
+from .train import TRAIN_SEED_BASE
+
+
+def _nanmean(xs) -> float:
+    t = torch.as_tensor([float(x) for x in xs], dtype=torch.float64)
+    t = t[~t.isnan()]
+    return float(t.mean()) if len(t) else float("nan")
+
+
+def shift_rate(run: Rollout) -> float:
+    """Fraction of (chunk, layer, head, query) whose top-1 cached token differs between exact and stored keys."""
+    changed = total = 0
+    for p in run.probes:
+        for e, q in zip(p.top1_exact, p.top1_quant):
+            changed += int((e != q).sum())
+            total += e.numel()
+    return changed / total if total else float("nan")
+
+
+def rel_errors(run: Rollout) -> tuple[float, float]:
+    """Relative MSE of the stored Keys and Values over every layer of the final cache."""
+    c = run.cache
+    ke = [M.rel_err(c.keys(l), c.keys(l, exact=True)) for l in range(run.config.layers)]
+    ve = [M.rel_err(c.values(l), c.values(l, exact=True)) for l in range(run.config.layers)]
+    return sum(ke) / len(ke), sum(ve) / len(ve)
+
+
+def memory_stats(run: Rollout) -> dict:
+    """Per layer: mean same-place attention mass and mean top-1 probability over generated queries."""
+    L = run.config.layers
+    mass = [_nanmean(torch.cat([p.same_place_mass[l].flatten() for p in run.probes]).tolist()) for l in range(L)]
+    top1 = [float(torch.cat([p.top1_prob[l].flatten() for p in run.probes]).mean()) for l in range(L)]
+    return {"same_place_mass": mass, "top1_prob": top1}
+
+
+def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: list[int] = (0, 1), n_frames: int = 32,
+             bits: int = 2, trajectory_kind: str = "loop", steps: int = 4, progress: Callable | None = None) -> dict:
+    """The `quantwm eval` report (see the module docstring)."""
+    if any(s >= TRAIN_SEED_BASE or s < 0 for s in seeds):
+        raise ValueError(f"evaluation world seeds must lie in [0, {TRAIN_SEED_BASE}) (training uses the rest)")
+    if not seeds:
+        raise ValueError("give at least one seed")
+    configs = {m: CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits) for m in methods}  # validates names
+    ctx = model.cfg.context_frames
+    per: dict = {m: {k: [] for k in ("psnr", "ssim", "lpips", "tdiff")} for m in methods}
+    scalars: dict = {m: {k: [] for k in ("shift_rate", "bits_per_element", "k_rel_err", "v_rel_err")} for m in methods}
+    bf16: dict = {"revisit_psnr_vs_gt": [], "psnr_vs_gt": [], "same_place_mass": [], "top1_prob": [], "revisited_frames": []}
+    total, done, t0 = len(seeds) * (1 + len(methods)), 0, time.time()
+    for seed in seeds:
+        ref = generate(model, seed, trajectory_kind, n_frames, CacheConfig(), steps=steps)
+        revisit = revisited_frames(ref.poses, ctx, model.cfg.view)
+        bf16["revisited_frames"].append(revisit)
+        if revisit:
+            bf16["revisit_psnr_vs_gt"].append(float(M.psnr(ref.frames[revisit], ref.ground_truth[revisit]).mean()))
+        bf16["psnr_vs_gt"].append(M.psnr(ref.frames[ctx:], ref.ground_truth[ctx:]).tolist())
+        mem = memory_stats(ref)
+        bf16["same_place_mass"].append(mem["same_place_mass"]), bf16["top1_prob"].append(mem["top1_prob"])
+        done += 1
+        if progress:
+            progress(done, total, f"seed {seed} bf16")
+        for m, cc in configs.items():
+            run = generate(model, seed, trajectory_kind, n_frames, cc, steps=steps)
+            x, r = run.frames[ctx:], ref.frames[ctx:]
+            per[m]["psnr"].append(M.psnr(x, r).tolist())
+            per[m]["ssim"].append(M.ssim(x, r).tolist())
+            per[m]["lpips"].append(M.lpips(x, r).tolist())
+            per[m]["tdiff"].append(M.tdiff(run.frames[ctx - 1:], ref.frames[ctx - 1:]).tolist())
+            ke, ve = rel_errors(run)
+            for k, v in (("shift_rate", shift_rate(run)), ("bits_per_element", run.cache.bits_per_element()),
+                         ("k_rel_err", ke), ("v_rel_err", ve)):
+                scalars[m][k].append(v)
+            done += 1
+            if progress:
+                progress(done, total, f"seed {seed} {m}")
+    out: dict = {"methods": {}, "bf16": {}, "config": {
+        "target": target, "bits": bits, "seeds": list(seeds), "frames": n_frames, "trajectory": trajectory_kind,
+        "steps": steps, "context_frames": ctx, "model": model.config_dict(), "seconds": time.time() - t0}}
+    for m in methods:
+        frame_means = {k: [sum(col) / len(col) for col in zip(*v)] for k, v in per[m].items()}
+        mean = {k: _nanmean(sum(v, [])) for k, v in per[m].items()}
+        mean.update({k: _nanmean(v) for k, v in scalars[m].items()})
+        bpe = mean["bits_per_element"]
+        mean["compression"] = 16 / bpe if bpe == bpe else 1.0
+        out["methods"][m] = {"mean": mean, "per_frame": frame_means}
+    n_layers = model.cfg.layers
+    out["bf16"] = {
+        "revisit_psnr_vs_gt": _nanmean(bf16["revisit_psnr_vs_gt"]),
+        "psnr_vs_gt_per_frame": [sum(col) / len(col) for col in zip(*bf16["psnr_vs_gt"])],
+        "same_place_mass_per_layer": [_nanmean(s[l] for s in bf16["same_place_mass"]) for l in range(n_layers)],
+        "top1_prob_per_layer": [_nanmean(s[l] for s in bf16["top1_prob"]) for l in range(n_layers)],
+        "revisited_frames": bf16["revisited_frames"],
+    }
+    return out
+

@@ -1,0 +1,174 @@
+"""Generation with the built-in world model through the library's KV cache, with attention probes.
+
+    model = load_world_model()
+    run = generate(model, world_seed=3, trajectory="loop", n_frames=32, cache_config=CacheConfig("quantwm"))
+    run.frames       # (T, 64, 64, 3) float in [0, 1]; the first `context_frames` are the given ones
+    run.probes       # per generated chunk and layer: top-1 source under exact and quantized keys, ...
+
+The first chunks are the context (ground-truth frames, written by a clean pass and committed). Every
+later chunk starts from seeded noise, takes `steps` Euler steps of the flow (each a pass that attends to
+the cache plus the chunk), then a clean pass (t = 1) writes its K/V and commits it. BF16 and quantized
+runs with the same seeds get the same noise, so they differ only by the cache.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from ..cache import CacheConfig, KVCache
+from .model import WorldConfig, WorldModel
+from .scene import make_world, patchify, render, token_world_coords, trajectory, unpatchify
+
+DEFAULT_WEIGHTS = Path(__file__).resolve().parents[2] / "assets" / "world_model.safetensors"
+
+
+def load_world_model(path: str | Path = DEFAULT_WEIGHTS) -> WorldModel:
+    """Load the committed weights (fp16 safetensors with the config in the metadata), eval mode, fp32."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{path}: no world-model weights (train them: python -m quantwm.world.train)")
+    try:
+        with safe_open(str(path), "pt") as f:
+            cfg = WorldConfig(**json.loads(f.metadata()["config"]))
+            state = {k: f.get_tensor(k).float() for k in f.keys()}
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+        raise ValueError(f"{path}: not a QuantWM world-model file ({str(e).splitlines()[0][:100]})") from None
+    model = WorldModel(cfg)
+    model.load_state_dict(state)
+    return model.eval()
+
+
+@dataclass
+class ChunkProbe:
+    """What one generated chunk's queries did, per layer (lists indexed by layer).
+
+    top1_exact / top1_quant: (H, N) cached-token index each query's argmax picks with exact / stored keys
+    (cached tokens only, the chunk itself excluded); q: (H, N, D) the queries (temperature included);
+    n_cached: how many cached tokens they saw; same_place_mass: (H, N) exact attention probability on cached
+    tokens that saw the query's world location (nan where no cached token did); top1_prob: (H, N).
+    """
+
+    chunk: int
+    top1_exact: list = field(default_factory=list)
+    top1_quant: list = field(default_factory=list)
+    q: list = field(default_factory=list)
+    same_place_mass: list = field(default_factory=list)
+    top1_prob: list = field(default_factory=list)
+    n_cached: int = 0
+
+
+class ProbingCache:
+    """Passes `attend` through to a KVCache and, when armed, records what the queries select."""
+
+    def __init__(self, cache: KVCache, token_places: torch.Tensor):
+        self.cache, self.places, self.armed = cache, token_places, None
+
+    def attend(self, layer, q, k, v, chunk, commit=False, scale=None, observe=True):
+        out = self.cache.attend(layer, q, k, v, chunk=chunk, commit=commit, scale=scale, observe=observe)
+        if self.armed is not None:
+            self._record(layer, q, chunk)
+        return out
+
+    def _record(self, layer: int, q: torch.Tensor, chunk: int) -> None:
+        p = self.armed
+        n_cur = q.shape[2]
+        k_q = self.cache.keys(layer)[0, :, :-n_cur]
+        k_e = self.cache.keys(layer, exact=True)[0, :, :-n_cur]
+        qq = q[0].float()
+        le, lq = qq @ k_e.transpose(1, 2), qq @ k_q.transpose(1, 2)
+        full = torch.cat([le, qq @ self.cache.keys(layer, exact=True)[0, :, -n_cur:].transpose(1, 2)], -1)
+        prob = full.softmax(-1)[..., :-n_cur]
+        pos = self.cache.positions(layer)
+        cached_places, query_places = self.places[pos[:-n_cur]], self.places[pos[-n_cur:]]
+        same = (query_places[:, None, :] == cached_places[None, :, :]).all(-1)  # (N, L)
+        mass = (prob * same[None]).sum(-1)
+        mass = torch.where(same.any(-1)[None], mass, torch.full_like(mass, float("nan")))
+        p.top1_exact.append(le.argmax(-1)), p.top1_quant.append(lq.argmax(-1)), p.q.append(qq.clone())
+        p.same_place_mass.append(mass), p.top1_prob.append(prob.max(-1).values)
+        p.n_cached = le.shape[-1]
+
+
+@dataclass
+class Rollout:
+    frames: torch.Tensor  # (T, H, W, 3) generated (context frames are the ground truth)
+    ground_truth: torch.Tensor  # (T, H, W, 3)
+    poses: torch.Tensor  # (T, 2) camera poses in patches
+    places: torch.Tensor  # (T*N, 2) world patch of every token
+    probes: list[ChunkProbe]
+    cache: KVCache
+    config: WorldConfig
+
+
+def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n_frames: int = 32,
+             cache_config: CacheConfig = CacheConfig(), steps: int = 4, noise_seed: int = 0,
+             probe: bool = True, progress=None) -> Rollout:
+    """Roll the model out over a world and trajectory through a KVCache configured by `cache_config`."""
+    cfg = model.cfg
+    if n_frames <= cfg.context_frames or (n_frames - cfg.context_frames) % cfg.chunk_frames:
+        raise ValueError(f"n_frames must exceed {cfg.context_frames} by a multiple of {cfg.chunk_frames}, got {n_frames}")
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    world = make_world(world_seed, cfg.world_patches * cfg.patch)
+    poses = trajectory(trajectory_kind, n_frames, world_seed, cfg.world_patches, cfg.view)
+    gt = render(world, poses, cfg.view, cfg.patch)
+    gt_tokens = patchify(gt, cfg.patch) * 2 - 1  # (T, N, P)
+    places = token_world_coords(poses, cfg.view).reshape(-1, 2)
+    n, F = cfg.tokens_per_frame, cfg.chunk_frames
+    coords = torch.cat([torch.arange(n_frames).repeat_interleave(n)[:, None], places], -1)
+    cache = KVCache(replace(cache_config, keep_exact=probe, memo_decoded=True), cfg.layers)
+    pc = ProbingCache(cache, places)
+    g = torch.Generator().manual_seed(noise_seed * 1_000_003 + world_seed)
+    out = gt_tokens.clone()
+    probes = []
+    n_chunks = n_frames // F
+    with torch.no_grad():
+        for c in range(n_chunks):
+            sl = slice(c * F * n, (c + 1) * F * n)
+            noise = torch.randn(1, F * n, cfg.patch_dim, generator=g)
+            if c * F >= cfg.context_frames:
+                x = noise
+                for s in range(steps):
+                    if probe and s == steps - 1:
+                        pc.armed = ChunkProbe(c)
+                    t = torch.full((1, F * n), s / steps)
+                    x = x + model(x, t, coords[sl], cache=pc, chunk=c) / steps
+                    if pc.armed is not None:
+                        probes.append(pc.armed)
+                        pc.armed = None
+                out[c * F:(c + 1) * F] = x.clamp(-1, 1).reshape(F, n, -1)
+            clean = out[c * F:(c + 1) * F].reshape(1, F * n, -1)
+            model(clean, torch.ones(1, F * n), coords[sl], cache=pc, chunk=c, commit=True)
+            if progress:
+                progress(c + 1, n_chunks)
+    frames = unpatchify((out + 1) / 2, cfg.view, cfg.patch).clamp(0, 1)
+    return Rollout(frames, gt, poses, places, probes, cache, cfg)
+
+
+def revisited_frames(poses: torch.Tensor, context_frames: int, view: int = 8) -> list[int]:
+    """Generated frames whose every world patch was seen by the context frames."""
+    places = token_world_coords(poses, view)
+    seen = {tuple(p) for p in places[:context_frames].reshape(-1, 2).tolist()}
+    return [t for t in range(context_frames, len(poses)) if all(tuple(p) in seen for p in places[t].tolist())]
+
+
+def rollout_trace(run: Rollout, path: str | Path) -> None:
+    """Write a v1 trace of a rollout: the last generated chunk's queries, the cache they saw, earlier
+    queries as q_hist, and the frames. Queries carry the model's temperature, so softmax_scale is 1."""
+    from ..trace import TraceWriter
+
+    if not run.probes:
+        raise ValueError("the rollout has no probes: generate(..., probe=True) with at least one generated chunk")
+    cfg, last = run.config, run.probes[-1]
+    w = TraceWriter(cfg.tokens_per_frame, (cfg.view, cfg.view), 1.0, rope="post", model="quantwm-world")
+    w.extra_meta["chunk_frames"] = cfg.chunk_frames
+    for layer in range(cfg.layers):
+        k = run.cache.keys(layer, exact=True)[0, :, :last.n_cached]
+        v = run.cache.values(layer, exact=True)[0, :, :last.n_cached]
+        q_hist = torch.cat([p.q[layer] for p in run.probes[:-1]], 1) if len(run.probes) > 1 else None
+        w.record(layer, last.q[layer], k, v, q_hist=q_hist)
+    w.set_frames(run.frames)
+    w.save(path)
