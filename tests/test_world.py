@@ -1,0 +1,125 @@
+"""The built-in world model: scene, model/mask equivalence, generation through the cache, eval."""
+import json
+
+import pytest
+import torch
+
+from quantwm.cache import CacheConfig, KVCache
+from quantwm.world import scene
+from quantwm.world.evaluate import evaluate, shift_rate
+from quantwm.world.generate import generate, load_world_model, revisited_frames, rollout_trace
+from quantwm.world.model import WorldConfig, WorldModel, training_mask
+from quantwm.world.train import export
+from quantwm.trace import read_trace
+
+TINY = WorldConfig(dim=64, heads=1, layers=2, view=4, world_patches=12, context_frames=2, chunk_frames=2)
+
+
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    m = WorldModel(TINY).eval()
+    for p in m.parameters():  # adaLN starts at zero; give every weight a value so the test means something
+        torch.nn.init.normal_(p, std=0.05)
+    return m
+
+
+def test_world_is_deterministic_and_in_range():
+    a, b = scene.make_world(3, 64), scene.make_world(3, 64)
+    assert torch.equal(a, b) and a.shape == (3, 64, 64)
+    assert a.min() >= 0 and a.max() <= 1 and not torch.equal(a, scene.make_world(4, 64))
+
+
+@pytest.mark.parametrize("kind", scene.TRAJECTORIES)
+def test_trajectories_stay_inside_move_one_patch_and_revisit(kind):
+    poses = scene.trajectory(kind, 32, seed=5, world_patches=32, view=8)
+    assert poses.shape == (32, 2) and poses.min() >= 0 and poses.max() <= 24
+    assert (poses[1:] - poses[:-1]).abs().max() <= 1
+    if kind != "random-walk":
+        assert torch.equal(poses[0], poses[-1])  # out and back
+    with pytest.raises(ValueError, match="unknown trajectory"):
+        scene.trajectory("zigzag", 4, 0)
+
+
+def test_patchify_roundtrip_and_world_coords():
+    frames = scene.render(scene.make_world(0, 96), torch.tensor([[0, 0], [1, 2]]), view=4, patch=8)
+    assert frames.shape == (2, 32, 32, 3)
+    assert torch.equal(scene.unpatchify(scene.patchify(frames), view=4), frames)
+    coords = scene.token_world_coords(torch.tensor([[1, 2]]), view=4)
+    assert coords[0, 0].tolist() == [1, 2] and coords[0, 5].tolist() == [2, 3]
+    # the token at world patch (2, 3) in frame 1 shows the same pixels as the world there
+    world = scene.make_world(0, 96)
+    assert torch.equal(scene.patchify(frames)[1, 5], scene.patchify(world[:, 16:24, 24:32].permute(1, 2, 0)[None])[0, 0])
+
+
+def test_revisited_frames_are_views_fully_seen_in_context():
+    poses = torch.tensor([[0, 0], [0, 1], [0, 2], [0, 1], [0, 0]])
+    assert revisited_frames(poses, context_frames=2, view=4) == [3, 4]
+
+
+def test_training_mask_matches_generation_through_the_cache(tiny_model):
+    """The block mask used in training sees exactly what chunked generation through the cache sees."""
+    cfg, T = TINY, 6
+    n = cfg.tokens_per_frame
+    g = torch.Generator().manual_seed(1)
+    clean = torch.rand(1, T * n, cfg.patch_dim, generator=g) * 2 - 1
+    noisy = torch.randn(1, (T - cfg.context_frames) * n, cfg.patch_dim, generator=g)
+    coords = torch.cat([torch.arange(T).repeat_interleave(n)[:, None], torch.randint(0, 8, (T * n, 2), generator=g)], -1)
+    t_noisy = torch.full((1, noisy.shape[1]), 0.3)
+    with torch.no_grad():
+        full = tiny_model(torch.cat([clean, noisy], 1), torch.cat([torch.ones(1, T * n), t_noisy], 1),
+                          torch.cat([coords, coords[cfg.context_frames * n:]]), mask=training_mask(T, cfg))
+        cache = KVCache(CacheConfig(), cfg.layers)
+        F = cfg.chunk_frames * n
+        for c in range(T // cfg.chunk_frames):
+            sl = slice(c * F, (c + 1) * F)
+            if c * cfg.chunk_frames >= cfg.context_frames:
+                j = c * F - cfg.context_frames * n
+                out = tiny_model(noisy[:, j:j + F], t_noisy[:, :F], coords[sl], cache=cache, chunk=c)
+                torch.testing.assert_close(out, full[:, T * n + j:T * n + j + F], atol=1e-5, rtol=1e-5)
+            clean_out = tiny_model(clean[:, sl], torch.ones(1, F), coords[sl], cache=cache, chunk=c, commit=True)
+            torch.testing.assert_close(clean_out, full[:, sl], atol=1e-5, rtol=1e-5)
+
+
+def test_generate_probes_and_quantized_run_share_noise(tiny_model):
+    ref = generate(tiny_model, 1, "loop", 8, CacheConfig(), steps=2)
+    assert ref.frames.shape == (8, 32, 32, 3) and ref.frames.min() >= 0 and ref.frames.max() <= 1
+    torch.testing.assert_close(ref.frames[:2], ref.ground_truth[:2], atol=1e-6, rtol=0)  # the context is given
+    assert len(ref.probes) == 3 and len(ref.probes[0].top1_exact) == TINY.layers
+    assert shift_rate(ref) == 0.0  # exact keys in both
+    again = generate(tiny_model, 1, "loop", 8, CacheConfig(), steps=2)
+    assert torch.equal(ref.frames, again.frames)  # seeded noise
+    q = generate(tiny_model, 1, "loop", 8, CacheConfig(method="rtn", target="k", sink_chunks=0, recent_chunks=0), steps=2)
+    assert q.cache.bits_per_element() == pytest.approx(2.5)
+    assert 0 < shift_rate(q) <= 1
+    with pytest.raises(ValueError, match="n_frames"):
+        generate(tiny_model, 1, "loop", 5, CacheConfig())
+
+
+def test_small_eval_end_to_end_and_trace(tiny_model, tmp_path):
+    weights = tmp_path / "tiny.safetensors"
+    export(tiny_model, str(weights), {"steps": 0})
+    model = load_world_model(weights)
+    r = evaluate(model, ["rtn", "quantwm"], target="kv", seeds=[0, 1], n_frames=6, steps=1)
+    for m in ("rtn", "quantwm"):
+        mean = r["methods"][m]["mean"]
+        assert set(mean) >= {"psnr", "ssim", "lpips", "tdiff", "shift_rate", "bits_per_element", "compression"}
+        assert len(r["methods"][m]["per_frame"]["psnr"]) == 4
+    assert len(r["bf16"]["same_place_mass_per_layer"]) == TINY.layers
+    json.dumps(r)  # serialisable
+    with pytest.raises(ValueError, match="seeds"):
+        evaluate(model, ["rtn"], seeds=[100_000])
+    run = generate(model, 2, "pan-return", 6, CacheConfig(), steps=1)
+    rollout_trace(run, tmp_path / "t.safetensors")
+    t = read_trace(tmp_path / "t.safetensors")
+    assert t.frames.shape == (6, 32, 32, 3) and t.meta["model"] == "quantwm-world"
+    assert t.layers[0]["k"].shape[1] == 4 * TINY.tokens_per_frame and t.layers[0]["q_hist"].shape[1] > 0
+
+
+def test_load_world_model_rejects_missing_and_corrupt_files(tmp_path):
+    with pytest.raises(ValueError, match="no world-model weights"):
+        load_world_model(tmp_path / "none.safetensors")
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a QuantWM world-model file"):
+        load_world_model(bad)
