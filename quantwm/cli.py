@@ -141,7 +141,7 @@ def cmd_eval(a) -> int:
 
     methods = _methods(a.methods)
     report = evaluate(load_world_model(a.weights), methods, a.target, _ints(a.seeds, "--seeds"), a.frames, a.bits,
-                      a.trajectory, a.steps, progress=_progress("eval"))
+                      a.trajectory, a.steps, progress=_progress("eval"), training_seeds=a.training_seeds)
     _write_json(report, a.json)
     keys = ("psnr", "ssim", "lpips", "tdiff", "shift_rate", "k_rel_err", "v_rel_err", "bits_per_element", "compression")
     print(f"eval: target={a.target}, bits={a.bits}, seeds={a.seeds}, {a.frames} frames, {a.trajectory}, "
@@ -209,6 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--bits", type=int, default=2)
     s.add_argument("--trajectory", default="loop")
     s.add_argument("--steps", type=int, default=4, help="flow-matching steps per chunk")
+    s.add_argument("--training-seeds", action="store_true",
+                   help="use training worlds (seed + 100000) instead of held-out ones, to check memorisation")
     s.add_argument("--weights", default=str(DEFAULT_WEIGHTS))
     s.add_argument("--json")
     s.set_defaults(fn=cmd_eval)

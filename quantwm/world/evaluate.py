@@ -55,10 +55,14 @@ def memory_stats(run: Rollout) -> dict:
 
 
 def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: list[int] = (0, 1), n_frames: int = 32,
-             bits: int = 2, trajectory_kind: str = "loop", steps: int = 4, progress: Callable | None = None) -> dict:
-    """The `quantwm eval` report (see the module docstring)."""
+             bits: int = 2, trajectory_kind: str = "loop", steps: int = 4, progress: Callable | None = None,
+             training_seeds: bool = False) -> dict:
+    """The `quantwm eval` report (see the module docstring). `training_seeds=True` evaluates on worlds
+    the model was trained on (seed + TRAIN_SEED_BASE), to compare with held-out worlds."""
     if any(s >= TRAIN_SEED_BASE or s < 0 for s in seeds):
         raise ValueError(f"evaluation world seeds must lie in [0, {TRAIN_SEED_BASE}) (training uses the rest)")
+    if training_seeds:
+        seeds = [s + TRAIN_SEED_BASE for s in seeds]
     if not seeds:
         raise ValueError("give at least one seed")
     configs = {m: CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits) for m in methods}  # validates names
