@@ -269,7 +269,8 @@ class KVCache:
         scale = D ** -0.5 if scale is None else float(scale)
         if observe:
             self.observe(layer, q)
-        K, V = self._in(self.keys(layer), "keys"), self._in(self.values(layer), "values")
+        K = self._rotate(self._gather(layer, "k", False), self.positions(layer))  # (B, H, L, D), internal layout
+        V = self._gather(layer, "v", False)
         if qb.shape[:2] != K.shape[:2] or D != K.shape[-1]:
             raise ValueError(f"q shape {tuple(q.shape)} does not match the cached keys {tuple(K.shape)}")
         bias = self.logit_bias(layer, qb, scale)
