@@ -123,3 +123,13 @@ def test_load_world_model_rejects_missing_and_corrupt_files(tmp_path):
     bad.write_bytes(b"junk")
     with pytest.raises(ValueError, match="not a QuantWM world-model file"):
         load_world_model(bad)
+
+
+def test_committed_weights_load_and_retrieve_memory_sharply():
+    """The shipped model: its deepest layer puts most attention on cached tokens that saw the same place."""
+    from quantwm.world.evaluate import memory_stats
+
+    model = load_world_model()
+    run = generate(model, 0, "pan-return", 12, CacheConfig(), steps=2)
+    mass = memory_stats(run)["same_place_mass"]
+    assert len(mass) == model.cfg.layers and max(mass) > 0.5
