@@ -17,28 +17,41 @@ def token_coords(positions: torch.Tensor, grid: tuple[int, int]) -> torch.Tensor
     return torch.stack([p // (h * w), (p % (h * w)) // w, p % w], -1)
 
 
+def rope_angles(coords: torch.Tensor, head_dim: int, theta: float = 10000.0) -> torch.Tensor:
+    """Token coords (..., L, 3) = (frame, row, col) -> rotation angle of every channel pair (..., L, head_dim/2)."""
+    if head_dim % 2 or head_dim < 6:
+        raise ValueError(f"head_dim must be even and >= 6 for 3-D RoPE, got {head_dim}")
+    d_hw = 2 * (head_dim // 6)
+    parts = []
+    for i, d in enumerate((head_dim - 2 * d_hw, d_hw, d_hw)):  # channels for (t, row, col)
+        freqs = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        parts.append(coords[..., i:i + 1].double() * freqs)
+    return torch.cat(parts, -1)
+
+
+def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs (2i, 2i+1) of x (B, H, L, D) by angles (L, D/2) or (B, L, D/2)."""
+    if angles.dim() == 3:
+        angles = angles[:, None]
+    cos, sin = angles.cos().float(), angles.sin().float()
+    xp = x.float().reshape(*x.shape[:-1], -1, 2)
+    a, b = xp[..., 0], xp[..., 1]
+    return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(x.shape).to(x.dtype)
+
+
 class Rope3D:
     """rope(x, positions, inverse=False): rotate x (B, H, N, D) by the 3-D positions of its tokens."""
 
     def __init__(self, head_dim: int, grid: tuple[int, int], theta: float = 10000.0):
-        if head_dim % 2 or head_dim < 6:
-            raise ValueError(f"head_dim must be even and >= 6 for 3-D RoPE, got {head_dim}")
-        self.grid = grid
+        rope_angles(torch.zeros(1, 3), head_dim, theta)  # validates head_dim
+        self.grid, self.head_dim, self.theta = grid, head_dim, theta
         d_hw = 2 * (head_dim // 6)
         self.split = (head_dim - 2 * d_hw, d_hw, d_hw)  # channels for (t, row, col)
-        self.freqs = [1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d) for d in self.split]
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
         """(N,) -> (N, D/2) rotation angle of every channel pair."""
-        coords = token_coords(positions.cpu(), self.grid).double()
-        return torch.cat([coords[:, i:i + 1] * f[None] for i, f in enumerate(self.freqs)], -1)
+        return rope_angles(token_coords(positions.cpu(), self.grid), self.head_dim, self.theta)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         ang = self.angles(positions).to(x.device)
-        if inverse:
-            ang = -ang
-        cos, sin = ang.cos().float(), ang.sin().float()
-        xp = x.float().reshape(*x.shape[:-1], -1, 2)
-        a, b = xp[..., 0], xp[..., 1]
-        out = torch.stack([a * cos - b * sin, a * sin + b * cos], -1)
-        return out.reshape(x.shape).to(x.dtype)
+        return apply_rope(x, -ang if inverse else ang)

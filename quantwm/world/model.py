@@ -18,6 +18,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..rope import apply_rope, rope_angles
+
 
 @dataclass(frozen=True)
 class WorldConfig:
@@ -49,29 +51,6 @@ class WorldConfig:
     @property
     def patch_dim(self) -> int:
         return self.patch * self.patch * 3
-
-
-def rope_angles(coords: torch.Tensor, head_dim: int, theta: float) -> torch.Tensor:
-    """Token coords (..., L, 3) = (time, world row, world col) -> rotation angles (..., L, head_dim/2).
-
-    Channel split as Wan 2.1: head_dim - 4*(head_dim//6) for time, 2*(head_dim//6) each for row and col.
-    """
-    d_hw = 2 * (head_dim // 6)
-    parts = []
-    for i, d in enumerate((head_dim - 2 * d_hw, d_hw, d_hw)):
-        freqs = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
-        parts.append(coords[..., i:i + 1].double() * freqs)
-    return torch.cat(parts, -1).float()
-
-
-def apply_rope(x: torch.Tensor, angles: torch.Tensor) -> torch.Tensor:
-    """Rotate channel pairs (2i, 2i+1) of x (B, H, L, D) by angles (L, D/2) or (B, L, D/2)."""
-    if angles.dim() == 3:
-        angles = angles[:, None]
-    cos, sin = angles.cos(), angles.sin()
-    xp = x.float().reshape(*x.shape[:-1], -1, 2)
-    a, b = xp[..., 0], xp[..., 1]
-    return torch.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(x.shape).to(x.dtype)
 
 
 def timestep_embedding(t: torch.Tensor, dim: int) -> torch.Tensor:
@@ -151,7 +130,7 @@ class WorldModel(nn.Module):
         index; `commit` makes this the clean pass that commits it). Without, `mask` (L, L) is the
         block-causal training mask.
         """
-        angles = rope_angles(coords, self.cfg.head_dim, self.cfg.rope_theta).to(tokens.device)
+        angles = rope_angles(coords, self.cfg.head_dim, self.cfg.rope_theta).float().to(tokens.device)
         c = self.time(timestep_embedding(t, self.cfg.dim))
         x = self.patch_in(tokens)
         for i, blk in enumerate(self.blocks):
