@@ -77,10 +77,10 @@ class ProbingCache:
         p = self.armed
         n_cur = q.shape[2]
         k_q = self.cache.keys(layer)[0, :, :-n_cur]
-        k_e = self.cache.keys(layer, exact=True)[0, :, :-n_cur]
+        k_all = self.cache.keys(layer, exact=True)[0]  # (H, L, D): cached tokens, then the chunk itself
         qq = q[0].float()
-        le, lq = qq @ k_e.transpose(1, 2), qq @ k_q.transpose(1, 2)
-        full = torch.cat([le, qq @ self.cache.keys(layer, exact=True)[0, :, -n_cur:].transpose(1, 2)], -1)
+        full = qq @ k_all.transpose(1, 2)
+        le, lq = full[..., :-n_cur], qq @ k_q.transpose(1, 2)
         prob = full.softmax(-1)[..., :-n_cur]
         pos = self.cache.positions(layer)
         cached_places, query_places = self.places[pos[:-n_cur]], self.places[pos[-n_cur:]]
