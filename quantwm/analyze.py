@@ -15,7 +15,7 @@ import torch
 
 from .cache import CacheConfig, KVCache
 from .metrics import attention_metrics, query_energy, rel_err, second_moment
-from .methods import get_method, parse_method_name
+from .methods import make_method, parse_method_name
 from .rope import Rope3D
 from .trace import Trace
 
@@ -74,18 +74,15 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
                                "method_options": dict(method_options), "grid": {}}}
     steps = [(m, l) for m in methods for l in trace.layers]
     for i, (m, layer) in enumerate(steps):
-        base = parse_method_name(m)[0]
         config = CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits, sink_chunks=sink_chunks,
-                             recent_chunks=recent_chunks, method_options=() if base == "bf16" else method_options)
+                             recent_chunks=recent_chunks, method_options=method_options)
         entry = report["methods"].setdefault(m, {"mean": {}, "layers": []})
         entry["layers"].append(analyze_layer(trace, layer, config, chunk_tokens))
         if progress:
             progress(i + 1, len(steps), f"{m} layer {layer}")
     for m, entry in report["methods"].items():
         entry["mean"] = {key: sum(r[key] for r in entry["layers"]) / len(entry["layers"]) for key in MEAN_KEYS}
-        base = parse_method_name(m)[0]
-        opts = {} if base == "bf16" else {"bits": bits, **dict(method_options)}
-        report["config"]["grid"][m] = get_method(base, **opts).grid()
+        report["config"]["grid"][m] = make_method(m, bits, dict(method_options)).grid()
     energy = []
     for layer, t in trace.layers.items():
         _, frac = query_energy(second_moment(t.get("q_hist", t["q"]).float()), rank=8)

@@ -28,7 +28,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .methods import Encoded, SpanContext, get_method, parse_method_name
+from .methods import Encoded, SpanContext, make_method, parse_method_name
 from .quant import check_bits, check_finite
 from .stats import QueryStats
 
@@ -110,10 +110,9 @@ class KVCache:
         if config.rope == "pre" and rope is None:
             raise ValueError("rope='pre' stores keys before RoPE: pass the rope function to apply at read")
         self.config, self.rope = config, rope
-        base, _ = parse_method_name(config.method)
         opts = dict(config.method_options)
-        self.k_method = get_method(base, **({} if base == "bf16" else {"bits": config.k_bits, **opts}))
-        self.v_method = get_method(base, **({} if base == "bf16" else {"bits": config.v_bits, **opts}))
+        self.k_method = make_method(config.method, config.k_bits, opts)
+        self.v_method = make_method(config.method, config.v_bits, opts)
         self.quantize_k = self.k_method.quantized and config.target in ("k", "kv")
         self.quantize_v = self.v_method.quantized and config.target in ("v", "kv")
         self.layers = [LayerState() for _ in range(n_layers)]

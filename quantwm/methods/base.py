@@ -118,3 +118,9 @@ def get_method(name: str, **overrides) -> Method:
         return cls(**overrides)
     except TypeError as e:
         raise ValueError(f"bad option for method {base!r}: {e}") from None
+
+
+def make_method(name: str, bits: int, options: dict | None = None) -> Method:
+    """The method a cache runs: `name` at `bits` with extra options; bf16 stores as is and takes neither."""
+    base, _ = parse_method_name(name)
+    return get_method(base) if base == "bf16" else get_method(base, bits=bits, **(options or {}))
