@@ -549,25 +549,18 @@ def test_cache_bits_per_element_nan_when_nothing_quantized():
 
 # ---- target -----------------------------------------------------------------------------------------
 
-def test_cache_target_k_leaves_values_exact():
-    cache = KVCache(CacheConfig(method="rtn", target="k"), n_layers=1)
+@pytest.mark.parametrize("target, exact", [("k", "v"), ("v", "k")])
+def test_cache_target_leaves_the_other_half_exact(target, exact):
+    cache = KVCache(CacheConfig(method="rtn", target=target), n_layers=1)
     written = _fill(cache, 4)
-    assert torch.equal(cache.values(0), torch.cat([v for _, v in written], 2))
-    assert not torch.equal(cache.keys(0)[:, :, _chunk_slice(1)], written[1][0])
+    read = {"k": cache.keys, "v": cache.values}
+    idx = {"k": 0, "v": 1}
+    assert torch.equal(read[exact](0), torch.cat([kv[idx[exact]] for kv in written], 2))
+    assert not torch.equal(read[target](0)[:, :, _chunk_slice(1)], written[1][idx[target]])
     comp = cache.bytes_by_component()
-    assert comp["v.full"] == 4 * B * H * N * D * 4 and "v.codes" not in comp
-    assert "k.codes" in comp
+    assert comp[f"{exact}.full"] == 4 * B * H * N * D * 4 and f"{exact}.codes" not in comp
+    assert f"{target}.codes" in comp
     assert cache.bits_per_element() == pytest.approx(2.5)
-
-
-def test_cache_target_v_leaves_keys_exact():
-    cache = KVCache(CacheConfig(method="rtn", target="v"), n_layers=1)
-    written = _fill(cache, 4)
-    assert torch.equal(cache.keys(0), torch.cat([k for k, _ in written], 2))
-    assert not torch.equal(cache.values(0)[:, :, _chunk_slice(1)], written[1][1])
-    comp = cache.bytes_by_component()
-    assert comp["k.full"] == 4 * B * H * N * D * 4 and "k.codes" not in comp
-    assert "v.codes" in comp
 
 
 # ---- +jensen ----------------------------------------------------------------------------------------
