@@ -1,5 +1,13 @@
-"""Triton kernels (pack/unpack, k-means assignment, fused dequant + attention) land here.
+"""Triton kernels for QuantWM: the CUDA fast path. One kernel and its launcher per file.
 
-This package imports nothing from quantwm/. Until a kernel exists for an operation, quantwm uses its
-pure-PyTorch reference (the `*_ref` functions), which is also what runs on CPU.
+* `pack_bits` / `unpack_bits`: codes <-> little-endian packed uint8 rows (2/4/8 bits).
+* `quantize_pack`: a committed span's codes against its stored scales/zeros, packed, in one pass.
+* `kmeans_assign` / `qsac_assign`: nearest centroid under Euclidean distance / QSAC's cost J.
+* `span_attention`: a chunk of queries over one cached span (packed, clustered, PSAC-corrected, or full
+  precision), online softmax carried across spans and splits (flash-decoding).
+
+This package imports nothing from quantwm/. Each kernel's PyTorch twin is named `<kernel>_ref` and lives
+in quantwm/. Launchers never require CUDA tensors, so every kernel also runs under `TRITON_INTERPRET=1`
+(set before importing this package), which is how CI checks them on CPU. Tiles are GPU-legal (tl.dot
+operands are at least 16 x 16).
 """

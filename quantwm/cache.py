@@ -16,9 +16,12 @@ commits it. So, per layer:
 * Keys stored post-RoPE (default) or pre-RoPE, with `rope(x, positions, inverse=False)` applied at read.
 * The queries that attend to the cache feed the running S = E[q qᵀ] per (layer, head) that QSAC and PSAC
   use (in pre-RoPE mode the queries are un-rotated by their own positions first).
-* `attend` here is the reference path: dequantize everything, then scaled_dot_product_attention
-  (`memo_decoded=True` keeps each quantized chunk's decoded copy as working memory, outside nbytes).
-  With `+jensen` methods the logit of every quantized key j gets -(τ²/24) Σ_i q_i² Δ_{j,i}².
+* `attend` on CUDA (or with QUANTWM_KERNELS=triton, see quantwm.backend) runs the fused path of
+  quantwm.attention: one online softmax over the stored spans, nothing decompressed. The reference path
+  (CPU, QUANTWM_KERNELS=ref, pre-RoPE keys, formats without a kernel) dequantizes everything, then runs
+  scaled_dot_product_attention (`memo_decoded=True` keeps each quantized chunk's decoded copy as working
+  memory, outside nbytes). With `+jensen` methods the logit of every quantized key j gets
+  -(τ²/24) Σ_i q_i² Δ_{j,i}².
 """
 from __future__ import annotations
 
@@ -28,6 +31,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from .attention import fused_attention
+from .backend import use_kernels
 from .methods import Encoded, SpanContext, make_method, parse_method_name
 from .quant import check_bits, check_finite
 from .stats import QueryStats
@@ -268,12 +273,14 @@ class KVCache:
         scale = D ** -0.5 if scale is None else float(scale)
         if observe:
             self.observe(layer, q)
-        K = self._rotate(self._gather(layer, "k", False), self.positions(layer))  # (B, H, L, D), internal layout
-        V = self._gather(layer, "v", False)
-        if qb.shape[:2] != K.shape[:2] or D != K.shape[-1]:
-            raise ValueError(f"q shape {tuple(q.shape)} does not match the cached keys {tuple(K.shape)}")
-        bias = self.logit_bias(layer, qb, scale)
-        out = F.scaled_dot_product_attention(qb.float(), K, V, attn_mask=bias, scale=scale)
+        out = None
+        if self.config.rope == "post" and use_kernels(qb):
+            out = fused_attention(self, layer, qb, scale)  # None when a span's format has no fused kernel
+        if out is None:
+            K = self._rotate(self._gather(layer, "k", False), self.positions(layer))  # (B, H, L, D), internal layout
+            V = self._gather(layer, "v", False)
+            bias = self.logit_bias(layer, qb, scale)
+            out = F.scaled_dot_product_attention(qb.float(), K, V, attn_mask=bias, scale=scale)
         if commit:
             self.commit(layer, chunk)
         return self._out(out.to(q.dtype))

@@ -13,6 +13,8 @@ from typing import Callable
 
 import torch
 
+from .backend import kernel, use_kernels
+
 AssignFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -29,6 +31,11 @@ def weighted_sqdist(x: torch.Tensor, c: torch.Tensor, w: torch.Tensor | None = N
 def kmeans_assign_ref(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Euclidean nearest centroid: x (S, N, D), c (S, K, D) -> ids (S, N) int64."""
     return weighted_sqdist(x, c).argmin(-1)
+
+
+def kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Euclidean nearest centroid: kernels/kmeans_assign.py on the fast path, else `kmeans_assign_ref`."""
+    return kernel("kmeans_assign")(x, c) if use_kernels(x) else kmeans_assign_ref(x, c)
 
 
 def init_centroids(x: torch.Tensor, n_clusters: int, seed: int) -> torch.Tensor:
@@ -49,7 +56,7 @@ def update_centroids(x: torch.Tensor, ids: torch.Tensor, prev: torch.Tensor) -> 
 
 
 def kmeans(x: torch.Tensor, n_clusters: int, iters: int = 6, seed: int = 0, init: torch.Tensor | None = None,
-           assign: AssignFn = kmeans_assign_ref) -> tuple[torch.Tensor, torch.Tensor]:
+           assign: AssignFn = kmeans_assign) -> tuple[torch.Tensor, torch.Tensor]:
     """Lloyd iterations: x (S, N, D) -> centroids (S, K, D) float32, ids (S, N) int64.
 
     `init` (S, K, D) warm-starts from earlier centroids; `assign(x, c) -> ids` sets the objective.

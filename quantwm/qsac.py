@@ -13,12 +13,14 @@ the residual's quantization step. Lloyd iterations assign by J and update centro
 `qsac_assign_ref` uses it when `candidates` is None; otherwise it prunes to the `candidates` centroids
 closest in the weighted distance (one matmul) and evaluates the range term on those only, which is what
 keeps QuantWM within a small factor of QVG's cost. The pruning is exact whenever the best centroid under J
-is among those candidates; the tests measure how often it is not.
+is among those candidates; the tests measure how often it is not. `qsac_assign` dispatches: on the CUDA fast
+path the kernel evaluates J exactly on every centroid.
 """
 from __future__ import annotations
 
 import torch
 
+from .backend import kernel, use_kernels
 from .kmeans import weighted_sqdist
 
 
@@ -63,3 +65,12 @@ def qsac_assign_ref(x: torch.Tensor, c: torch.Tensor, w: torch.Tensor, group_siz
     r = x[:, :, None, :] - cc
     J = torch.gather(d, 2, cand) + lam * range_term(r, w[:, None, None, :], group_size, bits)
     return torch.gather(cand, 2, J.argmin(-1, keepdim=True)).squeeze(-1)
+
+
+def qsac_assign(x: torch.Tensor, c: torch.Tensor, w: torch.Tensor, group_size: int, bits: int, lam: float,
+                candidates: int | None = 4) -> torch.Tensor:
+    """argmin_c J(k, c). On the fast path kernels/qsac_assign.py evaluates J on every centroid (exact, no
+    pruning: the GPU does not need the economy); elsewhere `qsac_assign_ref` with `candidates`."""
+    if use_kernels(x) and not group_size & (group_size - 1):
+        return kernel("qsac_assign")(x, c, w, group_size, bits, lam)
+    return qsac_assign_ref(x, c, w, group_size, bits, lam, candidates)

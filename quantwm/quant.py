@@ -4,7 +4,8 @@
   (absmax, 2^b - 1 levels centred on zero; at 2 bits that is QVG's ternary grid {-1, 0, +1}) affine
   quantization in groups of `group_size` elements, along the channel axis (per token, axis="channel")
   or along the token axis (per channel, axis="token", KIVI's Key layout).
-* bits in {2, 3, 4, 8}; codes are bit-packed little-endian into uint8 rows (`pack_bits_ref`):
+* bits in {2, 3, 4, 8}; codes are bit-packed (on CUDA by kernels/quantize_pack.py for 2, 4 and 8 bits;
+  `quantize_pack_ref` is its twin) little-endian into uint8 rows (`pack_bits_ref`):
   element i of a row lives in bits [i*b, (i+1)*b) of the row's byte stream, so for 2 bits element i sits
   in byte i // 4 at bit 2 * (i % 4). The round trip is exact.
 * scales and zeros are stored in fp16 or fp8-e4m3. Codes are computed against the *stored* (rounded)
@@ -21,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from .backend import kernel, use_kernels
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 SCALE_DTYPES = {"fp16": torch.float16, "fp8": torch.float8_e4m3fn}
@@ -171,8 +174,6 @@ def quantize_groups(x: torch.Tensor, bits: int = 2, group_size: int = 64, axis: 
         absmax = g.abs().amax(-1, keepdim=True)
         step = torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
         scale = _to_storage(step, sdt, toward="up")
-        s = scale.float()
-        codes = (torch.round(g / s).clamp(-qmax, qmax) + qmax).to(torch.uint8)
         zero = None
     else:
         qmax = 2 ** bits - 1
@@ -181,17 +182,38 @@ def quantize_groups(x: torch.Tensor, bits: int = 2, group_size: int = 64, axis: 
         width = hi - zero.float()
         step = torch.where(width > 0, width / qmax, torch.ones_like(lo))
         scale = _to_storage(step, sdt, toward="up")
-        codes = torch.round((g - zero.float()) / scale.float()).clamp(0, qmax).to(torch.uint8)
         zero = zero.squeeze(-1)
-    codes = _ungroup(codes, tuple(x.shape), axis)
-    return GroupQuant(pack_bits_ref(codes, bits), scale.squeeze(-1), zero, tuple(x.shape), bits,
-                      group_size, axis, symmetric)
+    scale = scale.squeeze(-1)
+    if bits in (2, 4, 8) and use_kernels(x):
+        *lead, T, D = x.shape
+        packed = kernel("quantize_pack")(x.reshape(-1, T, D), scale.reshape(-1, *scale.shape[-2:]),
+                                         None if zero is None else zero.reshape(-1, *zero.shape[-2:]),
+                                         bits, group_size, axis, symmetric).reshape(*lead, T, -1)
+    else:
+        packed = quantize_pack_ref(x, scale, zero, bits, group_size, axis, symmetric)
+    return GroupQuant(packed, scale, zero, tuple(x.shape), bits, group_size, axis, symmetric)
+
+
+def quantize_pack_ref(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int, group_size: int,
+                      axis: str = "channel", symmetric: bool = False) -> torch.Tensor:
+    """Codes of x (..., T, D) against stored scale/zero (layout of `axis`, see GroupQuant), packed."""
+    g = _group_view(x.float(), group_size, axis)
+    s = scale.float().unsqueeze(-1)
+    if symmetric:
+        qmax = 2 ** (bits - 1) - 1
+        codes = torch.round(g / s).clamp(-qmax, qmax) + qmax
+    else:
+        codes = torch.round((g - zero.float().unsqueeze(-1)) / s).clamp(0, 2 ** bits - 1)
+    return pack_bits_ref(_ungroup(codes.to(torch.uint8), tuple(x.shape), axis), bits)
 
 
 def dequantize_groups(q: GroupQuant, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rebuild (..., T, D) from a GroupQuant."""
     *lead, T, D = q.shape
-    codes = unpack_bits_ref(q.codes, q.bits, D).float()
+    if q.bits in (2, 4, 8) and use_kernels(q.codes):
+        codes = kernel("unpack_bits")(q.codes, q.bits, D).float()
+    else:
+        codes = unpack_bits_ref(q.codes, q.bits, D).float()
     g = _group_view(codes, q.group_size, q.axis)
     s = q.scale.float().unsqueeze(-1)
     if q.symmetric:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from ..psac import psac_basis, psac_correction, psac_encode
-from ..qsac import channel_sensitivity, qsac_assign_ref
+from ..qsac import channel_sensitivity, qsac_assign
 from ..quant import check_bits, dequantize_groups
 from .base import Encoded, SpanContext, register
 from .qvg import QVG
@@ -61,7 +61,7 @@ class QuantWM(QVG):
         stats = ctx.stats_or_identity(S, D, x.device)
         if self.qsac:
             w = channel_sensitivity(stats)
-            r, stored = self.smooth(x, kind, ctx, assign=lambda xs, c: qsac_assign_ref(
+            r, stored = self.smooth(x, kind, ctx, assign=lambda xs, c: qsac_assign(
                 xs, c, w, self.group_size, self.bits, self.lam, self.candidates))
         else:
             r, stored = self.smooth(x, kind, ctx)

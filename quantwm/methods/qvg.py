@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kmeans import AssignFn, kmeans, kmeans_assign_ref
+from ..kmeans import AssignFn, kmeans, kmeans_assign
 from ..quant import SCALE_DTYPES
 from .base import Encoded, SpanContext, register
 from .rtn import GroupMethod
@@ -48,7 +48,7 @@ class QVG(GroupMethod):
         return max(1, min(self.n_centroids, n_tokens // self.min_tokens_per_centroid))
 
     def smooth(self, x: torch.Tensor, kind: str, ctx: SpanContext,
-               assign: AssignFn = kmeans_assign_ref) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+               assign: AssignFn = kmeans_assign) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Subtract `stages` rounds of centroids: (S, N, D) -> residual (S, N, D) and the stored tensors."""
         self.validate(x, kind)
         r = x.float()

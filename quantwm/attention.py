@@ -1,0 +1,148 @@
+"""Attention of a chunk's queries over a KVCache, span by span, without decompressing the cache.
+
+The fused path: every cached span (sink, quantized chunks, recent chunk, the current chunk) is folded into
+one online softmax by `span_attention` (kernels/span_attention.py on the fast path) or its twin
+`span_attention_ref` here, reading the span's stored tensors as they are. The state holds P splits of every
+span (flash-decoding) that `merge_splits` combines at the end.
+
+Supported spans: full precision, and every method that ends in group quantization with at most one
+codebook stage (rtn, kivi, qvg, quantwm and its ablations, +jensen). qvg-pro (4 stages) and 3-bit codes take
+the cache's reference path. Keys must be stored post-RoPE: with pre-RoPE keys the PSAC term would need Uᵀ
+applied to the query rotated back to every key's position (a D x R product per key instead of R MACs), so
+pre-RoPE caches also take the reference path (dequantize, rotate, SDPA).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from .backend import kernel
+from .methods.quantwm import QuantWM
+from .methods.qvg import QVG, gather_rows
+from .methods.rtn import GroupMethod
+from .quant import GroupQuant, dequantize_groups, group_step, unpack_bits_ref
+
+LOG2E = math.log2(math.e)
+PsacFn = Callable[[torch.Tensor], dict]
+
+
+def _group_side(method: GroupMethod, enc) -> dict | None:
+    """The stored tensors of one quantized span in span_attention's format, or None if unsupported."""
+    if method.bits not in (2, 4, 8) or (isinstance(method, QVG) and method.stages != 1):
+        return None
+    t = enc.tensors
+    side = {"codes": t["codes"], "scales": t["scales"], "bits": method.bits, "group_size": method.group_size,
+            "axis": enc.meta["axis"], "symmetric": method.symmetric}
+    if "zeros" in t:
+        side["zeros"] = t["zeros"]
+    if isinstance(method, QVG):
+        side["codebook"], side["ids"] = t["codebook0"], t["centroid_ids0"]
+    return side
+
+
+def _psac(method: QuantWM, enc) -> PsacFn | None:
+    """q (S, Nq, D) -> the PSAC inputs of span_attention for this span (None if the span has no PSAC)."""
+    U = enc.shared.get("psac_basis")
+    if U is None:
+        return None
+    t = enc.tensors
+    scales, zeros = t["psac_scales"].float()[:, 0], t["psac_zeros"].float()[:, 0]  # (S, R): one per direction
+
+    def inputs(q: torch.Tensor) -> dict:
+        pq = torch.bmm(q.float(), U.float())  # (S, Nq, D) @ (S, D, R) -> (S, Nq, R)
+        return {"qs": pq * scales[:, None], "c0": (pq * zeros[:, None]).sum(-1), "codes": t["psac_codes"],
+                "bits": method.psac_bits}
+    return inputs
+
+
+def chunk_spans(cache, layer: int) -> list[tuple[dict, dict, PsacFn | None]] | None:
+    """Every span of `layer` as (key side, value side, PSAC inputs), or None if one is unsupported."""
+    out = []
+    for c in cache._chunks(cache._layer(layer)):
+        B, H, D = c.bhd
+        sides = []
+        for full, enc, method in ((c.k, c.k_enc, cache.k_method), (c.v, c.v_enc, cache.v_method)):
+            if full is not None:
+                sides.append({"full": full.reshape(B * H, c.n_tokens, D)})
+                continue
+            side = _group_side(method, enc) if isinstance(method, GroupMethod) else None
+            if side is None:
+                return None
+            sides.append(side)
+        psac = _psac(cache.k_method, c.k_enc) if c.k_enc is not None and isinstance(cache.k_method, QuantWM) else None
+        out.append((sides[0], sides[1], psac))
+    return out
+
+
+def decode_side(side: dict, shape: tuple[int, int, int]) -> torch.Tensor:
+    """Rebuild (S, N, D) float32 from a side dict (the reference's view of what the kernel reads)."""
+    if "full" in side:
+        return side["full"].float()
+    q = GroupQuant(side["codes"], side["scales"], side.get("zeros"), shape, side["bits"], side["group_size"],
+                   side["axis"], side["symmetric"])
+    x = dequantize_groups(q)
+    if "codebook" in side:
+        x = x + gather_rows(side["codebook"].float(), side["ids"].long())
+    return x
+
+
+def span_attention_ref(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, k: dict, v: dict,
+                       scale: float, psac: dict | None = None, jensen: bool = False) -> None:
+    """PyTorch twin of kernels.span_attention.span_attention (same arguments; folds into split 0)."""
+    S, Nq, D = q.shape
+    N = (k["full"] if "full" in k else k["codes"]).shape[1]
+    K, V = decode_side(k, (S, N, D)), decode_side(v, (S, N, D))
+    qf = q.float()
+    dots = qf @ K.transpose(1, 2)  # (S, Nq, N)
+    if psac is not None:
+        R = psac["qs"].shape[-1]
+        a = unpack_bits_ref(psac["codes"], psac["bits"], R).float()  # (S, N, R)
+        dots = dots + psac["qs"] @ a.transpose(1, 2) + psac["c0"][..., None]
+    logits = dots * (scale * LOG2E)
+    if jensen:
+        step = group_step(GroupQuant(k["codes"], k["scales"], k.get("zeros"), (S, N, D), k["bits"], k["group_size"],
+                                     k["axis"], k["symmetric"]))
+        logits = logits - (scale ** 2 / 24 * LOG2E) * (qf.square() @ step.square().transpose(1, 2))
+    m0, l0, a0 = m[:, 0], l[:, 0], acc[:, 0]
+    m_new = torch.maximum(m0, logits.amax(-1))
+    alpha = torch.exp2(m0 - m_new)
+    p = torch.exp2(logits - m_new[..., None])
+    l[:, 0] = l0 * alpha + p.sum(-1)
+    acc[:, 0] = a0 * alpha[..., None] + p @ V
+    m[:, 0] = m_new
+
+
+def new_state(S: int, P: int, Nq: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An empty softmax state of P splits: acc (S, P, Nq, D) 0, m (S, P, Nq) -inf, l (S, P, Nq) 0."""
+    return (torch.zeros(S, P, Nq, D, device=device), torch.full((S, P, Nq), float("-inf"), device=device),
+            torch.zeros(S, P, Nq, device=device))
+
+
+def merge_splits(acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+    """Combine the P splits of a softmax state: (S, P, Nq, D), (S, P, Nq) x2 -> output (S, Nq, D)."""
+    M = m.amax(1, keepdim=True)
+    w = torch.exp2(m - M).nan_to_num(0.0)  # empty splits (m = -inf) weigh 0
+    return (acc * w[..., None]).sum(1) / (l * w).sum(1)[..., None]
+
+
+def n_splits(S: int, Nq: int, target_programs: int = 256) -> int:
+    """Splits of each span so that (streams x query blocks x splits) fills a GPU; 1 for long chunks."""
+    programs = S * -(-Nq // 64)
+    return max(1, min(8, -(-target_programs // programs)))
+
+
+def fused_attention(cache, layer: int, q: torch.Tensor, scale: float, use_kernel: bool = True) -> torch.Tensor | None:
+    """Attention of q (B, H, Nq, D) (post-RoPE) over every span of `layer`; None if a span is unsupported."""
+    spans = chunk_spans(cache, layer)
+    if spans is None:
+        return None
+    B, H, Nq, D = q.shape
+    qs = q.reshape(B * H, Nq, D)
+    acc, m, l = new_state(B * H, n_splits(B * H, Nq) if use_kernel else 1, Nq, D, q.device)
+    fold = kernel("span_attention") if use_kernel else span_attention_ref
+    jensen = cache.config.jensen
+    for k, v, psac in spans:
+        fold(qs, acc, m, l, k, v, scale, psac=psac(qs) if psac else None, jensen=jensen and "full" not in k)
+    return merge_splits(acc, m, l).reshape(B, H, Nq, D)

@@ -1,0 +1,62 @@
+"""The fused attention driver (quantwm/attention.py) inside the cache: same output as the reference path."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from quantwm import backend
+from quantwm.attention import chunk_spans, fused_attention
+from quantwm.cache import CacheConfig, KVCache
+from quantwm.rope import Rope3D
+
+
+def _filled(method: str, target: str = "kv", n: int = 97, chunks: int = 4, rope=None, mode: str = "kv"):
+    """A one-layer cache after `chunks` committed chunks, and the next chunk's q, k, v."""
+    g = torch.Generator().manual_seed(1)
+    cache = KVCache(CacheConfig(method, target=target, rope="pre" if rope else "post"), 1, rope=rope)
+    for i in range(chunks):
+        q, k, v = (torch.randn(1, 2, n, 64, generator=g) for _ in range(3))
+        cache.attend(0, q, k, v, chunk=i, commit=True)
+    return cache, [torch.randn(1, 2, n, 64, generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("method", ["bf16", "rtn", "kivi", "qvg", "quantwm", "quantwm-qsac", "quantwm+jensen"])
+@pytest.mark.parametrize("target", ["k", "v", "kv"])
+def test_fused_attention_twin_equals_cache_reference_path(method, target, monkeypatch):
+    monkeypatch.setenv("QUANTWM_KERNELS", "ref")
+    cache, (q, k, v) = _filled(method, target)
+    cache.write(0, k, v, 4)
+    fused = fused_attention(cache, 0, q, 0.125, use_kernel=False)
+    ref = cache.attend(0, q, k, v, chunk=4, scale=0.125)
+    torch.testing.assert_close(fused, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["rtn", "quantwm+jensen"])
+def test_cache_attend_uses_the_kernel_when_forced_and_agrees(method, monkeypatch):
+    outs = {}
+    for mode in ("ref", "triton"):
+        monkeypatch.setenv("QUANTWM_KERNELS", mode)
+        cache, (q, k, v) = _filled(method, chunks=3)
+        outs[mode] = cache.attend(0, q, k, v, chunk=3, scale=0.125)
+    torch.testing.assert_close(outs["triton"], outs["ref"], rtol=1e-5, atol=1e-5)
+
+
+def test_unsupported_spans_fall_back_to_the_reference_path(monkeypatch):
+    monkeypatch.setenv("QUANTWM_KERNELS", "ref")
+    cache, _ = _filled("qvg-pro", chunks=3)
+    assert chunk_spans(cache, 0) is None  # 4 codebook stages: no fused kernel
+    rope = Rope3D(64, (8, 8))
+    pre, (q, k, v) = _filled("rtn", chunks=3, n=64, rope=rope)
+    monkeypatch.setenv("QUANTWM_KERNELS", "triton")
+    out = pre.attend(0, q, k, v, chunk=3)  # pre-RoPE: reference path even when kernels are forced
+    monkeypatch.setenv("QUANTWM_KERNELS", "ref")
+    pre2, (q2, k2, v2) = _filled("rtn", chunks=3, n=64, rope=rope)
+    torch.testing.assert_close(out, pre2.attend(0, q2, k2, v2, chunk=3))
+
+
+def test_backend_mode_rejects_unknown_values(monkeypatch):
+    monkeypatch.setenv("QUANTWM_KERNELS", "fast")
+    with pytest.raises(ValueError, match="QUANTWM_KERNELS must be one of auto, ref, triton"):
+        backend.mode()
+    monkeypatch.setenv("QUANTWM_KERNELS", "auto")
+    assert backend.use_kernels(torch.zeros(1)) is False  # CPU tensors take the references

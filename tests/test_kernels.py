@@ -1,0 +1,172 @@
+"""Every Triton kernel against its PyTorch twin under TRITON_INTERPRET=1 (set in conftest.py).
+
+Packed codes and cluster ids must match exactly; attention outputs are judged by flash-attention's rule:
+the kernel's error against a float64 reference is at most twice the error of the reference computed in the
+input dtype. Sizes are awkward on purpose (lengths 1, 97, 1025; groups that do not divide the span).
+Every kernel runs with tl.dot wrapped by a check that its operands are GPU-legal (all dims >= 16).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton.language as tl
+
+from kernels.kmeans_assign import kmeans_assign
+from kernels.pack_bits import pack_bits
+from kernels.qsac_assign import qsac_assign
+from kernels.quantize_pack import quantize_pack
+from kernels.span_attention import span_attention
+from kernels.unpack_bits import unpack_bits
+from quantwm.attention import chunk_spans, decode_side, merge_splits, new_state, span_attention_ref
+from quantwm.cache import CacheConfig, KVCache
+from quantwm.kmeans import kmeans_assign_ref
+from quantwm.qsac import qsac_assign_ref
+from quantwm.quant import GroupQuant, group_step, pack_bits_ref, quantize_groups, quantize_pack_ref, unpack_bits_ref
+
+
+@pytest.fixture(autouse=True)
+def gpu_legal_dots(monkeypatch):
+    """Fail any tl.dot whose operand tiles a GPU would reject (a dimension below 16)."""
+    orig = tl.dot
+    shapes = []
+
+    def checked(a, b, *args, **kwargs):
+        dims = [int(getattr(x, "value", x)) for x in (*a.shape, *b.shape)]
+        assert min(dims) >= 16, f"tl.dot on tiles {tuple(a.shape)} x {tuple(b.shape)}: a GPU needs dims >= 16"
+        shapes.append(dims)
+        return orig(a, b, *args, **kwargs)
+
+    checked.__triton_builtin__ = True
+    monkeypatch.setattr(tl, "dot", checked)
+    return shapes
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("n", [1, 97, 1025])
+def test_pack_bits_kernel_matches_ref_and_unpacks_exactly(bits, n):
+    codes = torch.randint(0, 2 ** bits, (3, n), generator=torch.Generator().manual_seed(n + bits))
+    packed = pack_bits(codes, bits)
+    assert torch.equal(packed, pack_bits_ref(codes, bits))
+    assert torch.equal(unpack_bits(packed, bits, n).long(), unpack_bits_ref(packed, bits, n))
+
+
+def test_pack_kernels_reject_unsupported_bits_and_bad_rows():
+    with pytest.raises(ValueError, match="bits"):
+        pack_bits(torch.zeros(2, 8, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match="expected 2"):
+        unpack_bits(torch.zeros(2, 3, dtype=torch.uint8), 2, 8)
+
+
+@pytest.mark.parametrize("axis,group", [("channel", 16), ("channel", 64), ("token", 32)])
+@pytest.mark.parametrize("symmetric", [False, True])
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("T", [1, 97])
+def test_quantize_pack_kernel_codes_equal_ref(axis, group, symmetric, bits, T):
+    x = torch.randn(3, T, 64, generator=torch.Generator().manual_seed(T)) * 3
+    for scale_dtype in ("fp16", "fp8"):
+        q = quantize_groups(x, bits, group, axis, symmetric, scale_dtype)
+        ref = quantize_pack_ref(x, q.scale, q.zero, bits, group, axis, symmetric)
+        assert torch.equal(ref, q.codes)
+        assert torch.equal(quantize_pack(x, q.scale, q.zero, bits, group, axis, symmetric), ref)
+
+
+def test_quantize_pack_kernel_rounds_half_to_even_like_torch():
+    x = torch.tensor([[[0.5, 1.5, 2.5, -0.5, 0.49999997, 2.5000002, 3.0, 0.0]]])  # steps of exactly 1
+    scale, zero = torch.ones(1, 1, 1, dtype=torch.float16), torch.zeros(1, 1, 1, dtype=torch.float16)
+    assert torch.equal(quantize_pack(x, scale, zero, 2, 8), quantize_pack_ref(x, scale, zero, 2, 8))
+
+
+@pytest.mark.parametrize("N,K", [(1, 1), (97, 13), (1025, 37)])
+def test_kmeans_assign_kernel_ids_equal_ref(N, K):
+    g = torch.Generator().manual_seed(N)
+    x, c = torch.randn(2, N, 48, generator=g), torch.randn(2, K, 48, generator=g)
+    assert torch.equal(kmeans_assign(x, c), kmeans_assign_ref(x, c))
+
+
+def test_kmeans_assign_kernel_ties_go_to_the_lowest_centroid():
+    x = torch.zeros(1, 20, 16)
+    c = torch.stack([torch.ones(16), -torch.ones(16), torch.ones(16)])[None]  # all three equally far
+    assert torch.equal(kmeans_assign(x, c), torch.zeros(1, 20, dtype=torch.long))
+
+
+@pytest.mark.parametrize("N,K,group", [(1, 1, 32), (97, 13, 32), (200, 7, 64)])
+def test_qsac_assign_kernel_ids_equal_exact_ref(N, K, group):
+    g = torch.Generator().manual_seed(N)
+    x, c = torch.randn(2, N, 64, generator=g), torch.randn(2, K, 64, generator=g) * 0.5
+    w = torch.rand(2, 64, generator=g) * 2
+    ids = qsac_assign(x, c, w, group, 2, 16.0)
+    assert torch.equal(ids, qsac_assign_ref(x, c, w, group, 2, 16.0, candidates=None))
+    assert not torch.equal(ids, kmeans_assign_ref(x, c)) or K == 1  # the range term changes choices
+
+
+def _span_cache(method: str, N: int, H: int = 2, D: int = 64, seed: int = 0):
+    """A one-layer cache whose single committed chunk of N tokens is quantized (no BF16 sink or recent)."""
+    g = torch.Generator().manual_seed(seed)
+    cache = KVCache(CacheConfig(method, sink_chunks=0, recent_chunks=0), 1)
+    q0 = torch.randn(1, H, N, D, generator=g)
+    cache.observe(0, q0)
+    cache.write(0, torch.randn(1, H, N, D, generator=g) * 2, torch.randn(1, H, N, D, generator=g), 0)
+    cache.commit(0, 0)
+    return cache
+
+
+@pytest.mark.parametrize("method", ["bf16", "rtn", "kivi", "qvg", "quantwm", "quantwm+jensen", "kivi+jensen"])
+@pytest.mark.parametrize("N", [1, 97, 1025])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_span_attention_kernel_error_within_twice_the_input_dtype_reference(method, N, dtype):
+    cache = _span_cache(method, N)
+    (k, v, psac), = chunk_spans(cache, 0)
+    S, D = 2, 64
+    q32 = torch.randn(S, 33, D, generator=torch.Generator().manual_seed(7))
+    q = q32.to(dtype)
+    scale = D ** -0.5
+    # the exact math on the stored tensors, in float64
+    K = cache.keys(0)[0].double()  # (H, N, D): decoded keys with U â, what the reference path attends to
+    V = cache.values(0)[0].double()
+    bias = cache.logit_bias(0, q.float()[None], scale)
+    qd = q.double()
+    logits = scale * qd @ K.transpose(1, 2) + (0 if bias is None else bias[0].double())
+    exact = logits.softmax(-1) @ V
+    low = torch.nn.functional.scaled_dot_product_attention(
+        q, K.to(dtype), V.to(dtype), attn_mask=None if bias is None else bias[0].to(dtype), scale=scale)
+    acc, m, l = new_state(S, 4, 33, D, "cpu")
+    span_attention(q, acc, m, l, k, v, scale, psac=psac(q) if psac else None, jensen="+jensen" in method)
+    out = merge_splits(acc, m, l)
+    err_kernel = (out.double() - exact).abs().max().item()
+    err_low = (low.double() - exact).abs().max().item()
+    assert err_kernel <= 2 * err_low, (err_kernel, err_low)
+
+
+@pytest.mark.parametrize("method", ["rtn", "qvg", "quantwm+jensen"])
+def test_span_attention_kernel_matches_its_torch_twin_in_fp32(method):
+    cache = _span_cache(method, 97)
+    (k, v, psac), = chunk_spans(cache, 0)
+    q = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(3))
+    outs = []
+    for fold, P in ((span_attention, 3), (span_attention_ref, 1)):
+        acc, m, l = new_state(2, P, 20, 64, "cpu")
+        fold(q, acc, m, l, k, v, 0.125, psac=psac(q) if psac else None, jensen="+jensen" in method)
+        outs.append(merge_splits(acc, m, l))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_span_attention_state_folds_spans_like_one_softmax():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 17, 32, generator=g), torch.randn(2, 150, 32, generator=g), torch.randn(2, 150, 32, generator=g)
+    acc, m, l = new_state(2, 2, 17, 32, "cpu")
+    for sl in (slice(0, 1), slice(1, 97), slice(97, 150)):
+        span_attention(q, acc, m, l, {"full": k[:, sl]}, {"full": v[:, sl]}, 0.2)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.2)
+    torch.testing.assert_close(merge_splits(acc, m, l), want, rtol=1e-5, atol=1e-5)
+
+
+def test_span_attention_rejects_bad_state_and_jensen_on_full_keys():
+    q = torch.randn(1, 4, 16)
+    side = {"full": torch.randn(1, 5, 16)}
+    acc, m, l = new_state(1, 1, 4, 16, "cpu")
+    with pytest.raises(ValueError, match="state"):
+        span_attention(q, acc[:, :, :3], m, l, side, side, 1.0)
+    with pytest.raises(ValueError, match="Jensen"):
+        span_attention(q, acc, m, l, side, side, 1.0, jensen=True)
