@@ -1,19 +1,27 @@
-"""Trace analysis tab: pick a trace file and methods, get the attention-fidelity table (no torch here)."""
+"""Trace analysis tab: a trace file from a real model (or the built-in one): the method comparison table,
+one Query's logit heatmaps and top-1 jump, the layer's jump map on its frame, Query energy spectra.
+Layout and wiring only (no torch here)."""
 from __future__ import annotations
 
 from typing import Callable
 
 import gradio as gr
 
+from app.ui import unpack
+
 TARGETS = [("Keys only", "k"), ("Values only", "v"), ("Keys and Values", "kv")]
 
 
-def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str | None) -> None:
-    """analyze(trace_path, methods, target, bits) -> (markdown status, header, rows)."""
+def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str | None,
+                       inspect: Callable | None = None, energy: Callable | None = None) -> None:
+    """analyze(trace_path, methods, target, bits) -> (markdown status, header, rows);
+    inspect(trace_path, method, target, bits, layer, head, query) -> {status, figure, jump_image, result};
+    energy(trace_path, layer_index) -> {status, figure}."""
     gr.Markdown("Attention fidelity of each method on a trace (queries, cached keys and values of a real "
-                "or built-in model): top-1 shift rate, top-k overlap, attention KL, logit RMSE, errors, bits.")
+                "or built-in model): top-1 shift rate, top-k overlap, attention KL, logit RMSE, errors, bits. "
+                f"Default trace: `{default_trace}`.")
     with gr.Row():
-        trace = gr.File(label="Trace file (.safetensors); empty = the built-in synthetic world trace",
+        trace = gr.File(label="Trace file (.safetensors); empty = the default trace",
                         file_types=[".safetensors"], type="filepath")
         with gr.Column():
             chosen = gr.CheckboxGroup(methods, value=["rtn", "kivi", "qvg", "quantwm"], label="Methods")
@@ -28,3 +36,29 @@ def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str
         return message, gr.Dataframe(value=rows, headers=header) if header else gr.Dataframe(value=None)
 
     run.click(handler, [trace, chosen, target, bits], [status, table], api_name="analyze")
+    if inspect is None or energy is None:
+        return
+    gr.Markdown("### One Query: top-1 source and logits under exact vs quantized keys")
+    with gr.Row():
+        method = gr.Dropdown([m for m in methods if m != "bf16"], value="qvg", label="Method")
+        layer = gr.Number(0, label="Layer", precision=0)
+        head = gr.Number(0, label="Head", precision=0)
+        query = gr.Number(0, label="Query index", precision=0)
+        go = gr.Button("Inspect query", elem_id="trace-inspect-btn")
+    q_status = gr.Markdown(elem_id="trace-inspect-status")
+    with gr.Row():
+        jump_img = gr.Image(label="Query frame: cyan = share of heads whose top-1 moved; yellow = the query",
+                            format="png", interactive=False, buttons=[])
+        result = gr.JSON(label="Query result")
+    heat = gr.Plot(label="Logits over the cached keys (frames x positions)")
+    go.click(lambda p, *a: unpack(inspect(p or default_trace, *a), ["status", "figure", "jump_image", "result"]),
+             [trace, method, target, bits, layer, head, query], [q_status, heat, jump_img, result],
+             api_name="trace_inspect")
+    gr.Markdown("### Query energy of the trace (from q_hist when present)")
+    with gr.Row():
+        e_layer = gr.Number(0, label="Layer index (order in the file)", precision=0)
+        e_go = gr.Button("Show spectra")
+    e_status = gr.Markdown()
+    e_plot = gr.Plot(label="Query energy")
+    e_go.click(lambda p, l: unpack(energy(p or default_trace, l), ["status", "figure"]), [trace, e_layer],
+               [e_status, e_plot], api_name="trace_energy")

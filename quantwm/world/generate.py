@@ -84,7 +84,7 @@ class ProbingCache:
         prob = full.softmax(-1)[..., :-n_cur]
         pos = self.cache.positions(layer)
         cached_places, query_places = self.places[pos[:-n_cur]], self.places[pos[-n_cur:]]
-        same = (query_places[:, None, :] == cached_places[None, :, :]).all(-1)  # (N, L)
+        same = (query_places[:, None, :] == cached_places[None, :, :]).all(-1).to(prob.device)  # (N, L)
         mass = (prob * same[None]).sum(-1)
         mass = torch.where(same.any(-1)[None], mass, torch.full_like(mass, float("nan")))
         p.top1_exact.append(le.argmax(-1)), p.top1_quant.append(lq.argmax(-1)), p.q.append(qq.clone())
@@ -106,8 +106,13 @@ class Rollout:
 def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n_frames: int = 32,
              cache_config: CacheConfig = CacheConfig(), steps: int = 4, noise_seed: int = 0,
              probe: bool = True, progress=None) -> Rollout:
-    """Roll the model out over a world and trajectory through a KVCache configured by `cache_config`."""
+    """Roll the model out over a world and trajectory through a KVCache configured by `cache_config`.
+
+    Runs on the model's device (noise is drawn on the CPU, so CPU and CUDA runs see the same noise);
+    the returned frames are on the CPU.
+    """
     cfg = model.cfg
+    device = next(model.parameters()).device
     if n_frames <= cfg.context_frames or (n_frames - cfg.context_frames) % cfg.chunk_frames:
         raise ValueError(f"n_frames must exceed {cfg.context_frames} by a multiple of {cfg.chunk_frames}, got {n_frames}")
     if steps < 1:
@@ -115,7 +120,7 @@ def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", 
     world = make_world(world_seed, cfg.world_patches * cfg.patch)
     poses = trajectory(trajectory_kind, n_frames, world_seed, cfg.world_patches, cfg.view)
     gt = render(world, poses, cfg.view, cfg.patch)
-    gt_tokens = patchify(gt, cfg.patch) * 2 - 1  # (T, N, P)
+    gt_tokens = (patchify(gt, cfg.patch) * 2 - 1).to(device)  # (T, N, P)
     places = token_world_coords(poses, cfg.view).reshape(-1, 2)
     n, F = cfg.tokens_per_frame, cfg.chunk_frames
     coords = torch.cat([torch.arange(n_frames).repeat_interleave(n)[:, None], places], -1)
@@ -128,23 +133,23 @@ def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", 
     with torch.no_grad():
         for c in range(n_chunks):
             sl = slice(c * F * n, (c + 1) * F * n)
-            noise = torch.randn(1, F * n, cfg.patch_dim, generator=g)
+            noise = torch.randn(1, F * n, cfg.patch_dim, generator=g).to(device)
             if c * F >= cfg.context_frames:
                 x = noise
                 for s in range(steps):
                     if probe and s == steps - 1:
                         pc.armed = ChunkProbe(c)
-                    t = torch.full((1, F * n), s / steps)
+                    t = torch.full((1, F * n), s / steps, device=device)
                     x = x + model(x, t, coords[sl], cache=pc, chunk=c) / steps
                     if pc.armed is not None:
                         probes.append(pc.armed)
                         pc.armed = None
                 out[c * F:(c + 1) * F] = x.clamp(-1, 1).reshape(F, n, -1)
             clean = out[c * F:(c + 1) * F].reshape(1, F * n, -1)
-            model(clean, torch.ones(1, F * n), coords[sl], cache=pc, chunk=c, commit=True)
+            model(clean, torch.ones(1, F * n, device=device), coords[sl], cache=pc, chunk=c, commit=True)
             if progress:
                 progress(c + 1, n_chunks)
-    frames = unpatchify((out + 1) / 2, cfg.view, cfg.patch).clamp(0, 1)
+    frames = unpatchify((out.cpu() + 1) / 2, cfg.view, cfg.patch).clamp(0, 1)
     return Rollout(frames, gt, poses, places, probes, cache, cfg)
 
 

@@ -1,0 +1,59 @@
+"""Pictures and videos for the app: enlarge, tint, box, encode. numpy and imageio only (no torch).
+
+Frames are enlarged on the server by an integer factor with nearest-neighbour pixels, never by CSS, so
+a click at image pixel (x, y) is frame pixel (x // factor, y // factor).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+
+import imageio.v2 as imageio
+import numpy as np
+
+FPS = 8
+RED, CYAN, YELLOW, MAGENTA = (255, 40, 40), (0, 230, 255), (255, 220, 0), (255, 0, 255)
+
+
+def enlarge(img: np.ndarray, factor: int) -> np.ndarray:
+    """(H, W, ...) -> (H*factor, W*factor, ...) by repeating pixels."""
+    return np.repeat(np.repeat(img, factor, 0), factor, 1)
+
+
+def tint(img: np.ndarray, heat: np.ndarray, color=RED, strength: float = 0.85) -> np.ndarray:
+    """Blend `color` into img (H, W, 3) uint8 with weight strength * heat; heat (h, w) in [0, 1] is
+    enlarged to the image by an integer factor first (a token map over an 8x8 grid, say)."""
+    heat = np.clip(np.nan_to_num(np.asarray(heat, dtype=np.float32)), 0, 1)
+    if heat.shape != img.shape[:2]:
+        heat = enlarge(heat, img.shape[0] // heat.shape[0])
+    a = (strength * heat)[..., None]
+    return (img.astype(np.float32) * (1 - a) + np.asarray(color, np.float32) * a).round().astype(np.uint8)
+
+
+def normalise(x: np.ndarray, top: float | None = None) -> np.ndarray:
+    """Scale a non-negative map to [0, 1] by `top` (default: its maximum)."""
+    top = float(np.max(x)) if top is None else top
+    return np.zeros_like(x, dtype=np.float32) if top <= 0 else np.clip(x / top, 0, 1).astype(np.float32)
+
+
+def draw_box(img: np.ndarray, row: int, col: int, cell: int, color=YELLOW, width: int = 2) -> np.ndarray:
+    """A copy of img with the outline of grid cell (row, col) of size `cell` pixels drawn in `color`."""
+    out = img.copy()
+    y0, x0 = row * cell, col * cell
+    y1, x1 = min(y0 + cell, img.shape[0]), min(x0 + cell, img.shape[1])
+    out[y0:y0 + width, x0:x1] = color
+    out[y1 - width:y1, x0:x1] = color
+    out[y0:y1, x0:x0 + width] = color
+    out[y0:y1, x1 - width:x1] = color
+    return out
+
+
+def write_mp4(frames: np.ndarray, factor: int, directory: str | None = None, name: str = "run") -> str:
+    """Encode (T, H, W, 3) uint8 frames, enlarged by `factor`, as H.264 yuv420p MP4 (plays in browsers)."""
+    directory = directory or tempfile.mkdtemp(prefix="quantwm-video-")
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, f"{name}.mp4")
+    big = [enlarge(f, factor) for f in frames]
+    imageio.mimwrite(path, big, fps=FPS, codec="libx264", pixelformat="yuv420p", macro_block_size=16,
+                     ffmpeg_params=["-movflags", "+faststart", "-crf", "16"])
+    return path

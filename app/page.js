@@ -1,0 +1,36 @@
+() => {
+  // Click a point of the per-frame plot: move the frame slider there (its change event scrubs both runs).
+  // Play, pause and seek of either video are mirrored on the other, so both play in lockstep.
+  const setSlider = (frame) => {
+    const box = document.querySelector('#frame-slider input[type="number"]');
+    const range = document.querySelector('#frame-slider input[type="range"]');
+    for (const el of [box, range]) {
+      if (!el) continue;
+      el.value = frame;
+      el.dispatchEvent(new Event('input', { bubbles: true }));
+      el.dispatchEvent(new Event('change', { bubbles: true }));
+    }
+    if (range) range.dispatchEvent(new PointerEvent('pointerup', { bubbles: true }));
+  };
+  const hookPlot = () => {
+    const gd = document.querySelector('#frame-plot .js-plotly-plot');
+    if (gd && gd.on && !gd.__quantwmHooked) {
+      gd.__quantwmHooked = true;
+      gd.on('plotly_click', (ev) => {
+        if (ev && ev.points && ev.points.length) setSlider(Math.round(ev.points[0].x));
+      });
+    }
+  };
+  const hookVideos = () => {
+    const a = document.querySelector('#video-bf16 video');
+    const b = document.querySelector('#video-method video');
+    if (!a || !b || (a.__quantwmPair === b)) return;
+    a.__quantwmPair = b; b.__quantwmPair = a;
+    for (const [x, y] of [[a, b], [b, a]]) {
+      x.addEventListener('play', () => { if (y.paused) { y.currentTime = x.currentTime; y.play(); } });
+      x.addEventListener('pause', () => { if (!y.paused) y.pause(); });
+      x.addEventListener('seeked', () => { if (Math.abs(y.currentTime - x.currentTime) > 0.05) y.currentTime = x.currentTime; });
+    }
+  };
+  new MutationObserver(() => { hookPlot(); hookVideos(); }).observe(document.body, { childList: true, subtree: true });
+}

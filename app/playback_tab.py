@@ -1,0 +1,100 @@
+"""Generate & play tab: BF16 and a quantized run side by side, frame scrubbing, per-frame plot, overlays,
+and click-a-pixel attention tracing. Layout and wiring only; the handlers come from app.world_handlers."""
+from __future__ import annotations
+
+from typing import Callable
+
+import gradio as gr
+
+from app.ui import progress_callback, unpack
+from app.world_handlers import FACTOR, OVERLAYS
+from quantwm.cache import TARGETS
+from quantwm.world.scene import TRAJECTORIES
+
+TARGET_CHOICES = [("Keys and Values", "kv"), ("Keys only", "k"), ("Values only", "v")]
+assert {v for _, v in TARGET_CHOICES} == set(TARGETS)
+
+
+def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callable, click_pixel: Callable,
+                       methods: list[str], facts: dict, default_frames: int = 32) -> dict:
+    """Build the tab; returns the shared controls (seed, trajectory, method, target, bits, frames, run_id)."""
+    size = facts["frame_size"]
+    gr.Markdown("Pick a world and a quantization method, press **Generate**: the BF16 reference and the "
+                "quantized run use the same world, trajectory and noise, so they differ only by the KV cache. "
+                "Click a pixel of either frame to trace its Query to the cached token it attends to most.")
+    with gr.Row():
+        seed = gr.Number(0, label="World seed", precision=0, minimum=0)
+        trajectory = gr.Dropdown(list(TRAJECTORIES), value="loop", label="Trajectory")
+        method = gr.Dropdown(methods, value="quantwm", label="Method")
+        target = gr.Radio(TARGET_CHOICES, value="kv", label="Quantize")
+        bits = gr.Dropdown([2, 3, 4, 8], value=2, label="Bits")
+        frames = gr.Number(default_frames, label="Frames", precision=0, minimum=facts["context_frames"] + 2,
+                           step=facts["chunk_frames"])
+    with gr.Row():
+        go = gr.Button("Generate", variant="primary", elem_id="generate-btn")
+        run_id = gr.Textbox(label="Current run", interactive=False, elem_id="run-id")
+    status = gr.Markdown(elem_id="generate-status")
+    img_kw = dict(format="png", interactive=False, height=size * FACTOR + 2, width=size * FACTOR + 2, buttons=[])
+    with gr.Row():
+        bf16_video = gr.Video(label="BF16 (reference)", elem_id="video-bf16", autoplay=False, loop=True, height=300)
+        method_video = gr.Video(label="Quantized", elem_id="video-method", autoplay=False, loop=True, height=300)
+        plot = gr.Plot(label="Per-frame flicker, PSNR and shift rate (click a point to jump)", elem_id="frame-plot")
+    frame = gr.Slider(0, default_frames - 1, value=0, step=1, label="Frame (scrubs both)", elem_id="frame-slider")
+    with gr.Row():
+        overlays = gr.CheckboxGroup(list(OVERLAYS), value=[], label="Overlays on the quantized frame "
+                                    "(red: flicker vs BF16; cyan: tokens whose top-1 source moved)")
+        jump_layer = gr.Dropdown(["all", *map(str, range(facts["layers"]))], value="all", label="Jump map layer")
+        jump_head = gr.Dropdown(["all", *map(str, range(facts["heads"]))], value="all", label="Jump map head")
+    frame_info = gr.Markdown(elem_id="frame-info")
+    with gr.Row():
+        bf16_img = gr.Image(label="BF16 frame (click a pixel)", elem_id="frame-bf16", **img_kw)
+        method_img = gr.Image(label="Quantized frame (click a pixel)", elem_id="frame-method", **img_kw)
+        result = gr.JSON(label="Trace result", elem_id="trace-result", height=280)
+    with gr.Accordion("Pixel trace: Query → top-1 cached source", open=True):
+        with gr.Row():
+            trace_layer = gr.Dropdown(list(range(facts["layers"])), value=1, label="Trace layer")
+            trace_head = gr.Dropdown(list(range(facts["heads"])), value=0, label="Trace head")
+            px = gr.Number(size // 2, label=f"x (0..{size - 1})", precision=0)
+            py = gr.Number(size // 2, label=f"y (0..{size - 1})", precision=0)
+            trace_btn = gr.Button("Trace pixel", elem_id="trace-btn")
+        trace_status = gr.Markdown(elem_id="trace-status")
+        with gr.Row():
+            thumb_kw = dict(format="png", interactive=False, height=size * 2 + 2, width=size * 2 + 2, buttons=[])
+            q_img = gr.Image(label="Query (yellow)", elem_id="trace-query", **thumb_kw)
+            src_bf16 = gr.Image(label="Top-1 source, BF16 keys (yellow)", elem_id="trace-src-bf16", **thumb_kw)
+            src_method = gr.Image(label="Top-1 source, quantized keys (red)", elem_id="trace-src-method", **thumb_kw)
+        heatmap = gr.Plot(label="Attention logits over the cache (frames x positions)", elem_id="trace-heatmap")
+
+    gen_names = ["status", "run_id", "bf16_video", "method_video", "figure", "frame_slider"]
+
+    def on_generate(s, tr, m, tg, b, n, progress=gr.Progress()):
+        r = generate(s, tr, m, tg, b, n, progress=progress_callback(progress, "generating BF16 and the method"))
+        if r.get("frames"):
+            r["frame_slider"] = gr.Slider(minimum=0, maximum=r["frames"] - 1, value=r["frame"], step=1)
+        return unpack(r, gen_names)
+
+    scrub_names = ["status", "bf16", "method"]
+    trace_names = ["status", "query_image", "bf16_source", "method_source", "figure", "result"]
+    trace_out = [trace_status, q_img, src_bf16, src_method, heatmap, result]
+    scrub_in = [run_id, frame, overlays, jump_layer, jump_head]
+    do_scrub = lambda *a: unpack(scrub(*a), scrub_names)  # noqa: E731
+    view = dict(concurrency_limit=4, concurrency_id="view")
+
+    ev = go.click(on_generate, [seed, trajectory, method, target, bits, frames],
+                  [status, run_id, bf16_video, method_video, plot, frame], api_name="generate",
+                  trigger_mode="multiple", concurrency_limit=2, concurrency_id="generate")
+    ev.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name="show_frame", **view)
+    gr.on([frame.change, overlays.change, jump_layer.change, jump_head.change], do_scrub, scrub_in,
+          [frame_info, bf16_img, method_img], api_name="scrub", trigger_mode="always_last", **view)
+
+    def on_click(rid, t, layer, head, evt: gr.SelectData):
+        r = click_pixel(rid, t, evt.index, layer, head)
+        x, y = (int(evt.index[0]) // FACTOR, int(evt.index[1]) // FACTOR) if evt.index else (None, None)
+        return (*unpack(r, trace_names), x if x is not None else gr.skip(), y if y is not None else gr.skip())
+
+    for img, name in ((method_img, "click_pixel"), (bf16_img, "click_pixel_bf16")):
+        img.select(on_click, [run_id, frame, trace_layer, trace_head], [*trace_out, px, py], api_name=name, **view)
+    trace_btn.click(lambda *a: unpack(trace_pixel(*a), trace_names), [run_id, frame, px, py, trace_layer, trace_head],
+                    trace_out, api_name="trace_pixel", **view)
+    return {"seed": seed, "trajectory": trajectory, "method": method, "target": target, "bits": bits,
+            "frames": frames, "run_id": run_id}

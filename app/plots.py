@@ -1,0 +1,87 @@
+"""Plotly figures of the app, built from plain lists and numpy arrays (no torch, no numerics)."""
+from __future__ import annotations
+
+import numpy as np
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+
+def frame_series_figure(series: dict, worst: list[int], context_frames: int, current: int | None = None) -> go.Figure:
+    """Three stacked per-frame panels (tdiff, PSNR vs BF16, shift rate); worst frames marked; click = frame."""
+    n = len(series["tdiff"])
+    x = list(range(n))
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
+                        subplot_titles=("flicker tdiff-L1 vs BF16 (higher = worse)", "PSNR vs BF16 (dB)",
+                                        "top-1 shift rate"))
+    for row, (name, color) in enumerate((("tdiff", "#d62728"), ("psnr", "#1f77b4"), ("shift_rate", "#9467bd")), 1):
+        y = series[name]
+        fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=name, line=dict(color=color),
+                                 marker=dict(size=6), hovertemplate="frame %{x}: %{y:.4g}<extra>" + name + "</extra>"),
+                      row=row, col=1)
+        wx = [t for t in worst if y[t] is not None]
+        fig.add_trace(go.Scatter(x=wx, y=[y[t] for t in wx], mode="markers", name="worst flicker frames",
+                                 marker=dict(symbol="x", size=13, color="black"), showlegend=row == 1,
+                                 hovertemplate="worst frame %{x}<extra></extra>"), row=row, col=1)
+    fig.add_vrect(x0=-0.5, x1=context_frames - 0.5, fillcolor="grey", opacity=0.15, line_width=0,
+                  annotation_text="context", annotation_position="top left")
+    if current is not None:
+        fig.add_vline(x=current, line_dash="dot", line_color="black")
+    fig.update_xaxes(title_text="frame (click a point to jump there)", row=3, col=1)
+    fig.update_layout(height=460, margin=dict(l=50, r=10, t=40, b=40), clickmode="event",
+                      legend=dict(orientation="h", y=-0.18), hovermode="closest")
+    return fig
+
+
+def logit_heatmaps_figure(exact: np.ndarray, stored: np.ndarray, src_exact: tuple, src_stored: tuple,
+                          method: str) -> go.Figure:
+    """Logits over the cache (frames x positions) with exact keys, stored keys, and their difference."""
+    diff = stored - exact
+    lim = float(np.abs(diff).max()) or 1.0
+    lo, hi = float(min(exact.min(), stored.min())), float(max(exact.max(), stored.max()))
+    fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08,
+                        subplot_titles=("BF16 keys", f"{method} keys", f"{method} − BF16"))
+    kw = dict(x=list(range(exact.shape[1])), y=list(range(exact.shape[0])))
+    fig.add_trace(go.Heatmap(z=exact, zmin=lo, zmax=hi, colorscale="Viridis", showscale=False, **kw), 1, 1)
+    fig.add_trace(go.Heatmap(z=stored, zmin=lo, zmax=hi, colorscale="Viridis", colorbar=dict(x=0.63, len=0.9),
+                             **kw), 1, 2)
+    fig.add_trace(go.Heatmap(z=diff, zmin=-lim, zmax=lim, colorscale="RdBu", reversescale=True,
+                             colorbar=dict(x=1.0, len=0.9), **kw), 1, 3)
+    grid = int(round(np.sqrt(exact.shape[1])))
+    for col in (1, 2, 3):
+        for (f, r, c), sym, color, name in ((src_exact, "circle-open", "white", "BF16 top-1"),
+                                            (src_stored, "x-open", "red", f"{method} top-1")):
+            fig.add_trace(go.Scatter(x=[r * grid + c], y=[f], mode="markers", name=name, showlegend=col == 1,
+                                     marker=dict(symbol=sym, size=14, color=color, line=dict(width=3))), 1, col)
+        fig.update_xaxes(title_text="position (row*w + col)", row=1, col=col)
+    fig.update_yaxes(title_text="cached frame", row=1, col=1)
+    fig.update_layout(height=340, margin=dict(l=50, r=10, t=50, b=40), legend=dict(orientation="h", y=-0.3))
+    return fig
+
+
+def energy_figure(spectra: list[dict], layer: int, rank: int = 8) -> go.Figure:
+    """One layer's eigen spectrum (log) and cumulative energy per head, top-`rank` marked."""
+    s = spectra[layer]
+    ev, cum, top = s["eigenvalues"], s["cumulative"], s["top_fraction"]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(f"layer {layer}: eigenvalues of S = E[q qᵀ]",
+                                                        "cumulative energy"))
+    idx = list(range(1, ev.shape[1] + 1))
+    for h in range(ev.shape[0]):
+        fig.add_trace(go.Scatter(x=idx, y=ev[h], mode="lines", name=f"head {h}", legendgroup=str(h)), 1, 1)
+        fig.add_trace(go.Scatter(x=idx, y=cum[h], mode="lines", name=f"head {h}: top-{rank} {top[h]:.1%}",
+                                 legendgroup=str(h)), 1, 2)
+    fig.add_vline(x=rank, line_dash="dash", line_color="black", annotation_text=f"R={rank}", row=1, col=2)
+    fig.add_vline(x=rank, line_dash="dash", line_color="black", row=1, col=1)
+    fig.update_yaxes(type="log", row=1, col=1)
+    fig.update_yaxes(range=[0, 1.02], row=1, col=2)
+    fig.update_xaxes(title_text="eigen-direction (descending)")
+    fig.update_layout(height=360, margin=dict(l=50, r=10, t=40, b=40))
+    return fig
+
+
+def bars_figure(rows: list[dict], label: str, metrics: list[str], title: str) -> go.Figure:
+    """Grouped bars of several metrics, one group per row (e.g. Keys-only vs Values-only)."""
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=metrics)
+    for i, m in enumerate(metrics, 1):
+        fig.add_trace(go.Bar(x=[r[label] for r in rows], y=[r[m] for r in rows], name=m, showlegend=False), 1, i)
+    fig.update_layout(height=300, title=title, margin=dict(l=40, r=10, t=70, b=30))
+    return fig

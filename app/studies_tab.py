@@ -1,0 +1,67 @@
+"""Query energy, Key vs Value and Methods tabs: studies of the current world (layout and wiring only)."""
+from __future__ import annotations
+
+from typing import Callable
+
+import gradio as gr
+
+from app.ui import progress_callback, table, unpack
+
+
+def build_energy_tab(energy: Callable, controls: dict, layers: int) -> None:
+    """energy(run_id, layer) -> {status, figure, header, rows}."""
+    gr.Markdown("History-Query energy of the current run: eigenvalues of S = E[q qᵀ] (the statistics QSAC and "
+                "PSAC use) per layer and head, and the cumulative energy with the top 8 directions marked. "
+                "Concentrated energy is why correcting only the principal subspace (PSAC) protects the logits.")
+    with gr.Row():
+        layer = gr.Dropdown(list(range(layers)), value=0, label="Layer")
+        show = gr.Button("Show spectra", variant="primary", elem_id="energy-btn")
+    status = gr.Markdown(elem_id="energy-status")
+    plot = gr.Plot(label="Query energy", elem_id="energy-plot")
+    top8 = gr.Dataframe(label="Top-8 energy fraction per layer and head", interactive=False)
+
+    def run(rid, l):
+        r = energy(rid, l)
+        return (*unpack(r, ["status", "figure"]), table(r))
+
+    gr.on([show.click, layer.change], run, [controls["run_id"], layer], [status, plot, top8], api_name="energy",
+          concurrency_limit=4, concurrency_id="view")
+
+
+def build_key_value_tab(key_value: Callable, controls: dict) -> None:
+    """key_value(seed, trajectory, method, bits, frames, progress) -> {status, header, rows, figure}."""
+    gr.Markdown("Quantize only the Keys, then only the Values, with the method and settings of the Generate tab. "
+                "The table puts the reconstruction error of K and V beside the damage each causes: attention-"
+                "output error on the same cache state, top-1 shift rate, and PSNR/SSIM/LPIPS/flicker vs BF16.")
+    go = gr.Button("Run Key-only vs Value-only", variant="primary", elem_id="kv-btn")
+    status = gr.Markdown(elem_id="kv-status")
+    rows = gr.Dataframe(label="Keys only (k) vs Values only (v)", interactive=False)
+    plot = gr.Plot(label="Errors and damage", elem_id="kv-plot")
+
+    def run(s, tr, m, b, n, progress=gr.Progress()):
+        r = key_value(s, tr, m, b, n, progress=progress_callback(progress, "Keys only, then Values only"))
+        return (*unpack(r, ["status", "figure"]), table(r))
+
+    c = controls
+    go.click(run, [c["seed"], c["trajectory"], c["method"], c["bits"], c["frames"]], [status, plot, rows],
+             api_name="key_vs_value", concurrency_limit=2, concurrency_id="generate", trigger_mode="multiple")
+
+
+def build_methods_tab(methods_table: Callable, methods: list[str], controls: dict) -> None:
+    """methods_table(seed, trajectory, target, bits, frames, methods, progress) -> {status, header, rows}."""
+    gr.Markdown("Every chosen method on the current world (seed, trajectory, target, bits and frames of the "
+                "Generate tab): compression, cache memory in MB (BF16 vs stored), top-1 shift rate, PSNR, SSIM, "
+                "LPIPS and flicker against BF16. Runs are cached, so methods already generated are instant.")
+    base = [m for m in methods if m != "bf16" and "+" not in m]
+    chosen = gr.CheckboxGroup([m for m in methods if m != "bf16"], value=base, label="Methods")
+    go = gr.Button("Compare methods", variant="primary", elem_id="methods-btn")
+    status = gr.Markdown(elem_id="methods-status")
+    rows = gr.Dataframe(label="Methods", interactive=False, elem_id="methods-table")
+
+    def run(s, tr, tg, b, n, ms, progress=gr.Progress()):
+        r = methods_table(s, tr, tg, b, n, ms, progress=progress_callback(progress, "methods"))
+        return unpack(r, ["status"])[0], table(r)
+
+    c = controls
+    go.click(run, [c["seed"], c["trajectory"], c["target"], c["bits"], c["frames"], chosen], [status, rows],
+             api_name="methods_table", concurrency_limit=2, concurrency_id="generate", trigger_mode="multiple")

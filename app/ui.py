@@ -1,0 +1,21 @@
+"""Glue between plain handler results and Gradio outputs (no numerics, no torch)."""
+from __future__ import annotations
+
+import gradio as gr
+
+
+def unpack(result: dict, names: list[str]) -> tuple:
+    """Handler dict -> output tuple in `names` order; a missing or None entry leaves that output as it is."""
+    return tuple(gr.skip() if result.get(n) is None else result[n] for n in names)
+
+
+def table(result: dict, headers_key: str = "header", rows_key: str = "rows"):
+    """A Dataframe update from a handler's header and rows (no change when the handler gave none)."""
+    if result.get(rows_key) is None:
+        return gr.skip()
+    return gr.Dataframe(value=result[rows_key], headers=result[headers_key])
+
+
+def progress_callback(progress: gr.Progress, desc: str):
+    """(done, total) callback for the workbench that drives a Gradio progress bar."""
+    return lambda done, total, *_: progress((done, total), desc=desc)

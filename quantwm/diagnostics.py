@@ -1,0 +1,178 @@
+"""The numbers behind the diagnostics app: where and why a quantized rollout departs from BF16.
+
+Per frame: PSNR against the BF16 rollout, tdiff-L1 flicker, the top-1 shift rate of the frame's queries;
+per pixel: the flicker map; per token: the top-1 jump map (fraction of layers/heads whose argmax over the
+cached keys moved under quantization). Per query: the attention logits over the cache, exact vs stored
+keys, as the query saw the cache (chunks still inside the full-precision recent window at that time are
+exact), reshaped to (cached frames, positions). Per (layer, head): the eigen spectrum of the history-Query
+second moment S and its cumulative energy. Logits are q·k, exactly what the shift rate compares (the
+`+jensen` read-path bias is not added, as in `world.evaluate.shift_rate`).
+
+Tokens run frame by frame, row-major in a frame: token j of a frame grid (h, w) is
+(frame j // (h*w), row (j % (h*w)) // w, col j % w), as in trace files.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import metrics as M
+
+
+def token_coords(j: int, grid: tuple[int, int]) -> tuple[int, int, int]:
+    """Cached token index -> (frame, row, col)."""
+    h, w = grid
+    return j // (h * w), (j % (h * w)) // w, j % w
+
+
+def pixel_to_patch(x: int, y: int, size: tuple[int, int], grid: tuple[int, int]) -> tuple[int, int]:
+    """Pixel (x, y) of a frame of `size` (height, width) -> the (row, col) of its patch token.
+
+    Raises ValueError for a pixel outside the frame.
+    """
+    H, W = size
+    if not (0 <= x < W and 0 <= y < H):
+        raise ValueError(f"pixel (x={x}, y={y}) lies outside the {W}x{H} frame")
+    h, w = grid
+    return int(y) * h // H, int(x) * w // W
+
+
+# ---- per frame ----------------------------------------------------------------------------------
+
+def frame_series(frames: torch.Tensor, ref: torch.Tensor, context_frames: int) -> dict[str, list]:
+    """Per-frame PSNR (dB) and tdiff-L1 of `frames` against `ref` (T, H, W, 3) in [0, 1].
+
+    Context frames (given, identical in both runs) get None for PSNR; tdiff of frame 0 is None.
+    """
+    p = M.psnr(frames, ref).tolist()
+    td = [None] + M.tdiff(frames, ref).tolist() if len(frames) > 1 else [None]
+    return {"psnr": [None if t < context_frames else v for t, v in enumerate(p)], "tdiff": td}
+
+
+def flicker_maps(frames: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per-pixel flicker (T, H, W): |(x_t - x_{t-1}) - (r_t - r_{t-1})|, zeros for frame 0."""
+    f = M.flicker_map(frames, ref)
+    return torch.cat([torch.zeros_like(f[:1]), f])
+
+
+def _probe_of(probes, frame: int, chunk_frames: int):
+    c = frame // chunk_frames
+    for p in probes:
+        if p.chunk == c:
+            return p
+    return None
+
+
+def frame_jumps(probes, frame: int, chunk_frames: int, tokens_per_frame: int,
+                layer: int | None = None, head: int | None = None) -> torch.Tensor | None:
+    """(N,) fraction of the chosen layers/heads in which each token of `frame` changed its top-1 source.
+
+    layer/head None aggregate over all. None when the frame has no probe (a context frame).
+    """
+    p = _probe_of(probes, frame, chunk_frames)
+    if p is None:
+        return None
+    n_layers, n_heads = len(p.top1_exact), p.top1_exact[0].shape[0]
+    if layer is not None and not 0 <= layer < n_layers:
+        raise ValueError(f"layer {layer} out of range: the model has {n_layers} layers")
+    if head is not None and not 0 <= head < n_heads:
+        raise ValueError(f"head {head} out of range: the model has {n_heads} heads")
+    s = (frame - p.chunk * chunk_frames) * tokens_per_frame
+    sl = slice(s, s + tokens_per_frame)
+    layers = range(n_layers) if layer is None else [layer]
+    heads = slice(None) if head is None else slice(head, head + 1)
+    moved = torch.stack([(p.top1_exact[l][heads, sl] != p.top1_quant[l][heads, sl]).float() for l in layers])
+    return moved.mean((0, 1))  # (L, h, N) -> (N,)
+
+
+def shift_rate_per_frame(probes, n_frames: int, chunk_frames: int, tokens_per_frame: int) -> list:
+    """Top-1 shift rate of each frame's queries over all layers and heads; None for unprobed frames."""
+    out = []
+    for t in range(n_frames):
+        j = frame_jumps(probes, t, chunk_frames, tokens_per_frame)
+        out.append(None if j is None else float(j.mean()))
+    return out
+
+
+def worst_frames(values: list, k: int = 3, largest: bool = True) -> list[int]:
+    """Indices of the k worst entries (None and nan skipped), worst first."""
+    valid = [(v, t) for t, v in enumerate(values) if v is not None and not math.isnan(v)]
+    valid.sort(key=lambda vt: -vt[0] if largest else vt[0])
+    return [t for _, t in valid[:k]]
+
+
+# ---- per query ----------------------------------------------------------------------------------
+
+def seen_by_chunk(exact: torch.Tensor, stored: torch.Tensor, chunk: int, chunk_tokens: int,
+                  recent_chunks: int) -> torch.Tensor:
+    """The cached keys (or values) chunk `chunk`'s queries saw: (H, L, D) -> (H, chunk*chunk_tokens, D).
+
+    Spans are quantized once, when they leave the recent window, and never re-quantized; so the stored
+    tensors of the final cache are what every later chunk saw, except the `recent_chunks` chunks just
+    before `chunk`, which were still exact then.
+    """
+    n = chunk * chunk_tokens
+    if n > exact.shape[1]:
+        raise ValueError(f"chunk {chunk} saw {n} cached tokens but the cache holds {exact.shape[1]}")
+    out = stored[:, :n].clone()
+    lo = max(0, chunk - recent_chunks) * chunk_tokens
+    out[:, lo:n] = exact[:, lo:n]
+    return out
+
+
+def query_logits(q: torch.Tensor, k_exact: torch.Tensor, k_stored: torch.Tensor, scale: float = 1.0,
+                 tokens_per_frame: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits of one query q (D,) over cached keys (L, D), exact and stored, each (L,) or
+    (L // tokens_per_frame, tokens_per_frame) when tokens_per_frame is given (frames x positions)."""
+    if q.dim() != 1 or k_exact.shape != k_stored.shape or k_exact.shape[-1] != q.shape[0]:
+        raise ValueError(f"expected q (D,) and keys (L, D); got {tuple(q.shape)}, {tuple(k_exact.shape)}, "
+                         f"{tuple(k_stored.shape)}")
+    a, b = (k.float() @ q.float() * scale for k in (k_exact, k_stored))
+    if tokens_per_frame:
+        if a.shape[0] % tokens_per_frame:
+            raise ValueError(f"{a.shape[0]} cached tokens are not whole frames of {tokens_per_frame}")
+        a, b = a.reshape(-1, tokens_per_frame), b.reshape(-1, tokens_per_frame)
+    return a, b
+
+
+def attention_output_error(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor, v: torch.Tensor,
+                           v_hat: torch.Tensor, scale: float = 1.0) -> tuple[float, float]:
+    """(squared error, squared norm) of softmax(q kᵀ) v with stored vs exact K/V; q (H, N, D), k/v (H, L, D)."""
+    ref = torch.softmax(q @ k.transpose(1, 2) * scale, -1) @ v
+    out = torch.softmax(q @ k_hat.transpose(1, 2) * scale, -1) @ v_hat
+    return float((out - ref).square().sum()), float(ref.square().sum())
+
+
+# ---- query energy -------------------------------------------------------------------------------
+
+def energy_spectrum(stats: torch.Tensor, rank: int = 8) -> dict[str, torch.Tensor]:
+    """S (H, D, D) -> eigenvalues (H, D) descending, cumulative energy fraction (H, D), top-`rank` fraction (H,)."""
+    ev, frac = M.query_energy(stats, rank=rank)
+    total = ev.sum(-1, keepdim=True).clamp_min(1e-30)
+    return {"eigenvalues": ev, "cumulative": ev.cumsum(-1) / total, "top_fraction": frac}
+
+
+# ---- trace files --------------------------------------------------------------------------------
+
+def trace_keys(trace, layer: int, method: str, target: str = "k", bits: int = 2) -> dict[str, torch.Tensor]:
+    """A traced layer's queries and its keys exact and as `method` stores them (as `quantwm analyze` builds
+    the cache: chunk by chunk, sink and recent chunk full precision), plus each query's top-1 under both.
+
+    Returns q (H, Nq, D) scaled by the softmax scale, k, k_hat (H, Nk, D), top1_exact, top1_quant (H, Nq).
+    """
+    from .analyze import _layer_cache
+    from .cache import CacheConfig
+
+    if layer not in trace.layers:
+        raise ValueError(f"layer {layer} is not in the trace (layers: {', '.join(map(str, trace.layers))})")
+    config = CacheConfig(method=method, target=target, k_bits=bits, v_bits=bits)
+    chunk_tokens = int(trace.meta.get("chunk_frames", 1)) * trace.tokens_per_frame
+    cache, rope = _layer_cache(trace, layer, config, chunk_tokens)
+    t = trace.layers[layer]
+    q, k = t["q"].float() * trace.softmax_scale, t["k"].float()
+    if rope is not None:
+        k = rope(k[None], torch.arange(k.shape[1]))[0]
+    k_hat = cache.keys(0)[0]
+    return {"q": q, "k": k, "k_hat": k_hat, "top1_exact": (q @ k.transpose(1, 2)).argmax(-1),
+            "top1_quant": (q @ k_hat.transpose(1, 2)).argmax(-1)}

@@ -1,0 +1,345 @@
+"""The diagnostics app's compute side: the built-in world model loaded once, rollouts cached by settings.
+
+    wb = Workbench()                                  # loads assets/world_model.safetensors
+    key = RunKey(seed=0, trajectory="loop", method="quantwm", target="kv", bits=2, frames=32)
+    cmp = wb.compare(key)                             # BF16 and the method, same seeds, per-frame series
+    wb.pixel_trace(key.id, frame=20, x=31, y=12, layer=1, head=0)
+
+Everything returned is a plain value (numpy arrays, lists, floats, dicts) for the app's handlers. Each
+rollout is kept as a compact record (frames, probes, exact and stored K/V, query statistics, memory)
+in a small LRU, so switching back to earlier settings is instant. One generation runs at a time: a
+second request while one runs raises `Busy` (the app turns it into a message). On CUDA the model runs
+there; on CPU torch uses `threads` intra-op threads (1 by default: these are small matrices, and more
+threads only spin against other work on the machine).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import numpy as np
+import torch
+
+from . import diagnostics as D
+from . import metrics as M
+from .cache import TARGETS, CacheConfig
+from .methods import known_methods
+from .world.generate import generate, load_world_model
+from .world.scene import TRAJECTORIES
+
+MiB = 2 ** 20
+
+
+class Busy(RuntimeError):
+    """A generation is already running."""
+
+
+@dataclass(frozen=True)
+class RunKey:
+    """The settings that determine a rollout; `id` is its printable, parseable name."""
+
+    seed: int = 0
+    trajectory: str = "loop"
+    method: str = "quantwm"
+    target: str = "kv"
+    bits: int = 2
+    frames: int = 32
+
+    def __post_init__(self):
+        if self.trajectory not in TRAJECTORIES:
+            raise ValueError(f"unknown trajectory {self.trajectory!r}; known: {', '.join(TRAJECTORIES)}")
+        if self.method not in known_methods():
+            raise ValueError(f"unknown method {self.method!r}; known methods: {', '.join(known_methods())}")
+        if self.target not in TARGETS:
+            raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {self.target!r}")
+        if self.seed < 0:
+            raise ValueError(f"world seed must be >= 0, got {self.seed}")
+        CacheConfig(method=self.method, k_bits=self.bits, v_bits=self.bits)  # validates bits
+
+    @property
+    def id(self) -> str:
+        return f"seed={self.seed} {self.trajectory} {self.method} {self.target} {self.bits}-bit {self.frames}f"
+
+    @classmethod
+    def parse(cls, text: str) -> "RunKey":
+        """Inverse of `id`; ValueError for anything else."""
+        try:
+            seed, traj, method, target, bits, frames = str(text).split()
+            if not (seed.startswith("seed=") and bits.endswith("-bit") and frames.endswith("f")):
+                raise ValueError
+            return cls(int(seed[5:]), traj, method, target, int(bits[:-4]), int(frames[:-1]))
+        except (ValueError, TypeError) as e:
+            why = f": {e}" if str(e) else ""
+            raise ValueError(f"not a run id: {text!r}{why} (generate first)") from None
+
+    def reference(self) -> "RunKey":
+        return replace(self, method="bf16", target="kv", bits=2)
+
+
+@dataclass
+class Record:
+    """One rollout, compact: what the app shows and recomputes from."""
+
+    key: RunKey
+    frames: torch.Tensor  # (T, H, W, 3) float in [0, 1]
+    probes: list
+    k_exact: list  # per layer (H, L, D)
+    k_stored: list
+    v_exact: list
+    v_stored: list
+    stats: list  # per layer S (H, D, D)
+    bits_per_element: float
+    memory_mb: dict  # {"bf16": ..., "stored": ...}, full-precision chunks counted at 2 bytes per element
+    seconds: float
+
+
+class Workbench:
+    def __init__(self, weights: str | None = None, device: str | None = None, threads: int = 1,
+                 max_records: int = 24):
+        self.model = load_world_model(weights) if weights else load_world_model()
+        self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device == "cpu":
+            torch.set_num_threads(max(1, int(threads)))
+        self.model.to(self.device)
+        self.cfg = self.model.cfg
+        self.max_records = max_records
+        self._records: OrderedDict[RunKey, Record] = OrderedDict()
+        self._lock = threading.Lock()
+        self.running: str | None = None
+
+    # ---- facts --------------------------------------------------------------------------------
+    def describe_device(self) -> str:
+        if self.device.startswith("cuda"):
+            return f"CUDA ({torch.cuda.get_device_name(0)})"
+        return f"CPU ({torch.get_num_threads()} torch thread(s))"
+
+    def model_facts(self) -> dict:
+        c = self.cfg
+        return {"layers": c.layers, "heads": c.heads, "head_dim": c.head_dim, "frame_size": c.view * c.patch,
+                "grid": (c.view, c.view), "chunk_frames": c.chunk_frames, "context_frames": c.context_frames}
+
+    def check_frames(self, n: int) -> None:
+        c = self.cfg
+        if n <= c.context_frames or (n - c.context_frames) % c.chunk_frames:
+            raise ValueError(f"frames must exceed {c.context_frames} by a multiple of {c.chunk_frames}, got {n}")
+
+    # ---- rollouts -----------------------------------------------------------------------------
+    def cached(self, key: RunKey) -> bool:
+        return key in self._records
+
+    def run(self, key: RunKey, progress: Callable | None = None) -> Record:
+        """The rollout for `key`, from the cache or generated now (raises Busy if another is running)."""
+        if key in self._records:
+            self._records.move_to_end(key)
+            return self._records[key]
+        self.check_frames(key.frames)
+        if not self._lock.acquire(blocking=False):
+            raise Busy(f"a generation is already running ({self.running}); wait for it to finish")
+        try:
+            self.running = key.id
+            rec = self._generate(key, progress)
+        finally:
+            self.running = None
+            self._lock.release()
+        self._records[key] = rec
+        while len(self._records) > self.max_records:
+            self._records.popitem(last=False)
+        return rec
+
+    def _generate(self, key: RunKey, progress: Callable | None) -> Record:
+        cc = CacheConfig(method=key.method, target=key.target, k_bits=key.bits, v_bits=key.bits)
+        t0 = time.time()
+        run = generate(self.model, key.seed, key.trajectory, key.frames, cc, progress=progress)
+        c, L = run.cache, self.cfg.layers
+        k_exact = [c.keys(l, exact=True)[0].cpu() for l in range(L)]
+        v_exact = [c.values(l, exact=True)[0].cpu() for l in range(L)]
+        bpe = c.bits_per_element()
+        elems = sum(2 * k.numel() for k in k_exact)
+        full = sum(n for name, n in c.bytes_by_component().items() if name.endswith(".full"))
+        qbytes = c.nbytes() - full
+        qelems = 8 * qbytes / bpe if bpe == bpe else 0
+        memory = {"bf16": 2 * elems / MiB, "stored": (qbytes + 2 * (elems - qelems)) / MiB}
+        return Record(key, run.frames.cpu(), run.probes, k_exact, [c.keys(l)[0].cpu() for l in range(L)],
+                      v_exact, [c.values(l)[0].cpu() for l in range(L)],
+                      [c.query_stats(l).cpu() for l in range(L)], bpe, memory, time.time() - t0)
+
+    def pair(self, key: RunKey, progress: Callable | None = None) -> tuple[Record, Record]:
+        """(BF16 record, method record) with the same world, trajectory and noise."""
+        ref_key = key.reference()
+        todo = [k for k in dict.fromkeys([ref_key, key]) if k not in self._records]
+        done = [0]
+
+        def step(i, n):
+            if progress:
+                progress(done[0] * n + i, n * len(todo))
+        ref = self.run(ref_key, step)
+        done[0] = int(ref_key in todo)
+        return ref, self.run(key, step)
+
+    def compare(self, key: RunKey, progress: Callable | None = None) -> dict:
+        """Per-frame series of the method against BF16 plus the summary numbers."""
+        ref, rec = self.pair(key, progress)
+        c = self.cfg
+        series = D.frame_series(rec.frames, ref.frames, c.context_frames)
+        series["shift_rate"] = D.shift_rate_per_frame(rec.probes, key.frames, c.chunk_frames, c.tokens_per_frame)
+        return {"key": key.id, "bf16": self.frames_uint8(ref), "method": self.frames_uint8(rec),
+                "series": series, "summary": self.summary(ref, rec, lpips=False),
+                "worst": D.worst_frames(series["tdiff"][c.context_frames:], 3),
+                "seconds": ref.seconds + rec.seconds}
+
+    @staticmethod
+    def frames_uint8(rec: Record) -> np.ndarray:
+        return (rec.frames * 255).round().to(torch.uint8).numpy()
+
+    def summary(self, ref: Record, rec: Record, lpips: bool = True) -> dict:
+        """Clip-level numbers of `rec` against `ref` (generated frames only)."""
+        ctx = self.cfg.context_frames
+        x, r = rec.frames[ctx:], ref.frames[ctx:]
+        mse = float((x - r).square().mean())
+        out = {"psnr": min(100.0, -10 * float(np.log10(max(mse, 1e-10)))), "ssim": float(M.ssim(x, r).mean()),
+               "tdiff": float(M.tdiff(rec.frames[ctx - 1:], ref.frames[ctx - 1:]).mean()),
+               "shift_rate": self.shift_rate(rec), "bits_per_element": rec.bits_per_element,
+               "compression": 16 / rec.bits_per_element if rec.bits_per_element == rec.bits_per_element else 1.0,
+               "memory_bf16_mb": rec.memory_mb["bf16"], "memory_mb": rec.memory_mb["stored"]}
+        if lpips:
+            out["lpips"] = float(M.lpips(x, r).mean())
+        return out
+
+    @staticmethod
+    def shift_rate(rec: Record) -> float:
+        moved = sum(int((e != q).sum()) for p in rec.probes for e, q in zip(p.top1_exact, p.top1_quant))
+        total = sum(e.numel() for p in rec.probes for e in p.top1_exact)
+        return moved / total if total else float("nan")
+
+    def record(self, run_id: str) -> Record:
+        key = RunKey.parse(run_id)
+        if key not in self._records:
+            raise ValueError(f"run {run_id!r} is not generated (or was evicted): press Generate")
+        return self._records[key]
+
+    # ---- views of one run ---------------------------------------------------------------------
+    def check_frame(self, rec: Record, frame: int) -> int:
+        T = rec.frames.shape[0]
+        if not 0 <= int(frame) < T:
+            raise ValueError(f"frame {frame} out of range: the run has frames 0..{T - 1}")
+        return int(frame)
+
+    def frame_view(self, run_id: str, frame: int, layer: int | None = None, head: int | None = None) -> dict:
+        """Both frames (uint8), the flicker map (H, W) and the top-1 jump map (h, w) or None (context)."""
+        rec = self.record(run_id)
+        ref = self.record(rec.key.reference().id)
+        t = self.check_frame(rec, frame)
+        c = self.cfg
+        flick = D.flicker_maps(rec.frames[max(t - 1, 0):t + 1], ref.frames[max(t - 1, 0):t + 1])[-1]
+        jumps = D.frame_jumps(rec.probes, t, c.chunk_frames, c.tokens_per_frame, layer, head)
+        return {"frame": t, "bf16": self.frames_uint8(ref)[t], "method": self.frames_uint8(rec)[t],
+                "flicker": flick.numpy(), "jumps": None if jumps is None else jumps.reshape(c.view, c.view).numpy(),
+                "context": t < c.context_frames}
+
+    def pixel_trace(self, run_id: str, frame: int, x: int, y: int, layer: int = 0, head: int = 0) -> dict:
+        """Trace pixel (x, y) of `frame` to its Query's top-1 cached source, exact vs stored keys."""
+        rec = self.record(run_id)
+        t = self.check_frame(rec, frame)
+        c = self.cfg
+        if not 0 <= layer < c.layers or not 0 <= head < c.heads:
+            raise ValueError(f"layer/head ({layer}, {head}) out of range: {c.layers} layers, {c.heads} heads")
+        size = tuple(rec.frames.shape[1:3])
+        row, col = D.pixel_to_patch(int(x), int(y), size, (c.view, c.view))
+        if t < c.context_frames:
+            raise ValueError(f"frame {t} is a context frame (given, not generated): its queries were not "
+                             f"probed; pick a frame >= {c.context_frames}")
+        probe = next(p for p in rec.probes if p.chunk == t // c.chunk_frames)
+        qi = (t - probe.chunk * c.chunk_frames) * c.tokens_per_frame + row * c.view + col
+        chunk_tokens = c.chunk_frames * c.tokens_per_frame
+        k_seen = D.seen_by_chunk(rec.k_exact[layer], rec.k_stored[layer], probe.chunk, chunk_tokens, 1)
+        exact, stored = D.query_logits(probe.q[layer][head, qi].cpu(), rec.k_exact[layer][head, :len(k_seen[0])],
+                                       k_seen[head], tokens_per_frame=c.tokens_per_frame)
+        src_e, src_q = int(probe.top1_exact[layer][head, qi]), int(probe.top1_quant[layer][head, qi])
+        return {"query": (t, row, col), "layer": layer, "head": head,
+                "source_bf16": D.token_coords(src_e, (c.view, c.view)),
+                "source_method": D.token_coords(src_q, (c.view, c.view)), "jumped": src_e != src_q,
+                "logits_bf16": exact.numpy(), "logits_method": stored.numpy(), "frames": self.frames_uint8(rec)}
+
+    def energy(self, run_id: str, rank: int = 8) -> list[dict]:
+        """Per layer: the history-Query spectrum the method's cache accumulated (energy_spectrum as numpy)."""
+        rec = self.record(run_id)
+        return [{k: v.numpy() for k, v in D.energy_spectrum(S, rank).items()} for S in rec.stats]
+
+    # ---- studies over several runs ------------------------------------------------------------
+    def attention_error(self, rec: Record) -> float:
+        """Relative error of the attention output over the cache, stored vs exact K/V, every probed chunk."""
+        num = den = 0.0
+        tokens = self.cfg.chunk_frames * self.cfg.tokens_per_frame
+        for p in rec.probes:
+            for l in range(self.cfg.layers):
+                n = p.chunk * tokens
+                k_hat = D.seen_by_chunk(rec.k_exact[l], rec.k_stored[l], p.chunk, tokens, 1)
+                v_hat = D.seen_by_chunk(rec.v_exact[l], rec.v_stored[l], p.chunk, tokens, 1)
+                a, b = D.attention_output_error(p.q[l].cpu(), rec.k_exact[l][:, :n], k_hat, rec.v_exact[l][:, :n], v_hat)
+                num, den = num + a, den + b
+        return num / den if den else float("nan")
+
+    def key_vs_value(self, key: RunKey, progress: Callable | None = None) -> list[dict]:
+        """The method with Keys only and Values only quantized: errors of K and V beside what they cause."""
+        rows = []
+        keys = [replace(key, target="k"), replace(key, target="v")]
+        for i, k in enumerate(keys):
+            ref, rec = self.pair(k, (lambda a, n, i=i: progress(i * n + a, 2 * n)) if progress else None)
+            ke = sum(M.rel_err(s, e) for s, e in zip(rec.k_stored, rec.k_exact)) / len(rec.k_exact)
+            ve = sum(M.rel_err(s, e) for s, e in zip(rec.v_stored, rec.v_exact)) / len(rec.v_exact)
+            rows.append({"target": k.target, "k_rel_err": ke, "v_rel_err": ve, "attn_out_rel_err": self.attention_error(rec),
+                         **self.summary(ref, rec)})
+        return rows
+
+    def methods_table(self, key: RunKey, methods: list[str], progress: Callable | None = None) -> list[dict]:
+        """Every method in `methods` on key's world, trajectory, target and bits."""
+        if not methods:
+            raise ValueError("choose at least one method")
+        keys = [replace(key, method=m) for m in methods]  # validates every name before any work
+        rows = []
+        for i, k in enumerate(keys):
+            ref, rec = self.pair(k, (lambda a, n, i=i: progress(i * n + a, len(keys) * n)) if progress else None)
+            rows.append({"method": k.method, **self.summary(ref, rec)})
+        return rows
+
+
+# ---- trace files ------------------------------------------------------------------------------------
+
+def trace_query_view(path: str, method: str, target: str, bits: int, layer: int, head: int, query: int) -> dict:
+    """One traced query under exact and `method`'s stored keys: logits (frames x positions), top-1 sources,
+    the jump map of every query of the layer, and the trace's frames (uint8) when it holds them."""
+    from .trace import read_trace
+
+    trace = read_trace(path)
+    r = D.trace_keys(trace, int(layer), method, target, int(bits))
+    H, Nq, _ = r["q"].shape
+    if not 0 <= head < H:
+        raise ValueError(f"head {head} out of range: the trace has {H} heads")
+    if not 0 <= query < Nq:
+        raise ValueError(f"query {query} out of range: layer {layer} has {Nq} queries")
+    tpf, grid = trace.tokens_per_frame, trace.frame_grid
+    whole = r["k"].shape[1] % tpf == 0
+    exact, stored = D.query_logits(r["q"][head, query], r["k"][head], r["k_hat"][head],
+                                   tokens_per_frame=tpf if whole else None)
+    if not whole:
+        exact, stored = exact[None], stored[None]
+    moved = (r["top1_exact"] != r["top1_quant"]).float()  # (H, Nq)
+    e, q = int(r["top1_exact"][head, query]), int(r["top1_quant"][head, query])
+    return {"logits_bf16": exact.numpy(), "logits_method": stored.numpy(),
+            "source_bf16": D.token_coords(e, grid), "source_method": D.token_coords(q, grid), "jumped": e != q,
+            "query_coords": D.token_coords(r["k"].shape[1] + query, grid),
+            "jumps": moved.mean(0).numpy(), "shift_rate": float(moved.mean()), "heads": H, "queries": Nq,
+            "layers": list(trace.layers), "grid": grid, "tokens_per_frame": tpf,
+            "frames": None if trace.frames is None else trace.frames.numpy()}
+
+
+def trace_energy(path: str, rank: int = 8) -> list[dict]:
+    """Per traced layer: the spectrum of S from its history queries (q_hist, else q)."""
+    from .trace import read_trace
+
+    trace = read_trace(path)
+    return [{k: v.numpy() for k, v in D.energy_spectrum(M.second_moment(t.get("q_hist", t["q"]).float()), rank).items()}
+            for t in trace.layers.values()]
