@@ -1,0 +1,140 @@
+"""The device check: fused 2-bit attention vs BF16 SDPA, and the cost of quantizing a committed chunk.
+
+    python kernels/bench.py                  # Wan-1.3B-like shapes on the GPU (12 heads x 128, 4680 queries)
+    python kernels/bench.py --preset tiny    # seconds on a CPU (kernels under TRITON_INTERPRET=1)
+
+For every cache length it builds a one-layer QuantWM cache by committing random chunks (BF16 sink and
+recent chunk, the rest quantized with `--method`), then times, on the same cache, one attention call of a
+chunk of queries:
+  bf16      scaled_dot_product_attention over the cache kept in BF16
+  dequant   the cache's reference path: decompress every span to full precision, then SDPA (QVG's way)
+  fused     kernels/span_attention.py over the stored bytes (QUANTWM_KERNELS=auto on CUDA, =triton on CPU)
+and prints time, achieved bandwidth (bytes the call must read: stored K/V plus Q and the output) and the
+ratio to bf16 from the same run. It also times quantizing one committed chunk (k-means / QSAC assignment,
+residual packing, PSAC) and puts it beside (steps + 1) x the BF16 attention time of that chunk: a lower
+bound on the chunk's generation time in this layer, so the percentage printed is an upper bound.
+This script, unlike the kernels, imports quantwm: it measures the library's fast path end to end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports kernels/
+
+import torch.nn.functional as F  # noqa: E402
+
+from quantwm.backend import device_name  # noqa: E402
+from quantwm.cache import CacheConfig, KVCache  # noqa: E402
+
+PRESETS = {
+    "wan-1.3b": dict(heads=12, head_dim=128, chunk=4680, lengths=(8192, 32768, 65536), reps=10),
+    "tiny": dict(heads=2, head_dim=64, chunk=64, lengths=(192, 320), reps=1),
+}
+
+
+def _timer(device: torch.device):
+    def run(fn, reps: int) -> float:
+        fn()  # warm-up (compiles kernels)
+        times = []
+        for _ in range(reps):
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+    return run
+
+
+def build_cache(method: str, length: int, heads: int, head_dim: int, chunk: int, device, dtype):
+    """A one-layer cache holding about `length` committed tokens, plus the seconds each quantizing commit took."""
+    cache = KVCache(CacheConfig(method), 1)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    n_chunks = max(1, -(-length // chunk))
+    commit_times = []
+    for i in range(n_chunks):
+        k, v = (torch.randn(1, heads, chunk, head_dim, generator=g).to(device, dtype) for _ in range(2))
+        q = torch.randn(1, heads, chunk, head_dim, generator=g).to(device, dtype)
+        cache.write(0, k, v, i)
+        cache.observe(0, q)  # history queries feed QSAC/PSAC, as in generation
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        cache.commit(0, i)  # quantizes the chunk that leaves the BF16 recent window
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= 2:  # commits 0 and 1 quantize nothing (sink, recent)
+            commit_times.append(time.perf_counter() - t)
+    return cache, n_chunks, commit_times
+
+
+def bench(preset: str, method: str, steps: int, reps: int | None = None) -> list[dict]:
+    p = PRESETS[preset]
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16
+    H, D, N = p["heads"], p["head_dim"], p["chunk"]
+    reps = reps or p["reps"]
+    timed = _timer(device)
+    fused_mode = "auto" if device.type == "cuda" else "triton"
+    rows = []
+    for length in p["lengths"]:
+        cache, n_chunks, commit_times = build_cache(method, length, H, D, N, device, dtype)
+        L = n_chunks * N
+        g = torch.Generator(device="cpu").manual_seed(1)
+        q, k, v = (torch.randn(1, H, N, D, generator=g).to(device, dtype) for _ in range(3))
+        Kb = torch.randn(1, H, L + N, D, generator=g).to(device, dtype)
+        Vb = torch.randn(1, H, L + N, D, generator=g).to(device, dtype)
+
+        def attend(mode: str):
+            os.environ["QUANTWM_KERNELS"] = mode
+            return lambda: cache.attend(0, q, k, v, chunk=n_chunks, observe=False)
+
+        t_bf16 = timed(lambda: F.scaled_dot_product_attention(q, Kb, Vb), reps)
+        t_deq = timed(attend("ref"), reps)
+        t_fused = timed(attend(fused_mode), reps)
+        os.environ["QUANTWM_KERNELS"] = "auto"
+        qo = 2 * q.numel() * q.element_size()  # read Q, write O
+        stored = cache.nbytes()  # committed spans as stored + the current chunk (written by attend)
+        bf16_bytes = 2 * Kb.numel() * Kb.element_size() + qo
+        t_quant = statistics.median(commit_times) if commit_times else float("nan")
+        for name, t, nbytes in (("bf16", t_bf16, bf16_bytes), ("dequant+sdpa", t_deq, stored + qo),
+                                ("fused", t_fused, stored + qo)):
+            rows.append({"cache_tokens": L, "path": name, "ms": 1e3 * t, "GB/s": nbytes / t / 1e9,
+                         "bytes": nbytes, "vs_bf16": t / t_bf16})
+        rows.append({"cache_tokens": L, "path": f"quantize chunk ({method})", "ms": 1e3 * t_quant, "GB/s": float("nan"),
+                     "bytes": 0, "vs_bf16": t_quant / t_bf16,
+                     "pct_of_chunk_attention": 100 * t_quant / ((steps + 1) * t_bf16)})
+    return rows
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="wan-1.3b")
+    ap.add_argument("--method", default="quantwm")
+    ap.add_argument("--steps", type=int, default=4, help="denoising passes per chunk (plus one clean pass)")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--json", help="also write the rows to this file")
+    a = ap.parse_args(argv)
+    print(f"device: {device_name()}  torch {torch.__version__}  preset {a.preset}  method {a.method}", flush=True)
+    rows = bench(a.preset, a.method, a.steps, a.reps)
+    print(f"{'cache tokens':>12}  {'path':<24} {'ms':>10} {'GB/s':>8} {'x bf16 time':>11}")
+    for r in rows:
+        extra = f"  ({r['pct_of_chunk_attention']:.2f}% of the chunk's BF16 attention time)" if "pct_of_chunk_attention" in r else ""
+        print(f"{r['cache_tokens']:>12}  {r['path']:<24} {r['ms']:>10.3f} {r['GB/s']:>8.1f} {r['vs_bf16']:>11.3f}{extra}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"device": device_name(), "preset": a.preset, "method": a.method, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
