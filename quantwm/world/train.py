@@ -69,6 +69,8 @@ def main(argv=None) -> None:
     ap.add_argument("--ckpt-every", type=int, default=50)
     ap.add_argument("--out", default="assets/world_model.safetensors")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--init", help="start from these weights (a safetensors export), fresh optimizer and schedule")
+    ap.add_argument("--warmup", type=int, default=100)
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -87,9 +89,14 @@ def main(argv=None) -> None:
         step, log = state["step"], state.get("log", [])
         rng.set_state(state["rng"])
         print(f"resumed from {ckpt} at step {step}", flush=True)
+    elif a.init:
+        from .generate import load_world_model
+
+        model.load_state_dict(load_world_model(a.init).state_dict())
+        print(f"initialised from {a.init}", flush=True)
     mask = training_mask(a.frames, cfg)
     worlds: dict = {}
-    warmup = 100
+    warmup = a.warmup
     t_start, losses = time.time(), []
     while step < a.steps:
         lr = a.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / a.steps)))
@@ -117,7 +124,7 @@ def main(argv=None) -> None:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
                         "rng": rng.get_state()}, ckpt)
             export(model, a.out, {"steps": step, "seed": a.seed, "batch": a.batch, "frames": a.frames,
-                                  "worlds": a.worlds, "lr": a.lr})
+                                  "worlds": a.worlds, "lr": a.lr, "init": a.init})
 
 
 def export(model: WorldModel, path: str, train_info: dict) -> None:
