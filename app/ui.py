@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import gradio as gr
+import pandas as pd
 
 
 def unpack(result: dict, names: list[str]) -> tuple:
@@ -10,10 +11,10 @@ def unpack(result: dict, names: list[str]) -> tuple:
 
 
 def table(result: dict, headers_key: str = "header", rows_key: str = "rows"):
-    """A Dataframe update from a handler's header and rows (no change when the handler gave none)."""
+    """A Dataframe value (pandas, so the headers travel with it) from a handler's header and rows (no change when the handler gave none)."""
     if result.get(rows_key) is None:
         return gr.skip()
-    return gr.Dataframe(value=result[rows_key], headers=result[headers_key])
+    return pd.DataFrame(result[rows_key], columns=result[headers_key])
 
 
 def progress_callback(progress: gr.Progress, desc: str):

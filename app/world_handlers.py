@@ -37,10 +37,13 @@ def _choice(value, name: str):
 def _key(seed, trajectory, method, target, bits, frames):
     from quantwm.workbench import RunKey
 
-    try:
-        return RunKey(int(seed), str(trajectory), str(method), str(target), int(bits), int(frames))
-    except (TypeError, ValueError) as e:
-        raise ValueError(str(e)) from None
+    def integer(value, name):
+        try:
+            return int(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    return RunKey(integer(seed, "world seed"), str(trajectory), str(method), str(target), integer(bits, "bits"),
+                  integer(frames, "frames"))
 
 
 def _video(run_id: str, which: str, frames: np.ndarray) -> str:

@@ -1,0 +1,96 @@
+"""The app's API through gradio_client against a real server: generate, scrub, the pixel-trace twin, methods."""
+import importlib.util
+import pathlib
+
+import imageio_ffmpeg
+import pytest
+from PIL import Image
+
+FRAMES = 10
+
+
+def load_app_module():
+    spec = importlib.util.spec_from_file_location("app_main", pathlib.Path(__file__).parents[1] / "app.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def server(small_trace_path):
+    mod = load_app_module()
+    demo = mod.build_app(str(small_trace_path), frames=FRAMES)
+    _, url, _ = demo.queue(default_concurrency_limit=1).launch(prevent_thread_lock=True, quiet=True,
+                                                               **mod.launch_options())
+    yield url
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from gradio_client import Client
+
+    return Client(server, verbose=False)
+
+
+@pytest.fixture(scope="module")
+def generated(client):
+    return client.predict(4, "loop", "quantwm", "kv", 2, FRAMES, api_name="/generate")
+
+
+def test_every_event_is_an_api_endpoint(client):
+    names = set(client.view_api(return_format="dict", print_info=False)["named_endpoints"])
+    assert {"/generate", "/scrub", "/show_frame", "/click_pixel", "/trace_pixel", "/energy", "/key_vs_value",
+            "/methods_table", "/analyze", "/trace_inspect", "/trace_energy"} <= names
+
+
+def test_generate_returns_run_id_videos_plot_and_slider(generated):
+    status, run_id, bf16_video, method_video, plot, slider = generated
+    assert run_id == f"seed=4 loop quantwm kv 2-bit {FRAMES}f" and "PSNR vs BF16" in status
+    for video in (bf16_video, method_video):
+        path = video["video"] if isinstance(video, dict) else video
+        assert next(imageio_ffmpeg.read_frames(path))["codec"] == "h264"
+    assert plot["type"] == "plotly" and '"tdiff"' in plot["plot"]
+    assert slider["maximum"] == FRAMES - 1 and 4 <= slider["value"] < FRAMES
+
+
+def test_scrub_returns_both_enlarged_frames(client, generated):
+    info, bf16, method = client.predict(generated[1], FRAMES - 1, ["flicker map"], "all", "all", api_name="/scrub")
+    assert info.startswith(f"Frame **{FRAMES - 1}**")
+    assert Image.open(bf16).size == Image.open(method).size == (256, 256)
+
+
+def test_pixel_trace_twin_returns_sources(client, generated):
+    status, q_img, src_bf16, src_method, heatmap, result = client.predict(
+        generated[1], FRAMES - 1, 17, 33, 1, 2, api_name="/trace_pixel")
+    assert result["query"] == [FRAMES - 1, 4, 2] and result["layer"] == 1 and result["head"] == 2
+    assert all(0 <= f < FRAMES - 2 for f in (result["source_bf16"][0], result["source_method"][0]))
+    assert result["jumped"] == (result["source_bf16"] != result["source_method"])
+    assert "BF16 source: frame" in status and heatmap["type"] == "plotly" and '"heatmap"' in heatmap["plot"]
+    assert Image.open(src_method).size == (128, 128)
+
+
+def test_pixel_trace_bad_pixel_is_a_message(client, generated):
+    status = client.predict(generated[1], FRAMES - 1, 99, 3, 0, 0, api_name="/trace_pixel")[0]
+    assert status.startswith("**Error:**") and "outside the 64x64 frame" in status
+
+
+def test_methods_table(client):
+    status, table = client.predict(4, "loop", "kv", 2, FRAMES, ["rtn", "quantwm"], api_name="/methods_table")
+    header, rows = table["headers"], table["data"]
+    assert [r[0] for r in rows] == ["rtn", "quantwm"] and header[:2] == ["method", "compression"]
+    mb, bf16 = header.index("memory_mb"), header.index("memory_bf16_mb")
+    assert all(0 < r[mb] < r[bf16] for r in rows) and "memory" in status
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="'nope'.* is not in the list of choices"):  # the UI offers known names only
+        client.predict(4, "loop", "kv", 2, FRAMES, ["nope"], api_name="/methods_table")
+    empty = client.predict(4, "loop", "kv", 2, FRAMES, [], api_name="/methods_table")[0]
+    assert empty.startswith("**Error:**") and "at least one method" in empty
+
+
+def test_frame_out_of_range_is_refused_with_a_message(client, generated):
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="greater than maximum"):
+        client.predict(generated[1], FRAMES + 3, [], "all", "all", api_name="/scrub")

@@ -1,0 +1,163 @@
+"""The world-model and trace-inspection handlers, called as plain functions (no browser, no server)."""
+import imageio_ffmpeg
+import numpy as np
+import pytest
+
+from app import handlers
+from app import world_handlers as wh
+from quantwm.workbench import Workbench
+
+FRAMES = 10
+SETTINGS = (3, "pan-return", "qvg", "k", 2, FRAMES)
+
+
+@pytest.fixture(scope="module")
+def wb():
+    return Workbench()
+
+
+@pytest.fixture(scope="module")
+def generated(wb):
+    calls = []
+    r = wh.generate_handler(wb, *SETTINGS, progress=lambda done, total: calls.append((done, total)))
+    return r, calls
+
+
+def test_generate_returns_h264_videos_plot_and_worst_frame(generated):
+    r, calls = generated
+    assert r["run_id"] == "seed=3 pan-return qvg k 2-bit 10f" and not r["status"].startswith("**Error")
+    assert "PSNR vs BF16" in r["status"] and "shift rate" in r["status"]
+    for which in ("bf16_video", "method_video"):
+        meta = next(imageio_ffmpeg.read_frames(r[which]))
+        assert meta["codec"] == "h264" and meta["size"] == (64 * wh.FACTOR, 64 * wh.FACTOR)
+        assert meta["pix_fmt"].startswith("yuv420p")
+    assert r["frames"] == FRAMES and 4 <= r["frame"] < FRAMES and r["frame"] == r["worst_frames"][0]
+    names = [t.name for t in r["figure"].data]
+    assert names[:2] == ["tdiff", "worst flicker frames"] and "shift_rate" in names
+    assert calls and calls[-1][0] == calls[-1][1]  # the progress bar reached its end
+
+
+def test_generate_again_is_served_from_the_cache(wb, generated):
+    again = wh.generate_handler(wb, *SETTINGS)
+    assert "from the cache" in again["status"] and again["bf16_video"] == generated[0]["bf16_video"]
+
+
+@pytest.mark.parametrize("settings, needle", [
+    ((3, "pan-return", "nope", "k", 2, FRAMES), "unknown method 'nope'"),
+    ((3, "spiral", "qvg", "k", 2, FRAMES), "unknown trajectory"),
+    ((3, "loop", "qvg", "k", 2, 7), "frames must exceed 4 by a multiple of 2"),
+    ((3, "loop", "qvg", "k", 5, FRAMES), "bits"),
+    (("x", "loop", "qvg", "k", 2, FRAMES), "world seed must be an integer, got 'x'"),
+])
+def test_generate_bad_input_is_a_message(wb, settings, needle):
+    r = wh.generate_handler(wb, *settings)
+    assert r["status"].startswith("**Error:**") and needle in r["status"] and r.get("run_id") is None
+
+
+def test_generate_while_another_runs_is_a_message(wb):
+    wb._lock.acquire()
+    wb.running = "seed=9 loop rtn kv 2-bit 32f"
+    try:
+        r = wh.generate_handler(wb, 11, "loop", "rtn", "kv", 2, FRAMES)
+    finally:
+        wb.running = None
+        wb._lock.release()
+    assert r["status"].startswith("**Error:** a generation is already running (seed=9") and r.get("run_id") is None
+
+
+def test_scrub_enlarges_both_frames_and_overlays_change_only_the_method_frame(wb, generated):
+    rid, t = generated[0]["run_id"], FRAMES - 1
+    plain = wh.scrub_handler(wb, rid, t, [])
+    assert plain["bf16"].shape == (256, 256, 3) and plain["method"].shape == (256, 256, 3)
+    assert np.array_equal(plain["bf16"][::4, ::4], wb.frame_view(rid, t)["bf16"])  # nearest-neighbour 4x
+    both = wh.scrub_handler(wb, rid, t, list(wh.OVERLAYS), "all", "all")
+    assert np.array_equal(both["bf16"], plain["bf16"]) and not np.array_equal(both["method"], plain["method"])
+    assert f"Frame **{t}**" in both["status"] and "top-1 moved" in both["status"]
+    ctx = wh.scrub_handler(wb, rid, 2, ["top-1 jumps"])
+    assert "context" in ctx["status"] and "no top-1 jump map" in ctx["status"]
+
+
+@pytest.mark.parametrize("run_id, frame, overlays, needle", [
+    ("{rid}", FRAMES, [], "frame 10 out of range"),
+    ("{rid}", -1, [], "out of range"),
+    ("{rid}", None, [], "no frame given"),
+    ("{rid}", 5, ["sparkles"], "unknown overlay"),
+    ("", 5, [], "not a run id"),
+    ("seed=1 loop rtn kv 2-bit 10f", 5, [], "press Generate"),
+])
+def test_scrub_bad_input_is_a_message(wb, generated, run_id, frame, overlays, needle):
+    r = wh.scrub_handler(wb, run_id.format(rid=generated[0]["run_id"]), frame, overlays)
+    assert r["status"].startswith("**Error:**") and needle in r["status"] and "bf16" not in r
+
+
+def test_trace_pixel_twin_and_click_agree(wb, generated):
+    rid = generated[0]["run_id"]
+    twin = wh.trace_pixel_handler(wb, rid, FRAMES - 1, 45, 10, 2, 1)
+    click = wh.click_pixel_handler(wb, rid, FRAMES - 1, [45 * wh.FACTOR + 3, 10 * wh.FACTOR + 1], 2, 1)
+    assert twin["result"] == click["result"]
+    res = twin["result"]
+    assert res["query"] == [FRAMES - 1, 1, 5] and res["layer"] == 2 and res["head"] == 1
+    assert res["jumped"] == (res["source_bf16"] != res["source_method"])
+    assert f"frame {res['source_bf16'][0]}, row {res['source_bf16'][1]}" in twin["status"]
+    assert twin["query_image"].shape == twin["bf16_source"].shape == (128, 128, 3)
+    kinds = [t.type for t in twin["figure"].data]
+    assert kinds.count("heatmap") == 3
+
+
+@pytest.mark.parametrize("frame, x, y, layer, needle", [
+    (FRAMES - 1, 64, 3, 0, "outside the 64x64 frame"),
+    (FRAMES - 1, 3, -2, 0, "outside"),
+    (FRAMES + 5, 3, 3, 0, "out of range"),
+    (1, 3, 3, 0, "context frame"),
+    (FRAMES - 1, 3, 3, 4, "layer/head (4, 0) out of range"),
+    (FRAMES - 1, None, 3, 0, "no x given"),
+])
+def test_trace_pixel_bad_input_is_a_message(wb, generated, frame, x, y, layer, needle):
+    r = wh.trace_pixel_handler(wb, generated[0]["run_id"], frame, x, y, layer, 0)
+    assert r["status"].startswith("**Error:**") and needle in r["status"] and "figure" not in r
+
+
+def test_click_outside_the_enlarged_frame_is_a_message(wb, generated):
+    r = wh.click_pixel_handler(wb, generated[0]["run_id"], FRAMES - 1, [64 * wh.FACTOR + 2, 5], 0, 0)
+    assert r["status"].startswith("**Error:**") and "outside" in r["status"]
+
+
+def test_energy_handler_table_and_bad_layer(wb, generated):
+    r = wh.energy_handler(wb, generated[0]["run_id"], 1)
+    assert r["header"][0] == "layer" and len(r["rows"]) == wb.cfg.layers and len(r["rows"][0]) == 1 + wb.cfg.heads
+    assert "top 8 of 64" in r["status"] and len(r["figure"].data) == 2 * wb.cfg.heads
+    assert wh.energy_handler(wb, generated[0]["run_id"], 9)["status"].startswith("**Error:** layer 9")
+
+
+def test_key_value_handler(wb):
+    r = wh.key_value_handler(wb, 3, "pan-return", "qvg", 2, FRAMES)
+    assert [row[0] for row in r["rows"]] == ["k", "v"] and r["header"] == list(wh.KV_COLUMNS)
+    k, v = r["rows"]
+    assert k[2] == 0 and v[1] == 0  # Keys-only leaves V exact, Values-only leaves K exact
+    assert "Keys only: Key error" in r["status"]
+    assert wh.key_value_handler(wb, 3, "loop", "bf16", 2, FRAMES)["status"].startswith("**Error:** bf16")
+
+
+def test_methods_handler(wb):
+    r = wh.methods_handler(wb, 3, "pan-return", "k", 2, FRAMES, ["qvg", "rtn"])
+    assert [row[0] for row in r["rows"]] == ["qvg", "rtn"] and r["header"] == list(wh.METHOD_COLUMNS)
+    bf16_mb, mb = r["header"].index("memory_bf16_mb"), r["header"].index("memory_mb")
+    assert all(row[mb] < row[bf16_mb] for row in r["rows"])
+    assert "unknown method" in wh.methods_handler(wb, 3, "loop", "k", 2, FRAMES, ["zzz"])["status"]
+    assert "at least one method" in wh.methods_handler(wb, 3, "loop", "k", 2, FRAMES, [])["status"]
+
+
+def test_trace_inspect_and_energy_handlers(small_trace_path, tmp_path):
+    r = handlers.trace_inspect_handler(str(small_trace_path), "qvg", "k", 2, 1, 0, 70)
+    assert "query 70 (frame 13, row 0, col 6)" in r["status"] and r["result"]["query"] == [13, 0, 6]
+    assert r["jump_image"].shape == (256, 256, 3) and [t.type for t in r["figure"].data].count("heatmap") == 3
+    e = handlers.trace_energy_handler(str(small_trace_path), 1)
+    assert "top-8 energy fraction" in e["status"] and e["figure"] is not None
+    garbage = tmp_path / "bad.safetensors"
+    garbage.write_bytes(b"not a trace")
+    for result in (handlers.trace_inspect_handler(str(garbage), "qvg", "k", 2, 0, 0, 0),
+                   handlers.trace_energy_handler(str(garbage), 0)):
+        assert result["status"].startswith("**Error:**") and "not a valid QuantWM trace" in result["status"]
+    assert "unknown method" in handlers.trace_inspect_handler(str(small_trace_path), "zz", "k", 2, 0, 0, 0)["status"]
+    assert "out of range" in handlers.trace_inspect_handler(str(small_trace_path), "qvg", "k", 2, 0, 5, 0)["status"]
+    assert handlers.trace_inspect_handler(None, "qvg", "k", 2, 0, 0, 0)["status"] == "**Error:** no trace file given."

@@ -1,0 +1,114 @@
+import pytest
+
+from quantwm.workbench import Busy, RunKey, Workbench, trace_energy, trace_query_view
+
+FRAMES = 10
+
+
+@pytest.fixture(scope="module")
+def wb():
+    return Workbench()
+
+
+@pytest.fixture(scope="module")
+def key():
+    return RunKey(seed=2, trajectory="loop", method="rtn", target="kv", bits=2, frames=FRAMES)
+
+
+def test_run_key_id_roundtrip_and_validation(key):
+    assert RunKey.parse(key.id) == key
+    assert key.reference() == RunKey(2, "loop", "bf16", "kv", 2, FRAMES)
+    for bad in ("", "seed=x loop rtn kv 2-bit 10f", "hello"):
+        with pytest.raises(ValueError, match="not a run id"):
+            RunKey.parse(bad)
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        RunKey(method="nope")
+    with pytest.raises(ValueError, match="unknown trajectory"):
+        RunKey(trajectory="zigzag")
+    with pytest.raises(ValueError, match="target"):
+        RunKey(target="q")
+
+
+def test_compare_caches_runs_and_reports_series(wb, key):
+    cmp = wb.compare(key)
+    assert wb.cached(key) and wb.cached(key.reference())
+    rec = wb.record(key.id)
+    assert wb.compare(key)["summary"] == cmp["summary"] and wb.record(key.id) is rec  # from the cache
+    s = cmp["series"]
+    assert len(s["psnr"]) == len(s["tdiff"]) == len(s["shift_rate"]) == FRAMES
+    assert cmp["bf16"].shape == cmp["method"].shape == (FRAMES, 64, 64, 3) and cmp["bf16"].dtype.name == "uint8"
+    summ = cmp["summary"]
+    assert 0 < summ["shift_rate"] < 1 and summ["psnr"] < 100 and summ["compression"] > 1
+    assert summ["memory_mb"] < summ["memory_bf16_mb"]
+    # BF16 bytes: K and V, every layer, every cached token, 2 bytes per element
+    c = wb.cfg
+    assert summ["memory_bf16_mb"] == pytest.approx(2 * c.layers * FRAMES * c.tokens_per_frame * c.dim * 2 / 2 ** 20)
+
+
+def test_a_second_generation_while_one_runs_is_refused(wb):
+    wb._lock.acquire()
+    wb.running = "another run"
+    try:
+        with pytest.raises(Busy, match="already running \\(another run\\)"):
+            wb.run(RunKey(seed=5, method="kivi", frames=FRAMES))
+    finally:
+        wb.running = None
+        wb._lock.release()
+
+
+def test_frame_view_and_pixel_trace(wb, key):
+    wb.compare(key)
+    v = wb.frame_view(key.id, FRAMES - 1)
+    assert v["flicker"].shape == (64, 64) and v["jumps"].shape == (8, 8) and not v["context"]
+    assert wb.frame_view(key.id, 1)["jumps"] is None
+    with pytest.raises(ValueError, match="out of range"):
+        wb.frame_view(key.id, FRAMES)
+    tr = wb.pixel_trace(key.id, FRAMES - 1, 20, 50, layer=1, head=2)
+    assert tr["query"] == (FRAMES - 1, 6, 2)
+    assert tr["logits_bf16"].shape == tr["logits_method"].shape == ((FRAMES - 2) , 64)
+    f, r, c = tr["source_bf16"]
+    assert tr["logits_bf16"][f, r * 8 + c] == tr["logits_bf16"].max()
+    f, r, c = tr["source_method"]
+    assert tr["logits_method"][f, r * 8 + c] == tr["logits_method"].max()
+    assert tr["jumped"] == (tr["source_bf16"] != tr["source_method"])
+    with pytest.raises(ValueError, match="context frame"):
+        wb.pixel_trace(key.id, 0, 1, 1)
+    with pytest.raises(ValueError, match="outside"):
+        wb.pixel_trace(key.id, FRAMES - 1, 64, 1)
+    with pytest.raises(ValueError, match="press Generate"):
+        wb.pixel_trace(RunKey(seed=77, frames=FRAMES).id, FRAMES - 1, 1, 1)
+
+
+def test_energy_per_layer(wb, key):
+    wb.compare(key)
+    e = wb.energy(key.id)
+    assert len(e) == wb.cfg.layers and e[0]["eigenvalues"].shape == (wb.cfg.heads, wb.cfg.head_dim)
+    assert all(0 < f <= 1 for s in e for f in s["top_fraction"])
+
+
+def test_key_vs_value_isolates_each_half(wb, key):
+    k, v = wb.key_vs_value(key)
+    assert (k["target"], v["target"]) == ("k", "v")
+    assert k["k_rel_err"] > 0 and k["v_rel_err"] == 0 and v["k_rel_err"] == 0 and v["v_rel_err"] > 0
+    assert v["shift_rate"] == 0 and k["shift_rate"] > 0  # only Key errors move the top-1 source
+    assert k["attn_out_rel_err"] > 0 and v["attn_out_rel_err"] > 0 and 0 < k["lpips"] < 1
+
+
+def test_methods_table_rows_and_unknown_method(wb, key):
+    rows = wb.methods_table(key, ["rtn", "kivi"])
+    assert [r["method"] for r in rows] == ["rtn", "kivi"]
+    assert all(r["compression"] > 1 and r["memory_mb"] < r["memory_bf16_mb"] for r in rows)
+    with pytest.raises(ValueError, match="unknown method"):
+        wb.methods_table(key, ["rtn", "bogus"])
+    with pytest.raises(ValueError, match="at least one"):
+        wb.methods_table(key, [])
+
+
+def test_trace_views(small_trace_path):
+    r = trace_query_view(str(small_trace_path), "qvg", "k", 2, 0, 1, 5)
+    assert r["logits_bf16"].shape == (12, 64) and r["query_coords"] == (12, 0, 5)
+    assert r["jumps"].shape == (128,) and 0 <= r["shift_rate"] <= 1
+    with pytest.raises(ValueError, match="query 500 out of range"):
+        trace_query_view(str(small_trace_path), "qvg", "k", 2, 0, 1, 500)
+    e = trace_energy(str(small_trace_path))
+    assert len(e) == 2 and e[0]["cumulative"].shape == (2, 64)
