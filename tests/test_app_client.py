@@ -94,3 +94,19 @@ def test_frame_out_of_range_is_refused_with_a_message(client, generated):
 
     with pytest.raises(AppError, match="greater than maximum"):
         client.predict(generated[1], FRAMES + 3, [], "all", "all", api_name="/scrub")
+
+
+def test_a_second_user_is_served_while_a_generation_runs(server, client, generated):
+    """The queue runs views beside a generation; a second Generate meanwhile gets a busy message."""
+    from gradio_client import Client
+
+    other = Client(server, verbose=False)
+    long_job = client.submit(5, "random-walk", "rtn", "kv", 2, 64, api_name="/generate")
+    while long_job.status().code.name not in ("PROCESSING", "FINISHED"):
+        pass
+    info = other.predict(generated[1], FRAMES - 2, [], "all", "all", api_name="/scrub")[0]
+    busy = other.predict(6, "loop", "kivi", "kv", 2, FRAMES, api_name="/generate")[0]
+    assert not long_job.done(), "the 64-frame generation should still be running"
+    assert info.startswith(f"Frame **{FRAMES - 2}**")
+    assert busy.startswith("**Error:** a generation is already running (seed=5 random-walk ")
+    assert long_job.result()[1] == "seed=5 random-walk rtn kv 2-bit 64f"

@@ -1,0 +1,179 @@
+"""End to end in headless Chromium (Debian's /usr/bin/chromium driven by Playwright): generate, scrub, click a
+pixel, see the trace panel and the logit heatmap. Also the helper that screenshots every tab for the README:
+
+    python tests/test_app_browser.py --readme      # writes docs/img/app-<tab>.png from the real app
+"""
+from __future__ import annotations
+
+import os
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+FRAMES = 10
+TABS = {"Generate & play": "generate", "Query energy": "energy", "Key vs Value": "key-vs-value",
+        "Methods": "methods", "Trace analysis": "trace"}
+
+
+def launch(trace: str, frames: int):
+    """Start the real app in this process; returns (demo, url)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("app_main", ROOT / "app.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    demo = mod.build_app(trace, frames=frames)
+    _, url, _ = demo.queue(default_concurrency_limit=1).launch(prevent_thread_lock=True, quiet=True,
+                                                               **mod.launch_options())
+    return demo, url
+
+
+def run_id(page) -> str:
+    return page.locator("#run-id textarea, #run-id input").first.input_value()
+
+
+def generate(page, timeout_ms: int = 120_000) -> None:
+    page.locator("#generate-btn").click()
+    page.wait_for_function("(document.querySelector('#run-id textarea, #run-id input').value || '').includes('seed=')",
+                           timeout=timeout_ms)
+    page.wait_for_selector("#frame-method img", timeout=timeout_ms)
+
+
+IDLE = """(id) => [...document.querySelectorAll(id + ' [data-testid=status-tracker]')]
+                   .every(e => e.classList.contains('hide'))"""
+
+
+def click_frame_pixel(page, x: int, y: int, factor: int = 4, tries: int = 3) -> None:
+    """Click frame pixel (x, y) of the quantized frame (shown enlarged `factor`x on the server) once the frame
+    is idle (no scrub pending over it), until the trace panel answers."""
+    for attempt in range(tries):
+        page.wait_for_function(IDLE, arg="#frame-method", timeout=30_000)
+        box = page.locator("#frame-method img").bounding_box()
+        page.mouse.click(box["x"] + x * factor + factor // 2, box["y"] + y * factor + factor // 2)
+        try:
+            page.wait_for_function("document.querySelector('#trace-status').innerText.includes('source')",
+                                   timeout=15_000)
+            return
+        except Exception:  # noqa: BLE001 - the click landed while the frame was being replaced: click again
+            if attempt == tries - 1:
+                raise
+
+
+def take_tab_screenshots(page, outdir: pathlib.Path) -> list[pathlib.Path]:
+    """Visit every tab, run its main action, and save a PNG of it: outdir/app-<tab>.png."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    shots = []
+    for label, slug in TABS.items():
+        page.get_by_role("tab", name=label).click()
+        button = {"energy": "#energy-btn", "key-vs-value": "#kv-btn", "methods": "#methods-btn"}.get(slug)
+        if button:
+            page.locator(button).click()
+            status = {"energy": "#energy-status", "key-vs-value": "#kv-status", "methods": "#methods-status"}[slug]
+            page.wait_for_function(f"document.querySelector('{status}').innerText.trim().length > 0", timeout=300_000)
+        elif slug == "trace":
+            page.get_by_role("button", name="Inspect query").click()
+            page.wait_for_function("document.querySelector('#trace-inspect-status').innerText.includes('source')",
+                                   timeout=60_000)
+        page.wait_for_timeout(800)  # let plotly finish drawing
+        path = outdir / f"app-{slug}.png"
+        page.screenshot(path=str(path), full_page=True)
+        shots.append(path)
+    return shots
+
+
+@pytest.fixture(scope="module")
+def browser_page(small_trace_path):
+    if not os.path.exists(CHROMIUM):
+        pytest.skip(f"{CHROMIUM} is missing: run install.sh (Debian chromium)")
+    from playwright.sync_api import sync_playwright
+
+    demo, url = launch(str(small_trace_path), FRAMES)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1600})
+        page.goto(url)
+        page.wait_for_selector("#generate-btn")
+        yield page
+        browser.close()
+    demo.close()
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory) -> pathlib.Path:
+    out = pathlib.Path(os.environ.get("QUANTWM_TEST_ARTIFACTS") or tmp_path_factory.mktemp("artifacts"))
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifacts):
+    page = browser_page
+    page.locator("#frame-slider input[type='number']").fill("0")  # start away from where Generate will land
+    generate(page)
+    assert run_id(page) == f"seed=0 loop quantwm kv 2-bit {FRAMES}f"
+    assert "PSNR vs BF16" in page.locator("#generate-status").inner_text()
+    assert page.locator("#video-bf16 video").count() == 1 and page.locator("#video-method video").count() == 1
+    # scrub: type a frame into the slider's box; both frames and the info line follow
+    box = page.locator("#frame-slider input[type='number']")
+    box.fill(str(FRAMES - 2))
+    box.press("Enter")
+    page.wait_for_function(f"document.querySelector('#frame-info').innerText.includes('Frame {FRAMES - 2}')",
+                           timeout=30_000)
+    # click a point of the per-frame plot: the slider jumps there
+    page.locator("#frame-plot g.trace.scatter").first.locator("path.point").last.click(force=True)
+    page.wait_for_function(f"document.querySelector('#frame-info').innerText.includes('Frame {FRAMES - 1}')",
+                           timeout=30_000)
+    # click a pixel of the quantized frame: the trace panel names the query and both sources
+    try:
+        click_frame_pixel(page, 21, 42)
+    finally:
+        page.screenshot(path=str(artifacts / "app-e2e-trace.png"), full_page=True)
+    text = page.locator("#trace-status").inner_text()
+    assert f"Query frame {FRAMES - 1}, row 5, col 2" in text and "BF16 source: frame" in text
+    assert page.locator("#trace-src-bf16 img").count() == 1 and page.locator("#trace-src-method img").count() == 1
+    page.wait_for_selector("#trace-heatmap .js-plotly-plot", timeout=30_000)
+    assert page.locator("#trace-heatmap .js-plotly-plot g.hm image").count() == 3  # BF16, method, difference
+    page.screenshot(path=str(artifacts / "app-e2e-trace.png"), full_page=True)
+    assert (artifacts / "app-e2e-trace.png").stat().st_size > 10_000
+
+
+def test_trace_outside_the_frame_shows_an_error_and_the_page_stays_usable(browser_page):
+    page = browser_page
+    page.locator("#trace-btn").scroll_into_view_if_needed()
+    x_box = page.get_by_label("x (0..63)")
+    x_box.fill("80")
+    page.locator("#trace-btn").click()
+    page.wait_for_function("document.querySelector('#trace-status').innerText.includes('outside the 64x64 frame')",
+                           timeout=30_000)
+    assert page.locator("#trace-status").inner_text().startswith("Error:")
+    x_box.fill("10")
+    page.locator("#trace-btn").click()
+    page.wait_for_function("document.querySelector('#trace-status').innerText.startsWith('Query frame')",
+                           timeout=30_000)
+
+
+if __name__ == "__main__" and "--readme" in sys.argv:
+    import tempfile
+
+    from playwright.sync_api import sync_playwright
+
+    from quantwm.synthetic import make_synthetic_trace
+
+    trace = os.path.join(tempfile.mkdtemp(), "syn.safetensors")
+    make_synthetic_trace(seed=0, n_layers=2, n_heads=4).save(trace)
+    demo, url = launch(trace, 32)
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        page = browser.new_page(viewport={"width": 1400, "height": 1100})
+        page.goto(url)
+        page.wait_for_selector("#generate-btn")
+        generate(page)
+        click_frame_pixel(page, 30, 30)
+        for path in take_tab_screenshots(page, ROOT / "docs" / "img"):
+            print(path)
+        browser.close()
+    demo.close()
