@@ -27,8 +27,8 @@ def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str
             chosen = gr.CheckboxGroup(methods, value=["rtn", "kivi", "qvg", "quantwm"], label="Methods")
             target = gr.Radio(TARGETS, value="k", label="Quantize")
             bits = gr.Dropdown([2, 3, 4, 8], value=2, label="Bits")
-    run = gr.Button("Analyze", variant="primary")
-    status = gr.Markdown()
+    run = gr.Button("Analyze", variant="primary", elem_id="analyze-btn")
+    status = gr.Markdown(elem_id="analyze-status")
     table = gr.Dataframe(label="Means over layers and heads", interactive=False)
 
     def handler(path, names, tgt, b):
@@ -57,8 +57,8 @@ def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str
     gr.Markdown("### Query energy of the trace (from q_hist when present)")
     with gr.Row():
         e_layer = gr.Number(0, label="Layer index (order in the file)", precision=0)
-        e_go = gr.Button("Show spectra")
-    e_status = gr.Markdown()
+        e_go = gr.Button("Show spectra", elem_id="trace-energy-btn")
+    e_status = gr.Markdown(elem_id="trace-energy-status")
     e_plot = gr.Plot(label="Query energy")
     e_go.click(lambda p, l: unpack(energy(p or default_trace, l), ["status", "figure"]), [trace, e_layer],
                [e_status, e_plot], api_name="trace_energy")

@@ -58,7 +58,7 @@ def trace_inspect_handler(trace_path: str | None, method: str, target: str, bits
         cell = base.shape[0] // h
         image = media.enlarge(media.draw_box(media.tint(base, jump_map, media.CYAN, 0.6), qr, qc, cell, media.YELLOW, 1),
                               max(1, 256 // base.shape[0]))
-    return {"status": status, "figure": plots.logit_heatmaps_figure(r["logits_bf16"], r["logits_method"], eb, em, method),
+    return {"status": status, "figure": plots.logit_heatmaps_figure(r["logits_bf16"], r["logits_method"], eb, em, method, w),
             "jump_image": image, "result": {"query": [qf, qr, qc], "source_bf16": list(eb), "source_method": list(em),
                                             "jumped": bool(r["jumped"]), "layer_shift_rate": r["shift_rate"]}}
 

@@ -33,8 +33,9 @@ def frame_series_figure(series: dict, worst: list[int], context_frames: int, cur
 
 
 def logit_heatmaps_figure(exact: np.ndarray, stored: np.ndarray, src_exact: tuple, src_stored: tuple,
-                          method: str) -> go.Figure:
-    """Logits over the cache (frames x positions) with exact keys, stored keys, and their difference."""
+                          method: str, grid_width: int) -> go.Figure:
+    """Logits over the cache (frames x positions) with exact keys, stored keys, and their difference;
+    the top-1 sources (frame, row, col) are marked at position row * grid_width + col."""
     diff = stored - exact
     lim = float(np.abs(diff).max()) or 1.0
     lo, hi = float(min(exact.min(), stored.min())), float(max(exact.max(), stored.max()))
@@ -46,11 +47,10 @@ def logit_heatmaps_figure(exact: np.ndarray, stored: np.ndarray, src_exact: tupl
                              **kw), 1, 2)
     fig.add_trace(go.Heatmap(z=diff, zmin=-lim, zmax=lim, colorscale="RdBu", reversescale=True,
                              colorbar=dict(x=1.0, len=0.9), **kw), 1, 3)
-    grid = int(round(np.sqrt(exact.shape[1])))
     for col in (1, 2, 3):
         for (f, r, c), sym, color, name in ((src_exact, "circle-open", "white", "BF16 top-1"),
                                             (src_stored, "x-open", "red", f"{method} top-1")):
-            fig.add_trace(go.Scatter(x=[r * grid + c], y=[f], mode="markers", name=name, showlegend=col == 1,
+            fig.add_trace(go.Scatter(x=[r * grid_width + c], y=[f], mode="markers", name=name, showlegend=col == 1,
                                      marker=dict(symbol=sym, size=14, color=color, line=dict(width=3))), 1, col)
         fig.update_xaxes(title_text="position (row*w + col)", row=1, col=col)
     fig.update_yaxes(title_text="cached frame", row=1, col=1)

@@ -6,6 +6,7 @@ from typing import Callable
 import gradio as gr
 
 from app.ui import progress_callback, table, unpack
+from app.world_handlers import KV_COLUMNS, METHOD_COLUMNS
 
 
 def build_energy_tab(energy: Callable, controls: dict, layers: int) -> None:
@@ -35,7 +36,7 @@ def build_key_value_tab(key_value: Callable, controls: dict) -> None:
                 "output error on the same cache state, top-1 shift rate, and PSNR/SSIM/LPIPS/flicker vs BF16.")
     go = gr.Button("Run Key-only vs Value-only", variant="primary", elem_id="kv-btn")
     status = gr.Markdown(elem_id="kv-status")
-    rows = gr.Dataframe(label="Keys only (k) vs Values only (v)", interactive=False)
+    rows = gr.Dataframe(label="Keys only (k) vs Values only (v)", headers=list(KV_COLUMNS), interactive=False)
     plot = gr.Plot(label="Errors and damage", elem_id="kv-plot")
 
     def run(s, tr, m, b, n, progress=gr.Progress()):
@@ -56,7 +57,7 @@ def build_methods_tab(methods_table: Callable, methods: list[str], controls: dic
     chosen = gr.CheckboxGroup([m for m in methods if m != "bf16"], value=base, label="Methods")
     go = gr.Button("Compare methods", variant="primary", elem_id="methods-btn")
     status = gr.Markdown(elem_id="methods-status")
-    rows = gr.Dataframe(label="Methods", interactive=False, elem_id="methods-table")
+    rows = gr.Dataframe(label="Methods", headers=list(METHOD_COLUMNS), interactive=False, elem_id="methods-table")
 
     def run(s, tr, tg, b, n, ms, progress=gr.Progress()):
         r = methods_table(s, tr, tg, b, n, ms, progress=progress_callback(progress, "methods"))

@@ -138,7 +138,7 @@ def trace_pixel_handler(wb, run_id, frame, x, y, layer=0, head=0) -> dict:
               f"row {eb[1]}, col {eb[2]}; {key_method} source: frame {em[0]}, row {em[1]}, col {em[2]} — {verdict}.")
     return {"status": status, "query_image": thumb(r["query"], media.YELLOW),
             "bf16_source": thumb(eb, media.YELLOW), "method_source": thumb(em, media.RED),
-            "figure": plots.logit_heatmaps_figure(r["logits_bf16"], r["logits_method"], eb, em, key_method),
+            "figure": plots.logit_heatmaps_figure(r["logits_bf16"], r["logits_method"], eb, em, key_method, grid),
             "result": {"query": list(r["query"]), "layer": int(layer), "head": int(head),
                        "source_bf16": list(eb), "source_method": list(em), "jumped": bool(r["jumped"])}}
 

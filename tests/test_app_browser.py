@@ -53,7 +53,9 @@ def click_frame_pixel(page, x: int, y: int, factor: int = 4, tries: int = 3) -> 
     is idle (no scrub pending over it), until the trace panel answers."""
     for attempt in range(tries):
         page.wait_for_function(IDLE, arg="#frame-method", timeout=30_000)
-        box = page.locator("#frame-method img").bounding_box()
+        img = page.locator("#frame-method img")
+        img.scroll_into_view_if_needed()
+        box = img.bounding_box()
         page.mouse.click(box["x"] + x * factor + factor // 2, box["y"] + y * factor + factor // 2)
         try:
             page.wait_for_function("document.querySelector('#trace-status').innerText.includes('source')",
@@ -64,24 +66,41 @@ def click_frame_pixel(page, x: int, y: int, factor: int = 4, tries: int = 3) -> 
                 raise
 
 
+def shrink_png(path: pathlib.Path, width: int = 1000) -> None:
+    """Downscale to `width` pixels and store with a 256-colour palette: small files for the README."""
+    from PIL import Image
+
+    img = Image.open(path).convert("RGB")
+    if img.width > width:
+        img = img.resize((width, round(img.height * width / img.width)), Image.LANCZOS)
+    img.quantize(256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+
+
 def take_tab_screenshots(page, outdir: pathlib.Path) -> list[pathlib.Path]:
     """Visit every tab, run its main action, and save a PNG of it: outdir/app-<tab>.png."""
     outdir.mkdir(parents=True, exist_ok=True)
     shots = []
     for label, slug in TABS.items():
         page.get_by_role("tab", name=label).click()
-        button = {"energy": "#energy-btn", "key-vs-value": "#kv-btn", "methods": "#methods-btn"}.get(slug)
-        if button:
+        action = {"energy": ("#energy-btn", "#energy-status", "eigen-directions"),
+                  "key-vs-value": ("#kv-btn", "#kv-status", "Keys only:"),
+                  "methods": ("#methods-btn", "#methods-status", "memory counts")}.get(slug)
+        if action:
+            button, status, done = action
             page.locator(button).click()
-            status = {"energy": "#energy-status", "key-vs-value": "#kv-status", "methods": "#methods-status"}[slug]
-            page.wait_for_function(f"document.querySelector('{status}').innerText.trim().length > 0", timeout=300_000)
+            page.wait_for_function("([sel, done]) => document.querySelector(sel).innerText.includes(done)",
+                                   arg=[status, done], timeout=600_000)
         elif slug == "trace":
-            page.get_by_role("button", name="Inspect query").click()
-            page.wait_for_function("document.querySelector('#trace-inspect-status').innerText.includes('source')",
-                                   timeout=60_000)
+            for button, status, done in (("#analyze-btn", "#analyze-status", "grid"),
+                                         ("#trace-inspect-btn", "#trace-inspect-status", "source"),
+                                         ("#trace-energy-btn", "#trace-energy-status", "top-8")):
+                page.locator(button).click()
+                page.wait_for_function("([sel, done]) => document.querySelector(sel).innerText.includes(done)",
+                                       arg=[status, done], timeout=120_000)
         page.wait_for_timeout(800)  # let plotly finish drawing
         path = outdir / f"app-{slug}.png"
         page.screenshot(path=str(path), full_page=True)
+        shrink_png(path)
         shots.append(path)
     return shots
 
@@ -158,6 +177,9 @@ def test_trace_outside_the_frame_shows_an_error_and_the_page_stays_usable(browse
 
 if __name__ == "__main__" and "--readme" in sys.argv:
     import tempfile
+
+    sys.path.insert(0, str(ROOT))
+    os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
     from playwright.sync_api import sync_playwright
 

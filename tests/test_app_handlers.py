@@ -5,6 +5,7 @@ import pytest
 
 from app import handlers
 from app import world_handlers as wh
+from quantwm.synthetic import make_synthetic_trace
 from quantwm.workbench import Workbench
 
 FRAMES = 10
@@ -90,6 +91,14 @@ def test_scrub_bad_input_is_a_message(wb, generated, run_id, frame, overlays, ne
     assert r["status"].startswith("**Error:**") and needle in r["status"] and "bf16" not in r
 
 
+def assert_markers_on_maxima(fig):
+    """The BF16 / method top-1 markers sit on the maximum of the BF16 / method logit heatmap."""
+    heat = [t for t in fig.data if t.type == "heatmap"]
+    marks = [t for t in fig.data if t.type == "scatter"][:2]
+    for z, mark in zip((np.asarray(heat[0].z), np.asarray(heat[1].z)), marks):
+        assert z[mark.y[0], mark.x[0]] == z.max()
+
+
 def test_trace_pixel_twin_and_click_agree(wb, generated):
     rid = generated[0]["run_id"]
     twin = wh.trace_pixel_handler(wb, rid, FRAMES - 1, 45, 10, 2, 1)
@@ -102,6 +111,7 @@ def test_trace_pixel_twin_and_click_agree(wb, generated):
     assert twin["query_image"].shape == twin["bf16_source"].shape == (128, 128, 3)
     kinds = [t.type for t in twin["figure"].data]
     assert kinds.count("heatmap") == 3
+    assert_markers_on_maxima(twin["figure"])
 
 
 @pytest.mark.parametrize("frame, x, y, layer, needle", [
@@ -151,6 +161,10 @@ def test_trace_inspect_and_energy_handlers(small_trace_path, tmp_path):
     r = handlers.trace_inspect_handler(str(small_trace_path), "qvg", "k", 2, 1, 0, 70)
     assert "query 70 (frame 13, row 0, col 6)" in r["status"] and r["result"]["query"] == [13, 0, 6]
     assert r["jump_image"].shape == (256, 256, 3) and [t.type for t in r["figure"].data].count("heatmap") == 3
+    assert_markers_on_maxima(r["figure"])
+    wide = tmp_path / "wide.safetensors"  # a non-square token grid
+    make_synthetic_trace(seed=1, n_layers=1, n_heads=2, grid=(4, 6), cached_frames=6, chunk_frames=2).save(wide)
+    assert_markers_on_maxima(handlers.trace_inspect_handler(str(wide), "rtn", "k", 2, 0, 1, 3)["figure"])
     e = handlers.trace_energy_handler(str(small_trace_path), 1)
     assert "top-8 energy fraction" in e["status"] and e["figure"] is not None
     garbage = tmp_path / "bad.safetensors"
