@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -79,5 +80,6 @@ if __name__ == "__main__":
     try:
         app = build_app(a.trace, Workbench(threads=a.threads))
     except ValueError as e:
-        raise SystemExit(f"quantwm app: error: {e}")
+        print(f"quantwm app: error: {e}", file=sys.stderr)
+        sys.exit(2)
     app.queue(default_concurrency_limit=1).launch(server_name=a.host, server_port=a.port, **launch_options())
