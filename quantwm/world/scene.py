@@ -1,9 +1,7 @@
 """The procedural world: a textured 2-D map larger than the view, camera trajectories, rendering.
 
-A world is a (3, S, S) image in [0, 1] made of a smooth colour field, rectangles at several scales (4 to 48
-pixels) and a 4-pixel block texture (so blur is punished): 12 independent texture values per 8 x 8 patch,
-against a transformer width of 192 (real models: a VAE latent patch of 64 numbers, width 1536; a 2-pixel
-texture, 48 values a patch, left the miniature no width to spare and its copies lost the texture). The camera sees a `view` x `view` patch window; its
+A world is a (3, S, S) image in [0, 1] made of a smooth colour field, rectangles at several scales and
+fine 2-pixel block texture (so blur is punished). The camera sees a `view` x `view` patch window; its
 pose is the window's top-left corner in patch units. Trajectories move at most one patch per frame per
 axis and come back to places seen earlier:
 
@@ -28,12 +26,12 @@ def make_world(seed: int, size: int = 256) -> torch.Tensor:
     for c in range(3):  # smooth colour field
         a, b, p = torch.rand(3, generator=g) * torch.tensor([4.0, 4.0, 6.28])
         img[c] = 0.5 + 0.25 * torch.sin(a * 3.1 * xx + b * 2.3 * yy + p)
-    for scale, count in ((48, 10), (24, 40), (12, 160), (8, 300)):  # rectangles, coarse to fine
+    for scale, count in ((48, 10), (24, 40), (10, 160), (4, 500)):  # rectangles, coarse to fine
         for _ in range(count):
             h, w = (int(v) for v in torch.randint(scale // 2, scale + 1, (2,), generator=g))
             y, x = (int(v) for v in torch.randint(0, size, (2,), generator=g))
             img[:, y:y + h, x:x + w] = torch.rand(3, 1, 1, generator=g)
-    fine = torch.rand(3, size // 4, size // 4, generator=g).repeat_interleave(4, 1).repeat_interleave(4, 2)
+    fine = torch.rand(3, size // 2, size // 2, generator=g).repeat_interleave(2, 1).repeat_interleave(2, 2)
     return (0.8 * img + 0.2 * fine).clamp(0, 1)
 
 
