@@ -105,8 +105,10 @@ class Rollout:
 
 def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n_frames: int = 32,
              cache_config: CacheConfig = CacheConfig(), steps: int = 4, noise_seed: int = 0,
-             probe: bool = True, progress=None) -> Rollout:
+             probe: bool = True, progress=None, poses: torch.Tensor | None = None) -> Rollout:
     """Roll the model out over a world and trajectory through a KVCache configured by `cache_config`.
+
+    `poses` (n_frames, 2), camera positions in patches, replaces the trajectory (diagnostics: a static camera).
 
     Runs on the model's device (noise is drawn on the CPU, so CPU and CUDA runs see the same noise);
     the returned frames are on the CPU.
@@ -118,7 +120,13 @@ def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", 
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     world = make_world(world_seed, cfg.world_patches * cfg.patch)
-    poses = trajectory(trajectory_kind, n_frames, world_seed, cfg.world_patches, cfg.view)
+    if poses is None:
+        poses = trajectory(trajectory_kind, n_frames, world_seed, cfg.world_patches, cfg.view)
+    else:
+        poses = torch.as_tensor(poses, dtype=torch.long)
+        hi = cfg.world_patches - cfg.view
+        if poses.shape != (n_frames, 2) or poses.min() < 0 or poses.max() > hi:
+            raise ValueError(f"poses must be ({n_frames}, 2) patch positions in [0, {hi}], got shape {tuple(poses.shape)}")
     gt = render(world, poses, cfg.view, cfg.patch)
     gt_tokens = (patchify(gt, cfg.patch) * 2 - 1).to(device)  # (T, N, P)
     places = token_world_coords(poses, cfg.view).reshape(-1, 2)
