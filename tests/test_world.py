@@ -133,3 +133,13 @@ def test_committed_weights_load_and_retrieve_memory_sharply():
     run = generate(model, 0, "pan-return", 12, CacheConfig(), steps=2)
     mass = memory_stats(run)["same_place_mass"]
     assert len(mass) == model.cfg.layers and max(mass) > 0.5
+
+
+def test_generate_accepts_explicit_poses_and_rejects_bad_ones(tiny_model):
+    poses = torch.full((8, 2), 5)
+    run = generate(tiny_model, 0, n_frames=8, probe=False, poses=poses)
+    assert torch.equal(run.poses, poses)
+    assert torch.equal(run.ground_truth[0], run.ground_truth[-1])  # a static camera sees one view
+    for bad in (torch.full((7, 2), 5), torch.full((8, 2), -1), torch.full((8, 2), 100)):
+        with pytest.raises(ValueError, match="poses must be"):
+            generate(tiny_model, 0, n_frames=8, probe=False, poses=bad)
