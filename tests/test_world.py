@@ -143,3 +143,18 @@ def test_generate_accepts_explicit_poses_and_rejects_bad_ones(tiny_model):
     for bad in (torch.full((7, 2), 5), torch.full((8, 2), -1), torch.full((8, 2), 100)):
         with pytest.raises(ValueError, match="poses must be"):
             generate(tiny_model, 0, n_frames=8, probe=False, poses=bad)
+
+
+def test_widen_doubles_width_and_keeps_the_function(tiny_model):
+    from quantwm.world.train import widen
+
+    wide = widen(tiny_model).eval()
+    assert (wide.cfg.dim, wide.cfg.heads, wide.cfg.head_dim) == (2 * TINY.dim, 2 * TINY.heads, TINY.head_dim)
+    g = torch.Generator().manual_seed(0)
+    L = 3 * TINY.tokens_per_frame
+    tokens, t = torch.randn(1, L, TINY.patch_dim, generator=g), torch.rand(1, L, generator=g)
+    coords = torch.randint(0, 8, (L, 3), generator=g)
+    with torch.no_grad():
+        torch.testing.assert_close(wide(tokens, t, coords), tiny_model(tokens, t, coords), atol=1e-4, rtol=1e-4)
+        noisy = widen(tiny_model, noise=0.05)(tokens, t, coords)
+    assert not torch.allclose(noisy, tiny_model(tokens, t, coords), atol=1e-4)  # the copies now differ

@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import time
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -71,6 +72,8 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--init", help="start from these weights (a safetensors export), fresh optimizer and schedule")
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--widen", action="store_true", help="with --init: double the width (Net2Net, function-preserving)")
+    ap.add_argument("--widen-noise", type=float, default=0.01, help="symmetry-breaking noise for --widen")
     a = ap.parse_args(argv)
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -78,22 +81,31 @@ def main(argv=None) -> None:
     if (a.frames - cfg.context_frames) % cfg.chunk_frames or a.frames <= cfg.context_frames:
         raise SystemExit(f"--frames must exceed {cfg.context_frames} by a multiple of {cfg.chunk_frames}")
     torch.manual_seed(a.seed)
-    model = WorldModel(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.99))
     rng = torch.Generator().manual_seed(a.seed)
-    step, log = 0, []
+    step, log, state = 0, [], None
     ckpt = Path(a.ckpt)
     if ckpt.exists():
         state = torch.load(ckpt, weights_only=False)
-        model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
+        cfg = WorldConfig(**state.get("config", asdict(cfg)))
+        model = WorldModel(cfg)
+        model.load_state_dict(state["model"])
         step, log = state["step"], state.get("log", [])
         rng.set_state(state["rng"])
         print(f"resumed from {ckpt} at step {step}", flush=True)
     elif a.init:
         from .generate import load_world_model
 
-        model.load_state_dict(load_world_model(a.init).state_dict())
-        print(f"initialised from {a.init}", flush=True)
+        model = load_world_model(a.init).train()
+        if a.widen:
+            model = widen(model, noise=a.widen_noise, seed=a.seed)
+        cfg = model.cfg
+        print(f"initialised from {a.init}" + (f", widened to dim {cfg.dim}, {cfg.heads} heads" if a.widen else ""),
+              flush=True)
+    else:
+        model = WorldModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.99))
+    if state is not None:
+        opt.load_state_dict(state["opt"])
     mask = training_mask(a.frames, cfg)
     worlds: dict = {}
     warmup = a.warmup
@@ -122,9 +134,62 @@ def main(argv=None) -> None:
         if step % a.ckpt_every == 0 or step == a.steps:
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
-                        "rng": rng.get_state()}, ckpt)
+                        "rng": rng.get_state(), "config": asdict(cfg)}, ckpt)
             export(model, a.out, {"steps": step, "seed": a.seed, "batch": a.batch, "frames": a.frames,
-                                  "worlds": a.worlds, "lr": a.lr, "init": a.init})
+                                  "worlds": a.worlds, "lr": a.lr, "init": a.init, "widen": a.widen})
+
+
+def widen(model: WorldModel, noise: float = 0.0, seed: int = 0) -> WorldModel:
+    """A model twice as wide (dim x2, heads x2, head dim kept) computing the same function (Net2Net).
+
+    Every stream channel, head and MLP unit is duplicated: LayerNorm over [x, x] equals [LN(x), LN(x)], a
+    layer reading duplicated inputs takes half weights from each copy, and the time embedding's old
+    frequencies are the even ones of the wider embedding. `noise` (relative to each weight's std) breaks
+    the symmetry between the copies so that training can use the new width.
+    """
+    cfg = model.cfg
+    wide = WorldModel(replace(cfg, dim=2 * cfg.dim, heads=2 * cfg.heads))
+    d, g = cfg.dim, torch.Generator().manual_seed(seed)
+    src = {k: v.detach().float() for k, v in model.state_dict().items()}
+
+    def both(w):  # input duplicated, output duplicated: (o, i) -> (2o, 2i)
+        return torch.cat([torch.cat([w / 2, w / 2], 1)] * 2, 0)
+
+    def dup_chunks(w, n):  # n stacked outputs, each duplicated; input duplicated
+        return torch.cat([both(c) for c in w.chunk(n, 0)], 0)
+
+    def dup_bias(b, n=1):
+        return torch.cat([torch.cat([c, c]) for c in b.chunk(n, 0)])
+
+    new = {}
+    new["patch_in.weight"], new["patch_in.bias"] = torch.cat([src["patch_in.weight"]] * 2), dup_bias(src["patch_in.bias"])
+    w1 = torch.zeros(2 * d, 2 * d)
+    half = d // 2  # the old embedding's cos/sin columns sit at the even columns of the wider one's halves
+    w1[:d, 0:d:2], w1[:d, d::2] = src["time.0.weight"][:, :half], src["time.0.weight"][:, half:]
+    w1[d:] = w1[:d]
+    new["time.0.weight"], new["time.0.bias"] = w1, dup_bias(src["time.0.bias"])
+    new["time.2.weight"], new["time.2.bias"] = both(src["time.2.weight"]), dup_bias(src["time.2.bias"])
+    for i in range(cfg.layers):
+        p = f"blocks.{i}."
+        new[p + "ada.weight"], new[p + "ada.bias"] = dup_chunks(src[p + "ada.weight"], 6), dup_bias(src[p + "ada.bias"], 6)
+        new[p + "attn.qkv.weight"] = dup_chunks(src[p + "attn.qkv.weight"], 3)
+        new[p + "attn.qkv.bias"] = dup_bias(src[p + "attn.qkv.bias"], 3)
+        new[p + "attn.proj.weight"], new[p + "attn.proj.bias"] = both(src[p + "attn.proj.weight"]), dup_bias(src[p + "attn.proj.bias"])
+        for n in ("q_norm.weight", "k_norm.weight"):
+            new[p + "attn." + n] = src[p + "attn." + n]
+        new[p + "attn.log_temp"] = dup_bias(src[p + "attn.log_temp"])
+        for j in (0, 2):
+            new[p + f"mlp.{j}.weight"] = both(src[p + f"mlp.{j}.weight"])
+            new[p + f"mlp.{j}.bias"] = dup_bias(src[p + f"mlp.{j}.bias"])
+    new["ada_out.weight"], new["ada_out.bias"] = dup_chunks(src["ada_out.weight"], 2), dup_bias(src["ada_out.bias"], 2)
+    w = src["out.weight"]
+    new["out.weight"], new["out.bias"] = torch.cat([w / 2, w / 2], 1), src["out.bias"]
+    if noise:
+        for k, v in new.items():
+            if v.dim() == 2 and v.std() > 0:
+                new[k] = v + noise * v.std() * torch.randn(v.shape, generator=g)
+    wide.load_state_dict(new)
+    return wide
 
 
 def export(model: WorldModel, path: str, train_info: dict) -> None:
