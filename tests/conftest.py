@@ -1,11 +1,13 @@
 import os
 
-# Kernels run under the Triton interpreter on CPU; this must be set before anything imports kernels/.
-os.environ.setdefault("TRITON_INTERPRET", "1")
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+import pytest
+import torch
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+# Without a GPU the kernels run under the Triton interpreter; this must be set before anything imports
+# kernels/. With one, the same kernel tests run compiled on CUDA (tests/test_kernels.py moves their tensors).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 
 @pytest.fixture(autouse=True, scope="module")
