@@ -143,7 +143,8 @@ def cmd_eval(a) -> int:
     report = evaluate(load_world_model(a.weights), methods, a.target, _ints(a.seeds, "--seeds"), a.frames, a.bits,
                       a.trajectory, a.steps, progress=_progress("eval"), training_seeds=a.training_seeds)
     _write_json(report, a.json)
-    keys = ("psnr", "ssim", "lpips", "tdiff", "shift_rate", "k_rel_err", "v_rel_err", "bits_per_element", "compression")
+    keys = ("psnr", "ssim", "lpips", "tdiff", "shift_rate", "place_shift_rate", "k_rel_err", "v_rel_err",
+            "bits_per_element", "compression")
     print(f"eval: target={a.target}, bits={a.bits}, seeds={a.seeds}, {a.frames} frames, {a.trajectory}, "
           f"{report['config']['seconds']:.0f} s")
     print(_table([["method", *keys]] + [[m, *(_fmt(e["mean"][k]) for k in keys)]
@@ -152,6 +153,9 @@ def cmd_eval(a) -> int:
     print(f"bf16 vs ground truth on revisited views: {_fmt(b['revisit_psnr_vs_gt'], 2)} dB; same-place attention "
           f"mass per layer: {', '.join(_fmt(x, 3) for x in b['same_place_mass_per_layer'])}; top-1 probability "
           f"per layer: {', '.join(_fmt(x, 3) for x in b['top1_prob_per_layer'])}")
+    for m, e in report["methods"].items():
+        if m != "bf16":
+            print(f"{m}: place shift rate per layer: {', '.join(_fmt(x, 3) for x in e['place_shift_rate_per_layer'])}")
     return 0
 
 

@@ -6,7 +6,7 @@ import torch
 
 from quantwm.cache import CacheConfig, KVCache
 from quantwm.world import scene
-from quantwm.world.evaluate import evaluate, shift_rate
+from quantwm.world.evaluate import evaluate, place_shift_rate, shift_rate
 from quantwm.world.generate import generate, load_world_model, revisited_frames, rollout_trace
 from quantwm.world.model import WorldConfig, WorldModel, training_mask
 from quantwm.world.train import export
@@ -158,3 +158,15 @@ def test_widen_doubles_width_and_keeps_the_function(tiny_model):
         torch.testing.assert_close(wide(tokens, t, coords), tiny_model(tokens, t, coords), atol=1e-4, rtol=1e-4)
         noisy = widen(tiny_model, noise=0.05)(tokens, t, coords)
     assert not torch.allclose(noisy, tiny_model(tokens, t, coords), atol=1e-4)  # the copies now differ
+
+
+def test_place_shift_counts_only_jumps_to_another_world_place(tiny_model):
+    ref = generate(tiny_model, 2, "random-walk", 8, CacheConfig(), steps=1)
+    assert place_shift_rate(ref)[0] == 0.0
+    q = generate(tiny_model, 2, "random-walk", 8, CacheConfig(method="rtn", target="k", sink_chunks=0, recent_chunks=0),
+                 steps=1)
+    overall, per_layer = place_shift_rate(q)
+    assert len(per_layer) == TINY.layers and 0 <= overall <= shift_rate(q)
+    # by hand for layer 0: a changed top-1 whose two tokens saw the same world place is not a place jump
+    jumped = sum(int((q.places[pr.top1_exact[0]] != q.places[pr.top1_quant[0]]).any(-1).sum()) for pr in q.probes)
+    assert per_layer[0] == pytest.approx(jumped / sum(pr.top1_exact[0].numel() for pr in q.probes))

@@ -2,7 +2,8 @@
 
 Per method (generated frames only; context frames are ground truth in every run): PSNR (per frame, and
 for the clip from the mean MSE over all generated frames), SSIM and LPIPS-Alex against the BF16 rollout, tdiff-L1 flicker against BF16, the top-1 shift rate (same cache
-state, exact vs stored keys, every layer, head and query of every generated chunk), Key/Value relative
+state, exact vs stored keys, every layer, head and query of every generated chunk) and the place shift rate
+(only the top-1 changes that land on another world place; overall and per layer), Key/Value relative
 reconstruction errors, bits per element and compression of the quantized chunks. The BF16 run also
 reports its memory: PSNR against ground truth on views the context had fully seen, and per layer the
 attention mass each query puts on cached tokens that saw its own world location, and the top-1
@@ -39,6 +40,24 @@ def shift_rate(run: Rollout) -> float:
     return changed / total if total else float("nan")
 
 
+def place_shift_rate(run: Rollout) -> tuple[float, list[float]]:
+    """Fraction of (chunk, layer, head, query) whose top-1 cached token moves to another *world place*
+    under the stored keys (overall, and per layer). Tokens of the same place in different frames carry
+    nearly the same key, so the token-level shift rate also counts flips between copies of one place; this
+    one counts only the jumps that fetch content from somewhere else."""
+    L = run.config.layers
+    moved, total = [0] * L, [0] * L
+    for p in run.probes:
+        pos = run.cache.positions(0)[:p.n_cached]  # cache order = position order: nothing is evicted here
+        for layer, (e, q) in enumerate(zip(p.top1_exact, p.top1_quant)):
+            jumped = (run.places[pos[e]] != run.places[pos[q]]).any(-1)
+            moved[layer] += int(jumped.sum())
+            total[layer] += jumped.numel()
+    if not sum(total):
+        return float("nan"), [float("nan")] * L
+    return sum(moved) / sum(total), [m / t for m, t in zip(moved, total)]
+
+
 def rel_errors(run: Rollout) -> tuple[float, float]:
     """Relative MSE of the stored Keys and Values over every layer of the final cache."""
     c = run.cache
@@ -69,7 +88,9 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
     configs = {m: CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits) for m in methods}  # validates names
     ctx = model.cfg.context_frames
     per: dict = {m: {k: [] for k in ("psnr", "ssim", "lpips", "tdiff")} for m in methods}
-    scalars: dict = {m: {k: [] for k in ("shift_rate", "bits_per_element", "k_rel_err", "v_rel_err")} for m in methods}
+    scalars: dict = {m: {k: [] for k in ("shift_rate", "place_shift_rate", "bits_per_element", "k_rel_err",
+                                         "v_rel_err")} for m in methods}
+    place_layers: dict = {m: [] for m in methods}
     bf16: dict = {"revisit_psnr_vs_gt": [], "psnr_vs_gt": [], "same_place_mass": [], "top1_prob": [], "revisited_frames": []}
     total, done, t0 = len(seeds) * (1 + len(methods)), 0, time.time()
     for seed in seeds:
@@ -92,7 +113,10 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
             per[m]["lpips"].append(M.lpips(x, r).tolist())
             per[m]["tdiff"].append(M.tdiff(run.frames[ctx - 1:], ref.frames[ctx - 1:]).tolist())
             ke, ve = rel_errors(run)
-            for k, v in (("shift_rate", shift_rate(run)), ("bits_per_element", run.cache.bits_per_element()),
+            place, per_layer = place_shift_rate(run)
+            place_layers[m].append(per_layer)
+            for k, v in (("shift_rate", shift_rate(run)), ("place_shift_rate", place),
+                         ("bits_per_element", run.cache.bits_per_element()),
                          ("k_rel_err", ke), ("v_rel_err", ve)):
                 scalars[m][k].append(v)
             done += 1
@@ -111,7 +135,8 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
         mean.update({k: _nanmean(v) for k, v in scalars[m].items()})
         bpe = mean["bits_per_element"]
         mean["compression"] = 16 / bpe if bpe == bpe else 1.0
-        out["methods"][m] = {"mean": mean, "per_frame": frame_means}
+        out["methods"][m] = {"mean": mean, "per_frame": frame_means,
+                             "place_shift_rate_per_layer": [_nanmean(col) for col in zip(*place_layers[m])]}
     n_layers = model.cfg.layers
     out["bf16"] = {
         "revisit_psnr_vs_gt": _nanmean(bf16["revisit_psnr_vs_gt"]),
