@@ -170,3 +170,23 @@ def test_place_shift_counts_only_jumps_to_another_world_place(tiny_model):
     # by hand for layer 0: a changed top-1 whose two tokens saw the same world place is not a place jump
     jumped = sum(int((q.places[pr.top1_exact[0]] != q.places[pr.top1_quant[0]]).any(-1).sum()) for pr in q.probes)
     assert per_layer[0] == pytest.approx(jumped / sum(pr.top1_exact[0].numel() for pr in q.probes))
+
+
+@pytest.mark.parametrize("weights,tol", [("int8", 2e-2), ("fp16", 1e-3)])
+def test_export_formats_load_back_close_to_the_trained_weights(tiny_model, tmp_path, weights, tol):
+    path = tmp_path / f"w-{weights}.safetensors"
+    export(tiny_model, str(path), {"steps": 0}, weights)
+    loaded = load_world_model(path)
+    for k, v in tiny_model.state_dict().items():
+        err = (loaded.state_dict()[k] - v).abs().max() / v.abs().max().clamp_min(1e-12)
+        assert err <= tol, (k, float(err))
+    with pytest.raises(ValueError, match="weights must be one of int8, fp16"):
+        export(tiny_model, str(path), {}, "fp8")
+
+
+def test_int8_export_is_about_half_the_size_of_fp16(tiny_model, tmp_path):
+    sizes = {}
+    for w in ("int8", "fp16"):
+        export(tiny_model, str(tmp_path / f"{w}.safetensors"), {}, w)
+        sizes[w] = (tmp_path / f"{w}.safetensors").stat().st_size
+    assert sizes["int8"] < 0.6 * sizes["fp16"]

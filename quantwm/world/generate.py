@@ -27,14 +27,20 @@ DEFAULT_WEIGHTS = Path(__file__).resolve().parents[2] / "assets" / "world_model.
 
 
 def load_world_model(path: str | Path = DEFAULT_WEIGHTS) -> WorldModel:
-    """Load the committed weights (fp16 safetensors with the config in the metadata), eval mode, fp32."""
+    """Load exported weights (safetensors, config in the metadata; int8 matrices with per-row scales, or
+    fp16), eval mode, fp32."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no world-model weights (train them: python -m quantwm.world.train)")
     try:
         with safe_open(str(path), "pt") as f:
             cfg = WorldConfig(**json.loads(f.metadata()["config"]))
-            state = {k: f.get_tensor(k).float() for k in f.keys()}
+            state = {}
+            for k in f.keys():
+                if k.endswith("::scale"):
+                    continue
+                t = f.get_tensor(k)
+                state[k] = t.float() * f.get_tensor(k + "::scale")[:, None] if t.dtype == torch.int8 else t.float()
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
         raise ValueError(f"{path}: not a QuantWM world-model file ({str(e).splitlines()[0][:100]})") from None
     model = WorldModel(cfg)

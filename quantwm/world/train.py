@@ -72,6 +72,7 @@ def main(argv=None) -> None:
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--init", help="start from these weights (a safetensors export), fresh optimizer and schedule")
     ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--weights", choices=WEIGHT_FORMATS, default="int8", help="export format (see export)")
     ap.add_argument("--widen", action="store_true", help="with --init: double the width (Net2Net, function-preserving)")
     ap.add_argument("--widen-noise", type=float, default=0.01, help="symmetry-breaking noise for --widen")
     a = ap.parse_args(argv)
@@ -106,6 +107,10 @@ def main(argv=None) -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr, weight_decay=0.01, betas=(0.9, 0.99))
     if state is not None:
         opt.load_state_dict(state["opt"])
+    def info(at: int) -> dict:
+        return {"steps": at, "seed": a.seed, "batch": a.batch, "frames": a.frames, "worlds": a.worlds, "lr": a.lr,
+                "init": a.init, "widen": a.widen}
+
     mask = training_mask(a.frames, cfg)
     worlds: dict = {}
     warmup = a.warmup
@@ -135,8 +140,9 @@ def main(argv=None) -> None:
             ckpt.parent.mkdir(parents=True, exist_ok=True)
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
                         "rng": rng.get_state(), "config": asdict(cfg)}, ckpt)
-            export(model, a.out, {"steps": step, "seed": a.seed, "batch": a.batch, "frames": a.frames,
-                                  "worlds": a.worlds, "lr": a.lr, "init": a.init, "widen": a.widen})
+            export(model, a.out, info(step), a.weights)
+    export(model, a.out, info(step), a.weights)  # also when resumed at --steps: re-export the checkpoint
+    print(f"exported step {step} to {a.out} ({a.weights})", flush=True)
 
 
 def widen(model: WorldModel, noise: float = 0.0, seed: int = 0) -> WorldModel:
@@ -192,11 +198,30 @@ def widen(model: WorldModel, noise: float = 0.0, seed: int = 0) -> WorldModel:
     return wide
 
 
-def export(model: WorldModel, path: str, train_info: dict) -> None:
-    """Weights as fp16 safetensors with the config and training facts in the metadata."""
+WEIGHT_FORMATS = ("int8", "fp16")
+
+
+def export(model: WorldModel, path: str, train_info: dict, weights: str = "int8") -> None:
+    """Weights as safetensors with the config and training facts in the metadata.
+
+    "int8": every matrix as int8 with one fp32 scale per output row (absmax / 127; `<name>::scale`), the
+    rest fp16: half the size of fp16, which keeps the committed model under the repository's size budget.
+    "fp16": every tensor fp16.
+    """
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {', '.join(WEIGHT_FORMATS)}, got {weights!r}")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().to(torch.float16).contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, path, metadata={"config": json.dumps(model.config_dict()), "train": json.dumps(train_info)})
+    tensors = {}
+    for k, v in model.state_dict().items():
+        v = v.detach().float()
+        if weights == "int8" and v.dim() == 2:
+            scale = (v.abs().amax(1) / 127).clamp_min(1e-12)
+            tensors[k] = torch.round(v / scale[:, None]).clamp(-127, 127).to(torch.int8).contiguous()
+            tensors[k + "::scale"] = scale.contiguous()
+        else:
+            tensors[k] = v.to(torch.float16).contiguous()
+    save_file(tensors, path, metadata={"config": json.dumps(model.config_dict()), "train": json.dumps(train_info),
+                                       "weights": weights})
 
 
 if __name__ == "__main__":
