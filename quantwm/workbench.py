@@ -25,8 +25,8 @@ import torch
 
 from . import diagnostics as D
 from . import metrics as M
-from .cache import TARGETS, CacheConfig
-from .methods import known_methods
+from .cache import CacheConfig
+from .world.evaluate import shift_rate
 from .world.generate import generate, load_world_model
 from .world.scene import TRAJECTORIES
 
@@ -51,13 +51,12 @@ class RunKey:
     def __post_init__(self):
         if self.trajectory not in TRAJECTORIES:
             raise ValueError(f"unknown trajectory {self.trajectory!r}; known: {', '.join(TRAJECTORIES)}")
-        if self.method not in known_methods():
-            raise ValueError(f"unknown method {self.method!r}; known methods: {', '.join(known_methods())}")
-        if self.target not in TARGETS:
-            raise ValueError(f"target must be one of {', '.join(TARGETS)}, got {self.target!r}")
         if self.seed < 0:
             raise ValueError(f"world seed must be >= 0, got {self.seed}")
-        CacheConfig(method=self.method, k_bits=self.bits, v_bits=self.bits)  # validates bits
+        self.cache_config()  # validates method, target and bits with the cache's own messages
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(method=self.method, target=self.target, k_bits=self.bits, v_bits=self.bits)
 
     @property
     def id(self) -> str:
@@ -150,9 +149,8 @@ class Workbench:
         return rec
 
     def _generate(self, key: RunKey, progress: Callable | None) -> Record:
-        cc = CacheConfig(method=key.method, target=key.target, k_bits=key.bits, v_bits=key.bits)
         t0 = time.time()
-        run = generate(self.model, key.seed, key.trajectory, key.frames, cc, progress=progress)
+        run = generate(self.model, key.seed, key.trajectory, key.frames, key.cache_config(), progress=progress)
         c, L = run.cache, self.cfg.layers
         k_exact = [c.keys(l, exact=True)[0].cpu() for l in range(L)]
         v_exact = [c.values(l, exact=True)[0].cpu() for l in range(L)]
@@ -201,18 +199,12 @@ class Workbench:
         mse = float((x - r).square().mean())
         out = {"psnr": min(100.0, -10 * float(np.log10(max(mse, 1e-10)))), "ssim": float(M.ssim(x, r).mean()),
                "tdiff": float(M.tdiff(rec.frames[ctx - 1:], ref.frames[ctx - 1:]).mean()),
-               "shift_rate": self.shift_rate(rec), "bits_per_element": rec.bits_per_element,
+               "shift_rate": shift_rate(rec), "bits_per_element": rec.bits_per_element,
                "compression": 16 / rec.bits_per_element if rec.bits_per_element == rec.bits_per_element else 1.0,
                "memory_bf16_mb": rec.memory_mb["bf16"], "memory_mb": rec.memory_mb["stored"]}
         if lpips:
             out["lpips"] = float(M.lpips(x, r).mean())
         return out
-
-    @staticmethod
-    def shift_rate(rec: Record) -> float:
-        moved = sum(int((e != q).sum()) for p in rec.probes for e, q in zip(p.top1_exact, p.top1_quant))
-        total = sum(e.numel() for p in rec.probes for e in p.top1_exact)
-        return moved / total if total else float("nan")
 
     def record(self, run_id: str) -> Record:
         key = RunKey.parse(run_id)

@@ -30,8 +30,9 @@ def _nanmean(xs) -> float:
     return float(t.mean()) if len(t) else float("nan")
 
 
-def shift_rate(run: Rollout) -> float:
-    """Fraction of (chunk, layer, head, query) whose top-1 cached token differs between exact and stored keys."""
+def shift_rate(run) -> float:
+    """Fraction of (chunk, layer, head, query) whose top-1 cached token differs between exact and stored keys;
+    `run` is anything with the rollout's `probes` (a Rollout, or the app's workbench Record)."""
     changed = total = 0
     for p in run.probes:
         for e, q in zip(p.top1_exact, p.top1_quant):
@@ -47,8 +48,8 @@ def place_shift_rate(run: Rollout) -> tuple[float, list[float]]:
     one counts only the jumps that fetch content from somewhere else."""
     L = run.config.layers
     moved, total = [0] * L, [0] * L
+    pos = run.cache.positions(0)  # cache order of every chunk's prefix: nothing is evicted here
     for p in run.probes:
-        pos = run.cache.positions(0)[:p.n_cached]  # cache order = position order: nothing is evicted here
         for layer, (e, q) in enumerate(zip(p.top1_exact, p.top1_quant)):
             jumped = (run.places[pos[e]] != run.places[pos[q]]).any(-1)
             moved[layer] += int(jumped.sum())

@@ -114,7 +114,7 @@ def main(argv=None) -> None:
     mask = training_mask(a.frames, cfg)
     worlds: dict = {}
     warmup = a.warmup
-    t_start, losses = time.time(), []
+    t_start, losses, exported = time.time(), [], None
     while step < a.steps:
         lr = a.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / a.steps)))
         for gparam in opt.param_groups:
@@ -141,7 +141,9 @@ def main(argv=None) -> None:
             torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "log": log,
                         "rng": rng.get_state(), "config": asdict(cfg)}, ckpt)
             export(model, a.out, info(step), a.weights)
-    export(model, a.out, info(step), a.weights)  # also when resumed at --steps: re-export the checkpoint
+            exported = step
+    if exported != step:  # resumed at --steps: nothing trained, re-export the checkpoint
+        export(model, a.out, info(step), a.weights)
     print(f"exported step {step} to {a.out} ({a.weights})", flush=True)
 
 
