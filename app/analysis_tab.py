@@ -7,7 +7,7 @@ from typing import Callable
 
 import gradio as gr
 
-from app.ui import unpack
+from .ui import unpack
 
 TARGETS = [("Keys only", "k"), ("Values only", "v"), ("Keys and Values", "kv")]
 

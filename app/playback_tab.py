@@ -6,9 +6,9 @@ from typing import Callable
 
 import gradio as gr
 
-from app.ui import progress_callback, unpack
-from app.world_handlers import FACTOR, OVERLAYS
-from quantwm.cache import TARGETS
+from .ui import progress_callback, unpack
+from .world_handlers import FACTOR, OVERLAYS
+from quantwm.core.cache import TARGETS
 from quantwm.world.scene import TRAJECTORIES
 
 TARGET_CHOICES = [("Keys and Values", "kv"), ("Keys only", "k"), ("Values only", "v")]

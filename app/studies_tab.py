@@ -5,8 +5,8 @@ from typing import Callable
 
 import gradio as gr
 
-from app.ui import progress_callback, table, unpack
-from app.world_handlers import KV_COLUMNS, METHOD_COLUMNS
+from .ui import progress_callback, table, unpack
+from .world_handlers import KV_COLUMNS, METHOD_COLUMNS
 
 
 def build_energy_tab(energy: Callable, controls: dict, layers: int) -> None:

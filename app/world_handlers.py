@@ -1,6 +1,6 @@
 """Handlers of the world-model tabs: plain values in, a dict of plain values out (no torch, no gradio).
 
-Every handler takes the compute object (`quantwm.workbench.Workbench`) first; app.py binds it. Bad input
+Every handler takes the compute object (`quantwm.evaluation.workbench.Workbench`) first; app.py binds it. Bad input
 never raises: the dict then holds an "**Error:** ..." status and None for every output it leaves alone
 (the tabs turn None into "no change").
 """
@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from app import media, plots
+from . import media, plots
 
 FACTOR = 4  # frames are shown enlarged 4x on the server: a click at (x, y) is frame pixel (x // 4, y // 4)
 THUMB = 2  # source thumbnails
@@ -35,7 +35,7 @@ def _choice(value, name: str):
 
 
 def _key(seed, trajectory, method, target, bits, frames):
-    from quantwm.workbench import RunKey
+    from quantwm.evaluation.workbench import RunKey
 
     def integer(value, name):
         try:
@@ -59,7 +59,7 @@ def _fmt(x, digits=4):
 
 def generate_handler(wb, seed, trajectory, method, target, bits, frames, progress: Callable | None = None) -> dict:
     """Generate (or fetch) BF16 and the method: videos, per-frame figure, summary, the worst frame."""
-    from quantwm.workbench import Busy
+    from quantwm.evaluation.workbench import Busy
 
     try:
         key = _key(seed, trajectory, method, target, bits, frames)
@@ -174,7 +174,7 @@ KV_COLUMNS = ("target", "k_rel_err", "v_rel_err", "attn_out_rel_err", "shift_rat
 
 def key_value_handler(wb, seed, trajectory, method, bits, frames, progress: Callable | None = None) -> dict:
     """Keys-only vs Values-only quantization: reconstruction errors beside the damage each causes."""
-    from quantwm.workbench import Busy
+    from quantwm.evaluation.workbench import Busy
 
     try:
         key = _key(seed, trajectory, method, "kv", bits, frames)
@@ -205,7 +205,7 @@ METHOD_COLUMNS = ("method", "compression", "bits_per_element", "memory_bf16_mb",
 
 def methods_handler(wb, seed, trajectory, target, bits, frames, methods, progress: Callable | None = None) -> dict:
     """Every chosen method on one world: compression, memory (MB), shift rate and frame metrics vs BF16."""
-    from quantwm.workbench import Busy
+    from quantwm.evaluation.workbench import Busy
 
     try:
         key = _key(seed, trajectory, "bf16", target, bits, frames)

@@ -31,8 +31,8 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from gradio_client import Client
 
-    from quantwm.synthetic import make_synthetic_trace
-    from quantwm.workbench import Workbench
+    from quantwm.evaluation.synthetic import make_synthetic_trace
+    from quantwm.evaluation.workbench import Workbench
 
     spec = importlib.util.spec_from_file_location("app_main", ROOT / "app.py")
     mod = importlib.util.module_from_spec(spec)

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from quantwm.methods import SpanContext, get_method
+from quantwm.core.methods import SpanContext, get_method
 
 
 def main() -> None:

@@ -67,7 +67,7 @@ def peak_memory(device: str) -> int:
 def worker(a) -> dict:
     """One method: build, generate, measure. Returns the JSON row."""
     from quantwm.adapters.diffusers_wan import WanCacheAdapter, wan_kv_cache
-    from quantwm.cache import CacheConfig
+    from quantwm.core.cache import CacheConfig
 
     dev, dtype = a.device, torch.bfloat16
     shape = REDUCED if a.reduced else FULL
@@ -134,8 +134,8 @@ def main(argv=None) -> int:
     if a.method:
         print(json.dumps(worker(a)))
         return 0
-    from quantwm.methods import parse_method_name
-    from quantwm.metrics import rel_err
+    from quantwm.core.methods import parse_method_name
+    from quantwm.evaluation.metrics import rel_err
 
     methods = [m.strip() for m in a.methods.split(",") if m.strip()]
     for m in methods:

@@ -6,7 +6,8 @@
 * `span_attention`: a chunk of queries over one cached span (packed, clustered, PSAC-corrected, or full
   precision), online softmax carried across spans and splits (flash-decoding).
 
-This package imports nothing from quantwm/. Each kernel's PyTorch twin is named `<kernel>_ref` and lives
+Installed as `quantwm.kernels` (the distribution claims no top-level name but `quantwm`); it imports
+nothing else from quantwm. Each kernel's PyTorch twin is named `<kernel>_ref` and lives
 in quantwm/. Launchers never require CUDA tensors, so every kernel also runs under `TRITON_INTERPRET=1`
 (set before importing this package), which is how CI checks them on CPU. Tiles are GPU-legal (tl.dot
 operands are at least 16 x 16).

@@ -1,4 +1,4 @@
-"""Nearest centroid under Euclidean distance: the twin of quantwm.kmeans.kmeans_assign_ref (QVG's
+"""Nearest centroid under Euclidean distance: the twin of quantwm.core.kmeans.kmeans_assign_ref (QVG's
 "semantic-aware smoothing" step, and QuantWM's Values).
 
 Per stream, a tile of BLOCK_N tokens is streamed against tiles of BLOCK_K centroids; the distance

@@ -1,4 +1,4 @@
-"""Pack integer codes into little-endian bit rows: the twin of quantwm.quant.pack_bits_ref.
+"""Pack integer codes into little-endian bit rows: the twin of quantwm.core.quant.pack_bits_ref.
 
 Element i of a row lives in bits [i*b, (i+1)*b) of the row's byte stream (b in {2, 4, 8}, so a code never
 straddles a byte). One program packs a (BLOCK_R rows x BLOCK_B bytes) tile; codes past the row's end

@@ -1,5 +1,5 @@
 """Quantize a span against its stored scales and zeros and pack the codes, in one pass: the twin of
-quantwm.quant.quantize_pack_ref.
+quantwm.core.quant.quantize_pack_ref.
 
 x (S, T, D) float; groups run along channels (axis "channel": scale (S, T, D/G)) or along tokens (axis
 "token": scale (S, ceil(T/G), D), KIVI's Key layout). Asymmetric: code = round((x - zero) / scale) clamped to

@@ -1,5 +1,5 @@
 """Fused attention of a chunk of queries over one cached span: the twin of
-quantwm.attention.span_attention_ref.
+quantwm.core.attention.span_attention_ref.
 
 A cache is a list of spans (the BF16 sink, quantized chunks, the BF16 recent chunk, the current chunk).
 Instead of decompressing every span to BF16 before attention (what published video quantizers do), each

@@ -1,4 +1,4 @@
-"""Unpack little-endian bit rows into codes: the twin of quantwm.quant.unpack_bits_ref.
+"""Unpack little-endian bit rows into codes: the twin of quantwm.core.quant.unpack_bits_ref.
 
 Code i of a row is (byte[i*b // 8] >> (i*b % 8)) & (2^b - 1) for b in {2, 4, 8}. One program unpacks a
 (BLOCK_R rows x BLOCK_N codes) tile; each code reads its own byte (neighbours share it through the cache).

@@ -3,8 +3,8 @@
 Public names: the cache (`KVCache`, `CacheConfig`), the method registry (`get_method`, `known_methods`),
 trace files (`TraceWriter`, `read_trace`). See README.md and SPEC.md.
 """
-from .cache import CacheConfig, KVCache
-from .methods import get_method, known_methods
-from .trace import TraceWriter, read_trace
+from .core.cache import CacheConfig, KVCache
+from .core.methods import get_method, known_methods
+from .evaluation.trace import TraceWriter, read_trace
 
 __all__ = ["CacheConfig", "KVCache", "get_method", "known_methods", "TraceWriter", "read_trace"]

@@ -1,6 +1,8 @@
-"""Command line: `python -m quantwm {analyze,memory,eval,trace,synth-trace,methods} ...` (also installed as `quantwm`).
+"""Command line: `python -m quantwm {analyze,memory,eval,trace,figures,synth-trace,methods,app} ...` (also
+installed as `quantwm`).
 
 Long work shows a progress bar on stderr. Bad arguments or files print one line on stderr and exit 2.
+`quantwm app ...` starts the diagnostics app (the same as `python app.py ...`; needs the `app` extra).
 """
 from __future__ import annotations
 
@@ -12,9 +14,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .methods import known_methods, parse_method_name
-
-DEFAULT_WEIGHTS = Path(__file__).resolve().parents[1] / "assets" / "world_model.safetensors"
+from .core.methods import known_methods, parse_method_name
+from .evaluation.figures import FIGURE_KINDS
+from .world.scene import WORLDS
 
 
 class _Parser(argparse.ArgumentParser):
@@ -90,8 +92,8 @@ def _options(pairs: list[str]) -> tuple:
 
 
 def cmd_analyze(a) -> int:
-    from .analyze import analyze_trace
-    from .trace import read_trace
+    from .evaluation.analyze import analyze_trace
+    from .evaluation.trace import read_trace
 
     methods = _methods(a.methods)
     trace = read_trace(a.trace)
@@ -107,7 +109,7 @@ def cmd_analyze(a) -> int:
 
 
 def cmd_memory(a) -> int:
-    from .memory import memory_report
+    from .evaluation.memory import memory_report
 
     parse_method_name(a.method)
     r = memory_report(a.preset, a.latent_frames, a.method, a.target, a.bits, a.sample_layers,
@@ -121,7 +123,7 @@ def cmd_memory(a) -> int:
 
 
 def cmd_synth(a) -> int:
-    from .synthetic import make_synthetic_trace
+    from .evaluation.synthetic import make_synthetic_trace
 
     make_synthetic_trace(a.seed, n_layers=a.layers, n_heads=a.heads, head_dim=a.head_dim).save(a.out)
     print(f"wrote {a.out}")
@@ -135,18 +137,27 @@ def _ints(text: str, what: str) -> list[int]:
         raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
 
 
+def _world_model(weights: str | None):
+    from .world.generate import DEFAULT_WEIGHTS, load_world_model
+
+    return load_world_model(weights or DEFAULT_WEIGHTS)
+
+
 def cmd_eval(a) -> int:
     from .world.evaluate import evaluate
-    from .world.generate import load_world_model
 
     methods = _methods(a.methods)
-    report = evaluate(load_world_model(a.weights), methods, a.target, _ints(a.seeds, "--seeds"), a.frames, a.bits,
-                      a.trajectory, a.steps, progress=_progress("eval"), training_seeds=a.training_seeds)
+    report = evaluate(_world_model(a.weights), methods, a.target, _ints(a.seeds, "--seeds"), a.frames, a.bits,
+                      a.trajectory, a.steps, progress=_progress("eval"), training_seeds=a.training_seeds,
+                      world=a.world)
     _write_json(report, a.json)
-    keys = ("psnr", "ssim", "lpips", "tdiff", "shift_rate", "place_shift_rate", "k_rel_err", "v_rel_err",
-            "bits_per_element", "compression")
+    keys = ("psnr", "ssim", "lpips", "tdiff", "warp_error", "shift_rate", "place_shift_rate", "k_rel_err",
+            "v_rel_err", "bits_per_element", "compression")
     print(f"eval: target={a.target}, bits={a.bits}, seeds={a.seeds}, {a.frames} frames, {a.trajectory}, "
+          f"{a.world} world{' (training photographs)' if a.training_seeds and a.world == 'photo' else ''}, "
           f"{report['config']['seconds']:.0f} s")
+    if report["config"].get("lpips_note"):
+        print(report["config"]["lpips_note"])
     print(_table([["method", *keys]] + [[m, *(_fmt(e["mean"][k]) for k in keys)]
                                           for m, e in report["methods"].items()]))
     b = report["bf16"]
@@ -160,10 +171,11 @@ def cmd_eval(a) -> int:
 
 
 def cmd_trace(a) -> int:
-    from .cache import CacheConfig
-    from .world.generate import generate, load_world_model, rollout_trace
+    from .core.cache import CacheConfig
+    from .world.generate import generate, rollout_trace
 
-    run = generate(load_world_model(a.weights), a.seed, a.trajectory, a.frames, CacheConfig(), progress=_progress("trace"))
+    run = generate(_world_model(a.weights), a.seed, a.trajectory, a.frames, CacheConfig(), progress=_progress("trace"),
+                   world=a.world)
     rollout_trace(run, a.out)
     print(f"wrote {a.out}")
     return 0
@@ -215,22 +227,72 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=4, help="flow-matching steps per chunk")
     s.add_argument("--training-seeds", action="store_true",
                    help="use training worlds (seed + 100000) instead of held-out ones, to check memorisation")
-    s.add_argument("--weights", default=str(DEFAULT_WEIGHTS))
+    s.add_argument("--world", choices=WORLDS, default="photo", help="world kind (procedural: the first models' world)")
+    s.add_argument("--weights", help="world-model weights (default: the built-in model, shipped with the package)")
     s.add_argument("--json")
     s.set_defaults(fn=cmd_eval)
     s = sub.add_parser("trace", help="write a trace file from the built-in world model")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--frames", type=int, default=32)
     s.add_argument("--trajectory", default="loop")
-    s.add_argument("--weights", default=str(DEFAULT_WEIGHTS))
+    s.add_argument("--world", choices=WORLDS, default="photo")
+    s.add_argument("--weights", help="world-model weights (default: the built-in model)")
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_trace)
+    s = sub.add_parser("figures", help="print figures (PNG/PDF/SVG, matplotlib) of a built-in-model run")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--trajectory", default="loop")
+    s.add_argument("--method", default="quantwm")
+    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
+    s.add_argument("--bits", type=int, default=2)
+    s.add_argument("--frames", type=int, default=32)
+    s.add_argument("--frame", type=int, default=None, help="frame of the maps and the pixel trace (default: the worst)")
+    s.add_argument("--pixel", default=None, help="x,y of the traced pixel in frame pixels (default: the centre)")
+    s.add_argument("--layer", type=int, default=1)
+    s.add_argument("--head", type=int, default=0)
+    s.add_argument("--methods", default="rtn,kivi,qvg,quantwm", help="methods of the comparison figure ('' = none)")
+    s.add_argument("--kinds", default=",".join(FIGURE_KINDS), help=f"which figures ({', '.join(FIGURE_KINDS)})")
+    s.add_argument("--formats", default="png,pdf,svg")
+    s.add_argument("--weights", help="world-model weights (default: the built-in model)")
+    s.add_argument("--out-dir", required=True)
+    s.set_defaults(fn=cmd_figures)
     s = sub.add_parser("methods", help="list the registered methods")
     s.set_defaults(fn=cmd_methods)
+    sub.add_parser("app", help="start the diagnostics app (options: quantwm app --help)", add_help=False)
     return p
 
 
+def cmd_app(argv: list[str]) -> int:
+    try:
+        from .app.main import main as app_main
+    except ImportError as e:
+        return _fail(f"the app needs the app extra (pip install 'quantwm[app]'): {e}")
+    app_main(argv)
+    return 0
+
+
+def cmd_figures(a) -> int:
+    from .evaluation.figures import check_formats, run_figures
+    from .evaluation.workbench import RunKey, Workbench
+
+    formats = [f.strip() for f in a.formats.split(",") if f.strip()]
+    kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
+    pixel = _ints(a.pixel, "--pixel") if a.pixel else None
+    if pixel is not None and len(pixel) != 2:
+        raise ValueError(f"--pixel must be x,y, got {a.pixel!r}")
+    check_formats(formats)
+    key = RunKey(a.seed, a.trajectory, a.method, a.target, a.bits, a.frames)
+    methods = _methods(a.methods) if a.methods.strip() else []
+    paths = run_figures(Workbench(a.weights), key, a.out_dir, kinds, formats, frame=a.frame, pixel=pixel,
+                        layer=a.layer, head=a.head, methods=methods, progress=_progress("figures"))
+    print("\n".join(f"wrote {p}" for p in paths))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["app"]:
+        return cmd_app(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -22,7 +22,7 @@ def _single_thread():
 @pytest.fixture(scope="session")
 def small_trace_path(tmp_path_factory):
     """A small synthetic world trace file: 2 layers, 2 heads x 64, 8x8-token frames, 12 cached frames."""
-    from quantwm.synthetic import make_synthetic_trace
+    from quantwm.evaluation.synthetic import make_synthetic_trace
 
     path = tmp_path_factory.mktemp("trace") / "syn.safetensors"
     make_synthetic_trace(seed=3, n_layers=2, n_heads=2, head_dim=64, grid=(8, 8), cached_frames=12,

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from quantwm.adapters import ChunkedAttention, chunk_attention
-from quantwm.cache import CacheConfig, KVCache
+from quantwm.core.cache import CacheConfig, KVCache
 
 
 def _qkv(seed, n=8, heads=2, dim=64):

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from quantwm.adapters import TraceCapture, chunk_attention
-from quantwm.cache import CacheConfig, KVCache
-from quantwm.trace import read_trace
+from quantwm.core.cache import CacheConfig, KVCache
+from quantwm.evaluation.trace import read_trace
 
 TPF, HEADS, DIM = 8, 2, 64  # frames of 2x4 tokens, one frame per chunk
 

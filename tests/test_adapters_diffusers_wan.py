@@ -9,11 +9,11 @@ from quantwm.adapters.diffusers_wan import (
     wan_kv_cache,
     wan_rope_at,
 )
-from quantwm.analyze import analyze_trace
-from quantwm.cache import CacheConfig, KVCache
-from quantwm.methods import known_methods
-from quantwm.metrics import rel_err
-from quantwm.trace import read_trace
+from quantwm.evaluation.analyze import analyze_trace
+from quantwm.core.cache import CacheConfig, KVCache
+from quantwm.core.methods import known_methods
+from quantwm.evaluation.metrics import rel_err
+from quantwm.evaluation.trace import read_trace
 
 diffusers = pytest.importorskip("diffusers")
 

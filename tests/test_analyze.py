@@ -2,8 +2,8 @@ import math
 
 import pytest
 
-from quantwm.analyze import MEAN_KEYS, analyze_trace
-from quantwm.trace import read_trace
+from quantwm.evaluation.analyze import MEAN_KEYS, analyze_trace
+from quantwm.evaluation.trace import read_trace
 
 
 @pytest.fixture(scope="module")

@@ -183,7 +183,7 @@ if __name__ == "__main__" and "--readme" in sys.argv:
 
     from playwright.sync_api import sync_playwright
 
-    from quantwm.synthetic import make_synthetic_trace
+    from quantwm.evaluation.synthetic import make_synthetic_trace
 
     trace = os.path.join(tempfile.mkdtemp(), "syn.safetensors")
     make_synthetic_trace(seed=0, n_layers=2, n_heads=4).save(trace)

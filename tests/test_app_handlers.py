@@ -5,8 +5,8 @@ import pytest
 
 from app import handlers
 from app import world_handlers as wh
-from quantwm.synthetic import make_synthetic_trace
-from quantwm.workbench import Workbench
+from quantwm.evaluation.synthetic import make_synthetic_trace
+from quantwm.evaluation.workbench import Workbench
 
 FRAMES = 10
 SETTINGS = (3, "pan-return", "qvg", "k", 2, FRAMES)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from quantwm import backend
-from quantwm.attention import chunk_spans, fused_attention
-from quantwm.cache import CacheConfig, KVCache
-from quantwm.rope import Rope3D
+from quantwm.core import backend
+from quantwm.core.attention import chunk_spans, fused_attention
+from quantwm.core.cache import CacheConfig, KVCache
+from quantwm.core.rope import Rope3D
 
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: kernels under the interpreter

@@ -1,12 +1,12 @@
-"""Tests for quantwm.cache: the chunked, quantized KV cache (contract in the module docstring, SPEC.md §2.4)."""
+"""Tests for quantwm.core.cache: the chunked, quantized KV cache (contract in the module docstring, SPEC.md §2.4)."""
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from quantwm.cache import CacheConfig, KVCache
-from quantwm.rope import Rope3D
+from quantwm.core.cache import CacheConfig, KVCache
+from quantwm.core.rope import Rope3D
 
 B, H, N, D = 1, 2, 16, 64
 

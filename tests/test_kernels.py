@@ -15,13 +15,13 @@ import triton.language as tl
 
 import os
 
-from kernels import kmeans_assign as _km, pack_bits as _pb, qsac_assign as _qa, quantize_pack as _qp
-from kernels import span_attention as _sa, unpack_bits as _ub
-from quantwm.attention import chunk_spans, decode_side, merge_splits, new_state, span_attention_ref
-from quantwm.cache import CacheConfig, KVCache
-from quantwm.kmeans import kmeans_assign_ref
-from quantwm.qsac import qsac_assign_ref
-from quantwm.quant import GroupQuant, group_step, pack_bits_ref, quantize_groups, quantize_pack_ref, unpack_bits_ref
+from quantwm.kernels import kmeans_assign as _km, pack_bits as _pb, qsac_assign as _qa, quantize_pack as _qp
+from quantwm.kernels import span_attention as _sa, unpack_bits as _ub
+from quantwm.core.attention import chunk_spans, decode_side, merge_splits, new_state, span_attention_ref
+from quantwm.core.cache import CacheConfig, KVCache
+from quantwm.core.kmeans import kmeans_assign_ref
+from quantwm.core.qsac import qsac_assign_ref
+from quantwm.core.quant import GroupQuant, group_step, pack_bits_ref, quantize_groups, quantize_pack_ref, unpack_bits_ref
 
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter (conftest.py)

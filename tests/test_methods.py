@@ -4,7 +4,7 @@ import functools
 import pytest
 import torch
 
-from quantwm.methods import REGISTRY, SpanContext, get_method, known_methods, parse_method_name
+from quantwm.core.methods import REGISTRY, SpanContext, get_method, known_methods, parse_method_name
 
 
 

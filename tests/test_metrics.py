@@ -2,8 +2,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from quantwm import metrics as M
+from quantwm.evaluation import metrics as M
 
 
 def test_attention_metrics_constant_logit_shift_changes_nothing_but_rmse():
@@ -134,3 +135,74 @@ def test_second_moment_is_mean_outer_product():
     assert torch.allclose(M.second_moment(q), torch.tensor([[[0.5, 0.0], [0.0, 2.0]]]))
     with pytest.raises(ValueError):
         M.second_moment(torch.zeros(1, 0, 2))
+
+
+# ---- SSIM against pytorch-msssim, the motion-compensated warping error -----------------------------
+
+@pytest.mark.parametrize("kind", ["random", "smooth"])
+def test_ssim_matches_pytorch_msssim(kind):
+    from pytorch_msssim import ssim as ssim_ref
+
+    g = torch.Generator().manual_seed(0)
+    if kind == "random":
+        ref = torch.rand(3, 48, 40, 3, generator=g)
+        x = (ref + 0.1 * torch.randn(ref.shape, generator=g)).clamp(0, 1)
+    else:  # smooth frames: a low-frequency field and a slightly shifted, dimmer copy
+        yy, xx = torch.meshgrid(torch.linspace(0, 3, 48), torch.linspace(0, 3, 40), indexing="ij")
+        ref = torch.stack([0.5 + 0.4 * torch.sin(xx + c + t * 0.3) * torch.cos(yy) for t in range(3) for c in range(3)])
+        ref = ref.reshape(3, 3, 48, 40).permute(0, 2, 3, 1)
+        x = (0.9 * ref.roll(1, 2) + 0.02).clamp(0, 1)
+    want = ssim_ref(x.permute(0, 3, 1, 2).double(), ref.permute(0, 3, 1, 2).double(), data_range=1.0,
+                    size_average=False, win_size=11, win_sigma=1.5, K=(0.01, 0.03))
+    assert torch.allclose(M.ssim(x, ref).double(), want, atol=1e-6, rtol=0)
+
+
+def _pan(world_seed: int = 3, frames: int = 8):
+    from quantwm.world import scene
+
+    world = scene.make_world(world_seed)
+    poses = torch.tensor([[4, 4 + t] for t in range(frames)])  # one patch (8 px) to the right per frame
+    return world, poses, scene.render(world, poses)
+
+
+def test_reference_flow_recovers_a_camera_pan():
+    _, _, ref = _pan()
+    flow = M.reference_flow(ref)
+    assert flow.shape == (7, 64, 64, 2)
+    assert flow[..., 0].median().item() == pytest.approx(8.0, abs=0.25)  # frame t's pixel x came from x + 8
+    assert flow[..., 1].median().abs().item() < 0.25
+
+
+def test_warp_error_is_zero_on_a_pan_and_not_fooled_by_camera_motion():
+    from quantwm.world import scene
+
+    world, poses, ref = _pan()
+    assert M.warp_error(ref, ref).abs().max().item() == 0.0  # no quantization: exactly zero
+    # An error that moves with the world (the map itself blurred) is not flicker: tdiff, which compares
+    # temporal differences without motion compensation, sees it; the warping error does not.
+    blurred = scene.render(F.avg_pool2d(world[None], 3, 1, 1, count_include_pad=False)[0], poses)
+    warp, td = M.warp_error(blurred, ref).mean().item(), M.tdiff(blurred, ref).mean().item()
+    assert abs(warp) < 0.05 * td and td > 0.01
+
+
+def test_warp_error_ranks_a_flickering_sequence_worse():
+    world, poses, ref = _pan()
+    from quantwm.world import scene
+
+    steady = scene.render(F.avg_pool2d(world[None], 3, 1, 1, count_include_pad=False)[0], poses)
+    sign = torch.tensor([(-1.0) ** t for t in range(len(ref))]).view(-1, 1, 1, 1)
+    flicker = (ref + 0.05 * sign).clamp(0, 1)  # brightness alternating frame to frame
+    per_frame = M.warp_error(flicker, ref)
+    assert per_frame.shape == (len(ref) - 1,)
+    assert per_frame.min().item() > 0.05
+    assert per_frame.mean() > 10 * M.warp_error(steady, ref).abs().mean()
+    m = M.warp_error_map(flicker, ref)
+    assert m.shape == (len(ref) - 1, 64, 64) and m.mean() > 0.05
+
+
+def test_warp_error_rejects_a_flow_of_the_wrong_shape():
+    _, _, ref = _pan(frames=3)
+    with pytest.raises(ValueError, match="flow must be"):
+        M.warp_error(ref, ref, flow=torch.zeros(1, 64, 64, 2))
+    with pytest.raises(ValueError, match="at least 2 frames"):
+        M.warp_error(ref[:1], ref[:1])

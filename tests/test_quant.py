@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from quantwm.quant import (
+from quantwm.core.quant import (
     SUPPORTED_BITS,
     GroupQuant,
     dequantize_groups,

@@ -1,10 +1,10 @@
-"""Tests for quantwm.rope: 3-D (time, row, column) rotary embedding, Wan-style."""
+"""Tests for quantwm.core.rope: 3-D (time, row, column) rotary embedding, Wan-style."""
 import math
 
 import pytest
 import torch
 
-from quantwm.rope import Rope3D, token_coords
+from quantwm.core.rope import Rope3D, token_coords
 
 GRID = (3, 4)  # 3 rows x 4 columns = 12 tokens per frame
 TPF = GRID[0] * GRID[1]

@@ -1,8 +1,8 @@
-"""Tests for quantwm.stats: the running history-Query second moment S = E[q qᵀ] per head."""
+"""Tests for quantwm.core.stats: the running history-Query second moment S = E[q qᵀ] per head."""
 import pytest
 import torch
 
-from quantwm.stats import QueryStats
+from quantwm.core.stats import QueryStats
 
 
 def _second(q: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from quantwm.trace import TraceWriter, read_trace
+from quantwm.evaluation.trace import TraceWriter, read_trace
 
 
 def _writer(**kw):
@@ -29,7 +29,7 @@ def test_trace_roundtrip_keeps_tensors_metadata_and_frames(tmp_path):
 
 def test_trace_token_coords_are_frame_major_row_major():
     t = _writer()
-    from quantwm.trace import Trace
+    from quantwm.evaluation.trace import Trace
 
     tr = Trace(t.layers, {"frame_grid": "2,3"})
     assert tr.token_coords(0) == (0, 0, 0)

@@ -1,6 +1,6 @@
 import pytest
 
-from quantwm.workbench import Busy, RunKey, Workbench, trace_energy, trace_query_view
+from quantwm.evaluation.workbench import Busy, RunKey, Workbench, trace_energy, trace_query_view
 
 FRAMES = 10
 

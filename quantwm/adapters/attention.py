@@ -22,7 +22,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ..cache import KVCache
+from ..core.cache import KVCache
 from .capture import TraceCapture
 
 

@@ -1,7 +1,7 @@
 """Trace capture: record Q/K/V of chosen layers and chunks while a model generates through the cache.
 
 For every chosen chunk c (c >= 1) and layer l, the last pass of the chosen kind ("denoise" or "commit")
-at chunk c leaves in a v1 trace (quantwm.trace): `L{l}.q` the chunk's queries (H, N, D), `L{l}.k` /
+at chunk c leaves in a v1 trace (quantwm.evaluation.trace): `L{l}.q` the chunk's queries (H, N, D), `L{l}.k` /
 `L{l}.v` the exact cached keys and values of the chunks before it (H, Nk, D), post-RoPE, and `L{l}.q_hist`
 every query the layer issued for earlier chunks (all passes), the statistics the cache's QSAC/PSAC saw.
 One trace file per chosen chunk. `max_bytes` bounds everything held (traces plus pending query history):
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ..trace import TraceWriter
+from ..evaluation.trace import TraceWriter
 
 PASS_KINDS = ("denoise", "commit")
 

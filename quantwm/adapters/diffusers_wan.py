@@ -17,7 +17,7 @@ already holds). Cross-attention, norms and FFN are untouched; on exit the origin
 
 `wan_block_causal` is the reference: one pass over the whole sequence with a block-causal mask (chunk c
 sees chunks <= c), what the chunked clean passes must reproduce. A rope="pre" cache stores keys before
-RoPE and rotates at read with quantwm.rope.Rope3D, which is Wan's 3-D RoPE (theta 10000, same channel
+RoPE and rotates at read with quantwm.core.rope.Rope3D, which is Wan's 3-D RoPE (theta 10000, same channel
 split and interleaved pairs). Known limits: self-attention only (I2V's image cross-attention is untouched
 and fine); one chunk position per forward pass; the RoPE table bounds positions to `rope_max_seq_len` frames.
 """
@@ -29,8 +29,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
-from ..cache import CacheConfig, KVCache
-from ..rope import Rope3D
+from ..core.cache import CacheConfig, KVCache
+from ..core.rope import Rope3D
 from .attention import ChunkedAttention
 from .capture import TraceCapture
 

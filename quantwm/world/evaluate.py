@@ -1,7 +1,9 @@
 """`quantwm eval`: BF16 and each method rolled out from the same seeds and trajectories, compared.
 
 Per method (generated frames only; context frames are ground truth in every run): PSNR (per frame, and
-for the clip from the mean MSE over all generated frames), SSIM and LPIPS-Alex against the BF16 rollout, tdiff-L1 flicker against BF16, the top-1 shift rate (same cache
+for the clip from the mean MSE over all generated frames), SSIM and LPIPS-Alex against the BF16 rollout
+(LPIPS is NaN, with `config.lpips_note` saying why, when its weights are not installed), tdiff-L1 flicker
+and the motion-compensated warping error against BF16, the top-1 shift rate (same cache
 state, exact vs stored keys, every layer, head and query of every generated chunk) and the place shift rate
 (only the top-1 changes that land on another world place; overall and per layer), Key/Value relative
 reconstruction errors, bits per element and compression of the quantized chunks. The BF16 run also
@@ -17,11 +19,11 @@ from typing import Callable
 
 import torch
 
-from .. import metrics as M
-from ..cache import CacheConfig
+from ..evaluation import metrics as M
+from ..core.cache import CacheConfig
 from .generate import Rollout, generate, revisited_frames
 from .model import WorldModel
-from .train import TRAIN_SEED_BASE
+from .scene import TRAIN_SEED_BASE
 
 
 def _nanmean(xs) -> float:
@@ -77,9 +79,10 @@ def memory_stats(run: Rollout) -> dict:
 
 def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: list[int] = (0, 1), n_frames: int = 32,
              bits: int = 2, trajectory_kind: str = "loop", steps: int = 4, progress: Callable | None = None,
-             training_seeds: bool = False) -> dict:
+             training_seeds: bool = False, world: str = "photo") -> dict:
     """The `quantwm eval` report (see the module docstring). `training_seeds=True` evaluates on worlds
-    the model was trained on (seed + TRAIN_SEED_BASE), to compare with held-out worlds."""
+    drawn like the model's training worlds (seed + TRAIN_SEED_BASE: training photographs), to compare with
+    held-out ones; `world` is the world kind (`scene.WORLDS`)."""
     if any(s >= TRAIN_SEED_BASE or s < 0 for s in seeds):
         raise ValueError(f"evaluation world seeds must lie in [0, {TRAIN_SEED_BASE}) (training uses the rest)")
     if training_seeds:
@@ -88,14 +91,15 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
         raise ValueError("give at least one seed")
     configs = {m: CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits) for m in methods}  # validates names
     ctx = model.cfg.context_frames
-    per: dict = {m: {k: [] for k in ("psnr", "ssim", "lpips", "tdiff")} for m in methods}
+    per: dict = {m: {k: [] for k in ("psnr", "ssim", "lpips", "tdiff", "warp_error")} for m in methods}
+    lpips_note = M.lpips_unavailable()
     scalars: dict = {m: {k: [] for k in ("shift_rate", "place_shift_rate", "bits_per_element", "k_rel_err",
                                          "v_rel_err")} for m in methods}
     place_layers: dict = {m: [] for m in methods}
     bf16: dict = {"revisit_psnr_vs_gt": [], "psnr_vs_gt": [], "same_place_mass": [], "top1_prob": [], "revisited_frames": []}
     total, done, t0 = len(seeds) * (1 + len(methods)), 0, time.time()
     for seed in seeds:
-        ref = generate(model, seed, trajectory_kind, n_frames, CacheConfig(), steps=steps)
+        ref = generate(model, seed, trajectory_kind, n_frames, CacheConfig(), steps=steps, world=world)
         revisit = revisited_frames(ref.poses, ctx, model.cfg.view)
         bf16["revisited_frames"].append(revisit)
         if revisit:
@@ -107,12 +111,13 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
         if progress:
             progress(done, total, f"seed {seed} bf16")
         for m, cc in configs.items():
-            run = generate(model, seed, trajectory_kind, n_frames, cc, steps=steps)
+            run = generate(model, seed, trajectory_kind, n_frames, cc, steps=steps, world=world)
             x, r = run.frames[ctx:], ref.frames[ctx:]
             per[m]["psnr"].append(M.psnr(x, r).tolist())
             per[m]["ssim"].append(M.ssim(x, r).tolist())
-            per[m]["lpips"].append(M.lpips(x, r).tolist())
+            per[m]["lpips"].append([math.nan] * len(x) if lpips_note else M.lpips(x, r).tolist())
             per[m]["tdiff"].append(M.tdiff(run.frames[ctx - 1:], ref.frames[ctx - 1:]).tolist())
+            per[m]["warp_error"].append(M.warp_error(run.frames[ctx - 1:], ref.frames[ctx - 1:]).tolist())
             ke, ve = rel_errors(run)
             place, per_layer = place_shift_rate(run)
             place_layers[m].append(per_layer)
@@ -124,8 +129,8 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
             if progress:
                 progress(done, total, f"seed {seed} {m}")
     out: dict = {"methods": {}, "bf16": {}, "config": {
-        "target": target, "bits": bits, "seeds": list(seeds), "frames": n_frames, "trajectory": trajectory_kind,
-        "steps": steps, "context_frames": ctx, "model": model.config_dict(), "seconds": time.time() - t0}}
+        "target": target, "bits": bits, "seeds": list(seeds), "frames": n_frames, "trajectory": trajectory_kind, "world": world,
+        "steps": steps, "context_frames": ctx, "lpips_note": lpips_note, "model": model.config_dict(), "seconds": time.time() - t0}}
     for m in methods:
         frame_means = {k: [sum(col) / len(col) for col in zip(*v)] for k, v in per[m].items()}
         mean = {k: _nanmean(sum(v, [])) for k, v in per[m].items()}

@@ -13,17 +13,21 @@ runs with the same seeds get the same noise, so they differ only by the cache.
 from __future__ import annotations
 
 import json
+from importlib import resources
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from ..cache import CacheConfig, KVCache
+from ..core.cache import CacheConfig, KVCache
 from .model import WorldConfig, WorldModel
 from .scene import make_world, patchify, render, token_world_coords, trajectory, unpatchify
 
-DEFAULT_WEIGHTS = Path(__file__).resolve().parents[2] / "assets" / "world_model.safetensors"
+
+
+# The committed weights, shipped as package data (`quantwm.assets`, the repository's assets/).
+DEFAULT_WEIGHTS = Path(str(resources.files("quantwm.assets").joinpath("world_model.safetensors")))
 
 
 def load_world_model(path: str | Path = DEFAULT_WEIGHTS) -> WorldModel:
@@ -111,8 +115,10 @@ class Rollout:
 
 def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n_frames: int = 32,
              cache_config: CacheConfig = CacheConfig(), steps: int = 4, noise_seed: int = 0,
-             probe: bool = True, progress=None, poses: torch.Tensor | None = None) -> Rollout:
+             probe: bool = True, progress=None, poses: torch.Tensor | None = None, world: str = "photo") -> Rollout:
     """Roll the model out over a world and trajectory through a KVCache configured by `cache_config`.
+
+    `world` is the world kind (`scene.WORLDS`: "photo" or "procedural").
 
     `poses` (n_frames, 2), camera positions in patches, replaces the trajectory (diagnostics: a static camera).
 
@@ -125,7 +131,7 @@ def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", 
         raise ValueError(f"n_frames must exceed {cfg.context_frames} by a multiple of {cfg.chunk_frames}, got {n_frames}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    world = make_world(world_seed, cfg.world_patches * cfg.patch)
+    world_map = make_world(world_seed, cfg.world_patches * cfg.patch, world)
     if poses is None:
         poses = trajectory(trajectory_kind, n_frames, world_seed, cfg.world_patches, cfg.view)
     else:
@@ -133,7 +139,7 @@ def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", 
         hi = cfg.world_patches - cfg.view
         if poses.shape != (n_frames, 2) or poses.min() < 0 or poses.max() > hi:
             raise ValueError(f"poses must be ({n_frames}, 2) patch positions in [0, {hi}], got shape {tuple(poses.shape)}")
-    gt = render(world, poses, cfg.view, cfg.patch)
+    gt = render(world_map, poses, cfg.view, cfg.patch)
     gt_tokens = (patchify(gt, cfg.patch) * 2 - 1).to(device)  # (T, N, P)
     places = token_world_coords(poses, cfg.view).reshape(-1, 2)
     n, F = cfg.tokens_per_frame, cfg.chunk_frames
@@ -177,7 +183,7 @@ def revisited_frames(poses: torch.Tensor, context_frames: int, view: int = 8) ->
 def rollout_trace(run: Rollout, path: str | Path) -> None:
     """Write a v1 trace of a rollout: the last generated chunk's queries, the cache they saw, earlier
     queries as q_hist, and the frames. Queries carry the model's temperature, so softmax_scale is 1."""
-    from ..trace import TraceWriter
+    from ..evaluation.trace import TraceWriter
 
     if not run.probes:
         raise ValueError("the rollout has no probes: generate(..., probe=True) with at least one generated chunk")

@@ -5,7 +5,7 @@ adaLN time conditioning, QK-RMSNorm with a learnable per-head temperature, head 
 (time, row, column). The camera pose enters through the positions: a token's row and column are its
 *world* patch coordinates (the view's pose plus its place in the view), a camera-aware RoPE in the
 spirit of geometry-aware attention (GTA, PRoPE), so a Query can find the cached tokens that saw the same
-place. Generation goes through `quantwm.cache.KVCache` exactly as the Self-Forcing family does: each
+place. Generation goes through `quantwm.core.cache.KVCache` exactly as the Self-Forcing family does: each
 chunk is denoised in a few flow-matching steps that attend to the cache plus the chunk itself, then a
 clean pass (t = 1) writes its K/V and commits it. Training attends with an equivalent block mask.
 """
@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..rope import apply_rope, rope_angles
+from ..core.rope import apply_rope, rope_angles
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,17 @@
-"""The procedural world: a textured 2-D map larger than the view, camera trajectories, rendering.
+"""Worlds, camera trajectories, rendering.
 
-A world is a (3, S, S) image in [0, 1] made of a smooth colour field, rectangles at several scales and
-fine 2-pixel block texture (so blur is punished). The camera sees a `view` x `view` patch window; its
-pose is the window's top-left corner in patch units. Trajectories move at most one patch per frame per
-axis and come back to places seen earlier:
+A world is a (3, S, S) map in [0, 1], larger than the view. Two kinds (`WORLDS`):
+
+* "photo" (the default): a mosaic of real photographs and textures bundled with scikit-image (read
+  offline with `skimage.data`): 1 to 4 rectangular tiles, each a crop of one photograph at a random scale,
+  flipped and colour-jittered (grey textures get a random tint). The photographs are split once, by name:
+  `HELD_OUT_PHOTOS` are never used for training; world seeds below `TRAIN_SEED_BASE` (evaluation) draw
+  only from them, seeds at or above it only from `TRAIN_PHOTOS`.
+* "procedural": a smooth colour field, rectangles at several scales and fine 2-pixel block texture (the
+  world of the first models; kept so their results can be reproduced).
+
+The camera sees a `view` x `view` patch window; its pose is the window's top-left corner in patch units.
+Trajectories move at most one patch per frame per axis and come back to places seen earlier:
 
 * "loop":        out along a random direction, then back the same way (revisits the start)
 * "pan-return":  pan horizontally, then return
@@ -12,14 +20,89 @@ axis and come back to places seen earlier:
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
 TRAJECTORIES = ("loop", "pan-return", "random-walk")
+WORLDS = ("photo", "procedural")
+TRAIN_SEED_BASE = 100_000  # world seeds >= this are training worlds; evaluation seeds lie below it
+
+# scikit-image's bundled photographs (name -> how to read it). The motorcycle stereo pair is one scene, so
+# both views sit on the same side of the split.
+TRAIN_PHOTOS = ("astronaut", "rocket", "hubble_deep_field", "retina", "immunohistochemistry", "camera",
+                "grass", "brick", "moon", "coins", "clock")
+HELD_OUT_PHOTOS = ("chelsea", "coffee", "motorcycle_left", "motorcycle_right", "gravel")
 
 
-def make_world(seed: int, size: int = 256) -> torch.Tensor:
-    """A (3, size, size) float world map in [0, 1], fully determined by `seed`."""
+def make_world(seed: int, size: int = 256, kind: str = "photo") -> torch.Tensor:
+    """A (3, size, size) float world map in [0, 1] of the given kind, fully determined by `seed`."""
+    if kind not in WORLDS:
+        raise ValueError(f"unknown world {kind!r}; known: {', '.join(WORLDS)}")
+    if seed < 0:
+        raise ValueError(f"world seed must be >= 0, got {seed}")
+    return photo_world(seed, size) if kind == "photo" else procedural_world(seed, size)
+
+
+@lru_cache(maxsize=None)
+def load_photo(name: str) -> torch.Tensor:
+    """One bundled photograph as (3, H, W) float in [0, 1] (grey ones repeated over the channels)."""
+    try:
+        import skimage.data as data
+    except ImportError as e:
+        raise RuntimeError("the photographic world needs scikit-image (pip install scikit-image); "
+                           "--world procedural does without") from e
+    if name.startswith("motorcycle_"):
+        left, right, _ = data.stereo_motorcycle()
+        img = left if name == "motorcycle_left" else right
+    else:
+        img = getattr(data, name)()
+    t = torch.from_numpy(img.copy()).float() / 255.0
+    t = t[None].expand(3, -1, -1) if t.dim() == 2 else t[..., :3].permute(2, 0, 1)
+    return t.contiguous()
+
+
+def _split(g: torch.Generator, h: int, w: int, depth: int) -> list[tuple[int, int, int, int]]:
+    """Rectangles (y, x, h, w) tiling an h x w map: cut across the longer side, up to `depth` times."""
+    if depth == 0 or min(h, w) < 96 or torch.rand(1, generator=g).item() < 0.25:
+        return [(0, 0, h, w)]
+    along_h = h > w or (h == w and torch.rand(1, generator=g).item() < 0.5)
+    n = h if along_h else w
+    cut = int(n * (0.3 + 0.4 * torch.rand(1, generator=g).item()))
+    a, b = _split(g, *((cut, w) if along_h else (h, cut)), depth - 1), \
+        _split(g, *((h - cut, w) if along_h else (h, w - cut)), depth - 1)
+    return a + [(y + cut, x, hh, ww) if along_h else (y, x + cut, hh, ww) for y, x, hh, ww in b]
+
+
+def photo_world(seed: int, size: int = 256) -> torch.Tensor:
+    """A mosaic world of bundled photographs (held-out ones for seeds below TRAIN_SEED_BASE)."""
+    g = torch.Generator().manual_seed(int(seed))
+    names = TRAIN_PHOTOS if seed >= TRAIN_SEED_BASE else HELD_OUT_PHOTOS
+    img = torch.zeros(3, size, size)
+    for y, x, h, w in _split(g, size, size, depth=2):
+        photo = load_photo(names[int(torch.randint(0, len(names), (1,), generator=g))])
+        _, ph, pw = photo.shape
+        zoom = 2 ** (torch.rand(1, generator=g).item() * 2.0 - 1.0)  # source pixels per map pixel: 0.5 .. 2
+        ch, cw = min(ph, max(8, round(h * zoom))), min(pw, max(8, round(w * zoom)))
+        cy = int(torch.randint(0, ph - ch + 1, (1,), generator=g))
+        cx = int(torch.randint(0, pw - cw + 1, (1,), generator=g))
+        tile = photo[:, cy:cy + ch, cx:cx + cw]
+        if torch.rand(1, generator=g).item() < 0.5:
+            tile = tile.flip(2)
+        if torch.rand(1, generator=g).item() < 0.2:
+            tile = tile.flip(1)
+        tile = F.interpolate(tile[None], size=(h, w), mode="bilinear", antialias=zoom > 1, align_corners=False)[0]
+        gain = 0.8 + 0.4 * torch.rand(3, 1, 1, generator=g)  # colour jitter; grey textures get a stronger tint
+        if torch.equal(photo[0], photo[1]):
+            gain = 0.55 + 0.9 * torch.rand(3, 1, 1, generator=g)
+        gamma = 2 ** (0.6 * torch.rand(1, generator=g).item() - 0.3)
+        img[:, y:y + h, x:x + w] = (tile.clamp(0, 1) ** gamma * gain).clamp(0, 1)
+    return img
+
+
+def procedural_world(seed: int, size: int = 256) -> torch.Tensor:
+    """The procedural (3, size, size) world: colour field, rectangles and 2-pixel block texture."""
     g = torch.Generator().manual_seed(int(seed))
     yy, xx = torch.meshgrid(torch.linspace(0, 1, size), torch.linspace(0, 1, size), indexing="ij")
     img = torch.zeros(3, size, size)

@@ -20,16 +20,15 @@ import torch
 from safetensors.torch import save_file
 
 from .model import WorldConfig, WorldModel, training_mask
-from .scene import TRAJECTORIES, make_world, patchify, render, token_world_coords, trajectory
-
-TRAIN_SEED_BASE = 100_000
+from .scene import TRAIN_SEED_BASE, TRAJECTORIES, WORLDS, make_world, patchify, render, token_world_coords, trajectory
 
 
-def sample_clip(rng: torch.Generator, cfg: WorldConfig, n_frames: int, n_worlds: int, worlds: dict):
+def sample_clip(rng: torch.Generator, cfg: WorldConfig, n_frames: int, n_worlds: int, worlds: dict,
+                world: str = "photo"):
     """One training clip: tokens (T*N, P) in [-1, 1] and coords (T*N, 3)."""
     seed = TRAIN_SEED_BASE + int(torch.randint(0, n_worlds, (1,), generator=rng))
     if seed not in worlds:
-        worlds[seed] = make_world(seed, cfg.world_patches * cfg.patch)
+        worlds[seed] = make_world(seed, cfg.world_patches * cfg.patch, world)
     kind = TRAJECTORIES[int(torch.randint(0, len(TRAJECTORIES), (1,), generator=rng))]
     poses = trajectory(kind, n_frames, int(torch.randint(0, 2 ** 30, (1,), generator=rng)), cfg.world_patches, cfg.view)
     frames = render(worlds[seed], poses, cfg.view, cfg.patch)
@@ -40,9 +39,10 @@ def sample_clip(rng: torch.Generator, cfg: WorldConfig, n_frames: int, n_worlds:
     return tokens, torch.cat([tt, wc], -1).reshape(-1, 3)
 
 
-def flow_batch(rng: torch.Generator, cfg: WorldConfig, batch: int, n_frames: int, n_worlds: int, worlds: dict):
+def flow_batch(rng: torch.Generator, cfg: WorldConfig, batch: int, n_frames: int, n_worlds: int, worlds: dict,
+               world: str = "photo"):
     """Inputs, flow times, coords and velocity targets for one step."""
-    clips = [sample_clip(rng, cfg, n_frames, n_worlds, worlds) for _ in range(batch)]
+    clips = [sample_clip(rng, cfg, n_frames, n_worlds, worlds, world) for _ in range(batch)]
     clean = torch.stack([c[0] for c in clips])  # (B, T*N, P)
     n = cfg.tokens_per_frame
     gen = clean[:, cfg.context_frames * n:]
@@ -65,6 +65,7 @@ def main(argv=None) -> None:
     ap.add_argument("--frames", type=int, default=12, help="frames per training clip (context included)")
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--worlds", type=int, default=4000, help="number of distinct training worlds")
+    ap.add_argument("--world", choices=WORLDS, default="photo", help="world kind (photo: training photographs only)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--ckpt", default="out/world_ckpt.pt")
     ap.add_argument("--ckpt-every", type=int, default=50)
@@ -109,7 +110,7 @@ def main(argv=None) -> None:
         opt.load_state_dict(state["opt"])
     def info(at: int) -> dict:
         return {"steps": at, "seed": a.seed, "batch": a.batch, "frames": a.frames, "worlds": a.worlds, "lr": a.lr,
-                "init": a.init, "widen": a.widen}
+                "init": a.init, "widen": a.widen, "world": a.world}
 
     mask = training_mask(a.frames, cfg)
     worlds: dict = {}
@@ -119,7 +120,7 @@ def main(argv=None) -> None:
         lr = a.lr * min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / a.steps)))
         for gparam in opt.param_groups:
             gparam["lr"] = lr
-        tokens, times, coords, target = flow_batch(rng, cfg, a.batch, a.frames, a.worlds, worlds)
+        tokens, times, coords, target = flow_batch(rng, cfg, a.batch, a.frames, a.worlds, worlds, a.world)
         n_clean = a.frames * cfg.tokens_per_frame
         pred = model(tokens, times, coords, mask=mask)[:, n_clean:]
         loss = torch.nn.functional.mse_loss(pred, target)

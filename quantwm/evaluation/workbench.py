@@ -25,10 +25,10 @@ import torch
 
 from . import diagnostics as D
 from . import metrics as M
-from .cache import CacheConfig
-from .world.evaluate import shift_rate
-from .world.generate import generate, load_world_model
-from .world.scene import TRAJECTORIES
+from ..core.cache import CacheConfig
+from ..world.evaluate import shift_rate
+from ..world.generate import generate, load_world_model
+from ..world.scene import TRAJECTORIES
 
 MiB = 2 ** 20
 
@@ -199,6 +199,7 @@ class Workbench:
         mse = float((x - r).square().mean())
         out = {"psnr": min(100.0, -10 * float(np.log10(max(mse, 1e-10)))), "ssim": float(M.ssim(x, r).mean()),
                "tdiff": float(M.tdiff(rec.frames[ctx - 1:], ref.frames[ctx - 1:]).mean()),
+               "warp_error": float(M.warp_error(rec.frames[ctx - 1:], ref.frames[ctx - 1:]).mean()),
                "shift_rate": shift_rate(rec), "bits_per_element": rec.bits_per_element,
                "compression": 16 / rec.bits_per_element if rec.bits_per_element == rec.bits_per_element else 1.0,
                "memory_bf16_mb": rec.memory_mb["bf16"], "memory_mb": rec.memory_mb["stored"]}
@@ -220,15 +221,21 @@ class Workbench:
         return int(frame)
 
     def frame_view(self, run_id: str, frame: int, layer: int | None = None, head: int | None = None) -> dict:
-        """Both frames (uint8), the flicker map (H, W) and the top-1 jump map (h, w) or None (context)."""
+        """Both frames (uint8), the flicker and warping-error maps (H, W) and the top-1 jump map (h, w) or
+        None (context)."""
         rec = self.record(run_id)
         ref = self.record(rec.key.reference().id)
         t = self.check_frame(rec, frame)
         c = self.cfg
-        flick = D.flicker_maps(rec.frames[max(t - 1, 0):t + 1], ref.frames[max(t - 1, 0):t + 1])[-1]
+        if t == 0:  # no previous frame: no temporal change to compare
+            flick = warp = torch.zeros(rec.frames.shape[1:3])
+        else:
+            pair = rec.frames[t - 1:t + 1], ref.frames[t - 1:t + 1]
+            flick, warp = D.flicker_maps(*pair)[-1], D.warp_maps(*pair)[-1]
         jumps = D.frame_jumps(rec.probes, t, c.chunk_frames, c.tokens_per_frame, layer, head)
         return {"frame": t, "bf16": self.frames_uint8(ref)[t], "method": self.frames_uint8(rec)[t],
-                "flicker": flick.numpy(), "jumps": None if jumps is None else jumps.reshape(c.view, c.view).numpy(),
+                "flicker": flick.numpy(), "warp": warp.numpy(),
+                "jumps": None if jumps is None else jumps.reshape(c.view, c.view).numpy(),
                 "context": t < c.context_frames}
 
     def pixel_trace(self, run_id: str, frame: int, x: int, y: int, layer: int = 0, head: int = 0) -> dict:

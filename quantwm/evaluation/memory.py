@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from .cache import CacheConfig, KVCache
+from ..core.cache import CacheConfig, KVCache
 
 
 @dataclass(frozen=True)

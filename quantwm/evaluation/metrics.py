@@ -3,18 +3,20 @@
 Attention (one layer, same cache state, exact vs quantized keys/values): top-1 shift rate, top-k overlap,
 KL(p_exact || p_quant), logit RMSE, attention mass on the current chunk, relative reconstruction errors
 and the attention-output error they cause. Frames (T, H, W, 3) in [0, 1]: PSNR, SSIM (Gaussian σ=1.5,
-11x11 window, per channel, constants of Wang et al. 2004 for data range 1), LPIPS-Alex (quantwm.lpips),
-tdiff-L1 with its per-pixel flicker map, tLP (TecoGAN's temporal LPIPS). Query energy: eigenvalues of
+11x11 window, per channel, constants of Wang et al. 2004 for data range 1), LPIPS-Alex (quantwm.evaluation.lpips),
+tdiff-L1 with its per-pixel flicker map, tLP (TecoGAN's temporal LPIPS), and the motion-compensated
+warping error (frames warped by the BF16 reference's OpenCV optical flow, so camera motion is not flicker). Query energy: eigenvalues of
 S = E[q qᵀ] and the fraction of the trace held by the top R.
 """
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .quant import check_finite
+from ..core.quant import check_finite
 
 
 def rel_err(x_hat: torch.Tensor, x: torch.Tensor) -> float:
@@ -120,8 +122,19 @@ def ssim(x, ref) -> torch.Tensor:
     return s.mean((1, 2, 3)).float()
 
 
+def lpips_unavailable() -> str | None:
+    """None when LPIPS can be computed, else one line saying why and how to install its weights."""
+    from .lpips import weights_path
+
+    try:
+        weights_path()
+    except (ModuleNotFoundError, FileNotFoundError) as e:
+        return f"LPIPS not computed: {str(e).splitlines()[0]}"
+    return None
+
+
 def lpips(x, ref, batch: int = 16) -> torch.Tensor:
-    """Per-frame LPIPS-Alex (T,) with the real weights (see quantwm.lpips)."""
+    """Per-frame LPIPS-Alex (T,) with the real weights (see quantwm.evaluation.lpips)."""
     from .lpips import lpips_alex
 
     x, ref = _pair(x, ref)
@@ -150,6 +163,65 @@ def tlp(x, ref) -> torch.Tensor:
     if x.shape[0] < 2:
         raise ValueError("tLP needs at least 2 frames")
     return (lpips(x[1:], x[:-1]) - lpips(ref[1:], ref[:-1])).abs()
+
+
+def reference_flow(ref) -> torch.Tensor:
+    """Backward dense optical flow of the reference (T-1, H, W, 2): frame t's pixel (x, y) came from
+    (x + fx, y + fy) of frame t-1 (OpenCV's Farnebäck on grey levels of r_t against r_{t-1})."""
+    import cv2
+
+    ref = as_frames(ref, "reference frames")
+    if ref.shape[0] < 2:
+        raise ValueError("optical flow needs at least 2 frames")
+    grey = (ref.numpy() @ np.array([0.299, 0.587, 0.114], np.float32) * 255).round().astype(np.uint8)
+    flows = [cv2.calcOpticalFlowFarneback(grey[t], grey[t - 1], None, pyr_scale=0.5, levels=3, winsize=15,
+                                          iterations=5, poly_n=5, poly_sigma=1.2, flags=0)
+             for t in range(1, len(grey))]
+    return torch.from_numpy(np.stack(flows))
+
+
+def _warp_residual(frames: torch.Tensor, flow: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """|x_t - W(x_{t-1})| averaged over channels (T-1, H, W) and the mask of pixels whose source lies
+    inside frame t-1 (occluded borders excluded); W warps frame t-1 onto t with `flow`."""
+    import cv2
+
+    T, H, W, _ = frames.shape
+    yy, xx = np.mgrid[0:H, 0:W].astype(np.float32)
+    x = frames.numpy()
+    res, masks = [], []
+    for t in range(1, T):
+        mx, my = xx + flow[t - 1, ..., 0].numpy(), yy + flow[t - 1, ..., 1].numpy()
+        warped = cv2.remap(x[t - 1], mx, my, interpolation=cv2.INTER_LINEAR, borderMode=cv2.BORDER_REPLICATE)
+        res.append(np.abs(x[t] - warped).mean(-1))
+        masks.append((mx >= 0) & (mx <= W - 1) & (my >= 0) & (my <= H - 1))
+    return torch.from_numpy(np.stack(res)), torch.from_numpy(np.stack(masks))
+
+
+def _warp_terms(x, ref, flow: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(|x_t - W(x_{t-1})| - |r_t - W(r_{t-1})|, mask of pixels whose flow stays inside the frame)."""
+    x, ref = _pair(x, ref)
+    if x.shape[0] < 2:
+        raise ValueError("the warping error needs at least 2 frames")
+    flow = reference_flow(ref) if flow is None else flow
+    if tuple(flow.shape) != (x.shape[0] - 1, *x.shape[1:3], 2):
+        raise ValueError(f"flow must be (T-1, H, W, 2) = {(x.shape[0] - 1, *x.shape[1:3], 2)}, got {tuple(flow.shape)}")
+    ex, mask = _warp_residual(x, flow)
+    er, _ = _warp_residual(ref, flow)
+    return torch.where(mask, ex - er, torch.zeros_like(ex)), mask
+
+
+def warp_error_map(x, ref, flow: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pixel motion-compensated flicker (T-1, H, W): |x_t - W(x_{t-1})| - |r_t - W(r_{t-1})|, with W the
+    warp by the reference's optical flow (`reference_flow`, or `flow` when given); 0 where the flow leaves
+    the frame. Positive where the method's frame changes more than the reference's motion explains."""
+    return _warp_terms(x, ref, flow)[0]
+
+
+def warp_error(x, ref, flow: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-frame motion-compensated warping error (T-1,) for frames 1..T-1: the mean of `warp_error_map`
+    over the pixels the flow keeps inside the frame (SPEC.md §4)."""
+    diff, mask = _warp_terms(x, ref, flow)
+    return diff.sum((1, 2)) / mask.sum((1, 2)).clamp_min(1)
 
 
 # ---- query energy -------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """QuantWM: QSAC-clustered, PSAC-compensated 2-bit Keys; QVG-style Values (SPEC.md §2).
 
-Keys: k-means whose assignment cost is QSAC's logit-aware J (quantwm.qsac), residual quantized in
+Keys: k-means whose assignment cost is QSAC's logit-aware J (quantwm.core.qsac), residual quantized in
 per-token groups, then PSAC stores the residual error's coordinates along the top-R eigen-directions of
-the history-Query second moment (quantwm.psac). Values: plain k-means smoothing and a 2-bit residual.
+the history-Query second moment (quantwm.core.psac). Values: plain k-means smoothing and a 2-bit residual.
 Ablations: quantwm-qsac (QSAC only), quantwm-psac (Euclidean k-means + PSAC).
 
 Defaults are sized for the bit budget (SPEC.md §4 counts every stored byte): fewer centroids than QVG

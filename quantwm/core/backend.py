@@ -46,8 +46,8 @@ def use_kernels(t: torch.Tensor) -> bool:
 
 
 def kernel(name: str) -> Callable:
-    """The launcher `name` from kernels/<name>.py (imported on first use)."""
-    return getattr(importlib.import_module(f"kernels.{name}"), name)
+    """The launcher `name` from kernels/<name>.py, installed as `quantwm.kernels.<name>` (imported on first use)."""
+    return getattr(importlib.import_module(f"quantwm.kernels.{name}"), name)
 
 
 def device_name() -> str:

@@ -1,7 +1,7 @@
 """The numbers behind the diagnostics app: where and why a quantized rollout departs from BF16.
 
-Per frame: PSNR against the BF16 rollout, tdiff-L1 flicker, the top-1 shift rate of the frame's queries;
-per pixel: the flicker map; per token: the top-1 jump map (fraction of layers/heads whose argmax over the
+Per frame: PSNR against the BF16 rollout, tdiff-L1 flicker, the motion-compensated warping error, the top-1
+shift rate of the frame's queries; per pixel: the flicker and warping-error maps; per token: the top-1 jump map (fraction of layers/heads whose argmax over the
 cached keys moved under quantization). Per query: the attention logits over the cache, exact vs stored
 keys, as the query saw the cache (chunks still inside the full-precision recent window at that time are
 exact), reshaped to (cached frames, positions). Per (layer, head): the eigen spectrum of the history-Query
@@ -41,19 +41,32 @@ def pixel_to_patch(x: int, y: int, size: tuple[int, int], grid: tuple[int, int])
 # ---- per frame ----------------------------------------------------------------------------------
 
 def frame_series(frames: torch.Tensor, ref: torch.Tensor, context_frames: int) -> dict[str, list]:
-    """Per-frame PSNR (dB) and tdiff-L1 of `frames` against `ref` (T, H, W, 3) in [0, 1].
+    """Per-frame PSNR (dB), tdiff-L1 and motion-compensated warping error of `frames` against `ref`
+    (T, H, W, 3) in [0, 1], and which frames are identical to the reference.
 
-    Context frames (given, identical in both runs) get None for PSNR; tdiff of frame 0 is None.
+    PSNR is None for frames identical to the reference (the context, and generated frames before anything
+    was quantized): they have no finite PSNR, and a cap would squeeze the axis; `identical` marks them.
+    tdiff and the warping error of frame 0 are None.
     """
     p = M.psnr(frames, ref).tolist()
-    td = [None] + M.tdiff(frames, ref).tolist() if len(frames) > 1 else [None]
-    return {"psnr": [None if t < context_frames else v for t, v in enumerate(p)], "tdiff": td}
+    same = [bool(torch.equal(a, b)) or t < context_frames for t, (a, b) in enumerate(zip(frames, ref))]
+    multi = len(frames) > 1
+    td = [None] + M.tdiff(frames, ref).tolist() if multi else [None]
+    warp = [None] + M.warp_error(frames, ref).tolist() if multi else [None]
+    return {"psnr": [None if same[t] else v for t, v in enumerate(p)], "tdiff": td, "warp_error": warp,
+            "identical": same}
 
 
 def flicker_maps(frames: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Per-pixel flicker (T, H, W): |(x_t - x_{t-1}) - (r_t - r_{t-1})|, zeros for frame 0."""
     f = M.flicker_map(frames, ref)
     return torch.cat([torch.zeros_like(f[:1]), f])
+
+
+def warp_maps(frames: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """Per-pixel motion-compensated warping error (T, H, W) (`metrics.warp_error_map`), zeros for frame 0."""
+    w = M.warp_error_map(frames, ref)
+    return torch.cat([torch.zeros_like(w[:1]), w])
 
 
 def _probe_of(probes, frame: int, chunk_frames: int):
@@ -162,7 +175,7 @@ def trace_keys(trace, layer: int, method: str, target: str = "k", bits: int = 2)
     Returns q (H, Nq, D) scaled by the softmax scale, k, k_hat (H, Nk, D), top1_exact, top1_quant (H, Nq).
     """
     from .analyze import _layer_cache
-    from .cache import CacheConfig
+    from ..core.cache import CacheConfig
 
     if layer not in trace.layers:
         raise ValueError(f"layer {layer} is not in the trace (layers: {', '.join(map(str, trace.layers))})")

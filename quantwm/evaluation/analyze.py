@@ -5,7 +5,7 @@ as during generation (sink and most recent chunk stay full precision unless conf
 the history-Query statistics seeded from `L{l}.q_hist` (or, when the trace has none, from the traced
 queries themselves). The traced queries then attend to exact and to quantized keys/values.
 
-Pre-RoPE traces are read with the standard 3-D RoPE of `quantwm.rope` over the trace's frame grid.
+Pre-RoPE traces are read with the standard 3-D RoPE of `quantwm.core.rope` over the trace's frame grid.
 """
 from __future__ import annotations
 
@@ -13,10 +13,10 @@ from typing import Callable
 
 import torch
 
-from .cache import CacheConfig, KVCache
+from ..core.cache import CacheConfig, KVCache
 from .metrics import attention_metrics, query_energy, rel_err, second_moment
-from .methods import make_method, parse_method_name
-from .rope import Rope3D
+from ..core.methods import make_method, parse_method_name
+from ..core.rope import Rope3D
 from .trace import Trace
 
 MEAN_KEYS = ("shift_rate", "topk_overlap", "attn_kl", "logit_rmse", "k_rel_err", "v_rel_err", "out_rel_err",

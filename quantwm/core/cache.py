@@ -16,8 +16,8 @@ commits it. So, per layer:
 * Keys stored post-RoPE (default) or pre-RoPE, with `rope(x, positions, inverse=False)` applied at read.
 * The queries that attend to the cache feed the running S = E[q qᵀ] per (layer, head) that QSAC and PSAC
   use (in pre-RoPE mode the queries are un-rotated by their own positions first).
-* `attend` on CUDA (or with QUANTWM_KERNELS=triton, see quantwm.backend) runs the fused path of
-  quantwm.attention: one online softmax over the stored spans, nothing decompressed. The reference path
+* `attend` on CUDA (or with QUANTWM_KERNELS=triton, see quantwm.core.backend) runs the fused path of
+  quantwm.core.attention: one online softmax over the stored spans, nothing decompressed. The reference path
   (CPU, QUANTWM_KERNELS=ref, pre-RoPE keys, formats without a kernel) dequantizes everything, then runs
   scaled_dot_product_attention (`memo_decoded=True` keeps each quantized chunk's decoded copy as working
   memory, outside nbytes). With `+jensen` methods the logit of every quantized key j gets

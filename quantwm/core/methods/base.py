@@ -1,7 +1,7 @@
 """The one interface every quantization method implements, and the registry keyed by name.
 
 A method only says how a span is encoded and decoded. Bookkeeping (chunks, sink, recent window,
-commit, eviction, statistics) lives once, in `quantwm.cache`.
+commit, eviction, statistics) lives once, in `quantwm.core.cache`.
 
     enc = method.encode(x, kind="k", ctx=SpanContext(stats=S, state=state))   # x: (S, N, D)
     x_hat = method.decode(enc)                                                 # (S, N, D) float32

@@ -1,7 +1,7 @@
 """The device check: fused 2-bit attention vs BF16 SDPA, and the cost of quantizing a committed chunk.
 
-    python kernels/bench.py                  # Wan-1.3B-like shapes on the GPU (12 heads x 128, 4680 queries)
-    python kernels/bench.py --preset tiny    # seconds on a CPU (kernels under TRITON_INTERPRET=1)
+    python benchmarks/kernel_bench.py                  # Wan-1.3B-like shapes on the GPU (12 heads x 128, 4680 queries)
+    python benchmarks/kernel_bench.py --preset tiny    # seconds on a CPU (kernels under TRITON_INTERPRET=1)
 
 For every cache length it builds a one-layer QuantWM cache by committing random chunks (BF16 sink and
 recent chunk, the rest quantized with `--method`), then times, on the same cache, one attention call of a
@@ -31,8 +31,8 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
-from quantwm.backend import device_name  # noqa: E402
-from quantwm.cache import CacheConfig, KVCache  # noqa: E402
+from quantwm.core.backend import device_name  # noqa: E402
+from quantwm.core.cache import CacheConfig, KVCache  # noqa: E402
 
 PRESETS = {
     "wan-1.3b": dict(heads=12, head_dim=128, chunk=4680, lengths=(8192, 32768, 65536), reps=10),

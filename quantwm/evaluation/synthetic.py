@@ -21,7 +21,7 @@ import math
 
 import torch
 
-from .rope import Rope3D
+from ..core.rope import Rope3D
 from .trace import TraceWriter
 
 

@@ -1,0 +1,213 @@
+"""Print figures (matplotlib): every figure the app draws, saved as PNG, PDF or SVG for a paper.
+
+    paths = run_figures(Workbench(), RunKey(seed=0, method="quantwm"), "figs", FIGURE_KINDS, ["pdf"])
+
+The drawing functions take the same plain values the app's plotly figures take (lists, numpy arrays,
+dicts from `Workbench`) and return a `matplotlib.figure.Figure` (no pyplot: safe in the app's threads).
+`run_figures` generates (or reuses) a run through the Workbench and writes each kind:
+
+* "frames":  the per-frame panels: flicker tdiff-L1, motion-compensated warping error, PSNR vs BF16 (frames
+             identical to BF16 marked, not drawn at a cap), top-1 shift rate
+* "maps":    one frame: BF16, the method, and the flicker, warping-error and top-1 jump maps
+* "trace":   one pixel's Query: attention logits over the cache with exact and stored keys, and the
+             difference, top-1 sources marked
+* "energy":  the history-Query eigen spectrum and cumulative energy per head of one layer
+* "methods": the method comparison on the run's world (PSNR, shift rate, flicker, bits per element)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+FORMATS = ("png", "pdf", "svg")
+FIGURE_KINDS = ("frames", "maps", "trace", "energy", "methods")
+_COLORS = {"tdiff": "#d62728", "warp_error": "#ff7f0e", "psnr": "#1f77b4", "shift_rate": "#9467bd"}
+_TITLES = {"tdiff": "flicker tdiff-L1", "warp_error": "warping error", "psnr": "PSNR vs BF16 (dB)",
+           "shift_rate": "top-1 shift rate"}
+
+
+def _figure(width: float, height: float):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _values(ys: list) -> tuple[list[int], list[float]]:
+    pts = [(t, float(y)) for t, y in enumerate(ys) if y is not None and np.isfinite(y)]
+    return [t for t, _ in pts], [y for _, y in pts]
+
+
+def frame_series_figure(series: dict, worst: list[int], context_frames: int, title: str = ""):
+    """Stacked per-frame panels; worst-flicker frames marked with x, the context shaded."""
+    names = [n for n in ("tdiff", "warp_error", "psnr", "shift_rate") if n in series]
+    fig = _figure(6.4, 1.5 * len(names) + 0.6)
+    axes = fig.subplots(len(names), 1, sharex=True)
+    n = len(series["tdiff"])
+    for ax, name in zip(np.atleast_1d(axes), names):
+        xs, ys = _values(series[name])
+        ax.plot(xs, ys, "o-", ms=3, lw=1.2, color=_COLORS[name])
+        wx = [t for t in worst if t in xs]
+        ax.plot(wx, [ys[xs.index(t)] for t in wx], "x", ms=8, mew=2, color="black",
+                label="worst flicker frames" if name == names[0] else None)
+        ax.axvspan(-0.5, context_frames - 0.5, color="grey", alpha=0.15, lw=0)
+        if name == "psnr" and series.get("identical"):
+            same = [t for t, v in enumerate(series["identical"]) if v and t >= context_frames]
+            if same and ys:
+                ax.plot(same, [max(ys)] * len(same), "s", mfc="none", color="grey", label="identical to BF16")
+                ax.legend(loc="lower left", fontsize=7, frameon=False)
+        ax.set_ylabel(_TITLES[name], fontsize=8)
+        ax.grid(alpha=0.3)
+    axes = np.atleast_1d(axes)
+    axes[0].text(context_frames / 2 - 0.5, 1.0, "context", transform=axes[0].get_xaxis_transform(),
+                 ha="center", va="bottom", fontsize=7, color="grey")
+    if worst:
+        axes[0].legend(loc="upper right", fontsize=7, frameon=False)
+    axes[-1].set_xlabel("frame")
+    axes[-1].set_xlim(-0.5, n - 0.5)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def maps_figure(view: dict, title: str = ""):
+    """One frame (`Workbench.frame_view`): BF16, method, flicker, warping-error and top-1 jump maps."""
+    panels = [("BF16", view["bf16"], None), ("method", view["method"], None),
+              ("flicker |Δx − Δr|", view["flicker"], "Reds"), ("warping error", view["warp"], "RdBu_r")]
+    if view.get("jumps") is not None:
+        panels.append(("top-1 jumps (share of layers·heads)", view["jumps"], "Blues"))
+    fig = _figure(2.0 * len(panels), 2.4)
+    for ax, (name, img, cmap) in zip(np.atleast_1d(fig.subplots(1, len(panels))), panels):
+        if cmap is None:
+            ax.imshow(img, interpolation="nearest")
+        else:
+            lim = float(np.abs(img).max()) or 1.0
+            lo = -lim if cmap == "RdBu_r" else 0.0
+            im = ax.imshow(img, cmap=cmap, vmin=lo, vmax=lim if cmap != "Blues" else 1.0, interpolation="nearest")
+            fig.colorbar(im, ax=ax, shrink=0.7)
+        ax.set_title(name, fontsize=8)
+        ax.set_xticks([]), ax.set_yticks([])
+    fig.suptitle(title or f"frame {view['frame']}", fontsize=9)
+    return fig
+
+
+def logit_heatmaps_figure(exact: np.ndarray, stored: np.ndarray, src_exact: tuple, src_stored: tuple,
+                          method: str, grid_width: int, title: str = ""):
+    """Logits (cached frames x positions) with exact keys, stored keys and their difference; top-1 marked."""
+    diff = stored - exact
+    lim = float(np.abs(diff).max()) or 1.0
+    lo, hi = float(min(exact.min(), stored.min())), float(max(exact.max(), stored.max()))
+    fig = _figure(10, 3.0)
+    axes = fig.subplots(1, 3, sharey=True)
+    for ax, (name, z, kw) in zip(axes, (("BF16 keys", exact, dict(cmap="viridis", vmin=lo, vmax=hi)),
+                                        (f"{method} keys", stored, dict(cmap="viridis", vmin=lo, vmax=hi)),
+                                        (f"{method} − BF16", diff, dict(cmap="RdBu_r", vmin=-lim, vmax=lim)))):
+        im = ax.imshow(z, aspect="auto", interpolation="nearest", origin="lower", **kw)
+        fig.colorbar(im, ax=ax, shrink=0.8)
+        for (f, r, c), marker, color, label in ((src_exact, "o", "white", "BF16 top-1"),
+                                                (src_stored, "x", "red", f"{method} top-1")):
+            ax.plot([r * grid_width + c], [f], marker, mfc="none", ms=10, mew=2, color=color, label=label)
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("position (row·w + col)", fontsize=8)
+    axes[0].set_ylabel("cached frame", fontsize=8)
+    axes[0].legend(loc="upper right", fontsize=7, framealpha=0.6)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def energy_figure(spectra: list[dict], layer: int, rank: int = 8, title: str = ""):
+    """One layer's eigenvalues of S (log) and cumulative energy per head, the top-`rank` cut marked."""
+    s = spectra[layer]
+    ev, cum, top = s["eigenvalues"], s["cumulative"], s["top_fraction"]
+    fig = _figure(8, 3.0)
+    a, b = fig.subplots(1, 2)
+    idx = np.arange(1, ev.shape[1] + 1)
+    for h in range(ev.shape[0]):
+        a.semilogy(idx, np.maximum(ev[h], 1e-12), lw=1.2, label=f"head {h}")
+        b.plot(idx, cum[h], lw=1.2, label=f"head {h}: top-{rank} {top[h]:.1%}")
+    for ax in (a, b):
+        ax.axvline(rank, ls="--", color="black", lw=0.8)
+        ax.set_xlabel("eigen-direction (descending)", fontsize=8)
+        ax.grid(alpha=0.3)
+    a.set_title(f"layer {layer}: eigenvalues of S = E[q qᵀ]", fontsize=9)
+    b.set_title("cumulative energy", fontsize=9)
+    b.set_ylim(0, 1.02)
+    b.legend(fontsize=7, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def bars_figure(rows: list[dict], label: str, metrics: list[str], title: str = ""):
+    """Grouped bars, one panel per metric, one bar per row (methods, or Keys-only vs Values-only)."""
+    fig = _figure(2.4 * len(metrics), 2.8)
+    names = [str(r[label]) for r in rows]
+    for ax, m in zip(np.atleast_1d(fig.subplots(1, len(metrics))), metrics):
+        vals = [float(r[m]) if r.get(m) is not None else np.nan for r in rows]
+        ax.bar(range(len(rows)), vals, color="#4c72b0")
+        ax.set_xticks(range(len(rows)), names, rotation=45, ha="right", fontsize=7)
+        ax.set_title(m, fontsize=9)
+        ax.grid(axis="y", alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def check_formats(formats: list[str]) -> None:
+    bad = [f for f in formats if f not in FORMATS]
+    if bad or not formats:
+        raise ValueError(f"unknown figure format {(bad or ['(none)'])[0]!r}; choose from {', '.join(FORMATS)}")
+
+
+def save_figure(fig, stem: str | Path, formats: list[str]) -> list[Path]:
+    """Write `fig` as stem.<format> for each format; returns the paths."""
+    check_formats(formats)
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for f in formats:
+        path = stem.with_name(f"{stem.name}.{f}")
+        fig.savefig(path, format=f, dpi=200, metadata={"Creator": "quantwm"} if f != "png" else None)
+        paths.append(path)
+    return paths
+
+
+def run_figures(wb, key, out_dir: str | Path, kinds: list[str], formats: list[str], frame: int | None = None,
+                pixel: list[int] | None = None, layer: int = 1, head: int = 0, methods: list[str] = (),
+                progress: Callable | None = None) -> list[Path]:
+    """Generate (or reuse) `key`'s run with the Workbench and write the chosen figure kinds."""
+    unknown = [k for k in kinds if k not in FIGURE_KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"unknown figure kind {(unknown or ['(none)'])[0]!r}; choose from {', '.join(FIGURE_KINDS)}")
+    check_formats(formats)  # before any work
+    facts = wb.model_facts()
+    cmp = wb.compare(key, progress)
+    ctx = facts["context_frames"]
+    worst = [t + ctx for t in cmp["worst"]]
+    t = frame if frame is not None else (worst[0] if worst else ctx)
+    size = facts["frame_size"]
+    x, y = pixel if pixel is not None else (size // 2, size // 2)
+    tag = f"seed{key.seed}-{key.trajectory}-{key.method}-{key.target}-{key.bits}bit"
+    out, paths = Path(out_dir), []
+    for kind in kinds:
+        if kind == "frames":
+            fig = frame_series_figure(cmp["series"], worst, ctx, f"{key.id}")
+        elif kind == "maps":
+            fig = maps_figure(wb.frame_view(key.id, t), f"{key.id}, frame {t}")
+        elif kind == "trace":
+            r = wb.pixel_trace(key.id, t, x, y, layer, head)
+            fig = logit_heatmaps_figure(r["logits_bf16"], r["logits_method"], r["source_bf16"], r["source_method"],
+                                        key.method, facts["grid"][1],
+                                        f"query frame {t}, pixel ({x}, {y}), layer {layer}, head {head}")
+        elif kind == "energy":
+            fig = energy_figure(wb.energy(key.id), layer, title=key.id)
+        else:
+            if not methods:
+                continue
+            rows = wb.methods_table(key, list(methods))
+            fig = bars_figure(rows, "method", ["psnr", "shift_rate", "warp_error", "bits_per_element"],
+                              f"seed {key.seed}, {key.trajectory}, target {key.target}, {key.bits}-bit")
+        paths += save_figure(fig, out / f"{kind}-{tag}", formats)
+    return paths
