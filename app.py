@@ -1,11 +1,9 @@
 """QuantWM diagnostics app: `python app.py [--trace FILE] [--host H] [--port N] [--threads N]`.
 
-The same app as `quantwm app` and `python -m quantwm.app`; it is assembled in app/main.py from the tabs
-of app/ (see that module for the options and the GRADIO_SERVER_NAME / GRADIO_SERVER_PORT convention).
+The same app as `quantwm app` and `python -m quantwm.app`: app/main.py is the entry point (options, and
+the GRADIO_SERVER_NAME / GRADIO_SERVER_PORT convention), app/assemble.py builds the page from the tabs.
 """
-from app.main import build_app, launch_options, main
-
-__all__ = ["build_app", "launch_options", "main"]
+from app.main import main
 
 if __name__ == "__main__":
     main()

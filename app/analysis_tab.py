@@ -3,7 +3,7 @@ one Query's logit heatmaps and top-1 jump, the layer's jump map on its frame, Qu
 Layout and wiring only (no torch here)."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import gradio as gr
 
@@ -31,8 +31,8 @@ def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str
     status = gr.Markdown(elem_id="analyze-status")
     table = gr.Dataframe(label="Means over layers and heads", interactive=False)
 
-    def handler(path, names, tgt, b):
-        message, header, rows = analyze(path or default_trace, names, tgt, int(b))
+    def handler(path, methods, target, bits):
+        message, header, rows = analyze(path or default_trace, methods, target, int(bits))
         return message, gr.Dataframe(value=rows, headers=header) if header else gr.Dataframe(value=None)
 
     run.click(handler, [trace, chosen, target, bits], [status, table], api_name="analyze")
@@ -51,8 +51,11 @@ def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str
                             format="png", interactive=False, buttons=[])
         result = gr.JSON(label="Query result")
     heat = gr.Plot(label="Logits over the cached keys (frames x positions)")
-    go.click(lambda p, *a: unpack(inspect(p or default_trace, *a), ["status", "figure", "jump_image", "result"]),
-             [trace, method, target, bits, layer, head, query], [q_status, heat, jump_img, result],
+    def do_inspect(path, method, target, bits, layer, head, query):
+        r = inspect(path or default_trace, method, target, bits, layer, head, query)
+        return unpack(r, ["status", "figure", "jump_image", "result"])
+
+    go.click(do_inspect, [trace, method, target, bits, layer, head, query], [q_status, heat, jump_img, result],
              api_name="trace_inspect")
     gr.Markdown("### Query energy of the trace (from q_hist when present)")
     with gr.Row():
@@ -60,5 +63,7 @@ def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str
         e_go = gr.Button("Show spectra", elem_id="trace-energy-btn")
     e_status = gr.Markdown(elem_id="trace-energy-status")
     e_plot = gr.Plot(label="Query energy")
-    e_go.click(lambda p, l: unpack(energy(p or default_trace, l), ["status", "figure"]), [trace, e_layer],
-               [e_status, e_plot], api_name="trace_energy")
+    def do_energy(path, layer):
+        return unpack(energy(path or default_trace, layer), ["status", "figure"])
+
+    e_go.click(do_energy, [trace, e_layer], [e_status, e_plot], api_name="trace_energy")

@@ -27,8 +27,9 @@ def analyze_handler(trace_path: str | None, methods: list[str], target: str, bit
 def trace_inspect_handler(trace_path: str | None, method: str, target: str, bits: int, layer, head, query) -> dict:
     """One traced query: its top-1 source under exact and `method`'s keys, the logit heatmaps, and the
     layer's top-1 jump map drawn on the query frame when the trace holds frames."""
-    from . import media, plots
     from quantwm.evaluation.workbench import trace_query_view
+
+    from . import media, plots
 
     if not trace_path:
         return {"status": "**Error:** no trace file given."}
@@ -65,8 +66,9 @@ def trace_inspect_handler(trace_path: str | None, method: str, target: str, bits
 
 def trace_energy_handler(trace_path: str | None, layer_index=0) -> dict:
     """Query-energy spectra of a trace's layers (from q_hist when present)."""
-    from . import plots
     from quantwm.evaluation.workbench import trace_energy
+
+    from . import plots
 
     if not trace_path:
         return {"status": "**Error:** no trace file given."}

@@ -12,7 +12,7 @@ import imageio.v2 as imageio
 import numpy as np
 
 FPS = 8
-RED, CYAN, YELLOW, MAGENTA = (255, 40, 40), (0, 230, 255), (255, 220, 0), (255, 0, 255)
+RED, CYAN, YELLOW, MAGENTA, ORANGE = (255, 40, 40), (0, 230, 255), (255, 220, 0), (255, 0, 255), (255, 140, 0)
 
 
 def enlarge(img: np.ndarray, factor: int) -> np.ndarray:

@@ -2,22 +2,26 @@
 and click-a-pixel attention tracing. Layout and wiring only; the handlers come from app.world_handlers."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import gradio as gr
 
-from .ui import progress_callback, unpack
-from .world_handlers import FACTOR, OVERLAYS
 from quantwm.core.cache import TARGETS
 from quantwm.world.scene import TRAJECTORIES
+
+from .ui import progress_callback, unpack
+from .world_handlers import FACTOR, OVERLAYS
 
 TARGET_CHOICES = [("Keys and Values", "kv"), ("Keys only", "k"), ("Values only", "v")]
 assert {v for _, v in TARGET_CHOICES} == set(TARGETS)
 
 
 def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callable, click_pixel: Callable,
-                       methods: list[str], facts: dict, default_frames: int = 32) -> dict:
-    """Build the tab; returns the shared controls (seed, trajectory, method, target, bits, frames, run_id)."""
+                       export: Callable, methods: list[str], facts: dict, figure_formats: tuple,
+                       default_frames: int = 32) -> dict:
+    """Build the tab; returns the shared controls (seed, trajectory, method, target, bits, frames, run_id).
+
+    export(run_id, frame, x, y, layer, head, formats) -> {status, files}: print figures of the run."""
     size = facts["frame_size"]
     gr.Markdown("Pick a world and a quantization method, press **Generate**: the BF16 reference and the "
                 "quantized run use the same world, trajectory and noise, so they differ only by the KV cache. "
@@ -41,8 +45,9 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
         plot = gr.Plot(label="Per-frame flicker, PSNR and shift rate (click a point to jump)", elem_id="frame-plot")
     frame = gr.Slider(0, default_frames - 1, value=0, step=1, label="Frame (scrubs both)", elem_id="frame-slider")
     with gr.Row():
-        overlays = gr.CheckboxGroup(list(OVERLAYS), value=[], label="Overlays on the quantized frame "
-                                    "(red: flicker vs BF16; cyan: tokens whose top-1 source moved)")
+        overlays = gr.CheckboxGroup(list(OVERLAYS), value=[], label="Overlays on the quantized frame (red: flicker "
+                                    "vs BF16; orange: warping error, motion-compensated; cyan: tokens whose top-1 "
+                                    "source moved)")
         jump_layer = gr.Dropdown(["all", *map(str, range(facts["layers"]))], value="all", label="Jump map layer")
         jump_head = gr.Dropdown(["all", *map(str, range(facts["heads"]))], value="all", label="Jump map head")
     frame_info = gr.Markdown(elem_id="frame-info")
@@ -64,11 +69,19 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
             src_bf16 = gr.Image(label="Top-1 source, BF16 keys (yellow)", elem_id="trace-src-bf16", **thumb_kw)
             src_method = gr.Image(label="Top-1 source, quantized keys (red)", elem_id="trace-src-method", **thumb_kw)
         heatmap = gr.Plot(label="Attention logits over the cache (frames x positions)", elem_id="trace-heatmap")
+    with gr.Accordion("Export figures for print (matplotlib: per-frame plot, maps, logit heatmaps, energy)", open=False):
+        with gr.Row():
+            export_formats = gr.CheckboxGroup(list(figure_formats), value=["pdf"], label="Formats")
+            export_btn = gr.Button("Export figures of this run", elem_id="export-btn")
+        export_status = gr.Markdown(elem_id="export-status")
+        export_files = gr.File(label="Figures", file_count="multiple", interactive=False, elem_id="export-files")
 
     gen_names = ["status", "run_id", "bf16_video", "method_video", "figure", "frame_slider"]
 
-    def on_generate(s, tr, m, tg, b, n, progress=gr.Progress()):
-        r = generate(s, tr, m, tg, b, n, progress=progress_callback(progress, "generating BF16 and the method"))
+    # Every event's function names its parameters as an API user would guess them (gradio_client shows them).
+    def on_generate(seed, trajectory, method, target, bits, frames, progress=gr.Progress()):
+        r = generate(seed, trajectory, method, target, bits, frames,
+                     progress=progress_callback(progress, "generating BF16 and the method"))
         if r.get("frames"):
             r["frame_slider"] = gr.Slider(minimum=0, maximum=r["frames"] - 1, value=r["frame"], step=1)
         return unpack(r, gen_names)
@@ -77,7 +90,9 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     trace_names = ["status", "query_image", "bf16_source", "method_source", "figure", "result"]
     trace_out = [trace_status, q_img, src_bf16, src_method, heatmap, result]
     scrub_in = [run_id, frame, overlays, jump_layer, jump_head]
-    do_scrub = lambda *a: unpack(scrub(*a), scrub_names)  # noqa: E731
+
+    def do_scrub(run_id, frame, overlays, layer, head):
+        return unpack(scrub(run_id, frame, overlays, layer, head), scrub_names)
     view = dict(concurrency_limit=4, concurrency_id="view")
 
     ev = go.click(on_generate, [seed, trajectory, method, target, bits, frames],
@@ -87,14 +102,23 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     gr.on([frame.change, overlays.change, jump_layer.change, jump_head.change], do_scrub, scrub_in,
           [frame_info, bf16_img, method_img], api_name="scrub", trigger_mode="always_last", **view)
 
-    def on_click(rid, t, layer, head, evt: gr.SelectData):
-        r = click_pixel(rid, t, evt.index, layer, head)
+    def on_click(run_id, frame, layer, head, evt: gr.SelectData):
+        r = click_pixel(run_id, frame, evt.index, layer, head)
         x, y = (int(evt.index[0]) // FACTOR, int(evt.index[1]) // FACTOR) if evt.index else (None, None)
         return (*unpack(r, trace_names), x if x is not None else gr.skip(), y if y is not None else gr.skip())
 
     for img, name in ((method_img, "click_pixel"), (bf16_img, "click_pixel_bf16")):
         img.select(on_click, [run_id, frame, trace_layer, trace_head], [*trace_out, px, py], api_name=name, **view)
-    trace_btn.click(lambda *a: unpack(trace_pixel(*a), trace_names), [run_id, frame, px, py, trace_layer, trace_head],
-                    trace_out, api_name="trace_pixel", **view)
+    def do_trace(run_id, frame, x, y, layer, head):
+        return unpack(trace_pixel(run_id, frame, x, y, layer, head), trace_names)
+
+    trace_btn.click(do_trace, [run_id, frame, px, py, trace_layer, trace_head], trace_out, api_name="trace_pixel", **view)
+
+    def do_export(run_id, frame, x, y, layer, head, formats):
+        r = export(run_id, frame, x, y, layer, head, formats)
+        return r["status"], r.get("files")
+
+    export_btn.click(do_export, [run_id, frame, px, py, trace_layer, trace_head, export_formats],
+                     [export_status, export_files], api_name="export_figures", **view)
     return {"seed": seed, "trajectory": trajectory, "method": method, "target": target, "bits": bits,
             "frames": frames, "run_id": run_id}

@@ -7,13 +7,17 @@ from plotly.subplots import make_subplots
 
 
 def frame_series_figure(series: dict, worst: list[int], context_frames: int, current: int | None = None) -> go.Figure:
-    """Three stacked per-frame panels (tdiff, PSNR vs BF16, shift rate); worst frames marked; click = frame."""
+    """Stacked per-frame panels (tdiff, warping error, PSNR vs BF16, shift rate); worst frames marked; frames
+    identical to BF16 drawn as open squares at the top of the PSNR panel (no PSNR, no cap); click = frame."""
     n = len(series["tdiff"])
     x = list(range(n))
-    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.06,
-                        subplot_titles=("flicker tdiff-L1 vs BF16 (higher = worse)", "PSNR vs BF16 (dB)",
-                                        "top-1 shift rate"))
-    for row, (name, color) in enumerate((("tdiff", "#d62728"), ("psnr", "#1f77b4"), ("shift_rate", "#9467bd")), 1):
+    panels = [("tdiff", "#d62728", "flicker tdiff-L1 vs BF16 (higher = worse)"),
+              ("warp_error", "#ff7f0e", "warping error, motion-compensated (higher = worse)"),
+              ("psnr", "#1f77b4", "PSNR vs BF16 (dB)"), ("shift_rate", "#9467bd", "top-1 shift rate")]
+    panels = [p for p in panels if p[0] in series]
+    fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.05,
+                        subplot_titles=[p[2] for p in panels])
+    for row, (name, color, _) in enumerate(panels, 1):
         y = series[name]
         fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=name, line=dict(color=color),
                                  marker=dict(size=6), hovertemplate="frame %{x}: %{y:.4g}<extra>" + name + "</extra>"),
@@ -22,13 +26,19 @@ def frame_series_figure(series: dict, worst: list[int], context_frames: int, cur
         fig.add_trace(go.Scatter(x=wx, y=[y[t] for t in wx], mode="markers", name="worst flicker frames",
                                  marker=dict(symbol="x", size=13, color="black"), showlegend=row == 1,
                                  hovertemplate="worst frame %{x}<extra></extra>"), row=row, col=1)
+        finite = [v for v in y if v is not None]
+        same = [t for t, v in enumerate(series.get("identical") or []) if v and t >= context_frames]
+        if name == "psnr" and same and finite:
+            fig.add_trace(go.Scatter(x=same, y=[max(finite)] * len(same), mode="markers", name="identical to BF16",
+                                     marker=dict(symbol="square-open", size=9, color="grey"),
+                                     hovertemplate="frame %{x}: identical to BF16<extra></extra>"), row=row, col=1)
     fig.add_vrect(x0=-0.5, x1=context_frames - 0.5, fillcolor="grey", opacity=0.15, line_width=0,
                   annotation_text="context", annotation_position="top left")
     if current is not None:
         fig.add_vline(x=current, line_dash="dot", line_color="black")
-    fig.update_xaxes(title_text="frame (click a point to jump there)", row=3, col=1)
-    fig.update_layout(height=460, margin=dict(l=50, r=10, t=40, b=40), clickmode="event",
-                      legend=dict(orientation="h", y=-0.18), hovermode="closest")
+    fig.update_xaxes(title_text="frame (click a point to jump there)", row=len(panels), col=1)
+    fig.update_layout(height=140 * len(panels) + 60, margin=dict(l=50, r=10, t=40, b=40), clickmode="event",
+                      legend=dict(orientation="h", y=-0.14), hovermode="closest")
     return fig
 
 

@@ -1,7 +1,7 @@
 """Query energy, Key vs Value and Methods tabs: studies of the current world (layout and wiring only)."""
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import gradio as gr
 
@@ -21,8 +21,8 @@ def build_energy_tab(energy: Callable, controls: dict, layers: int) -> None:
     plot = gr.Plot(label="Query energy", elem_id="energy-plot")
     top8 = gr.Dataframe(label="Top-8 energy fraction per layer and head", interactive=False)
 
-    def run(rid, l):
-        r = energy(rid, l)
+    def run(run_id, layer):
+        r = energy(run_id, layer)
         return (*unpack(r, ["status", "figure"]), table(r))
 
     gr.on([show.click, layer.change], run, [controls["run_id"], layer], [status, plot, top8], api_name="energy",
@@ -39,8 +39,9 @@ def build_key_value_tab(key_value: Callable, controls: dict) -> None:
     rows = gr.Dataframe(label="Keys only (k) vs Values only (v)", headers=list(KV_COLUMNS), interactive=False)
     plot = gr.Plot(label="Errors and damage", elem_id="kv-plot")
 
-    def run(s, tr, m, b, n, progress=gr.Progress()):
-        r = key_value(s, tr, m, b, n, progress=progress_callback(progress, "Keys only, then Values only"))
+    def run(seed, trajectory, method, bits, frames, progress=gr.Progress()):
+        r = key_value(seed, trajectory, method, bits, frames,
+                      progress=progress_callback(progress, "Keys only, then Values only"))
         return (*unpack(r, ["status", "figure"]), table(r))
 
     c = controls
@@ -48,8 +49,10 @@ def build_key_value_tab(key_value: Callable, controls: dict) -> None:
              api_name="key_vs_value", concurrency_limit=2, concurrency_id="generate", trigger_mode="multiple")
 
 
-def build_methods_tab(methods_table: Callable, methods: list[str], controls: dict) -> None:
-    """methods_table(seed, trajectory, target, bits, frames, methods, progress) -> {status, header, rows}."""
+def build_methods_tab(methods_table: Callable, export: Callable, methods: list[str], controls: dict,
+                      figure_formats: tuple) -> None:
+    """methods_table(seed, trajectory, target, bits, frames, methods, progress) -> {status, header, rows};
+    export(..., methods, formats, progress) -> {status, files}: the comparison as a print figure."""
     gr.Markdown("Every chosen method on the current world (seed, trajectory, target, bits and frames of the "
                 "Generate tab): compression, cache memory in MB (BF16 vs stored), top-1 shift rate, PSNR, SSIM, "
                 "LPIPS and flicker against BF16. Runs are cached, so methods already generated are instant.")
@@ -59,10 +62,24 @@ def build_methods_tab(methods_table: Callable, methods: list[str], controls: dic
     status = gr.Markdown(elem_id="methods-status")
     rows = gr.Dataframe(label="Methods", headers=list(METHOD_COLUMNS), interactive=False, elem_id="methods-table")
 
-    def run(s, tr, tg, b, n, ms, progress=gr.Progress()):
-        r = methods_table(s, tr, tg, b, n, ms, progress=progress_callback(progress, "methods"))
+    def run(seed, trajectory, target, bits, frames, methods, progress=gr.Progress()):
+        r = methods_table(seed, trajectory, target, bits, frames, methods, progress=progress_callback(progress, "methods"))
         return unpack(r, ["status"])[0], table(r)
 
     c = controls
-    go.click(run, [c["seed"], c["trajectory"], c["target"], c["bits"], c["frames"], chosen], [status, rows],
-             api_name="methods_table", concurrency_limit=2, concurrency_id="generate", trigger_mode="multiple")
+    inputs = [c["seed"], c["trajectory"], c["target"], c["bits"], c["frames"], chosen]
+    go.click(run, inputs, [status, rows], api_name="methods_table", concurrency_limit=2, concurrency_id="generate",
+             trigger_mode="multiple")
+    with gr.Row():
+        formats = gr.CheckboxGroup(list(figure_formats), value=["pdf"], label="Formats")
+        export_btn = gr.Button("Export the comparison figure", elem_id="methods-export-btn")
+    export_status = gr.Markdown(elem_id="methods-export-status")
+    files = gr.File(label="Figure", file_count="multiple", interactive=False)
+
+    def do_export(seed, trajectory, target, bits, frames, methods, formats, progress=gr.Progress()):
+        r = export(seed, trajectory, target, bits, frames, methods, formats,
+                   progress=progress_callback(progress, "methods"))
+        return r["status"], r.get("files")
+
+    export_btn.click(do_export, [*inputs, formats], [export_status, files], api_name="export_methods_figure",
+                     concurrency_limit=2, concurrency_id="generate", trigger_mode="multiple")

@@ -7,7 +7,8 @@ never raises: the dict then holds an "**Error:** ..." status and None for every 
 from __future__ import annotations
 
 import os
-from typing import Callable
+import tempfile
+from collections.abc import Callable
 
 import numpy as np
 
@@ -16,7 +17,9 @@ from . import media, plots
 FACTOR = 4  # frames are shown enlarged 4x on the server: a click at (x, y) is frame pixel (x // 4, y // 4)
 THUMB = 2  # source thumbnails
 FLICKER_FULL_SCALE = 0.25  # a flicker of a quarter of the intensity range shows full red
-OVERLAYS = ("flicker map", "top-1 jumps")
+WARP_FULL_SCALE = 0.15  # a warping error of 0.15 shows full orange
+OVERLAYS = ("flicker map", "warping error", "top-1 jumps")
+_exports = tempfile.mkdtemp(prefix="quantwm-figures-")
 _videos: dict[tuple[str, str], str] = {}
 
 
@@ -100,9 +103,11 @@ def scrub_handler(wb, run_id, frame, overlays=(), layer="all", head="all") -> di
         return error(str(e))
     method = v["method"]
     notes = [f"Frame **{v['frame']}**" + (" (context: given, identical in both runs)" if v["context"] else ""),
-             f"mean flicker {float(v['flicker'].mean()):.4f}"]
+             f"mean flicker {float(v['flicker'].mean()):.4f}", f"mean warping error {float(v['warp'].mean()):.4f}"]
     if "flicker map" in overlays:
         method = media.tint(method, media.normalise(v["flicker"], FLICKER_FULL_SCALE), media.RED)
+    if "warping error" in overlays:
+        method = media.tint(method, media.normalise(np.maximum(v["warp"], 0), WARP_FULL_SCALE), media.ORANGE)
     if "top-1 jumps" in overlays:
         if v["jumps"] is None:
             notes.append("no top-1 jump map for a context frame")
@@ -217,3 +222,40 @@ def methods_handler(wb, seed, trajectory, target, bits, frames, methods, progres
     return {"status": f"seed {seed}, {trajectory}, target {target}, {bits}-bit, {frames} frames; memory counts "
                       "full-precision chunks (sink, recent) as BF16 and every quantized byte (codes, scales, "
                       "codebooks, PSAC).", "header": list(METHOD_COLUMNS), "rows": table}
+
+
+def export_handler(wb, run_id, frame, x, y, layer=0, head=0, formats=("pdf",)) -> dict:
+    """Print figures (matplotlib) of the current run: per-frame plot, maps and pixel trace at `frame`, energy."""
+    from quantwm.evaluation.figures import run_figures
+    from quantwm.evaluation.workbench import RunKey
+
+    try:
+        key = RunKey.parse(str(run_id or ""))
+        wb.record(key.id)  # generated (not evicted)?
+        t = int(frame) if frame is not None else None
+        generated = t is not None and t >= wb.model_facts()["context_frames"]  # context frames have no probes
+        kinds = ["frames", "maps", "energy"] + (["trace"] if generated else [])
+        paths = run_figures(wb, key, os.path.join(_exports, "run"), kinds, list(formats or []), frame=t,
+                            pixel=[int(x), int(y)], layer=int(layer), head=int(head))
+    except (ValueError, TypeError) as e:
+        return error(str(e))
+    return {"status": f"{len(paths)} file(s): {', '.join(os.path.basename(p) for p in paths)}",
+            "files": [str(p) for p in paths]}
+
+
+def export_methods_handler(wb, seed, trajectory, target, bits, frames, methods, formats=("pdf",),
+                           progress: Callable | None = None) -> dict:
+    """The method comparison on one world as a print figure."""
+    from quantwm.evaluation.figures import run_figures
+    from quantwm.evaluation.workbench import Busy
+
+    try:
+        if not methods:
+            raise ValueError("choose at least one method")
+        key = _key(seed, trajectory, list(methods)[0], target, bits, frames)
+        paths = run_figures(wb, key, os.path.join(_exports, "methods"), ["methods"], list(formats or []),
+                            methods=list(methods), progress=progress)
+    except (Busy, ValueError) as e:
+        return error(str(e))
+    return {"status": f"{len(paths)} file(s): {', '.join(os.path.basename(p) for p in paths)}",
+            "files": [str(p) for p in paths]}

@@ -8,7 +8,6 @@ Target on 2 CPU cores: under 30 s for 32 frames. Prints one line per measurement
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import pathlib
 import tempfile
@@ -31,12 +30,10 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from gradio_client import Client
 
+    from app import assemble as mod
     from quantwm.evaluation.synthetic import make_synthetic_trace
     from quantwm.evaluation.workbench import Workbench
 
-    spec = importlib.util.spec_from_file_location("app_main", ROOT / "app.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     trace = os.path.join(tempfile.mkdtemp(), "syn.safetensors")
     make_synthetic_trace(seed=0, n_layers=2, n_heads=4).save(trace)
     t0 = time.perf_counter()

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from quantwm.evaluation import metrics as M
 from quantwm.core.cache import CacheConfig
+from quantwm.evaluation import metrics as M
 from quantwm.world.generate import generate, load_world_model, revisited_frames
 from quantwm.world.scene import patchify
 

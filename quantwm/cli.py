@@ -2,7 +2,7 @@
 installed as `quantwm`).
 
 Long work shows a progress bar on stderr. Bad arguments or files print one line on stderr and exit 2.
-`quantwm app ...` starts the diagnostics app (the same as `python app.py ...`; needs the `app` extra).
+`quantwm app ...` starts the diagnostics app (the same as `python app.py ...`).
 """
 from __future__ import annotations
 
@@ -266,7 +266,7 @@ def cmd_app(argv: list[str]) -> int:
     try:
         from .app.main import main as app_main
     except ImportError as e:
-        return _fail(f"the app needs the app extra (pip install 'quantwm[app]'): {e}")
+        return _fail(f"the app cannot start: {e}")
     app_main(argv)
     return 0
 

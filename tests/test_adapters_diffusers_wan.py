@@ -9,9 +9,9 @@ from quantwm.adapters.diffusers_wan import (
     wan_kv_cache,
     wan_rope_at,
 )
-from quantwm.evaluation.analyze import analyze_trace
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.methods import known_methods
+from quantwm.evaluation.analyze import analyze_trace
 from quantwm.evaluation.metrics import rel_err
 from quantwm.evaluation.trace import read_trace
 

@@ -33,13 +33,8 @@ def test_analyze_handler_turns_bad_input_into_a_message(path, methods, needle, t
 
 
 def test_app_builds_with_an_api_name_on_every_event(trace_file):
-    import app as app_module  # noqa: F401  (the package app/)
-    import importlib.util
-    import pathlib
+    from app.assemble import build_app
 
-    spec = importlib.util.spec_from_file_location("app_main", pathlib.Path(__file__).parents[1] / "app.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    demo = mod.build_app(trace_file)
+    demo = build_app(trace_file)
     fns = list(demo.fns.values()) if isinstance(demo.fns, dict) else list(demo.fns)
     assert fns and all(getattr(f, "api_name", None) for f in fns)

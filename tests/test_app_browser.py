@@ -22,11 +22,8 @@ TABS = {"Generate & play": "generate", "Query energy": "energy", "Key vs Value":
 
 def launch(trace: str, frames: int):
     """Start the real app in this process; returns (demo, url)."""
-    import importlib.util
+    from app import assemble as mod
 
-    spec = importlib.util.spec_from_file_location("app_main", ROOT / "app.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     demo = mod.build_app(trace, frames=frames)
     _, url, _ = demo.queue(default_concurrency_limit=1).launch(prevent_thread_lock=True, quiet=True,
                                                                **mod.launch_options())
@@ -142,6 +139,12 @@ def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifa
     box.press("Enter")
     page.wait_for_function(f"document.querySelector('#frame-info').innerText.includes('Frame {FRAMES - 2}')",
                            timeout=30_000)
+    # the motion-compensated warping-error overlay tints the quantized frame
+    before = page.locator("#frame-method img").get_attribute("src")
+    page.get_by_label("warping error").check()
+    page.wait_for_function("(b) => document.querySelector('#frame-method img').src !== b", arg=before,
+                           timeout=30_000)
+    assert "mean warping error" in page.locator("#frame-info").inner_text()
     # click a point of the per-frame plot: the slider jumps there
     page.locator("#frame-plot g.trace.scatter").first.locator("path.point").last.click(force=True)
     page.wait_for_function(f"document.querySelector('#frame-info').innerText.includes('Frame {FRAMES - 1}')",

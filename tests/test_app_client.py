@@ -1,5 +1,4 @@
 """The app's API through gradio_client against a real server: generate, scrub, the pixel-trace twin, methods."""
-import importlib.util
 import pathlib
 
 import imageio_ffmpeg
@@ -9,16 +8,10 @@ from PIL import Image
 FRAMES = 10
 
 
-def load_app_module():
-    spec = importlib.util.spec_from_file_location("app_main", pathlib.Path(__file__).parents[1] / "app.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.fixture(scope="module")
 def server(small_trace_path):
-    mod = load_app_module()
+    from app import assemble as mod
+
     demo = mod.build_app(str(small_trace_path), frames=FRAMES)
     _, url, _ = demo.queue(default_concurrency_limit=1).launch(prevent_thread_lock=True, quiet=True,
                                                                **mod.launch_options())
@@ -38,10 +31,38 @@ def generated(client):
     return client.predict(4, "loop", "quantwm", "kv", 2, FRAMES, api_name="/generate")
 
 
-def test_every_event_is_an_api_endpoint(client):
-    names = set(client.view_api(return_format="dict", print_info=False)["named_endpoints"])
-    assert {"/generate", "/scrub", "/show_frame", "/click_pixel", "/trace_pixel", "/energy", "/key_vs_value",
-            "/methods_table", "/analyze", "/trace_inspect", "/trace_energy"} <= names
+API_PARAMETERS = {
+    "/generate": ["seed", "trajectory", "method", "target", "bits", "frames"],
+    "/show_frame": ["run_id", "frame", "overlays", "layer", "head"],
+    "/scrub": ["run_id", "frame", "overlays", "layer", "head"],
+    "/click_pixel": ["run_id", "frame", "layer", "head"],
+    "/click_pixel_bf16": ["run_id", "frame", "layer", "head"],
+    "/trace_pixel": ["run_id", "frame", "x", "y", "layer", "head"],
+    "/export_figures": ["run_id", "frame", "x", "y", "layer", "head", "formats"],
+    "/energy": ["run_id", "layer"],
+    "/key_vs_value": ["seed", "trajectory", "method", "bits", "frames"],
+    "/methods_table": ["seed", "trajectory", "target", "bits", "frames", "methods"],
+    "/export_methods_figure": ["seed", "trajectory", "target", "bits", "frames", "methods", "formats"],
+    "/analyze": ["path", "methods", "target", "bits"],
+    "/trace_inspect": ["path", "method", "target", "bits", "layer", "head", "query"],
+    "/trace_energy": ["path", "layer"],
+}
+
+
+def test_every_endpoint_names_its_parameters(client):
+    api = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
+    assert set(api) == set(API_PARAMETERS)
+    for name, params in API_PARAMETERS.items():
+        assert [p["parameter_name"] for p in api[name]["parameters"]] == params, name
+
+
+def test_export_figures_endpoint_writes_print_files(client, generated):
+    status, files = client.predict(generated[1], FRAMES - 1, 32, 32, 1, 0, ["pdf", "svg"], api_name="/export_figures")
+    names = sorted(pathlib.Path(f).name for f in files)
+    assert len(names) == 8 and all(n.endswith((".pdf", ".svg")) for n in names), status
+    assert {n.split("-")[0] for n in names} == {"frames", "maps", "trace", "energy"}
+    pdf = next(f for f in files if f.endswith(".pdf"))
+    assert pathlib.Path(pdf).read_bytes().startswith(b"%PDF")
 
 
 def test_generate_returns_run_id_videos_plot_and_slider(generated):

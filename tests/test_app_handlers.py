@@ -74,6 +74,10 @@ def test_scrub_enlarges_both_frames_and_overlays_change_only_the_method_frame(wb
     both = wh.scrub_handler(wb, rid, t, list(wh.OVERLAYS), "all", "all")
     assert np.array_equal(both["bf16"], plain["bf16"]) and not np.array_equal(both["method"], plain["method"])
     assert f"Frame **{t}**" in both["status"] and "top-1 moved" in both["status"]
+    warp = wh.scrub_handler(wb, rid, t, ["warping error"])  # the motion-compensated flicker overlay alone
+    assert "mean warping error" in warp["status"] and not np.array_equal(warp["method"], plain["method"])
+    assert np.array_equal(wh.scrub_handler(wb, rid, 0, ["warping error", "flicker map"])["method"],
+                          wh.scrub_handler(wb, rid, 0, [])["method"])  # frame 0: no previous frame, nothing to tint
     ctx = wh.scrub_handler(wb, rid, 2, ["top-1 jumps"])
     assert "context" in ctx["status"] and "no top-1 jump map" in ctx["status"]
 

@@ -9,7 +9,6 @@ from quantwm.core.attention import chunk_spans, fused_attention
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.rope import Rope3D
 
-
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: kernels under the interpreter
 
 

@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from quantwm.evaluation import diagnostics as D
 from quantwm.core.cache import CacheConfig
+from quantwm.evaluation import diagnostics as D
 from quantwm.world.generate import generate, load_world_model
 
 

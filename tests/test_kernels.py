@@ -7,22 +7,23 @@ Every kernel runs with tl.dot wrapped by a check that its operands are GPU-legal
 """
 from __future__ import annotations
 
-import math
+import os
 
 import pytest
 import torch
 import triton.language as tl
+from quantwm.kernels import kmeans_assign as _km
+from quantwm.kernels import pack_bits as _pb
+from quantwm.kernels import qsac_assign as _qa
+from quantwm.kernels import quantize_pack as _qp
+from quantwm.kernels import span_attention as _sa
+from quantwm.kernels import unpack_bits as _ub
 
-import os
-
-from quantwm.kernels import kmeans_assign as _km, pack_bits as _pb, qsac_assign as _qa, quantize_pack as _qp
-from quantwm.kernels import span_attention as _sa, unpack_bits as _ub
-from quantwm.core.attention import chunk_spans, decode_side, merge_splits, new_state, span_attention_ref
+from quantwm.core.attention import chunk_spans, merge_splits, new_state, span_attention_ref
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.kmeans import kmeans_assign_ref
 from quantwm.core.qsac import qsac_assign_ref
-from quantwm.core.quant import GroupQuant, group_step, pack_bits_ref, quantize_groups, quantize_pack_ref, unpack_bits_ref
-
+from quantwm.core.quant import pack_bits_ref, quantize_groups, quantize_pack_ref, unpack_bits_ref
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # CPU: the interpreter (conftest.py)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

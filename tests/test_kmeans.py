@@ -7,7 +7,6 @@ from quantwm.core.psac import principal_basis, psac_basis, psac_correction, psac
 from quantwm.core.qsac import channel_sensitivity, qsac_assign_ref, qsac_cost_ref
 
 
-
 def _randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 

@@ -6,8 +6,6 @@ import torch
 
 from quantwm.core.methods import REGISTRY, SpanContext, get_method, known_methods, parse_method_name
 
-
-
 METHODS = sorted(REGISTRY)
 QUANTIZED = [m for m in METHODS if m != "bf16"]
 S, N, D = 4, 256, 64
@@ -41,7 +39,7 @@ def _same_bytes(a, b):
 GAUSS = _randn(S, N, D, seed=0)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _roundtrip(name, kind, bits=2):
     """(method, Encoded, decoded) for GAUSS with a fresh SpanContext; cached across tests."""
     m = _make(name, bits=bits)

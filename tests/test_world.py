@@ -5,12 +5,12 @@ import pytest
 import torch
 
 from quantwm.core.cache import CacheConfig, KVCache
+from quantwm.evaluation.trace import read_trace
 from quantwm.world import scene
 from quantwm.world.evaluate import evaluate, place_shift_rate, shift_rate
 from quantwm.world.generate import generate, load_world_model, revisited_frames, rollout_trace
 from quantwm.world.model import WorldConfig, WorldModel, training_mask
 from quantwm.world.train import export
-from quantwm.evaluation.trace import read_trace
 
 TINY = WorldConfig(dim=64, heads=1, layers=2, view=4, world_patches=12, context_frames=2, chunk_frames=2)
 

@@ -14,7 +14,7 @@ pre-RoPE caches also take the reference path (dequantize, rotate, SDPA).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

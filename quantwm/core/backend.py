@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import importlib
 import os
-from functools import lru_cache
-from typing import Callable
+from collections.abc import Callable
+from functools import cache
 
 import torch
 
@@ -26,7 +26,7 @@ def mode() -> str:
     return m
 
 
-@lru_cache(maxsize=None)
+@cache
 def _triton_available() -> bool:
     try:
         importlib.import_module("triton")

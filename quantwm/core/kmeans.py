@@ -9,7 +9,7 @@ reproducible for a given seed on a given device.
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

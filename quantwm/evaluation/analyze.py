@@ -9,14 +9,14 @@ Pre-RoPE traces are read with the standard 3-D RoPE of `quantwm.core.rope` over 
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from ..core.cache import CacheConfig, KVCache
-from .metrics import attention_metrics, query_energy, rel_err, second_moment
 from ..core.methods import make_method, parse_method_name
 from ..core.rope import Rope3D
+from .metrics import attention_metrics, query_energy, rel_err, second_moment
 from .trace import Trace
 
 MEAN_KEYS = ("shift_rate", "topk_overlap", "attn_kl", "logit_rmse", "k_rel_err", "v_rel_err", "out_rel_err",
@@ -84,7 +84,7 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
         entry["mean"] = {key: sum(r[key] for r in entry["layers"]) / len(entry["layers"]) for key in MEAN_KEYS}
         report["config"]["grid"][m] = make_method(m, bits, dict(method_options)).grid()
     energy = []
-    for layer, t in trace.layers.items():
+    for t in trace.layers.values():
         _, frac = query_energy(second_moment(t.get("q_hist", t["q"]).float()), rank=8)
         energy.append([float(x) for x in frac])
     report["query_energy_top8"] = energy

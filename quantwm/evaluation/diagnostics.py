@@ -1,12 +1,13 @@
 """The numbers behind the diagnostics app: where and why a quantized rollout departs from BF16.
 
 Per frame: PSNR against the BF16 rollout, tdiff-L1 flicker, the motion-compensated warping error, the top-1
-shift rate of the frame's queries; per pixel: the flicker and warping-error maps; per token: the top-1 jump map (fraction of layers/heads whose argmax over the
-cached keys moved under quantization). Per query: the attention logits over the cache, exact vs stored
-keys, as the query saw the cache (chunks still inside the full-precision recent window at that time are
-exact), reshaped to (cached frames, positions). Per (layer, head): the eigen spectrum of the history-Query
-second moment S and its cumulative energy. Logits are q·k, exactly what the shift rate compares (the
-`+jensen` read-path bias is not added, as in `world.evaluate.shift_rate`).
+shift rate of the frame's queries; per pixel: the flicker and warping-error maps; per token: the top-1 jump
+map (fraction of layers/heads whose argmax over the cached keys moved under quantization). Per query: the
+attention logits over the cache, exact vs stored keys, as the query saw the cache (chunks still inside
+the full-precision recent window at that time are exact), reshaped to (cached frames, positions). Per
+(layer, head): the eigen spectrum of the history-Query second moment S and its cumulative energy. Logits
+are q·k, exactly what the shift rate compares (the `+jensen` read-path bias is not added, as in
+`world.evaluate.shift_rate`).
 
 Tokens run frame by frame, row-major in a frame: token j of a frame grid (h, w) is
 (frame j // (h*w), row (j % (h*w)) // w, col j % w), as in trace files.
@@ -174,8 +175,8 @@ def trace_keys(trace, layer: int, method: str, target: str = "k", bits: int = 2)
 
     Returns q (H, Nq, D) scaled by the softmax scale, k, k_hat (H, Nk, D), top1_exact, top1_quant (H, Nq).
     """
-    from .analyze import _layer_cache
     from ..core.cache import CacheConfig
+    from .analyze import _layer_cache
 
     if layer not in trace.layers:
         raise ValueError(f"layer {layer} is not in the trace (layers: {', '.join(map(str, trace.layers))})")

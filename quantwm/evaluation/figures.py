@@ -16,8 +16,8 @@ dicts from `Workbench`) and return a `matplotlib.figure.Figure` (no pyplot: safe
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 

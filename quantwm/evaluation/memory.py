@@ -9,8 +9,8 @@ Byte counts depend only on shapes, so `sample_layers` may quantize fewer layers 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

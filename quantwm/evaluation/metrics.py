@@ -3,10 +3,11 @@
 Attention (one layer, same cache state, exact vs quantized keys/values): top-1 shift rate, top-k overlap,
 KL(p_exact || p_quant), logit RMSE, attention mass on the current chunk, relative reconstruction errors
 and the attention-output error they cause. Frames (T, H, W, 3) in [0, 1]: PSNR, SSIM (Gaussian σ=1.5,
-11x11 window, per channel, constants of Wang et al. 2004 for data range 1), LPIPS-Alex (quantwm.evaluation.lpips),
-tdiff-L1 with its per-pixel flicker map, tLP (TecoGAN's temporal LPIPS), and the motion-compensated
-warping error (frames warped by the BF16 reference's OpenCV optical flow, so camera motion is not flicker). Query energy: eigenvalues of
-S = E[q qᵀ] and the fraction of the trace held by the top R.
+11x11 window, per channel, constants of Wang et al. 2004 for data range 1), LPIPS-Alex
+(quantwm.evaluation.lpips), tdiff-L1 with its per-pixel flicker map, tLP (TecoGAN's temporal LPIPS), and
+the motion-compensated warping error (frames warped by the BF16 reference's OpenCV optical flow, so camera
+motion is not flicker). Query energy: eigenvalues of S = E[q qᵀ] and the fraction of the trace held by
+the top R.
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ One safetensors file. Per captured layer l: `L{l}.q` (H, Nq, D) the queries of t
 `L{l}.k`, `L{l}.v` (H, Nk, D) the cached keys and values they attend to, optionally `L{l}.q_hist`
 (H, Nh, D) earlier queries for the statistics. Optionally `frames` (T, height, width, 3) uint8.
 Metadata (strings): quantwm_trace_version="1", tokens_per_frame, frame_grid="h,w", softmax_scale,
-rope="post"|"pre", model; optional extras such as chunk_frames (frames per committed chunk). Cached tokens run frame by frame, row-major inside a frame: token j is
-(frame j // (h*w), row (j % (h*w)) // w, col j % w).
+rope="post"|"pre", model; optional extras such as chunk_frames (frames per committed chunk). Cached tokens
+run frame by frame, row-major inside a frame: token j is (frame j // (h*w), row (j % (h*w)) // w, col j % w).
 
     w = TraceWriter(tokens_per_frame=64, frame_grid=(8, 8), softmax_scale=0.125, model="mine")
     w.record(layer, q, k, v)          # from inside any attention function; (H, N, D) or (1, H, N, D)
@@ -178,7 +178,8 @@ class TraceWriter:
         self.frames = f.contiguous()
 
     def save(self, path: str | Path) -> None:
-        meta = {**{k: str(v) for k, v in self.extra_meta.items()}, "quantwm_trace_version": TRACE_VERSION, "tokens_per_frame": str(self.tokens_per_frame),
+        meta = {**{k: str(v) for k, v in self.extra_meta.items()}, "quantwm_trace_version": TRACE_VERSION,
+                "tokens_per_frame": str(self.tokens_per_frame),
                 "frame_grid": f"{self.frame_grid[0]},{self.frame_grid[1]}", "softmax_scale": repr(float(self.softmax_scale)),
                 "rope": self.rope, "model": self.model}
         _check_meta(meta, "trace capture")

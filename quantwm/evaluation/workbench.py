@@ -17,18 +17,18 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Callable
 
 import numpy as np
 import torch
 
-from . import diagnostics as D
-from . import metrics as M
 from ..core.cache import CacheConfig
 from ..world.evaluate import shift_rate
 from ..world.generate import generate, load_world_model
 from ..world.scene import TRAJECTORIES
+from . import diagnostics as D
+from . import metrics as M
 
 MiB = 2 ** 20
 
@@ -63,7 +63,7 @@ class RunKey:
         return f"seed={self.seed} {self.trajectory} {self.method} {self.target} {self.bits}-bit {self.frames}f"
 
     @classmethod
-    def parse(cls, text: str) -> "RunKey":
+    def parse(cls, text: str) -> RunKey:
         """Inverse of `id`; ValueError for anything else."""
         try:
             seed, traj, method, target, bits, frames = str(text).split()
@@ -74,7 +74,7 @@ class RunKey:
             why = f": {e}" if str(e) else ""
             raise ValueError(f"not a run id: {text!r}{why} (generate first)") from None
 
-    def reference(self) -> "RunKey":
+    def reference(self) -> RunKey:
         return replace(self, method="bf16", target="kv", bits=2)
 
 

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from ..evaluation import metrics as M
 from ..core.cache import CacheConfig
+from ..evaluation import metrics as M
 from .generate import Rollout, generate, revisited_frames
 from .model import WorldModel
 from .scene import TRAIN_SEED_BASE
@@ -129,8 +129,9 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
             if progress:
                 progress(done, total, f"seed {seed} {m}")
     out: dict = {"methods": {}, "bf16": {}, "config": {
-        "target": target, "bits": bits, "seeds": list(seeds), "frames": n_frames, "trajectory": trajectory_kind, "world": world,
-        "steps": steps, "context_frames": ctx, "lpips_note": lpips_note, "model": model.config_dict(), "seconds": time.time() - t0}}
+        "target": target, "bits": bits, "seeds": list(seeds), "frames": n_frames, "trajectory": trajectory_kind,
+        "world": world, "steps": steps, "context_frames": ctx, "lpips_note": lpips_note, "model": model.config_dict(),
+        "seconds": time.time() - t0}}
     for m in methods:
         frame_means = {k: [sum(col) / len(col) for col in zip(*v)] for k, v in per[m].items()}
         mean = {k: _nanmean(sum(v, [])) for k, v in per[m].items()}

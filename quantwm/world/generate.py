@@ -13,8 +13,8 @@ runs with the same seeds get the same noise, so they differ only by the cache.
 from __future__ import annotations
 
 import json
-from importlib import resources
 from dataclasses import dataclass, field, replace
+from importlib import resources
 from pathlib import Path
 
 import torch
@@ -23,8 +23,6 @@ from safetensors import safe_open
 from ..core.cache import CacheConfig, KVCache
 from .model import WorldConfig, WorldModel
 from .scene import make_world, patchify, render, token_world_coords, trajectory, unpatchify
-
-
 
 # The committed weights, shipped as package data (`quantwm.assets`, the repository's assets/).
 DEFAULT_WEIGHTS = Path(str(resources.files("quantwm.assets").joinpath("world_model.safetensors")))

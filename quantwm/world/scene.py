@@ -20,7 +20,7 @@ Trajectories move at most one patch per frame per axis and come back to places s
 from __future__ import annotations
 
 import math
-from functools import lru_cache
+from functools import cache
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,7 @@ def make_world(seed: int, size: int = 256, kind: str = "photo") -> torch.Tensor:
     return photo_world(seed, size) if kind == "photo" else procedural_world(seed, size)
 
 
-@lru_cache(maxsize=None)
+@cache
 def load_photo(name: str) -> torch.Tensor:
     """One bundled photograph as (3, H, W) float in [0, 1] (grey ones repeated over the channels)."""
     try:

@@ -1,0 +1,71 @@
+"""Assembles the QuantWM diagnostics app: `gr.Blocks` from the tabs of this package around the compute side
+(`quantwm.evaluation.workbench.Workbench`: the built-in world model, loaded once); the numerical work lives
+in quantwm/. With no trace given, the trace tab analyses the built-in synthetic world trace (made at
+start-up, no downloads). Started by app/main.py.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from functools import partial
+from importlib import resources
+
+os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+
+import gradio as gr  # noqa: E402
+
+from quantwm.core.methods import known_methods  # noqa: E402
+from quantwm.evaluation.figures import FORMATS  # noqa: E402
+from quantwm.evaluation.synthetic import make_synthetic_trace  # noqa: E402
+from quantwm.evaluation.trace import read_trace  # noqa: E402
+from quantwm.evaluation.workbench import Workbench  # noqa: E402
+
+from . import handlers  # noqa: E402
+from . import world_handlers as wh
+from .analysis_tab import build_analysis_tab  # noqa: E402
+from .playback_tab import build_playback_tab  # noqa: E402
+from .studies_tab import build_energy_tab, build_key_value_tab, build_methods_tab  # noqa: E402
+
+PAGE_JS = resources.files(__package__).joinpath("page.js").read_text()
+CSS = "#frame-bf16 img, #frame-method img { image-rendering: pixelated; }"
+
+
+def default_trace(path: str | None) -> str:
+    if path:
+        read_trace(path)  # fail at start-up, clearly, on a bad file
+        return path
+    out = os.path.join(tempfile.mkdtemp(prefix="quantwm-"), "synthetic-world.safetensors")
+    make_synthetic_trace(seed=0, n_layers=2, n_heads=4).save(out)
+    return out
+
+
+def launch_options() -> dict:
+    """What launch() needs besides the Blocks: the page script (plot click, video sync) and CSS."""
+    return {"js": PAGE_JS, "css": CSS}
+
+
+def build_app(trace: str | None = None, workbench: Workbench | None = None, frames: int = 32) -> gr.Blocks:
+    trace_path = default_trace(trace)
+    wb = workbench or Workbench()
+    facts = wb.model_facts()
+    methods = known_methods()
+    with gr.Blocks(title="QuantWM") as demo:
+        gr.Markdown("# QuantWM: where 2-bit KV caches make video world models flicker\n"
+                    f"Built-in world model: {facts['layers']} layers, {facts['heads']} heads x {facts['head_dim']}, "
+                    f"{facts['frame_size']}x{facts['frame_size']} frames. **Device: {wb.describe_device()}**",
+                    elem_id="header")
+        with gr.Tab("Generate & play"):
+            controls = build_playback_tab(partial(wh.generate_handler, wb), partial(wh.scrub_handler, wb),
+                                          partial(wh.trace_pixel_handler, wb), partial(wh.click_pixel_handler, wb),
+                                          partial(wh.export_handler, wb), methods, facts, FORMATS, frames)
+        with gr.Tab("Query energy"):
+            build_energy_tab(partial(wh.energy_handler, wb), controls, facts["layers"])
+        with gr.Tab("Key vs Value"):
+            build_key_value_tab(partial(wh.key_value_handler, wb), controls)
+        with gr.Tab("Methods"):
+            build_methods_tab(partial(wh.methods_handler, wb), partial(wh.export_methods_handler, wb), methods,
+                              controls, FORMATS)
+        with gr.Tab("Trace analysis"):
+            build_analysis_tab(handlers.analyze_handler, methods, trace_path, handlers.trace_inspect_handler,
+                               handlers.trace_energy_handler)
+    return demo
