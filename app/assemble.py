@@ -27,6 +27,9 @@ from .playback_tab import build_playback_tab  # noqa: E402
 from .studies_tab import build_energy_tab, build_key_value_tab, build_methods_tab  # noqa: E402
 
 PAGE_JS = resources.files(__package__).joinpath("page.js").read_text()
+# The Key-vs-Value tab's default baseline: the one whose rows best show "smaller Key error, bigger damage" on
+# held-out worlds (README, "The Key-vs-Value experiment").
+KV_BASELINE = "kivi"
 CSS = "#frame-bf16 img, #frame-method img { image-rendering: pixelated; }"
 
 
@@ -61,7 +64,8 @@ def build_app(trace: str | None = None, workbench: Workbench | None = None, fram
         with gr.Tab("Query energy"):
             build_energy_tab(partial(wh.energy_handler, wb), controls, facts["layers"])
         with gr.Tab("Key vs Value"):
-            build_key_value_tab(partial(wh.key_value_handler, wb), controls)
+            baselines = [m for m in methods if m != "bf16" and not m.startswith("quantwm")]
+            build_key_value_tab(partial(wh.key_value_handler, wb), controls, baselines, KV_BASELINE)
         with gr.Tab("Methods"):
             build_methods_tab(partial(wh.methods_handler, wb), partial(wh.export_methods_handler, wb), methods,
                               controls, FORMATS)

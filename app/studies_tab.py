@@ -29,23 +29,27 @@ def build_energy_tab(energy: Callable, controls: dict, layers: int) -> None:
           concurrency_limit=4, concurrency_id="view")
 
 
-def build_key_value_tab(key_value: Callable, controls: dict) -> None:
-    """key_value(seed, trajectory, method, bits, frames, progress) -> {status, header, rows, figure}."""
-    gr.Markdown("Quantize only the Keys, then only the Values, with the method and settings of the Generate tab. "
-                "The table puts the reconstruction error of K and V beside the damage each causes: attention-"
-                "output error on the same cache state, top-1 shift rate, and PSNR/SSIM/LPIPS/flicker vs BF16.")
-    go = gr.Button("Run Key-only vs Value-only", variant="primary", elem_id="kv-btn")
+def build_key_value_tab(key_value: Callable, controls: dict, baselines: list[str], default_baseline: str) -> None:
+    """key_value(seed, trajectory, baseline, bits, frames, progress) -> {status, header, rows, figure}."""
+    gr.Markdown("Quantize only the Keys, then only the Values, for a baseline and for quantwm beside it (seed, "
+                "trajectory, bits and frames of the Generate tab). The table puts the reconstruction error of K and "
+                "V beside the damage each causes: attention-output error on the same cache state, top-1 shift "
+                f"rate, and PSNR/SSIM/LPIPS/flicker vs BF16. The default baseline, {default_baseline}, is the one "
+                "whose rows show the paper's finding most clearly on held-out worlds (README).")
+    with gr.Row():
+        baseline = gr.Dropdown(baselines, value=default_baseline, label="Baseline")
+        go = gr.Button("Run Key-only vs Value-only", variant="primary", elem_id="kv-btn")
     status = gr.Markdown(elem_id="kv-status")
     rows = gr.Dataframe(label="Keys only (k) vs Values only (v)", headers=list(KV_COLUMNS), interactive=False)
     plot = gr.Plot(label="Errors and damage", elem_id="kv-plot")
 
-    def run(seed, trajectory, method, bits, frames, progress=gr.Progress()):
-        r = key_value(seed, trajectory, method, bits, frames,
+    def run(seed, trajectory, baseline, bits, frames, progress=gr.Progress()):
+        r = key_value(seed, trajectory, baseline, bits, frames,
                       progress=progress_callback(progress, "Keys only, then Values only"))
         return (*unpack(r, ["status", "figure"]), table(r))
 
     c = controls
-    go.click(run, [c["seed"], c["trajectory"], c["method"], c["bits"], c["frames"]], [status, plot, rows],
+    go.click(run, [c["seed"], c["trajectory"], baseline, c["bits"], c["frames"]], [status, plot, rows],
              api_name="key_vs_value", concurrency_limit=2, concurrency_id="generate", trigger_mode="multiple")
 
 

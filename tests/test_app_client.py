@@ -40,7 +40,7 @@ API_PARAMETERS = {
     "/trace_pixel": ["run_id", "frame", "x", "y", "layer", "head"],
     "/export_figures": ["run_id", "frame", "x", "y", "layer", "head", "formats"],
     "/energy": ["run_id", "layer"],
-    "/key_vs_value": ["seed", "trajectory", "method", "bits", "frames"],
+    "/key_vs_value": ["seed", "trajectory", "baseline", "bits", "frames"],
     "/methods_table": ["seed", "trajectory", "target", "bits", "frames", "methods"],
     "/export_methods_figure": ["seed", "trajectory", "target", "bits", "frames", "methods", "formats"],
     "/analyze": ["path", "methods", "target", "bits"],

@@ -143,13 +143,25 @@ def test_energy_handler_table_and_bad_layer(wb, generated):
     assert wh.energy_handler(wb, generated[0]["run_id"], 9)["status"].startswith("**Error:** layer 9")
 
 
-def test_key_value_handler(wb):
+def test_key_value_handler_shows_the_baseline_and_quantwm_beside_it(wb):
     r = wh.key_value_handler(wb, 3, "pan-return", "qvg", 2, FRAMES)
-    assert [row[0] for row in r["rows"]] == ["k", "v"] and r["header"] == list(wh.KV_COLUMNS)
-    k, v = r["rows"]
-    assert k[2] == 0 and v[1] == 0  # Keys-only leaves V exact, Values-only leaves K exact
-    assert "Keys only: Key error" in r["status"]
+    assert [row[:2] for row in r["rows"]] == [["qvg", "k"], ["qvg", "v"], ["quantwm", "k"], ["quantwm", "v"]]
+    assert r["header"] == list(wh.KV_COLUMNS)
+    for k, v in (r["rows"][:2], r["rows"][2:]):
+        assert k[3] == 0 and v[2] == 0  # Keys-only leaves V exact, Values-only leaves K exact
+    assert "qvg: Keys only: Key error" in r["status"] and "quantwm: Keys only" in r["status"]
+    assert "With Keys only, quantwm is" in r["status"]
+    only = wh.key_value_handler(wb, 3, "pan-return", "quantwm", 2, FRAMES)
+    assert [row[:2] for row in only["rows"]] == [["quantwm", "k"], ["quantwm", "v"]]
     assert wh.key_value_handler(wb, 3, "loop", "bf16", 2, FRAMES)["status"].startswith("**Error:** bf16")
+
+
+def test_kv_finding_is_computed_from_the_numbers():
+    k = {"k_rel_err": 0.03, "psnr": 26.0, "shift_rate": 0.5}
+    v = {"v_rel_err": 0.15, "psnr": 30.0}
+    assert "Smaller error, bigger damage" in wh._kv_finding("kivi", k, v)
+    assert "also the larger one" in wh._kv_finding("rtn", {**k, "k_rel_err": 0.3}, v)
+    assert "not the more damaging" in wh._kv_finding("x", {**k, "psnr": 31.0}, v)
 
 
 def test_methods_handler(wb):
