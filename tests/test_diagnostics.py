@@ -105,14 +105,16 @@ def test_attention_output_error_is_zero_for_exact_and_grows_with_noise():
     assert err > 0 and norm > 0 and not math.isnan(err)
 
 
-def test_trace_keys_shift_rate_matches_analyze(small_trace_path):
+@pytest.mark.parametrize("method", ["qvg", "rtn+jensen"])
+def test_trace_keys_shift_rate_matches_analyze(small_trace_path, method):
     from quantwm.evaluation.analyze import analyze_trace
     from quantwm.evaluation.trace import read_trace
 
     trace = read_trace(small_trace_path)
-    r = D.trace_keys(trace, 1, "qvg", "k", 2)
-    report = analyze_trace(trace, ["qvg"], "k", 2)
+    r = D.trace_keys(trace, 1, method, "k", 2)
+    report = analyze_trace(trace, [method], "k", 2)  # analyze compares biased logits for +jensen
     assert float((r["top1_exact"] != r["top1_quant"]).float().mean()) == pytest.approx(
-        report["methods"]["qvg"]["layers"][1]["shift_rate"])
+        report["methods"][method]["layers"][1]["shift_rate"])
+    assert (r["bias"] is None) == (method == "qvg")
     with pytest.raises(ValueError, match="layer 7"):
         D.trace_keys(trace, 7, "qvg")

@@ -190,3 +190,31 @@ def test_int8_export_is_about_half_the_size_of_fp16(tiny_model, tmp_path):
         export(tiny_model, str(tmp_path / f"{w}.safetensors"), {}, w)
         sizes[w] = (tmp_path / f"{w}.safetensors").stat().st_size
     assert sizes["int8"] < 0.6 * sizes["fp16"]
+
+
+# ---- +jensen in the probes (issue 12, bug 1) ------------------------------------------------------
+
+from quantwm.world.generate import ChunkProbe, ProbingCache  # noqa: E402
+
+
+def test_probes_compare_the_logits_jensen_methods_attend_with():
+    """+jensen adds -(τ²/24) Σ q² Δ² to every stored key's logit: the probes (and so every shift rate of
+    eval and the app) must compare argmaxes with that bias, not of plain q·k̂."""
+    g = torch.Generator().manual_seed(0)
+    H, N, D = 2, 16, 64
+    cache = KVCache(CacheConfig("rtn+jensen", target="k", keep_exact=True), 1)
+    places = torch.zeros(6 * N, 2, dtype=torch.long)
+    pc = ProbingCache(cache, places)
+    for c in range(5):
+        k = torch.randn(1, H, N, D, generator=g) * (1 + 3 * torch.rand(1, H, N, 1, generator=g))
+        pc.attend(0, torch.randn(1, H, N, D, generator=g), k, torch.randn(1, H, N, D, generator=g), c, commit=True)
+    q = 3 * torch.randn(1, H, N, D, generator=g)
+    pc.armed = ChunkProbe(5)
+    pc.attend(0, q, torch.randn(1, H, N, D, generator=g), torch.randn(1, H, N, D, generator=g), 5, scale=0.5)
+    probe = pc.armed
+    k_hat = cache.keys(0)[0, :, :-N]
+    bias = cache.logit_bias(0, q, 0.5)[0, :, :, :-N]
+    plain = (q[0] * 0.5 @ k_hat.transpose(1, 2)).argmax(-1)
+    biased = (q[0] * 0.5 @ k_hat.transpose(1, 2) + bias).argmax(-1)
+    assert not torch.equal(plain, biased)  # the bias changes some argmaxes here
+    assert torch.equal(probe.top1_quant[0], biased)

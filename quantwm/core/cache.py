@@ -43,6 +43,13 @@ ROPE_MODES = ("post", "pre")
 RopeFn = Callable[..., torch.Tensor]
 
 
+def jensen_bias(q: torch.Tensor, steps: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+    """-(τ²/24) Σ_i q_i² Δ_{j,i}²: q (..., Nq, D), steps Δ (..., L, D) -> (..., Nq, L); None without steps."""
+    if steps is None:
+        return None
+    return -(scale ** 2 / 24) * (q.float().square() @ steps.float().square().transpose(-1, -2))
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     method: str = "bf16"
@@ -244,19 +251,28 @@ class KVCache:
         """All cached values, dequantized: caller's layout, float32 (exact=True as for keys)."""
         return self._out(self._gather(layer, "v", exact))
 
-    def logit_bias(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor | None:
-        """The +jensen term -(τ²/24) Σ_i q_i² Δ_{j,i}² for every (query, cached key): (B, H, Nq, L) or None."""
-        if not (self.config.jensen and self.quantize_k):
+    def key_steps(self, layer: int) -> torch.Tensor | None:
+        """Per-element quantization step Δ of every cached key (B, H, L, D), internal layout, zeros for
+        full-precision chunks; None when no key is quantized. What +jensen's bias is made of."""
+        if not self.quantize_k:
             return None
-        st = self._layer(layer)
         parts = []
-        for c in self._chunks(st):
+        for c in self._chunks(self._layer(layer)):
+            B, H, D = c.bhd
             if c.k_enc is None:
-                parts.append(torch.zeros(*q.shape[:3], c.n_tokens, device=q.device))
-                continue
-            step = self.k_method.step(c.k_enc).reshape(q.shape[0], q.shape[1], c.n_tokens, -1)
-            parts.append(-(scale ** 2 / 24) * (q.float().square() @ step.square().transpose(-1, -2)))
-        return torch.cat(parts, -1)
+                parts.append(torch.zeros(B, H, c.n_tokens, D, device=c.k.device))  # full precision: exact
+            else:
+                parts.append(self.k_method.step(c.k_enc).reshape(B, H, c.n_tokens, D))
+        return torch.cat(parts, 2)
+
+    def logit_bias(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor | None:
+        """The +jensen term -(τ²/24) Σ_i q_i² Δ_{j,i}² for every (query, cached key): (B, H, Nq, L) or None.
+
+        q is (B, H, Nq, D) (internal layout). Every logit a +jensen method compares (attention, shift rates,
+        heatmaps) adds this term."""
+        if not self.config.jensen:
+            return None
+        return jensen_bias(q, self.key_steps(layer), scale)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunk: int,
                commit: bool = False, scale: float | None = None, observe: bool = True) -> torch.Tensor:

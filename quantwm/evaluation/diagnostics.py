@@ -6,8 +6,8 @@ map (fraction of layers/heads whose argmax over the cached keys moved under quan
 attention logits over the cache, exact vs stored keys, as the query saw the cache (chunks still inside
 the full-precision recent window at that time are exact), reshaped to (cached frames, positions). Per
 (layer, head): the eigen spectrum of the history-Query second moment S and its cumulative energy. Logits
-are q·k, exactly what the shift rate compares (the `+jensen` read-path bias is not added, as in
-`world.evaluate.shift_rate`).
+are what the method compares: q·k, plus the `+jensen` read-path bias on the stored keys when the method
+applies it (as in the probes behind every shift rate).
 
 Tokens run frame by frame, row-major in a frame: token j of a frame grid (h, w) is
 (frame j // (h*w), row (j % (h*w)) // w, col j % w), as in trace files.
@@ -136,13 +136,16 @@ def seen_by_chunk(exact: torch.Tensor, stored: torch.Tensor, chunk: int, chunk_t
 
 
 def query_logits(q: torch.Tensor, k_exact: torch.Tensor, k_stored: torch.Tensor, scale: float = 1.0,
-                 tokens_per_frame: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 tokens_per_frame: int | None = None, bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Logits of one query q (D,) over cached keys (L, D), exact and stored, each (L,) or
-    (L // tokens_per_frame, tokens_per_frame) when tokens_per_frame is given (frames x positions)."""
+    (L // tokens_per_frame, tokens_per_frame) when tokens_per_frame is given (frames x positions).
+    `bias` (L,) is added to the stored keys' logits (the +jensen term)."""
     if q.dim() != 1 or k_exact.shape != k_stored.shape or k_exact.shape[-1] != q.shape[0]:
         raise ValueError(f"expected q (D,) and keys (L, D); got {tuple(q.shape)}, {tuple(k_exact.shape)}, "
                          f"{tuple(k_stored.shape)}")
     a, b = (k.float() @ q.float() * scale for k in (k_exact, k_stored))
+    if bias is not None:
+        b = b + bias.float()
     if tokens_per_frame:
         if a.shape[0] % tokens_per_frame:
             raise ValueError(f"{a.shape[0]} cached tokens are not whole frames of {tokens_per_frame}")
@@ -173,7 +176,8 @@ def trace_keys(trace, layer: int, method: str, target: str = "k", bits: int = 2)
     """A traced layer's queries and its keys exact and as `method` stores them (as `quantwm analyze` builds
     the cache: chunk by chunk, sink and recent chunk full precision), plus each query's top-1 under both.
 
-    Returns q (H, Nq, D) scaled by the softmax scale, k, k_hat (H, Nk, D), top1_exact, top1_quant (H, Nq).
+    Returns q (H, Nq, D) scaled by the softmax scale, k, k_hat (H, Nk, D), bias (H, Nq, Nk) the +jensen term
+    or None, top1_exact, top1_quant (H, Nq) (the latter on the biased logits).
     """
     from ..core.cache import CacheConfig
     from .analyze import _layer_cache
@@ -188,5 +192,8 @@ def trace_keys(trace, layer: int, method: str, target: str = "k", bits: int = 2)
     if rope is not None:
         k = rope(k[None], torch.arange(k.shape[1]))[0]
     k_hat = cache.keys(0)[0]
-    return {"q": q, "k": k, "k_hat": k_hat, "top1_exact": (q @ k.transpose(1, 2)).argmax(-1),
-            "top1_quant": (q @ k_hat.transpose(1, 2)).argmax(-1)}
+    bias = cache.logit_bias(0, q[None], 1.0)  # q carries the softmax scale already
+    bias = None if bias is None else bias[0]
+    quant = q @ k_hat.transpose(1, 2) + (0 if bias is None else bias)
+    return {"q": q, "k": k, "k_hat": k_hat, "bias": bias, "top1_exact": (q @ k.transpose(1, 2)).argmax(-1),
+            "top1_quant": quant.argmax(-1)}

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from ..core.cache import CacheConfig
+from ..core.cache import CacheConfig, jensen_bias
 from ..world.evaluate import shift_rate
 from ..world.generate import generate, load_world_model
 from ..world.scene import TRAJECTORIES
@@ -90,6 +90,7 @@ class Record:
     v_exact: list
     v_stored: list
     stats: list  # per layer S (H, D, D)
+    k_steps: list | None  # per layer Δ of the stored keys (H, L, D) for +jensen methods (its logit bias), else None
     bits_per_element: float
     memory_mb: dict  # {"bf16": ..., "stored": ...}, full-precision chunks counted at 2 bytes per element
     seconds: float
@@ -160,9 +161,10 @@ class Workbench:
         qbytes = c.nbytes() - full
         qelems = 8 * qbytes / bpe if bpe == bpe else 0
         memory = {"bf16": 2 * elems / MiB, "stored": (qbytes + 2 * (elems - qelems)) / MiB}
+        steps = [c.key_steps(l)[0].cpu() for l in range(L)] if c.config.jensen else None
         return Record(key, run.frames.cpu(), run.probes, k_exact, [c.keys(l)[0].cpu() for l in range(L)],
                       v_exact, [c.values(l)[0].cpu() for l in range(L)],
-                      [c.query_stats(l).cpu() for l in range(L)], bpe, memory, time.time() - t0)
+                      [c.query_stats(l).cpu() for l in range(L)], steps, bpe, memory, time.time() - t0)
 
     def pair(self, key: RunKey, progress: Callable | None = None) -> tuple[Record, Record]:
         """(BF16 record, method record) with the same world, trajectory and noise."""
@@ -254,8 +256,13 @@ class Workbench:
         qi = (t - probe.chunk * c.chunk_frames) * c.tokens_per_frame + row * c.view + col
         chunk_tokens = c.chunk_frames * c.tokens_per_frame
         k_seen = D.seen_by_chunk(rec.k_exact[layer], rec.k_stored[layer], probe.chunk, chunk_tokens, 1)
+        bias = None
+        if rec.k_steps is not None:  # +jensen: the logits the method compares carry its bias
+            steps = D.seen_by_chunk(torch.zeros_like(rec.k_steps[layer]), rec.k_steps[layer], probe.chunk,
+                                    chunk_tokens, 1)
+            bias = jensen_bias(probe.q[layer][head, qi].cpu()[None], steps[head], 1.0)[0]
         exact, stored = D.query_logits(probe.q[layer][head, qi].cpu(), rec.k_exact[layer][head, :len(k_seen[0])],
-                                       k_seen[head], tokens_per_frame=c.tokens_per_frame)
+                                       k_seen[head], tokens_per_frame=c.tokens_per_frame, bias=bias)
         src_e, src_q = int(probe.top1_exact[layer][head, qi]), int(probe.top1_quant[layer][head, qi])
         return {"query": (t, row, col), "layer": layer, "head": head,
                 "source_bf16": D.token_coords(src_e, (c.view, c.view)),
@@ -322,7 +329,8 @@ def trace_query_view(path: str, method: str, target: str, bits: int, layer: int,
     tpf, grid = trace.tokens_per_frame, trace.frame_grid
     whole = r["k"].shape[1] % tpf == 0
     exact, stored = D.query_logits(r["q"][head, query], r["k"][head], r["k_hat"][head],
-                                   tokens_per_frame=tpf if whole else None)
+                                   tokens_per_frame=tpf if whole else None,
+                                   bias=None if r["bias"] is None else r["bias"][head, query])
     if not whole:
         exact, stored = exact[None], stored[None]
     moved = (r["top1_exact"] != r["top1_quant"]).float()  # (H, Nq)

@@ -78,17 +78,22 @@ class ProbingCache:
     def attend(self, layer, q, k, v, chunk, commit=False, scale=None, observe=True):
         out = self.cache.attend(layer, q, k, v, chunk=chunk, commit=commit, scale=scale, observe=observe)
         if self.armed is not None:
-            self._record(layer, q, chunk)
+            self._record(layer, q, 1.0 if scale is None else scale)
         return out
 
-    def _record(self, layer: int, q: torch.Tensor, chunk: int) -> None:
+    def _record(self, layer: int, q: torch.Tensor, scale: float) -> None:
+        """Top-1 sources under exact and stored keys, compared on the logits the method attends with: the
+        stored keys' logits carry the +jensen bias when the method applies it."""
         p = self.armed
         n_cur = q.shape[2]
         k_q = self.cache.keys(layer)[0, :, :-n_cur]
         k_all = self.cache.keys(layer, exact=True)[0]  # (H, L, D): cached tokens, then the chunk itself
-        qq = q[0].float()
+        qq = q[0].float() * scale
         full = qq @ k_all.transpose(1, 2)
         le, lq = full[..., :-n_cur], qq @ k_q.transpose(1, 2)
+        bias = self.cache.logit_bias(layer, q.float(), scale)
+        if bias is not None:
+            lq = lq + bias[0, :, :, :-n_cur]
         prob = full.softmax(-1)[..., :-n_cur]
         pos = self.cache.positions(layer)
         cached_places, query_places = self.places[pos[:-n_cur]], self.places[pos[-n_cur:]]
