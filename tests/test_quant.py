@@ -232,12 +232,10 @@ def test_quantize_groups_token_axis_scales_per_channel():
 
 
 @pytest.mark.parametrize("symmetric", [False, True])
-def test_quantize_groups_fp8_scale_overflow_raises(symmetric):
+def test_quantize_groups_fp8_scale_overflow_widens_to_fp16(symmetric):
     x = _randn(2, 8, 64) * 1e4
-    with pytest.raises(ValueError, match="fp16"):
-        quantize_groups(x, 2, 64, symmetric=symmetric, scale_dtype="fp8")
-    # fp16 scales cope with the same data
-    q = quantize_groups(x, 2, 64, symmetric=symmetric, scale_dtype="fp16")
+    q = quantize_groups(x, 2, 64, symmetric=symmetric, scale_dtype="fp8")  # steps ~1e4 > fp8's 448
+    assert q.scale.dtype == torch.float16
     _assert_within_half_step(x, q)
 
 
@@ -278,3 +276,43 @@ def test_group_quant_dequantize_dtype_and_rebuild_from_tensors():
     rebuilt = GroupQuant(t["codes"], t["scales"], t["zeros"], q.shape, 4, 16, "channel", False)
     assert torch.equal(dequantize_groups(rebuilt), dequantize_groups(q))
     assert dequantize_groups(q, torch.bfloat16).dtype == torch.bfloat16
+
+
+# ---- storage dtypes cannot saturate or underflow silently (issue 12, bug 4) ----------------------------
+
+def test_storage_dtype_widens_what_fp8_cannot_hold():
+    from quantwm.core.quant import storage_dtype, to_storage
+
+    fp8 = torch.float8_e4m3fn
+    assert storage_dtype(torch.tensor([0.5, -1.5, 3.0, 0.01]), fp8) == fp8  # a tiny element among normal ones
+    assert storage_dtype(torch.tensor([0.5, 600.0]), fp8) == torch.float16  # saturates at 448
+    assert storage_dtype(torch.full((8,), 1e-3), fp8) == torch.float16  # underflows below 2^-6
+    assert storage_dtype(torch.tensor([1e5]), torch.float16) == torch.float32  # fp16 saturates at 65504
+    x = torch.tensor([600.0, 1e-3])
+    assert to_storage(x, fp8).dtype == torch.float16 and torch.allclose(to_storage(x, fp8).float(), x, rtol=1e-3)
+    up = to_storage(torch.tensor([700.0, 1.01]), fp8, toward="up")
+    assert up.dtype == torch.float16 and (up.float() >= torch.tensor([700.0, 1.01])).all()
+
+
+@pytest.mark.parametrize("method, case", [(m, c) for m in ("rtn", "kivi", "qvg", "quantwm")
+                                          for c in ("offset 1e3", "sigma 1e-3")]
+                         + [("qvg", "one channel +600"), ("quantwm", "one channel +600")])
+def test_fp8_metadata_error_stays_within_fp16_bound(method, case):
+    """Requested fp8 scales, zeros and codebooks: relative error within 1.3x of the same method in fp16
+    (fp8 used to raise at offsets above 448, clip a +600 channel to 448 and flush sigma=1e-3 data)."""
+    from quantwm.core.methods import SpanContext, get_method
+    from quantwm.evaluation.metrics import rel_err
+
+    x = torch.randn(4, 256, 64, generator=torch.Generator().manual_seed(0))
+    if case == "offset 1e3":
+        x = x + 1e3
+    elif case == "sigma 1e-3":
+        x = x * 1e-3
+    else:
+        x[..., 0] += 600.0
+    errs = {}
+    for dt in ("fp8", "fp16"):
+        extra = {"codebook_dtype": dt} if method in ("qvg", "quantwm") else {}
+        m = get_method(method, scale_dtype=dt, **extra)
+        errs[dt] = rel_err(m.decode(m.encode(x, "k", SpanContext())), x)
+    assert errs["fp8"] <= 1.3 * errs["fp16"], errs

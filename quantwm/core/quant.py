@@ -10,7 +10,9 @@
   in byte i // 4 at bit 2 * (i % 4). The round trip is exact.
 * scales and zeros are stored in fp16 or fp8-e4m3. Codes are computed against the *stored* (rounded)
   scale and zero, so the error bound |x - x̂| <= step / 2 holds for the stored step (fp8 zeros add their own
-  rounding, which the clamp absorbs at the grid's ends).
+  rounding, which the clamp absorbs at the grid's ends). A tensor that the requested dtype cannot hold
+  (fp8 saturates at ±448 and underflows below 2^-6) is stored one step wider (`storage_dtype`: fp8 ->
+  fp16 -> fp32), never silently clipped; the wider bytes are counted.
 
 Deliberate edge cases: a group whose values are all equal gets step 1 and code 0 (exact); NaN/Inf input
 raises ValueError; per-token groups need D % group_size == 0 (ValueError otherwise); per-channel groups
@@ -106,13 +108,36 @@ class GroupQuant:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
 
-def _to_storage(x: torch.Tensor, dtype: torch.dtype, toward: str | None = None) -> torch.Tensor:
-    """Cast to the storage dtype, optionally never rounding "up"-wards values down (or "down" values up)."""
+STORAGE_LADDER = (torch.float8_e4m3fn, torch.float16, torch.float32)
+# A tensor is stored in the requested dtype only if every element survives the cast to within
+# 2^-3 |x_i| + 2^-4 rms(x): one fp8 ulp of itself, or a sixteenth of the tensor's typical magnitude.
+# Otherwise (fp8 saturates at ±448 and loses precision below 2^-6) it widens to the next dtype of the ladder.
+STORAGE_REL_TOL, STORAGE_RMS_TOL = 2.0 ** -3, 2.0 ** -4
+
+
+def storage_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The narrowest dtype at or above `dtype` on STORAGE_LADDER (fp8-e4m3 -> fp16 -> fp32) that stores x
+    without saturating or underflowing (the tolerance above). Widening is counted in the stored bytes."""
+    if not x.numel():
+        return dtype
+    x = x.float()
+    ax = x.abs()
+    tol = STORAGE_REL_TOL * ax + STORAGE_RMS_TOL * x.square().mean().sqrt()
+    for dt in STORAGE_LADDER[STORAGE_LADDER.index(dtype):]:
+        if dt == torch.float32:
+            return dt
+        if ax.max() <= torch.finfo(dt).max and ((x.to(dt).float() - x).abs() <= tol).all():
+            return dt
+    return torch.float32
+
+
+def to_storage(x: torch.Tensor, dtype: torch.dtype, toward: str | None = None) -> torch.Tensor:
+    """Cast to the storage dtype (widened by `storage_dtype` where the requested one cannot hold x),
+    optionally never rounding "up"-wards values down (or "down" values up)."""
+    dtype = storage_dtype(x, dtype)
+    if dtype == torch.float32:
+        return x.float().clone()
     info = torch.finfo(dtype)
-    big = x.abs().max().item() if x.numel() else 0.0
-    if big > info.max:
-        raise ValueError(f"value {big:.4g} exceeds the range of {dtype} scales/zeros (max {info.max}); "
-                         "use scale_dtype='fp16' or smaller group ranges")
     s = x.to(dtype)
     s = torch.where(s.float() == 0, torch.zeros_like(s), s)  # no negative zero
     if toward is None:
@@ -173,15 +198,15 @@ def quantize_groups(x: torch.Tensor, bits: int = 2, group_size: int = 64, axis: 
         qmax = 2 ** (bits - 1) - 1
         absmax = g.abs().amax(-1, keepdim=True)
         step = torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
-        scale = _to_storage(step, sdt, toward="up")
+        scale = to_storage(step, sdt, toward="up")
         zero = None
     else:
         qmax = 2 ** bits - 1
         lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-        zero = _to_storage(lo, sdt, toward="down")  # zero <= lo and zero + qmax * scale >= hi
+        zero = to_storage(lo, sdt, toward="down")  # zero <= lo and zero + qmax * scale >= hi
         width = hi - zero.float()
         step = torch.where(width > 0, width / qmax, torch.ones_like(lo))
-        scale = _to_storage(step, sdt, toward="up")
+        scale = to_storage(step, sdt, toward="up")
         zero = zero.squeeze(-1)
     scale = scale.squeeze(-1)
     if bits in (2, 4, 8) and use_kernels(x):

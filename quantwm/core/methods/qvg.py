@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kmeans import AssignFn, kmeans, kmeans_assign
-from ..quant import SCALE_DTYPES
+from ..quant import SCALE_DTYPES, to_storage
 from .base import Encoded, SpanContext, register
 from .rtn import GroupMethod
 
@@ -58,7 +58,7 @@ class QVG(GroupMethod):
             key = f"{kind}.centroids{s}"
             c, ids = kmeans(r, K, self.iters, seed=ctx.seed + s, init=ctx.state.get(key), assign=assign)
             ctx.state[key] = c
-            codebook = c.to(SCALE_DTYPES[self.codebook_dtype])
+            codebook = to_storage(c, SCALE_DTYPES[self.codebook_dtype])  # widened if fp8 cannot hold it
             stored[f"codebook{s}"] = codebook
             stored[f"centroid_ids{s}"] = ids.to(torch.uint8 if K <= 256 else torch.int16)
             r = r - gather_rows(codebook.float(), ids)  # the residual is taken against the stored centroids
