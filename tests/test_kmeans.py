@@ -199,7 +199,7 @@ def test_qsac_range_term_changes_the_assignment():
     assert qsac_assign_ref(k, c, w, 4, 2, lam=16.0, candidates=None).item() == 1
 
 
-@pytest.mark.parametrize("candidates", [None, 6, 9])
+@pytest.mark.parametrize("candidates", [None, 6, 9])  # 6 and 9 are >= K: the exact branch by design
 def test_qsac_assign_ref_exact_equals_argmin_of_cost(candidates):
     S, N, K, D, G = 3, 50, 6, 16, 8
     x, c = _randn(S, N, D, seed=15), _randn(S, K, D, seed=16)
@@ -218,6 +218,34 @@ def test_qsac_assign_ref_pruned_picks_best_among_candidates():
     assert (cand == ids[..., None]).any(-1).all()
     best_cand = torch.gather(J, 2, cand).min(-1).values
     assert torch.allclose(torch.gather(J, 2, ids[..., None]).squeeze(-1), best_cand, rtol=1e-5)
+
+
+def test_qsac_pruning_to_8_of_64_centroids_really_prunes_and_is_measured():
+    """candidates=8 < K=64 takes the pruned branch: it differs from the exact rule on some tokens (how many is
+    measured here) and always picks the best under J among its shortlist."""
+    S, N, K, D, G = 2, 400, 64, 64, 32
+    x, c = _randn(S, N, D, seed=31), _randn(S, K, D, seed=32) * 0.7
+    w = channel_sensitivity(_random_spd(S, D, seed=33))
+    pruned = qsac_assign_ref(x, c, w, G, 2, 16.0, candidates=8)
+    exact = qsac_assign_ref(x, c, w, G, 2, 16.0, candidates=None)
+    differ = float((pruned != exact).float().mean())
+    assert 0 < differ < 0.5, differ  # really prunes; most choices still agree
+    J = qsac_cost_ref(x, c, w, G, 2, 16.0)
+    assert (torch.gather(J, 2, pruned[..., None]) >= torch.gather(J, 2, exact[..., None]) - 1e-5).all()
+
+
+@pytest.mark.parametrize("candidates", [8, None])
+def test_qsac_assign_is_the_same_rule_on_the_kernel_path(monkeypatch, candidates):
+    """The fast path must not change the rule: with the kernels forced (the interpreter here, CUDA on a GPU)
+    qsac_assign returns what the CPU reference returns, for the pruned and for the exact rule."""
+    from quantwm.core.qsac import qsac_assign
+
+    S, N, K, D, G = 2, 97, 64, 64, 32
+    x, c = _randn(S, N, D, seed=34), _randn(S, K, D, seed=35) * 0.7
+    w = channel_sensitivity(_random_spd(S, D, seed=36))
+    want = qsac_assign_ref(x, c, w, G, 2, 16.0, candidates=candidates)
+    monkeypatch.setenv("QUANTWM_KERNELS", "triton")
+    assert torch.equal(qsac_assign(x, c, w, G, 2, 16.0, candidates=candidates), want)
 
 
 def test_qsac_assign_ref_without_range_term_is_weighted_nearest():

@@ -13,8 +13,9 @@ the residual's quantization step. Lloyd iterations assign by J and update centro
 `qsac_assign_ref` uses it when `candidates` is None; otherwise it prunes to the `candidates` centroids
 closest in the weighted distance (one matmul) and evaluates the range term on those only, which is what
 keeps QuantWM within a small factor of QVG's cost. The pruning is exact whenever the best centroid under J
-is among those candidates; the tests measure how often it is not. `qsac_assign` dispatches: on the CUDA fast
-path the kernel evaluates J exactly on every centroid.
+is among those candidates; the tests measure how often it is not. `qsac_assign` dispatches without changing
+the rule: the kernel (J on every centroid) serves the exact rule on the CUDA fast path, and the pruned rule
+runs the same torch code on every device, so CPU and GPU assign alike.
 """
 from __future__ import annotations
 
@@ -69,8 +70,11 @@ def qsac_assign_ref(x: torch.Tensor, c: torch.Tensor, w: torch.Tensor, group_siz
 
 def qsac_assign(x: torch.Tensor, c: torch.Tensor, w: torch.Tensor, group_size: int, bits: int, lam: float,
                 candidates: int | None = 4) -> torch.Tensor:
-    """argmin_c J(k, c). On the fast path kernels/qsac_assign.py evaluates J on every centroid (exact, no
-    pruning: the GPU does not need the economy); elsewhere `qsac_assign_ref` with `candidates`."""
-    if use_kernels(x) and not group_size & (group_size - 1):
+    """argmin_c J(k, c), the same assignment on every backend: the exact rule (`candidates` None or at
+    least K) runs kernels/qsac_assign.py on the fast path (J on every centroid) and `qsac_assign_ref`
+    elsewhere; the pruned rule (a shortlist of `candidates` by weighted distance, then J) is part of the
+    method's definition, so it runs `qsac_assign_ref` (torch, on the tensors' device) everywhere."""
+    exact = candidates is None or candidates >= c.shape[1]
+    if exact and use_kernels(x) and not group_size & (group_size - 1):
         return kernel("qsac_assign")(x, c, w, group_size, bits, lam)
     return qsac_assign_ref(x, c, w, group_size, bits, lam, candidates)
