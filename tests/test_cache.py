@@ -337,7 +337,6 @@ def test_cache_pre_rope_matches_post_rope_with_caller_rotation():
     rope = Rope3D(D, (2, 8))  # 16 tokens per frame: one chunk is one frame
     pre = KVCache(CacheConfig(method="bf16", rope="pre"), n_layers=1, rope=rope)
     post = KVCache(CacheConfig(method="bf16", rope="post"), n_layers=1)
-    qs_raw = []
     for i in range(4):
         q, k, v = _kv(i)
         pos = torch.arange(i * N, (i + 1) * N)
@@ -345,11 +344,33 @@ def test_cache_pre_rope_matches_post_rope_with_caller_rotation():
         out_pre = pre.attend(0, q_rot, k, v, chunk=i, commit=True)
         out_post = post.attend(0, q_rot, rope(k, pos), v, chunk=i, commit=True)
         torch.testing.assert_close(out_pre, out_post, rtol=1e-5, atol=1e-5)
-        qs_raw.append(q)
     torch.testing.assert_close(pre.keys(0), post.keys(0), rtol=1e-5, atol=1e-5)
-    # statistics: pre-RoPE mode un-rotates the queries into the stored keys' space
-    torch.testing.assert_close(pre.query_stats(0).double(), _second(torch.cat(qs_raw, 2)), rtol=1e-4, atol=1e-4)
-    assert not torch.allclose(post.query_stats(0), pre.query_stats(0), atol=1e-2)
+    # statistics: S is kept post-RoPE in both modes (where queries meet keys)
+    torch.testing.assert_close(pre.query_stats(0), post.query_stats(0), rtol=1e-5, atol=1e-5)
+
+
+def test_cache_pre_rope_span_is_quantized_with_s_rotated_into_its_keys_space(monkeypatch):
+    """A pre-RoPE key at position p meets q as (R_pᵀ q)·k: its span must be quantized with mean_p R_pᵀ S R_p,
+    not with S of queries un-rotated by their own positions."""
+    from quantwm.core.methods.rtn import RTN
+    from quantwm.core.stats import rope_conjugate
+
+    seen = []
+    encode = RTN.encode
+    monkeypatch.setattr(RTN, "encode", lambda self, x, kind, ctx: seen.append(ctx.stats) or encode(self, x, kind, ctx))
+    rope = Rope3D(D, (2, 8))
+    cache = KVCache(CacheConfig(method="rtn", rope="pre", target="k"), n_layers=1, rope=rope)
+    g = torch.Generator().manual_seed(3)
+    direction = torch.randn(D, generator=g)
+    for i in range(3):
+        _, k, v = _kv(i)
+        q_rot = direction.expand(B, H, N, D) + 0.1 * torch.randn(B, H, N, D, generator=g)  # post-RoPE queries
+        cache.attend(0, q_rot, k, v, chunk=i, commit=True)
+        if i == 2:  # committing chunk 2 quantizes chunk 1 (sink 0 and recent 2 stay full precision)
+            S = cache.query_stats(0)
+            want = rope_conjugate(S, rope, torch.arange(N, 2 * N))
+            torch.testing.assert_close(seen[-1], want.repeat(B, 1, 1), rtol=1e-4, atol=1e-5)
+            assert not torch.allclose(seen[-1][0], S[0], atol=1e-2)  # the rotation matters here
 
 
 def test_cache_pre_rope_requires_rope_function():

@@ -15,7 +15,8 @@ commits it. So, per layer:
 * Layouts (B, H, L, D) ("BHLD") or (B, L, H, D) ("BLHD"); outputs come back in the caller's layout.
 * Keys stored post-RoPE (default) or pre-RoPE, with `rope(x, positions, inverse=False)` applied at read.
 * The queries that attend to the cache feed the running S = E[q qᵀ] per (layer, head) that QSAC and PSAC
-  use (in pre-RoPE mode the queries are un-rotated by their own positions first).
+  use, kept in the post-RoPE space; a pre-RoPE span is quantized with mean_p R_pᵀ S R_p over its key
+  positions p (the space its stored keys meet queries in).
 * `attend` on CUDA (or with QUANTWM_KERNELS=triton, see quantwm.core.backend) runs the fused path of
   quantwm.core.attention: one online softmax over the stored spans, nothing decompressed. The reference path
   (CPU, QUANTWM_KERNELS=ref, pre-RoPE keys, formats without a kernel) dequantizes everything, then runs
@@ -35,7 +36,7 @@ from .attention import fused_attention
 from .backend import use_kernels
 from .methods import Encoded, SpanContext, make_method, parse_method_name
 from .quant import check_bits, check_finite
-from .stats import QueryStats
+from .stats import QueryStats, rope_conjugate
 
 LAYOUTS = ("BHLD", "BLHD")
 TARGETS = ("k", "v", "kv")
@@ -182,6 +183,8 @@ class KVCache:
     def _quantize(self, layer: int, st: LayerState, c: Chunk) -> None:
         B, H, N, D = c.k.shape
         stats = self._stats(st, H, D).matrix().to(c.k.device)
+        if self.config.rope == "pre" and st.stats is not None and st.stats.count:  # S into the keys' space
+            stats = rope_conjugate(stats, self.rope, torch.arange(c.start, c.start + N))
         seed = self.config.seed + 7919 * layer + c.index
         ctx = SpanContext(stats=stats.repeat(B, 1, 1), state=st.method_state, seed=seed)
         if self.quantize_k:
@@ -302,13 +305,10 @@ class KVCache:
         return self._out(out.to(q.dtype))
 
     def observe(self, layer: int, q: torch.Tensor) -> None:
-        """Add the current chunk's queries (caller's layout, post-RoPE) to layer's history statistics."""
+        """Add queries (caller's layout, post-RoPE) to layer's history statistics S (kept post-RoPE; pre-RoPE
+        spans get S rotated into their keys' space when they are quantized, `stats.rope_conjugate`)."""
         st = self._layer(layer)
         qb = self._in(q, "q")
-        if self.config.rope == "pre":
-            if st.current is None or st.current.n_tokens != qb.shape[2]:
-                raise ValueError("pre-RoPE statistics need queries of the current chunk (one per token)")
-            qb = self.rope(qb, torch.arange(st.current.start, st.current.start + qb.shape[2]), inverse=True)
         self._stats(st, qb.shape[1], qb.shape[3]).update(qb)
 
     def load_query_stats(self, layer: int, second: torch.Tensor, count: int = 1) -> None:

@@ -3,6 +3,10 @@
 Before any query is seen S is the identity (SPEC.md §2). `decay=None` keeps the cumulative mean over all
 queries seen; a decay in (0, 1) keeps an exponential moving average over update calls instead. A
 calibration run can seed S with `load`.
+
+S is kept in the post-RoPE space, where queries meet keys. For keys stored before RoPE (rotated at read by
+their own position p), a logit is q·R_p k = (R_pᵀ q)·k, so the sensitivity of a pre-RoPE key at p is
+R_pᵀ S R_p: `rope_conjugate` averages it over a span's positions.
 """
 from __future__ import annotations
 
@@ -47,3 +51,20 @@ class QueryStats:
         if self.count == 0:
             return torch.eye(self.head_dim, device=self.second.device).expand(self.n_heads, -1, -1).clone()
         return self.second.float()
+
+
+def rope_conjugate(stats: torch.Tensor, rope, positions: torch.Tensor, samples: int = 32) -> torch.Tensor:
+    """mean over p of R_pᵀ S R_p: S (H, D, D) in post-RoPE space -> the pre-RoPE space of keys at `positions`.
+
+    `rope(x, positions, inverse)` rotates x (B, H, N, D) token-wise. With S = L Lᵀ, R_pᵀ S R_p = (R_pᵀ L)(R_pᵀ L)ᵀ,
+    so L's columns are rotated back by p. At most `samples` evenly spaced positions of the span are averaged.
+    """
+    H, D, _ = stats.shape
+    pos = positions.long().flatten()
+    if len(pos) > samples:
+        pos = pos[torch.linspace(0, len(pos) - 1, samples).round().long()]
+    ev, vec = torch.linalg.eigh(stats.double())
+    cols = (vec * ev.clamp_min(0).sqrt()[:, None, :]).transpose(1, 2).float()  # (H, D, D): row j = column j of L
+    x = cols.repeat(1, len(pos), 1)[None]  # (1, H, n*D, D)
+    rot = rope(x, pos.repeat_interleave(D), inverse=True)[0].double().reshape(H, len(pos), D, D)
+    return torch.einsum("hpjd,hpje->hde", rot, rot).div(len(pos)).float()
