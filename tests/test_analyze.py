@@ -1,8 +1,10 @@
 import math
 
 import pytest
+import torch
 
 from quantwm.evaluation.analyze import MEAN_KEYS, analyze_trace
+from quantwm.evaluation.metrics import second_moment
 from quantwm.evaluation.trace import read_trace
 
 
@@ -49,3 +51,78 @@ def test_analyze_value_target_moves_values_only(small_trace):
 def test_analyze_rejects_unknown_method(small_trace):
     with pytest.raises(ValueError, match="known methods"):
         analyze_trace(small_trace, ["nope"])
+
+
+# ---- S is built causally, never from the measured queries (issue 12, bug 2) -----------------------------
+
+def _capture_stats(monkeypatch):
+    from quantwm.core.methods.rtn import RTN
+
+    seen = []
+    encode = RTN.encode
+    monkeypatch.setattr(RTN, "encode", lambda self, x, kind, ctx: seen.append(ctx.stats.clone()) or encode(self, x, kind, ctx))
+    return seen
+
+
+def _trace(tmp_path, with_hist: bool, with_chunks: bool):
+    """4 cached chunks of 16 tokens; history queries of chunk c point along channel c; measured ones along 7."""
+    from quantwm.evaluation.trace import TraceWriter
+
+    g = torch.Generator().manual_seed(0)
+    H, D, n = 1, 64, 16
+    w = TraceWriter(16, (4, 4), 0.25, model="test")
+    w.extra_meta["chunk_frames"] = 1
+    hist = torch.zeros(H, 4 * n, D)
+    for c in range(4):
+        hist[:, c * n:(c + 1) * n, c] = 3.0
+    q = torch.zeros(H, n, D)
+    q[..., 7] = 5.0
+    chunk_of = torch.arange(4).repeat_interleave(n)
+    w.record(0, q, torch.randn(H, 4 * n, D, generator=g), torch.randn(H, 4 * n, D, generator=g),
+             q_hist=hist if with_hist else None, q_hist_chunk=chunk_of if with_chunks else None)
+    w.save(tmp_path / "t.safetensors")
+    return read_trace(tmp_path / "t.safetensors"), hist
+
+
+def test_analyze_builds_s_causally_from_q_hist_chunk(tmp_path, monkeypatch):
+    trace, hist = _trace(tmp_path, True, True)
+    seen = _capture_stats(monkeypatch)
+    report = analyze_trace(trace, ["rtn"], "k", 2)
+    assert report["config"]["stats"].startswith("causal")
+    # committing chunk c+1 quantizes chunk c (sink 0 and the recent chunk stay exact): S holds chunks 0..c+1
+    assert len(seen) == 2
+    for span, S in zip((1, 2), seen):
+        want = second_moment(hist[:, :(span + 2) * 16])
+        torch.testing.assert_close(S, want, rtol=1e-5, atol=1e-6)
+        assert S[0, 7, 7] == 0  # the measured queries never enter S
+
+
+def test_analyze_without_q_hist_uses_identity_not_the_measured_queries(tmp_path, monkeypatch):
+    trace, _ = _trace(tmp_path, False, False)
+    seen = _capture_stats(monkeypatch)
+    report = analyze_trace(trace, ["rtn"], "k", 2)
+    assert report["config"]["stats"].startswith("S = identity")
+    for S in seen:
+        torch.testing.assert_close(S, torch.eye(64)[None])
+
+
+def test_analyze_legacy_q_hist_without_chunks_is_flagged(tmp_path, monkeypatch):
+    trace, hist = _trace(tmp_path, True, False)
+    seen = _capture_stats(monkeypatch)
+    assert analyze_trace(trace, ["rtn"], "k", 2)["config"]["stats"].startswith("not causal")
+    torch.testing.assert_close(seen[0], second_moment(hist), rtol=1e-5, atol=1e-6)
+
+
+def test_read_trace_rejects_a_bad_q_hist_chunk(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    _trace(tmp_path, True, True)
+    t = load_file(tmp_path / "t.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "t.safetensors"), "pt") as f:
+        meta = f.metadata()
+    t["L0.q_hist_chunk"] = t["L0.q_hist_chunk"][:5]
+    save_file(t, tmp_path / "bad.safetensors", metadata=meta)
+    with pytest.raises(ValueError, match="q_hist_chunk must be int64"):
+        read_trace(tmp_path / "bad.safetensors")

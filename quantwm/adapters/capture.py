@@ -114,11 +114,12 @@ class TraceCapture:
         k, v = self._cached(cache, layer, q.shape[1])
         wr = self._writer(chunk, scale, q.shape[1])
         wr.layers.pop(layer, None)  # a later pass of the same kind replaces an earlier one
-        hist = [x for c, x in self.hist.get(layer, []) if c < chunk]
-        q_hist = torch.cat(hist, 1) if hist else None
+        hist = [(c, x) for c, x in self.hist.get(layer, []) if c < chunk]
+        q_hist = torch.cat([x for _, x in hist], 1) if hist else None
+        chunk_of = torch.cat([torch.full((x.shape[1],), c) for c, x in hist]) if hist else None
         if self.max_bytes is not None:
             wr.max_bytes = self.max_bytes - (self.nbytes() - wr.nbytes())
-        if wr.record(layer, q, k, v, q_hist=q_hist):
+        if wr.record(layer, q, k, v, q_hist=q_hist, q_hist_chunk=chunk_of):
             wr.skipped = [x for x in wr.skipped if x != layer]
 
     def set_frames(self, frames: torch.Tensor) -> None:

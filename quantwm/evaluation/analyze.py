@@ -1,9 +1,13 @@
 """Trace analysis: how much each method moves attention, on the same cache state (SPEC.md §4).
 
 For every traced layer the cached K/V are written into a `KVCache` chunk by chunk and committed, exactly
-as during generation (sink and most recent chunk stay full precision unless configured otherwise), with
-the history-Query statistics seeded from `L{l}.q_hist` (or, when the trace has none, from the traced
-queries themselves). The traced queries then attend to exact and to quantized keys/values.
+as during generation (sink and most recent chunk stay full precision unless configured otherwise). The
+history-Query statistics S are built causally, as in a run: with `L{l}.q_hist_chunk`, each chunk's history
+queries enter S when that chunk is written, before it is committed, so a span is quantized with the
+queries issued up to that point. A trace with `q_hist` but no chunk indices (written before the extension)
+seeds S with all of q_hist for every span, and a trace without q_hist is analysed with S = identity; the
+report's `config.stats` says which. The traced (measured) queries never enter S. They then attend to
+exact and to quantized keys/values.
 
 Pre-RoPE traces are read with the standard 3-D RoPE of `quantwm.core.rope` over the trace's frame grid.
 """
@@ -23,15 +27,29 @@ MEAN_KEYS = ("shift_rate", "topk_overlap", "attn_kl", "logit_rmse", "k_rel_err",
              "bits_per_element")
 
 
+STATS_SOURCES = {"causal": "causal: each chunk's q_hist enters S when the chunk is written (q_hist_chunk)",
+                 "all": "not causal: all of q_hist seeds S for every span (the trace has no q_hist_chunk)",
+                 "identity": "S = identity (the trace has no q_hist)"}
+
+
+def stats_source(trace: Trace) -> str:
+    """How analyze builds S for this trace: a key of STATS_SOURCES (the same for every layer, or 'mixed')."""
+    kinds = {"causal" if "q_hist_chunk" in t else "all" if "q_hist" in t else "identity" for t in trace.layers.values()}
+    return kinds.pop() if len(kinds) == 1 else "mixed"
+
+
 def _layer_cache(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: int) -> tuple[KVCache, Callable]:
     t = trace.layers[layer]
     H, Nk, D = t["k"].shape
     rope = Rope3D(D, trace.frame_grid) if trace.meta["rope"] == "pre" else None
     cache = KVCache(config, 1, rope=rope)
-    stats_q = t.get("q_hist", t["q"])
-    cache.load_query_stats(0, second_moment(stats_q.float()), count=stats_q.shape[1])
+    hist, chunk_of = t.get("q_hist"), t.get("q_hist_chunk")
+    if hist is not None and chunk_of is None:
+        cache.load_query_stats(0, second_moment(hist.float()), count=hist.shape[1])
     for i, s in enumerate(range(0, Nk, chunk_tokens)):
         cache.write(0, t["k"][None, :, s:s + chunk_tokens].float(), t["v"][None, :, s:s + chunk_tokens].float(), i)
+        if chunk_of is not None and (chunk_of == i).any():
+            cache.observe(0, hist[None, :, chunk_of == i].float())
         cache.commit(0, i)
     return cache, rope
 
@@ -70,6 +88,7 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
     chunk_tokens = chunk_frames * trace.tokens_per_frame
     report: dict = {"methods": {}, "trace": dict(trace.meta),
                     "config": {"target": target, "bits": bits, "chunk_frames": chunk_frames,
+                               "stats": STATS_SOURCES.get(stats_source(trace), "mixed: differs by layer"),
                                "sink_chunks": sink_chunks, "recent_chunks": recent_chunks,
                                "method_options": dict(method_options), "grid": {}}}
     steps = [(m, l) for m in methods for l in trace.layers]

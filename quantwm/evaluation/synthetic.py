@@ -83,5 +83,7 @@ def make_synthetic_trace(seed: int = 0, n_layers: int = 4, n_heads: int = 8, hea
             n_cached = cached_frames * tpf
             ks.append(k[:n_cached]), vs.append(v.reshape(-1, head_dim)[:n_cached])
             qs.append(q[n_cached:]), qh.append(q[tpf:n_cached])
-        writer.record(layer, torch.stack(qs), torch.stack(ks), torch.stack(vs), q_hist=torch.stack(qh))
+        chunk_of = torch.arange(tpf, cached_frames * tpf) // (chunk_frames * tpf)  # the chunk of each history query
+        writer.record(layer, torch.stack(qs), torch.stack(ks), torch.stack(vs), q_hist=torch.stack(qh),
+                      q_hist_chunk=chunk_of)
     return writer

@@ -2,7 +2,9 @@
 
 One safetensors file. Per captured layer l: `L{l}.q` (H, Nq, D) the queries of the chunk being generated,
 `L{l}.k`, `L{l}.v` (H, Nk, D) the cached keys and values they attend to, optionally `L{l}.q_hist`
-(H, Nh, D) earlier queries for the statistics. Optionally `frames` (T, height, width, 3) uint8.
+(H, Nh, D) earlier queries for the statistics and, with it, `L{l}.q_hist_chunk` (Nh,) int64: the chunk
+that issued each history query (a backward-compatible v1 extension: with it `quantwm analyze` builds S
+causally, as a run does). Optionally `frames` (T, height, width, 3) uint8.
 Metadata (strings): quantwm_trace_version="1", tokens_per_frame, frame_grid="h,w", softmax_scale,
 rope="post"|"pre", model; optional extras such as chunk_frames (frames per committed chunk). Cached tokens
 run frame by frame, row-major inside a frame: token j is (frame j // (h*w), row (j % (h*w)) // w, col j % w).
@@ -24,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 TRACE_VERSION = "1"
 REQUIRED_META = ("quantwm_trace_version", "tokens_per_frame", "frame_grid", "softmax_scale", "rope", "model")
-_NAME = re.compile(r"^L(\d+)\.(q|k|v|q_hist)$")
+_NAME = re.compile(r"^L(\d+)\.(q|k|v|q_hist|q_hist_chunk)$")
 
 
 @dataclass
@@ -83,6 +85,8 @@ def _check_layers(layers: dict[int, dict[str, torch.Tensor]], where) -> None:
             if need not in t:
                 raise _invalid(where, f"layer {l} lacks L{l}.{need}")
         for name, x in t.items():
+            if name == "q_hist_chunk":
+                continue
             if x.dim() != 3 or not torch.is_floating_point(x):
                 raise _invalid(where, f"L{l}.{name} must be a float (H, N, D) tensor, got {x.dtype} {tuple(x.shape)}")
             if not torch.isfinite(x).all():
@@ -93,6 +97,11 @@ def _check_layers(layers: dict[int, dict[str, torch.Tensor]], where) -> None:
                                   f"v {tuple(t['v'].shape)} do not agree on (H, ., D)")
         if "q_hist" in t and (t["q_hist"].shape[0] != H or t["q_hist"].shape[2] != D):
             raise _invalid(where, f"layer {l}: q_hist {tuple(t['q_hist'].shape)} does not match q's (H, ., D)")
+        if "q_hist_chunk" in t:
+            c = t["q_hist_chunk"]
+            if "q_hist" not in t or c.dtype != torch.int64 or c.shape != (t["q_hist"].shape[1],) or (c < 0).any():
+                raise _invalid(where, f"layer {l}: q_hist_chunk must be int64 (Nh,) chunk indices >= 0 beside q_hist, "
+                                      f"got {c.dtype} {tuple(c.shape)}")
 
 
 def read_trace(path: str | Path) -> Trace:
@@ -141,8 +150,9 @@ class TraceWriter:
         return sum(x.numel() * x.element_size() for t in self.layers.values() for x in t.values())
 
     def record(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               q_hist: torch.Tensor | None = None) -> bool:
-        """Record one layer ((H, N, D) or (1, H, N, D) tensors, kept as fp16 unless fp32 is given).
+               q_hist: torch.Tensor | None = None, q_hist_chunk: torch.Tensor | None = None) -> bool:
+        """Record one layer ((H, N, D) or (1, H, N, D) tensors, kept as fp16 unless fp32 is given);
+        `q_hist_chunk` (Nh,) names the chunk that issued each history query.
 
         Returns False (and records nothing) when it would exceed `max_bytes`; the layer is listed in
         `skipped`.
@@ -160,6 +170,8 @@ class TraceWriter:
         t = {"q": prep(q), "k": prep(k), "v": prep(v)}
         if q_hist is not None:
             t["q_hist"] = prep(q_hist)
+        if q_hist_chunk is not None:
+            t["q_hist_chunk"] = torch.as_tensor(q_hist_chunk).to(torch.int64).flatten().contiguous().cpu()
         _check_layers({layer: t}, "trace capture")
         size = sum(x.numel() * x.element_size() for x in t.values())
         if self.max_bytes is not None and self.nbytes() + size > self.max_bytes:

@@ -196,7 +196,9 @@ def rollout_trace(run: Rollout, path: str | Path) -> None:
     for layer in range(cfg.layers):
         k = run.cache.keys(layer, exact=True)[0, :, :last.n_cached]
         v = run.cache.values(layer, exact=True)[0, :, :last.n_cached]
-        q_hist = torch.cat([p.q[layer] for p in run.probes[:-1]], 1) if len(run.probes) > 1 else None
-        w.record(layer, last.q[layer], k, v, q_hist=q_hist)
+        earlier = run.probes[:-1]
+        q_hist = torch.cat([p.q[layer] for p in earlier], 1) if earlier else None
+        chunk_of = torch.cat([torch.full((p.q[layer].shape[1],), p.chunk) for p in earlier]) if earlier else None
+        w.record(layer, last.q[layer], k, v, q_hist=q_hist, q_hist_chunk=chunk_of)
     w.set_frames(run.frames)
     w.save(path)
