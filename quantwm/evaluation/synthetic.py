@@ -10,7 +10,9 @@ earlier (now cached) frames saw. Each head of each layer:
   real K caches), and a temporal component so recent frames win ties; then 3-D RoPE at the token's
   (frame, row, col), i.e. post-RoPE storage.
 * Queries: the same projection of the location the query looks for, scaled so attention is sharp, plus
-  the temporal component and a little noise: query energy sits in a few directions.
+  the temporal component and a little noise: query energy sits in `content_dim` directions (the query
+  subspace's dimension; `--query-dims`). Measured top-8 energy of S: 8 dims ~97%, 12 dims ~71% (one
+  LingBot-World-v2 layer in the paper), 22 dims ~44%; `QUERY_DIMS_FOR_TOP8` names these settings.
 * Values: another projection of the content plus noise.
 
 Nothing here knows about any quantization method; the parameters are fixed, not tuned to a result.
@@ -36,15 +38,21 @@ def camera_path(n_frames: int, world: tuple[int, int], grid: tuple[int, int], g:
     return (start + (end - start) * phase).round().long().clamp(torch.zeros(2, dtype=torch.long), span.long())
 
 
+QUERY_DIMS_FOR_TOP8 = {"97%": 8, "71%": 12, "45%": 22}  # query-subspace dims -> measured top-8 energy of S
+
+
 def make_synthetic_trace(seed: int = 0, n_layers: int = 4, n_heads: int = 8, head_dim: int = 128,
                          grid: tuple[int, int] = (12, 16), cached_frames: int = 24, chunk_frames: int = 3,
                          world: tuple[int, int] = (30, 48), content_dim: int = 8) -> TraceWriter:
     """Build the trace in memory; `.save(path)` writes it. Cached chunks are `chunk_frames` frames."""
+    rope = Rope3D(head_dim, grid)
+    n_slow = 3 * 4 * 2  # 4 slow rotary pairs in each of the t/row/col groups carry content
+    if not 1 <= content_dim <= n_slow:
+        raise ValueError(f"content_dim (the query subspace's dimension) must lie in 1..{n_slow}, got {content_dim}")
     g = torch.Generator().manual_seed(seed)
     h, w = grid
     tpf = h * w
     total = cached_frames + chunk_frames
-    rope = Rope3D(head_dim, grid)
     content = torch.randn(world[0], world[1], content_dim, generator=g)
     path = camera_path(total, world, grid, g)
     rows = torch.arange(h)[:, None] + path[:, None, None, 0]  # (T, h, 1)
