@@ -113,12 +113,16 @@ def cmd_memory(a) -> int:
 
     parse_method_name(a.method)
     r = memory_report(a.preset, a.latent_frames, a.method, a.target, a.bits, a.sample_layers,
-                      progress=_progress("memory"))
+                      progress=_progress("memory"), span_chunks=a.span_chunks, queries=a.queries)
     _write_json(r, a.json)
-    print(f"{a.method} on {a.preset}, {a.latent_frames} latent frames ({r['layers_quantized']} layer(s) quantized)")
+    print(f"{a.method} on {a.preset}, {a.latent_frames} latent frames, spans of {a.span_chunks} chunk(s), "
+          f"queries {a.queries} ({r['layers_quantized']} layer(s) quantized); grid: {r['grid']}")
     print(f"  bits/element {r['bits_per_element']:.3f}  compression {r['compression']:.3f}x  "
           f"whole cache {r['cache_compression']:.3f}x  ({r['total_bytes'] / 2**30:.3f} GiB vs "
           f"{r['bf16_bytes'] / 2**30:.3f} GiB BF16)")
+    rt = r["runtime_bytes"]
+    print(f"  runtime state (not in the cache figures): running S {rt['query_stats'] / 2**20:.1f} MiB, warm-start "
+          f"centroids {rt['warm_start_centroids'] / 2**20:.1f} MiB")
     return 0
 
 
@@ -209,6 +213,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
     s.add_argument("--bits", type=int, default=2)
     s.add_argument("--sample-layers", type=int, default=None, help="quantize this many layers and scale")
+    s.add_argument("--span-chunks", type=int, default=1, help="chunks quantized together as one span (QVG: 8)")
+    s.add_argument("--queries", choices=("drift", "none"), default="drift",
+                   help="drift: a synthetic query stream whose subspace moves (as deployed); none: S stays identity")
     s.add_argument("--json")
     s.set_defaults(fn=cmd_memory)
     s = sub.add_parser("synth-trace", help="write the synthetic world-memory trace")

@@ -37,9 +37,11 @@ def test_analyze_report_has_every_field_and_bf16_is_exact(small_trace):
 
 
 def test_analyze_ordering_on_the_synthetic_world(small_trace):
-    r = analyze_trace(small_trace, ["rtn", "qvg", "quantwm"], target="k")
+    # qvg-budget: QVG's algorithm at quantwm's storage budget (paper-configured qvg stores 256 centroids, which
+    # on this trace's short spans hold nearly every key: a different budget)
+    r = analyze_trace(small_trace, ["rtn", "qvg-budget", "quantwm"], target="k")
     s = {m: e["mean"]["shift_rate"] for m, e in r["methods"].items()}
-    assert s["quantwm"] < s["qvg"] < s["rtn"]
+    assert s["quantwm"] < s["qvg-budget"] < s["rtn"]
 
 
 def test_analyze_value_target_moves_values_only(small_trace):

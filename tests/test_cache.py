@@ -554,7 +554,8 @@ def test_cache_nbytes_matches_stored_tensors_other_methods(method):
     _fill(cache, 3, n=32)
     assert cache.nbytes() == _stored_bytes(cache)
     assert set(k for k in cache.bytes_by_component() if k.startswith("k.")) > {"k.full", "k.codes", "k.scales"}
-    assert 2 < cache.bits_per_element() < 16
+    # qvg keeps 256 BF16 centroids per span: on 32-token chunks that is one per token, above 16 bits
+    assert 2 < cache.bits_per_element() < (20 if method == "qvg" else 16)
 
 
 def test_cache_bits_per_element_nan_when_nothing_quantized():
@@ -788,3 +789,63 @@ def test_cache_rejected_attend_does_not_poison_query_stats():
         cache.attend(0, _t(9, B, H, N, 32), k, v, chunk=0)
     cache.attend(0, q, k, v, chunk=0, commit=True)
     torch.testing.assert_close(cache.query_stats(0).double(), _second(q), rtol=1e-5, atol=1e-5)
+
+
+# ---- spans of several chunks, strictly causal statistics (issue 12) ---------------------------------------
+
+def test_cache_span_chunks_quantizes_several_chunks_as_one_span():
+    one = KVCache(CacheConfig(method="qvg", keep_exact=True), n_layers=1)
+    three = KVCache(CacheConfig(method="qvg", keep_exact=True, span_chunks=3), n_layers=1)
+    for c in (one, three):
+        _fill(c, 8, n=128)
+    # sink 0 and recent 7 stay exact; chunks 1-6 leave the window: 6 spans of 1, or 2 spans of 3
+    st = three.layers[0]
+    assert [(x.index, x.n_chunks, x.quantized) for x in st.chunks] == [(0, 1, False), (1, 3, True), (4, 3, True),
+                                                                       (7, 1, False)]
+    assert torch.equal(three.positions(0), torch.arange(8 * 128))
+    torch.testing.assert_close(three.keys(0, exact=True), one.keys(0, exact=True))
+    assert three.bits_per_element() < one.bits_per_element()  # 256 centroids over 384 tokens; 128 over 128
+    # chunks wait full precision until a whole span has left the window
+    three.attend(0, *_kv(8, n=128), chunk=8, commit=True)
+    assert [(x.index, x.quantized) for x in three.layers[0].chunks][-2:] == [(7, False), (8, False)]
+
+
+def test_cache_span_chunks_eviction_counts_chunks():
+    cache = KVCache(CacheConfig(method="rtn", span_chunks=2, max_chunks=5), n_layers=1)
+    _fill(cache, 7)
+    assert sum(x.n_chunks for x in cache.layers[0].chunks) <= 5
+    assert cache.layers[0].chunks[0].index == 0  # the sink stays
+
+
+def test_cache_causal_stats_hold_a_chunks_queries_back_until_it_is_quantized(monkeypatch):
+    """quantwm-paper: the span of chunk c is quantized with the queries of chunks < c only."""
+    from quantwm.core.methods.quantwm import QuantWMPaper
+
+    seen = []
+    encode = QuantWMPaper.encode
+    monkeypatch.setattr(QuantWMPaper, "encode", lambda self, x, kind, ctx: (
+        seen.append((ctx.stats.clone(), ctx.history)) if kind == "k" else None) or encode(self, x, kind, ctx))
+    cache = KVCache(CacheConfig(method="quantwm-paper", target="k"), n_layers=1)
+    qs = []
+    for i in range(4):
+        q, k, v = _kv(i)
+        q = q * (i + 1)  # each chunk's queries distinguishable
+        qs.append(q)
+        cache.attend(0, q, k, v, chunk=i, commit=True)
+    # committing chunk 2 quantizes chunk 1 (S from chunk 0); committing chunk 3 quantizes chunk 2 (chunks 0-1)
+    assert [h for _, h in seen] == [N * B, 2 * N * B]
+    torch.testing.assert_close(seen[0][0][0], _second(qs[0])[0].float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(seen[1][0][0], _second(torch.cat(qs[:2], 2))[0].float(), rtol=1e-4, atol=1e-5)
+
+
+def test_quantwm_paper_first_span_without_history_has_uniform_weights_and_no_psac():
+    from quantwm.core.methods import SpanContext, get_method
+
+    m = get_method("quantwm-paper", n_centroids=8)
+    x = torch.randn(2, 64, 64, generator=torch.Generator().manual_seed(0))
+    cold = m.encode(x, "k", SpanContext())
+    assert "psac_basis" not in cold.shared and "psac_codes" not in cold.tensors
+    warm = m.encode(x, "k", SpanContext(stats=torch.eye(64).expand(2, 64, 64) * 2, history=10))
+    assert "psac_basis" in warm.shared and warm.shared["psac_basis"].dtype == torch.bfloat16
+    assert warm.tensors["psac_codes"].shape == (2, 64, 8)  # 8 INT8 coefficients per token
+    assert warm.tensors["psac_scales"].shape == (2, 64, 1)  # one scale per token

@@ -33,3 +33,21 @@ def test_memory_rejects_bad_arguments():
         memory_report("tiny", 0, "rtn")
     with pytest.raises(ValueError, match="known methods"):
         memory_report("tiny", 4, "nope")
+
+
+def test_memory_qvg_spans_of_8_chunks_reach_its_papers_compression():
+    """QVG's accounting: 256 BF16 centroids amortised over a span of 8 chunks (Self-Forcing: 37,440 tokens)."""
+    r = memory_report("wan-1.3b", 21, "qvg", sample_layers=1, span_chunks=8)
+    assert r["compression"] >= 6.5 and r["quantized_figures_from_latent_frames"] == 33  # 11 chunks complete one span
+    assert r["cache_compression"] == pytest.approx(1.0)  # 21 frames: no span of 8 is complete, all BF16
+    assert "bf16 codebook" in r["grid"] and "symmetric" in r["grid"]
+
+
+def test_memory_reports_runtime_state_and_a_drifting_query_stream_stores_more_bases():
+    drift = memory_report("tiny", 16, "quantwm", queries="drift")
+    still = memory_report("tiny", 16, "quantwm", queries="none")
+    assert drift["bytes"]["k.psac_basis"] > still["bytes"]["k.psac_basis"]  # a basis whenever S moves
+    assert drift["runtime_bytes"]["query_stats"] == 2 * 2 * 64 * 64 * 8  # layers x heads x D x D float64
+    assert drift["runtime_bytes"]["warm_start_centroids"] > 0
+    with pytest.raises(ValueError, match="query stream"):
+        memory_report("tiny", 8, "rtn", queries="calibrated")

@@ -10,18 +10,25 @@ METHODS = sorted(REGISTRY)
 QUANTIZED = [m for m in METHODS if m != "bf16"]
 S, N, D = 4, 256, 64
 
-# Relative error ||x̂ - x||² / ||x||² at 2 bits on Gaussian data (S=4, N=256, D=64), default options.
-# Measured: rtn/kivi 0.202, qvg 0.175, qvg-pro 0.061, quantwm* 0.18-0.22 (fewer centroids, fp8 scales).
+# Relative error ||x̂ - x||² / ||x||² at 2 bits on Gaussian data (S=4, N=256, D=64), default options except
+# SPAN_OPTIONS. Measured: rtn/kivi 0.202; qvg 0.448 and quantwm-paper 0.42-0.45 (the released ternary grid);
+# qvg-asym 0.177, qvg-pro 0.205, qvg-budget 0.220, quantwm* 0.18-0.22 (fewer centroids, fp8 scales).
 REL_ERR_2BIT = {
     "bf16": 2e-5,
     "rtn": 0.22,
     "kivi": 0.22,
-    "qvg": 0.20,
-    "qvg-pro": 0.075,
+    "qvg": 0.48,
+    "qvg-asym": 0.20,
+    "qvg-pro": 0.23,
+    "qvg-budget": 0.24,
     "quantwm": 0.24,
     "quantwm-qsac": 0.24,
     "quantwm-psac": 0.24,
+    "quantwm-paper": 0.48,
 }
+# The paper-configured presets keep 256 centroids per span: on these 256-token spans that is one per token
+# (no residual left). 16 centroids leave a residual, which is what the tests exercise.
+SPAN_OPTIONS = {m: {"n_centroids": 16} for m in ("qvg", "qvg-asym", "qvg-pro", "quantwm-paper")}
 
 
 def _randn(*shape, seed=0):
@@ -29,7 +36,7 @@ def _randn(*shape, seed=0):
 
 
 def _make(name, **kw):
-    return get_method(name) if name == "bf16" else get_method(name, **kw)
+    return get_method(name) if name == "bf16" else get_method(name, **{**SPAN_OPTIONS.get(name, {}), **kw})
 
 
 def _same_bytes(a, b):
@@ -190,10 +197,10 @@ def test_kivi_keys_beat_rtn_on_outlier_channels():
     assert torch.equal(kivi.decode(kivi.encode(x, "v", SpanContext())), rtn.decode(rtn.encode(x, "v", SpanContext())))
 
 
-@pytest.mark.parametrize("name", QUANTIZED)
+@pytest.mark.parametrize("name", [m for m in QUANTIZED if not get_method(m).symmetric])  # the others are already
 def test_symmetric_grid_roundtrip(name, gauss):
     # QVG's released ternary grid {-1, 0, +1} x absmax: coarser than the 4-level asymmetric grid
-    m = get_method(name, symmetric=True)
+    m = _make(name, symmetric=True)
     assert "3 levels" in m.grid() and "symmetric" in m.grid()
     x_hat = m.decode(m.encode(gauss, "k", SpanContext()))
     err = _rel_err(x_hat, gauss)
@@ -203,8 +210,9 @@ def test_symmetric_grid_roundtrip(name, gauss):
 
 @pytest.mark.parametrize("name", QUANTIZED)
 def test_grid_names_bits_and_levels(name):
-    g = get_method(name, bits=3).grid()
-    assert "3-bit" in g and "asymmetric" in g and "8 levels" in g
+    m = get_method(name, bits=3)
+    g = m.grid()
+    assert "3-bit" in g and ("symmetric (7 levels)" if m.symmetric else "asymmetric (8 levels)") in g
 
 
 # --- bytes ----------------------------------------------------------------------------------------
@@ -330,15 +338,15 @@ def test_kmeans_methods_store_codebooks_and_ids(name, gauss):
 
 
 def test_qvg_cluster_count_for_small_spans():
-    m = get_method("qvg")
-    assert m.n_clusters(10_000) == 256
-    assert m.n_clusters(97) == 6
-    assert m.n_clusters(5) == 1
+    m = get_method("qvg")  # the released code: 256 per span whatever its length (all tokens when fewer)
+    assert m.n_clusters(10_000) == 256 and m.n_clusters(97) == 97 and m.n_clusters(5) == 5
+    b = get_method("qvg-budget")  # one per 64 tokens, at most 64
+    assert b.n_clusters(10_000) == 64 and b.n_clusters(300) == 4 and b.n_clusters(5) == 1
 
 
 @pytest.mark.parametrize("name", ["qvg", "qvg-pro", "quantwm"])
 def test_qvg_warm_start_state_per_kind_and_stage(name, gauss):
-    m = get_method(name)
+    m = _make(name, warm_start=True)
     state = {}
     for kind in "kv":
         m.encode(gauss, kind, SpanContext(state=state))
@@ -350,19 +358,20 @@ def test_qvg_warm_start_state_per_kind_and_stage(name, gauss):
 
 
 def test_qvg_warm_start_reuses_centroids(gauss):
-    m = get_method("qvg", iters=0)
+    m = get_method("qvg", iters=0, warm_start=True, n_centroids=16)
     K = m.n_clusters(N)
     init = _randn(S, K, D, seed=6)
     state = {"k.centroids0": init}
     enc = m.encode(gauss, "k", SpanContext(state=state, seed=11))
-    assert torch.equal(enc.tensors["codebook0"], init.half())
+    assert torch.equal(enc.tensors["codebook0"], init.bfloat16())
+    assert not get_method("qvg").warm_start  # the released pipeline starts every span afresh
     # without the state the codebook is drawn from the tokens instead
     cold = m.encode(gauss, "k", SpanContext(seed=11))
     assert not torch.equal(cold.tensors["codebook0"], init.half())
 
 
 def test_qvg_warm_start_from_converged_centroids_is_stable(gauss):
-    m = get_method("qvg", iters=100)
+    m = get_method("qvg", iters=100, tol=0.0, warm_start=True, n_centroids=16)
     state = {}
     first = m.encode(gauss, "k", SpanContext(state=state, seed=0))
     c = state["k.centroids0"].clone()

@@ -5,9 +5,12 @@ one online softmax by `span_attention` (kernels/span_attention.py on the fast pa
 `span_attention_ref` here, reading the span's stored tensors as they are. The state holds P splits of every
 span (flash-decoding) that `merge_splits` combines at the end.
 
-Supported spans: full precision, and every method that ends in group quantization with at most one
-codebook stage (rtn, kivi, qvg, quantwm and its ablations, +jensen). qvg-pro (4 stages) and 3-bit codes take
-the cache's reference path. Keys must be stored post-RoPE: with pre-RoPE keys the PSAC term would need Uᵀ
+Supported spans: full precision, and every format a method's `fused_format` describes: group quantization
+with 2/4/8-bit codes (per-token groups a power of two dividing D) and at most one codebook stage, with
+PSAC coefficients scaled per direction (rtn, kivi, the qvg presets but qvg-pro, quantwm and its ablations,
++jensen). Anything else (qvg-pro's 4 stages, 3-bit codes, a group size the kernel cannot take,
+quantwm-paper's per-token PSAC scales) takes the cache's reference path; the dispatcher only asks the
+method. Keys must be stored post-RoPE: with pre-RoPE keys the PSAC term would need Uᵀ
 applied to the query rotated back to every key's position (a D x R product per key instead of R MACs), so
 pre-RoPE caches also take the reference path (dequantize, rotate, SDPA).
 """
@@ -19,59 +22,27 @@ from collections.abc import Callable
 import torch
 
 from .backend import kernel
-from .methods.quantwm import QuantWM
-from .methods.qvg import QVG, gather_rows
-from .methods.rtn import GroupMethod
+from .methods.qvg import gather_rows
 from .quant import GroupQuant, dequantize_groups, group_step, unpack_bits_ref
 
 LOG2E = math.log2(math.e)
 PsacFn = Callable[[torch.Tensor], dict]
 
 
-def _group_side(method: GroupMethod, enc) -> dict | None:
-    """The stored tensors of one quantized span in span_attention's format, or None if unsupported."""
-    if method.bits not in (2, 4, 8) or (isinstance(method, QVG) and method.stages != 1):
-        return None
-    t = enc.tensors
-    side = {"codes": t["codes"], "scales": t["scales"], "bits": method.bits, "group_size": method.group_size,
-            "axis": enc.meta["axis"], "symmetric": method.symmetric}
-    if "zeros" in t:
-        side["zeros"] = t["zeros"]
-    if isinstance(method, QVG):
-        side["codebook"], side["ids"] = t["codebook0"], t["centroid_ids0"]
-    return side
-
-
-def _psac(method: QuantWM, enc) -> PsacFn | None:
-    """q (S, Nq, D) -> the PSAC inputs of span_attention for this span (None if the span has no PSAC)."""
-    U = enc.shared.get("psac_basis")
-    if U is None:
-        return None
-    t = enc.tensors
-    scales, zeros = t["psac_scales"].float()[:, 0], t["psac_zeros"].float()[:, 0]  # (S, R): one per direction
-
-    def inputs(q: torch.Tensor) -> dict:
-        pq = torch.bmm(q.float(), U.float())  # (S, Nq, D) @ (S, D, R) -> (S, Nq, R)
-        return {"qs": pq * scales[:, None], "c0": (pq * zeros[:, None]).sum(-1), "codes": t["psac_codes"],
-                "bits": method.psac_bits}
-    return inputs
-
-
 def chunk_spans(cache, layer: int) -> list[tuple[dict, dict, PsacFn | None]] | None:
-    """Every span of `layer` as (key side, value side, PSAC inputs), or None if one is unsupported."""
+    """Every span of `layer` as (key side, value side, PSAC inputs); None if a method says its stored format
+    has no fused kernel (`Method.fused_format`)."""
     out = []
     for c in cache._chunks(cache._layer(layer)):
         B, H, D = c.bhd
         sides = []
         for full, enc, method in ((c.k, c.k_enc, cache.k_method), (c.v, c.v_enc, cache.v_method)):
-            if full is not None:
-                sides.append({"full": full.reshape(B * H, c.n_tokens, D)})
-                continue
-            side = _group_side(method, enc) if isinstance(method, GroupMethod) else None
+            side = {"full": full.reshape(B * H, c.n_tokens, D)} if full is not None else method.fused_format(enc, D)
             if side is None:
                 return None
             sides.append(side)
-        psac = _psac(cache.k_method, c.k_enc) if c.k_enc is not None and isinstance(cache.k_method, QuantWM) else None
+        psac = sides[0].pop("psac", None)
+        sides[1].pop("psac", None)
         out.append((sides[0], sides[1], psac))
     return out
 

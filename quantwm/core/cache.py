@@ -11,7 +11,13 @@ commits it. So, per layer:
 * `commit` appends the chunk to history. A committed chunk is quantized exactly once, when it leaves the
   full-precision set: the first `sink_chunks` chunks and the `recent_chunks` most recent committed chunks
   stay unquantized (in the dtype they were written in; "BF16" in the paper).
-* Sliding-window eviction (`max_chunks`) drops whole chunks, oldest non-sink first.
+* `span_chunks` > 1 quantizes that many committed chunks together, as one span, once all of them have left
+  the full-precision set (QVG amortises its codebooks so: Self-Forcing quantizes 8 chunks at once); they stay
+  full precision until then.
+* Sliding-window eviction (`max_chunks`) drops whole chunks (a multi-chunk span as a whole), oldest non-sink
+  first.
+* A method with `causal_stats` (quantwm-paper) lets a chunk's queries into S only once the chunks before it
+  are quantized: the span of chunk c is quantized with the queries of chunks < c.
 * Layouts (B, H, L, D) ("BHLD") or (B, L, H, D) ("BLHD"); outputs come back in the caller's layout.
 * Keys stored post-RoPE (default) or pre-RoPE, with `rope(x, positions, inverse=False)` applied at read.
 * The queries that attend to the cache feed the running S = E[q qᵀ] per (layer, head) that QSAC and PSAC
@@ -67,6 +73,7 @@ class CacheConfig:
     memo_decoded: bool = False
     seed: int = 0
     method_options: tuple = ()
+    span_chunks: int = 1
 
     def __post_init__(self):
         parse_method_name(self.method)
@@ -79,6 +86,8 @@ class CacheConfig:
             raise ValueError("sink_chunks and recent_chunks must be >= 0")
         if self.max_chunks is not None and self.max_chunks <= self.sink_chunks:
             raise ValueError(f"max_chunks ({self.max_chunks}) must exceed sink_chunks ({self.sink_chunks})")
+        if self.span_chunks < 1:
+            raise ValueError(f"span_chunks must be >= 1, got {self.span_chunks}")
 
     @property
     def jensen(self) -> bool:
@@ -99,6 +108,7 @@ class Chunk:
     v_enc: Encoded | None = None
     exact_k: torch.Tensor | None = None
     exact_v: torch.Tensor | None = None
+    n_chunks: int = 1  # > 1 for a span of several committed chunks quantized together (span_chunks)
     decoded: dict = field(default_factory=dict)
 
     @property
@@ -114,6 +124,7 @@ class LayerState:
     next_token: int = 0
     stats: QueryStats | None = None
     method_state: dict = field(default_factory=dict)
+    pending: dict[int, QueryStats] = field(default_factory=dict)  # causal_stats: queries by chunk, not yet in S
 
 
 class KVCache:
@@ -128,6 +139,7 @@ class KVCache:
         self.v_method = make_method(config.method, config.v_bits, opts)
         self.quantize_k = self.k_method.quantized and config.target in ("k", "kv")
         self.quantize_v = self.v_method.quantized and config.target in ("v", "kv")
+        self.causal_stats = bool(getattr(self.k_method, "causal_stats", False))
         self.layers = [LayerState() for _ in range(n_layers)]
 
     # ---- layout ---------------------------------------------------------------------------------
@@ -172,21 +184,36 @@ class KVCache:
         st.next_chunk, st.next_token = chunk + 1, c.start + c.n_tokens
         recent = st.chunks[-self.config.recent_chunks:] if self.config.recent_chunks else []
         keep = {x.index for x in recent}
-        for old in st.chunks if (self.quantize_k or self.quantize_v) else []:
-            if old.index >= self.config.sink_chunks and old.index not in keep and not old.quantized:
-                self._quantize(layer, st, old)
+        ready = [old for old in st.chunks if old.index >= self.config.sink_chunks and old.index not in keep
+                 and not old.quantized] if (self.quantize_k or self.quantize_v) else []
+        n = self.config.span_chunks
+        while len(ready) >= n:  # spans of `span_chunks` chunks, quantized together once all have left the window
+            run, ready = ready[:n], ready[n:]
+            self._quantize(layer, st, run[0] if n == 1 else self._merge(st, run))
         limit = self.config.max_chunks
-        while limit is not None and len(st.chunks) > limit:
+        while limit is not None and sum(x.n_chunks for x in st.chunks) > limit:
             victim = next(i for i, x in enumerate(st.chunks) if x.index >= self.config.sink_chunks)
-            st.chunks.pop(victim)
+            st.chunks.pop(victim)  # a multi-chunk span leaves as a whole
+
+    @staticmethod
+    def _merge(st: LayerState, run: list[Chunk]) -> Chunk:
+        """Consecutive full-precision chunks -> one span (it replaces them in the layer's list)."""
+        cat = lambda xs: None if xs[0] is None else torch.cat(xs, 2)  # noqa: E731
+        span = Chunk(run[0].index, run[0].start, sum(c.n_tokens for c in run), run[0].bhd,
+                     cat([c.k for c in run]), cat([c.v for c in run]), n_chunks=sum(c.n_chunks for c in run))
+        at = st.chunks.index(run[0])
+        st.chunks[at:at + len(run)] = [span]
+        return span
 
     def _quantize(self, layer: int, st: LayerState, c: Chunk) -> None:
         B, H, N, D = c.k.shape
+        for j in sorted(j for j in st.pending if j < c.index):  # causal_stats: queries of earlier chunks only
+            self._stats(st, H, D).merge(st.pending.pop(j))
         stats = self._stats(st, H, D).matrix().to(c.k.device)
         if self.config.rope == "pre" and st.stats is not None and st.stats.count:  # S into the keys' space
             stats = rope_conjugate(stats, self.rope, torch.arange(c.start, c.start + N))
         seed = self.config.seed + 7919 * layer + c.index
-        ctx = SpanContext(stats=stats.repeat(B, 1, 1), state=st.method_state, seed=seed)
+        ctx = SpanContext(stats=stats.repeat(B, 1, 1), state=st.method_state, seed=seed, history=st.stats.count)
         if self.quantize_k:
             c.exact_k = c.k if self.config.keep_exact else None  # diagnostics only, not counted in nbytes
             c.k_enc, c.k = self.k_method.encode(c.k.reshape(B * H, N, D), "k", ctx), None
@@ -309,7 +336,12 @@ class KVCache:
         spans get S rotated into their keys' space when they are quantized, `stats.rope_conjugate`)."""
         st = self._layer(layer)
         qb = self._in(q, "q")
-        self._stats(st, qb.shape[1], qb.shape[3]).update(qb)
+        H, D = qb.shape[1], qb.shape[3]
+        stats = self._stats(st, H, D)
+        if self.causal_stats:  # held back until this chunk is quantized
+            idx = st.current.index if st.current is not None else st.next_chunk
+            stats = st.pending.setdefault(idx, QueryStats(H, D, self.config.stats_decay))
+        stats.update(qb)
 
     def load_query_stats(self, layer: int, second: torch.Tensor, count: int = 1) -> None:
         """Seed layer's S (H, D, D) from a calibration run or a trace's earlier queries."""
@@ -350,6 +382,15 @@ class KVCache:
         for key, n, _ in self._stored():
             out[key] = out.get(key, 0) + n
         return out
+
+    def runtime_bytes(self) -> dict[str, int]:
+        """Working state a deployment keeps beside the stored cache (not in nbytes): the running S per layer
+        (float64, pending per-chunk statistics included) and warm-start centroids (k-means state)."""
+        stats = sum(x.second.numel() * x.second.element_size()
+                    for st in self.layers for x in ([st.stats] if st.stats else []) + list(st.pending.values()))
+        warm = sum(t.numel() * t.element_size() for st in self.layers for k, t in st.method_state.items()
+                   if ".centroids" in k)
+        return {"query_stats": stats, "warm_start_centroids": warm}
 
     def nbytes(self) -> int:
         return sum(n for _, n, _ in self._stored())

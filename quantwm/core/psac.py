@@ -10,8 +10,8 @@ subspace overlaps it by at least `reuse` (||Uᵀ U'||²_F / R): with a settled S
 spans, which is what lets bases amortise over short spans. The cache counts each shared basis once.
 
 Coefficients are quantized per (stream, direction) over the span (one scale and zero per direction,
-`bits` levels), not per token: per-token scales would cost 16 bits a token, more than the budget of a
-2-bit cache allows (see README, "Where the bits go").
+`bits` levels) by default: per-token scales (`per_token=True`, the QuantWM paper's INT8 coefficients)
+cost 32 bits a token more, which a 2-bit budget barely carries (see README, "Where the bits go").
 """
 from __future__ import annotations
 
@@ -31,26 +31,37 @@ def subspace_overlap(U: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
     return torch.bmm(U.float().transpose(1, 2), V.float()).square().sum((1, 2)) / U.shape[-1]
 
 
-def psac_basis(stats: torch.Tensor, rank: int, prev: torch.Tensor | None = None, reuse: float = 0.95) -> torch.Tensor:
-    """The span's basis (S, D, R) fp16: `prev` itself when every stream's top-R subspace still overlaps it
-    by at least `reuse` (so a stored basis serves many spans), else the new top-R eigenvectors of S."""
+def psac_basis(stats: torch.Tensor, rank: int, prev: torch.Tensor | None = None, reuse: float = 0.95,
+               dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """The span's basis (S, D, R) in `dtype`: `prev` itself when every stream's top-R subspace still overlaps
+    it by at least `reuse` (so a stored basis serves many spans), else the new top-R eigenvectors of S."""
     U = principal_basis(stats, min(rank, stats.shape[-1]))
     if prev is not None and prev.shape == U.shape and bool((subspace_overlap(prev, U) >= reuse).all()):
         return prev
-    return U.to(torch.float16)
+    return U.to(dtype)
 
 
-def psac_encode(err: torch.Tensor, U: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
-    """Residual key error err (S, N, D), basis U (S, D, R) -> stored coefficients {psac_codes, psac_scales, psac_zeros}."""
+def psac_encode(err: torch.Tensor, U: torch.Tensor, bits: int, per_token: bool = False, symmetric: bool = False,
+                scale_dtype: str = "fp16") -> dict[str, torch.Tensor]:
+    """Residual key error err (S, N, D), basis U (S, D, R) -> stored coefficients {psac_codes, psac_scales[,
+    psac_zeros]}: one scale (and zero) per direction over the span, or per token with `per_token`."""
     a = torch.bmm(err.float(), U.float())  # (S, N, D) @ (S, D, R) -> (S, N, R)
-    q = quantize_groups(a, bits, group_size=a.shape[1], axis="token")
-    return {"psac_codes": q.codes, "psac_scales": q.scale, "psac_zeros": q.zero}
+    if per_token:
+        q = quantize_groups(a, bits, a.shape[2], "channel", symmetric, scale_dtype)
+    else:
+        q = quantize_groups(a, bits, a.shape[1], "token", symmetric, scale_dtype)
+    out = {"psac_codes": q.codes, "psac_scales": q.scale}
+    if q.zero is not None:
+        out["psac_zeros"] = q.zero
+    return out
 
 
-def psac_correction(t: dict[str, torch.Tensor], U: torch.Tensor, n_tokens: int, bits: int) -> torch.Tensor:
+def psac_correction(t: dict[str, torch.Tensor], U: torch.Tensor, n_tokens: int, bits: int,
+                    per_token: bool = False, symmetric: bool = False) -> torch.Tensor:
     """U â for every token: the stored coefficients and basis (S, D, R) -> (S, N, D)."""
     U = U.float()
     R = U.shape[-1]
-    q = GroupQuant(t["psac_codes"], t["psac_scales"], t["psac_zeros"], (U.shape[0], n_tokens, R), bits,
-                   n_tokens, "token", False)
+    group, axis = (R, "channel") if per_token else (n_tokens, "token")
+    q = GroupQuant(t["psac_codes"], t["psac_scales"], t.get("psac_zeros"), (U.shape[0], n_tokens, R), bits,
+                   group, axis, symmetric)
     return torch.bmm(dequantize_groups(q), U.transpose(1, 2))

@@ -42,39 +42,41 @@ def range_term(r: torch.Tensor, w: torch.Tensor, group_size: int, bits: int) -> 
 
 
 def qsac_cost_ref(x: torch.Tensor, c: torch.Tensor, w: torch.Tensor, group_size: int, bits: int,
-                  lam: float, block: int = 256) -> torch.Tensor:
-    """Exact J for all pairs: x (S, N, D), c (S, K, D), w (S, D) -> (S, N, K), computed in token blocks."""
+                  lam: float, block: int = 256, distance: float = 1.0) -> torch.Tensor:
+    """Exact J for all pairs: x (S, N, D), c (S, K, D), w (S, D) -> (S, N, K), computed in token blocks;
+    `distance` weighs the weighted-distance term (0: the range term alone, the QuantWM paper's rule)."""
     S, N, D = x.shape
     out = torch.empty(S, N, c.shape[1], dtype=torch.float32, device=x.device)
     wb = w[:, None, None, :]
     for s in range(0, N, block):
         r = x[:, s:s + block, None, :] - c[:, None, :, :]  # (S, n, K, D)
-        out[:, s:s + block] = (wb * r.square()).sum(-1) + lam * range_term(r, wb, group_size, bits)
+        out[:, s:s + block] = distance * (wb * r.square()).sum(-1) + lam * range_term(r, wb, group_size, bits)
     return out
 
 
 def qsac_assign_ref(x: torch.Tensor, c: torch.Tensor, w: torch.Tensor, group_size: int, bits: int,
-                    lam: float, candidates: int | None = 4) -> torch.Tensor:
-    """argmin_c J(k, c): (S, N, D), (S, K, D), (S, D) -> ids (S, N)."""
+                    lam: float, candidates: int | None = 4, distance: float = 1.0) -> torch.Tensor:
+    """argmin_c J(k, c): (S, N, D), (S, K, D), (S, D) -> ids (S, N). The shortlist is always by weighted
+    distance; `distance` weighs that term inside J (see `qsac_cost_ref`)."""
     K = c.shape[1]
     if candidates is None or candidates >= K:
-        return qsac_cost_ref(x, c, w, group_size, bits, lam).argmin(-1)
+        return qsac_cost_ref(x, c, w, group_size, bits, lam, distance=distance).argmin(-1)
     d = weighted_sqdist(x, c, w)  # (S, N, K)
     cand = d.topk(candidates, dim=-1, largest=False).indices  # (S, N, m)
     S, N, D = x.shape
     cc = torch.gather(c, 1, cand.reshape(S, -1, 1).expand(S, N * candidates, D)).reshape(S, N, candidates, D)
     r = x[:, :, None, :] - cc
-    J = torch.gather(d, 2, cand) + lam * range_term(r, w[:, None, None, :], group_size, bits)
+    J = distance * torch.gather(d, 2, cand) + lam * range_term(r, w[:, None, None, :], group_size, bits)
     return torch.gather(cand, 2, J.argmin(-1, keepdim=True)).squeeze(-1)
 
 
 def qsac_assign(x: torch.Tensor, c: torch.Tensor, w: torch.Tensor, group_size: int, bits: int, lam: float,
-                candidates: int | None = 4) -> torch.Tensor:
+                candidates: int | None = 4, distance: float = 1.0) -> torch.Tensor:
     """argmin_c J(k, c), the same assignment on every backend: the exact rule (`candidates` None or at
     least K) runs kernels/qsac_assign.py on the fast path (J on every centroid) and `qsac_assign_ref`
     elsewhere; the pruned rule (a shortlist of `candidates` by weighted distance, then J) is part of the
     method's definition, so it runs `qsac_assign_ref` (torch, on the tensors' device) everywhere."""
     exact = candidates is None or candidates >= c.shape[1]
-    if exact and use_kernels(x) and not group_size & (group_size - 1):
+    if exact and distance == 1.0 and use_kernels(x) and not group_size & (group_size - 1):
         return kernel("qsac_assign")(x, c, w, group_size, bits, lam)
-    return qsac_assign_ref(x, c, w, group_size, bits, lam, candidates)
+    return qsac_assign_ref(x, c, w, group_size, bits, lam, candidates, distance)

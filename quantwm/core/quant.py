@@ -28,7 +28,8 @@ import torch
 from .backend import kernel, use_kernels
 
 SUPPORTED_BITS = (2, 3, 4, 8)
-SCALE_DTYPES = {"fp16": torch.float16, "fp8": torch.float8_e4m3fn}
+SCALE_DTYPES = {"fp16": torch.float16, "fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
+ROUNDINGS = ("up", "nearest")  # how a step is rounded to its storage dtype (QVG's released code: nearest)
 AXES = ("channel", "token")
 
 
@@ -118,7 +119,7 @@ STORAGE_REL_TOL, STORAGE_RMS_TOL = 2.0 ** -3, 2.0 ** -4
 def storage_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     """The narrowest dtype at or above `dtype` on STORAGE_LADDER (fp8-e4m3 -> fp16 -> fp32) that stores x
     without saturating or underflowing (the tolerance above). Widening is counted in the stored bytes."""
-    if not x.numel():
+    if not x.numel() or dtype not in STORAGE_LADDER:  # bf16 has fp32's range: nothing to widen
         return dtype
     x = x.float()
     ax = x.abs()
@@ -180,8 +181,11 @@ def _ungroup(g: torch.Tensor, shape: tuple[int, ...], axis: str) -> torch.Tensor
 
 
 def quantize_groups(x: torch.Tensor, bits: int = 2, group_size: int = 64, axis: str = "channel",
-                    symmetric: bool = False, scale_dtype: str = "fp16") -> GroupQuant:
-    """Quantize x (..., T, D) in groups of `group_size` along `axis`; see the module docstring."""
+                    symmetric: bool = False, scale_dtype: str = "fp16", rounding: str = "up") -> GroupQuant:
+    """Quantize x (..., T, D) in groups of `group_size` along `axis`; see the module docstring.
+
+    rounding="up" stores steps rounded up (and zeros down), so the stored grid covers every value;
+    "nearest" rounds both to nearest (QVG's released code) and lets the codes' clamp absorb the ends."""
     check_bits(bits)
     check_finite(x, "tensor to quantize")
     if axis not in AXES:
@@ -192,21 +196,24 @@ def quantize_groups(x: torch.Tensor, bits: int = 2, group_size: int = 64, axis: 
         raise ValueError(f"expected a non-empty (..., T, D) tensor, got shape {tuple(x.shape)}")
     if group_size < 1:
         raise ValueError(f"group_size must be >= 1, got {group_size}")
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"unknown rounding {rounding!r}; allowed: {', '.join(ROUNDINGS)}")
+    up, down = ("up", "down") if rounding == "up" else (None, None)
     sdt = SCALE_DTYPES[scale_dtype]
     g = _group_view(x.float(), group_size, axis)
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
         absmax = g.abs().amax(-1, keepdim=True)
         step = torch.where(absmax > 0, absmax / qmax, torch.ones_like(absmax))
-        scale = to_storage(step, sdt, toward="up")
+        scale = to_storage(step, sdt, toward=up)
         zero = None
     else:
         qmax = 2 ** bits - 1
         lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-        zero = to_storage(lo, sdt, toward="down")  # zero <= lo and zero + qmax * scale >= hi
+        zero = to_storage(lo, sdt, toward=down)  # rounding "up": zero <= lo and zero + qmax * scale >= hi
         width = hi - zero.float()
         step = torch.where(width > 0, width / qmax, torch.ones_like(lo))
-        scale = to_storage(step, sdt, toward="up")
+        scale = to_storage(step, sdt, toward=up)
         zero = zero.squeeze(-1)
     scale = scale.squeeze(-1)
     if bits in (2, 4, 8) and use_kernels(x):

@@ -40,6 +40,19 @@ class QueryStats:
             self.second = self.decay * self.second + (1 - self.decay) * batch
         self.count += n
 
+    def merge(self, other: QueryStats) -> None:
+        """Fold another accumulator's queries in (a chunk's, once the cache lets them count)."""
+        if other.count == 0:
+            return
+        if self.count == 0:
+            self.second, self.count = other.second.clone(), other.count
+            return
+        if self.decay is None:
+            self.second += (other.second - self.second) * (other.count / (self.count + other.count))
+        else:
+            self.second = self.decay * self.second + (1 - self.decay) * other.second
+        self.count += other.count
+
     def load(self, second: torch.Tensor, count: int = 1) -> None:
         """Seed S from a calibration run: second (H, D, D)."""
         if second.shape != self.second.shape:

@@ -23,14 +23,16 @@ from ..quant import check_finite
 class SpanContext:
     """What a method may use when encoding a span.
 
-    stats: (S, D, D) history-Query second moment in the stored keys' space (identity when no history).
-    state: per-(layer, kind) mutable dict that persists across spans (k-means warm start).
-    seed:  seed for anything random (k-means initialisation).
+    stats:   (S, D, D) history-Query second moment in the stored keys' space (identity when no history).
+    state:   per-(layer, kind) mutable dict that persists across spans (k-means warm start).
+    seed:    seed for anything random (k-means initialisation).
+    history: how many history queries `stats` holds (0: none yet, stats is the identity).
     """
 
     stats: torch.Tensor | None = None
     state: dict = field(default_factory=dict)
     seed: int = 0
+    history: int = 0
 
     def stats_or_identity(self, S: int, D: int, device: torch.device) -> torch.Tensor:
         if self.stats is None:
@@ -85,6 +87,13 @@ class Method:
     def grid(self) -> str:
         """One line naming the quantization grid, for reports."""
         return "bf16"
+
+    def fused_format(self, enc: Encoded, head_dim: int) -> dict | None:
+        """How kernels/span_attention.py reads this stored span: its side dict (tensor views plus the
+        constants the kernel needs; a Key side may add "psac": queries (S, Nq, D) -> the PSAC inputs), or None
+        when the kernel cannot take the format (the cache then takes its reference path). The dispatcher in
+        `quantwm.core.attention` asks this and nothing else."""
+        return None
 
 
 REGISTRY: dict[str, type] = {}

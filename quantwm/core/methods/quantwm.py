@@ -5,11 +5,20 @@ per-token groups, then PSAC stores the residual error's coordinates along the to
 the history-Query second moment (quantwm.core.psac). Values: plain k-means smoothing and a 2-bit residual.
 Ablations: quantwm-qsac (QSAC only), quantwm-psac (Euclidean k-means + PSAC).
 
-Defaults are sized for the bit budget (SPEC.md §4 counts every stored byte): fewer centroids than QVG
-(one per 64 tokens, at most 64) stored in fp8-e4m3 (the residual is taken against the stored
-centroids, so their rounding only widens the residual a little), fp8-e4m3 scales and zeros, 4-bit PSAC coefficients with one scale per
-direction and span. `python -m quantwm memory` prints where the bits go. λ = 16 and 8 pruning
-candidates were chosen on synthetic trace seed 1 (README: the λ ablation); reports use other seeds.
+`quantwm` (this project's tuned method) is `qvg-budget`'s storage plus QSAC and PSAC: fewer centroids than
+QVG (one per 64 tokens, at most 64) stored in fp8-e4m3 (the residual is taken against the stored centroids,
+so their rounding only widens the residual a little), fp8-e4m3 scales and zeros on the asymmetric grid,
+4-bit PSAC coefficients with one scale per direction and span. `python -m quantwm memory` prints where the
+bits go. λ = 16 and 8 pruning candidates were chosen on synthetic trace seed 1 (README: the λ ablation);
+reports use other seeds.
+
+`quantwm-paper` is the method as the QuantWM paper describes it (SPEC.md §2.5): QVG's storage (`qvg`:
+256 BF16 centroids per span, fp8 scales, groups of 64, the symmetric grid); S updated strictly causally (a
+chunk's queries enter S only once that chunk is quantized; `causal_stats`); QSAC with diag(S) channel
+weights, a shortlist of 4 centroids by weighted distance, then the one minimising Σ_g W_g range_g² (no λ,
+no distance term); PSAC with the top 8 eigenvectors stored BF16 and INT8 coefficients with a per-token
+scale (symmetric, the scale in fp8-e4m3: the source leaves both open, chosen as QVG stores its scales);
+spans quantized before any history (the first one) use uniform weights and no PSAC.
 """
 from __future__ import annotations
 
@@ -19,19 +28,15 @@ import torch
 
 from ..psac import psac_basis, psac_correction, psac_encode
 from ..qsac import channel_sensitivity, qsac_assign
-from ..quant import check_bits, dequantize_groups
+from ..quant import SCALE_DTYPES, check_bits, dequantize_groups
 from .base import Encoded, SpanContext, register
-from .qvg import QVG
+from .qvg import QVGBudget
 
 
 @register("quantwm")
 @dataclass(frozen=True)
-class QuantWM(QVG):
+class QuantWM(QVGBudget):
     name = "quantwm"
-    n_centroids: int = 64
-    min_tokens_per_centroid: int = 64
-    scale_dtype: str = "fp8"
-    codebook_dtype: str = "fp8"
     qsac: bool = True
     psac: bool = True
     lam: float = 16.0
@@ -39,10 +44,21 @@ class QuantWM(QVG):
     psac_rank: int = 8
     psac_bits: int = 4
     basis_reuse: float = 0.95
+    qsac_distance: float = 1.0  # weight of J's weighted-distance term (0: the paper's range-only rule)
+    psac_per_token: bool = False  # coefficient scales per token (paper) instead of per direction
+    psac_basis_dtype: str = "fp16"
+    psac_symmetric: bool = False
+    psac_scale_dtype: str = "fp16"
+    history_only: bool = False  # spans quantized before any history query: uniform weights, no PSAC (paper)
+    causal_stats: bool = False  # a chunk's queries enter S only once that chunk is quantized (the cache does it)
 
     def __post_init__(self):
         super().__post_init__()
         check_bits(self.psac_bits)
+        if self.psac_basis_dtype not in ("fp16", "bf16"):
+            raise ValueError(f"psac_basis_dtype must be 'fp16' or 'bf16', got {self.psac_basis_dtype!r}")
+        if self.qsac_distance < 0:
+            raise ValueError(f"qsac_distance must be >= 0, got {self.qsac_distance}")
         if self.psac_rank < 1 or self.lam < 0 or (self.candidates is not None and self.candidates < 1):
             raise ValueError("psac_rank must be >= 1, lam >= 0 and candidates >= 1 or None")
 
@@ -51,7 +67,9 @@ class QuantWM(QVG):
         if self.qsac:
             parts.append(f"QSAC lambda={self.lam}")
         if self.psac:
-            parts.append(f"PSAC R={self.psac_rank} at {self.psac_bits} bits")
+            scales = "per-token" if self.psac_per_token else "per-direction"
+            parts.append(f"PSAC R={self.psac_rank} ({self.psac_basis_dtype} basis), {self.psac_bits}-bit coefficients, "
+                         f"{scales} scales")
         return "; ".join(parts)
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
@@ -59,25 +77,47 @@ class QuantWM(QVG):
             return super().encode(x, kind, ctx)
         S, N, D = x.shape
         stats = ctx.stats_or_identity(S, D, x.device)
+        no_history = self.history_only and not ctx.history
         if self.qsac:
-            w = channel_sensitivity(stats)
+            w = torch.ones(S, D, device=x.device) if no_history else channel_sensitivity(stats)
             r, stored = self.smooth(x, kind, ctx, assign=lambda xs, c: qsac_assign(
-                xs, c, w, self.group_size, self.bits, self.lam, self.candidates))
+                xs, c, w, self.group_size, self.bits, self.lam, self.candidates, self.qsac_distance))
         else:
             r, stored = self.smooth(x, kind, ctx)
         q = self.quantize_residual(r, kind)
         stored.update(q.tensors())
         shared = {}
-        if self.psac:
-            U = psac_basis(stats, self.psac_rank, ctx.state.get("k.psac_basis"), self.basis_reuse)
+        if self.psac and not no_history:
+            U = psac_basis(stats, self.psac_rank, ctx.state.get("k.psac_basis"), self.basis_reuse,
+                           SCALE_DTYPES[self.psac_basis_dtype])
             ctx.state["k.psac_basis"] = shared["psac_basis"] = U
-            stored.update(psac_encode(r - dequantize_groups(q), U, self.psac_bits))
+            stored.update(psac_encode(r - dequantize_groups(q), U, self.psac_bits, self.psac_per_token,
+                                      self.psac_symmetric, self.psac_scale_dtype))
         return Encoded(stored, tuple(x.shape), {"axis": q.axis}, shared)
+
+    def fused_format(self, enc: Encoded, head_dim: int) -> dict | None:
+        """QVG's side; Key spans with PSAC add "psac": q -> (Uᵀq) scaled per direction, the zero term, codes.
+        Per-token coefficient scales (quantwm-paper) are not fused: the reference path reads them."""
+        side = super().fused_format(enc, head_dim)
+        U = enc.shared.get("psac_basis")
+        if side is None or U is None:
+            return side
+        if self.psac_per_token or self.psac_symmetric:  # the kernel reads per-direction asymmetric coefficients
+            return None
+        t = enc.tensors
+        scales, zeros = t["psac_scales"].float()[:, 0], t["psac_zeros"].float()[:, 0]  # (S, R): one per direction
+
+        def psac(q: torch.Tensor) -> dict:
+            pq = torch.bmm(q.float(), U.float())  # (S, Nq, D) @ (S, D, R) -> (S, Nq, R)
+            return {"qs": pq * scales[:, None], "c0": (pq * zeros[:, None]).sum(-1), "codes": t["psac_codes"],
+                    "bits": self.psac_bits}
+        return {**side, "psac": psac}
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         x = super().decode(enc)
         if "psac_basis" in enc.shared:
-            x = x + psac_correction(enc.tensors, enc.shared["psac_basis"], enc.shape[1], self.psac_bits)
+            x = x + psac_correction(enc.tensors, enc.shared["psac_basis"], enc.shape[1], self.psac_bits,
+                                    self.psac_per_token, self.psac_symmetric)
         return x
 
 
@@ -93,3 +133,35 @@ class QuantWMQSAC(QuantWM):
 class QuantWMPSAC(QuantWM):
     name = "quantwm-psac"
     qsac: bool = False
+
+
+@register("quantwm-paper")
+@dataclass(frozen=True)
+class QuantWMPaper(QuantWM):
+    """QuantWM as its paper describes it (module docstring; SPEC.md §2.5)."""
+
+    name = "quantwm-paper"
+    # QVG's storage (the `qvg` preset)
+    n_centroids: int = 256
+    min_tokens_per_centroid: int = 1
+    iters: int = 2
+    tol: float = 1e-4
+    warm_start: bool = False
+    symmetric: bool = True
+    scale_rounding: str = "nearest"
+    codebook_dtype: str = "bf16"
+    # QSAC: diag(S) weights, 4 candidates by weighted distance, then the range term alone
+    candidates: int | None = 4
+    qsac_distance: float = 0.0
+    lam: float = 1.0
+    # PSAC: top 8 eigenvectors in BF16, INT8 coefficients with a per-token scale. Left open by the source and
+    # chosen as QVG stores its scales: symmetric INT8 (no zero) with an fp8-e4m3 scale.
+    psac_rank: int = 8
+    psac_bits: int = 8
+    psac_per_token: bool = True
+    psac_symmetric: bool = True
+    psac_scale_dtype: str = "fp8"
+    psac_basis_dtype: str = "bf16"
+    basis_reuse: float = 1.0 + 1e-6  # a basis per span: the paper shares none
+    history_only: bool = True
+    causal_stats: bool = True

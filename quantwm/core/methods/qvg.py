@@ -3,9 +3,24 @@
 Per stream (one (batch, head) of one layer) and span: cluster the tokens with Euclidean k-means
 ("semantic-aware smoothing"), subtract each token's centroid, repeat for `stages` residual stages, and
 quantize what is left in per-token groups. Stored: one codebook and one uint8/int16 id per token per
-stage, plus the residual's codes, scales and zeros. QVG: 256 centroids (fewer for small spans: at most
-one per `min_tokens_per_centroid` tokens), 1 stage, groups of 64. QVG-Pro: 4 stages, groups of 16.
-Centroids warm-start from the previous span's (per layer and Key/Value), as QVG does.
+stage, plus the residual's codes and scales (and zeros on an asymmetric grid).
+
+Presets, each with its source (SPEC.md §3 reads the released code, svg-project/Quant-VideoGen at 0601468):
+
+* `qvg`: as the paper and released code configure it: 256 centroids per (head, span) whatever the span's
+  length (K = N when a span has fewer tokens), stored BF16; one stage; residual in groups of 64 channels on
+  the released symmetric grid (absmax, q_max = 2^(b-1) - 1: ternary {-1, 0, +1} at 2 bits, no zero point)
+  with fp8-e4m3 scales rounded to nearest; 2 Lloyd iterations (Self-Forcing's and HY-WorldPlay's setting;
+  LingBot uses 4, LongCat 100), stopping early when at most 1e-4 of the ids change; no warm start (the
+  released pipeline has none). One deviation, for reproducibility: the initial centroids are distinct
+  tokens drawn with a seeded generator (the released code draws tokens with replacement, unseeded).
+  Spans of several chunks (Self-Forcing: 8) are the cache's `span_chunks`.
+* `qvg-asym`: the same with the asymmetric grid (min/max, 4 levels at 2 bits, fp8 zeros): the option the
+  paper discusses beside the released grid.
+* `qvg-pro`: QVG-Pro as the paper describes it: 4 residual k-means stages, groups of 16, otherwise `qvg`.
+* `qvg-budget` (not a paper configuration): QVG's algorithm on QuantWM's storage budget (one centroid per
+  64 tokens, at most 64, fp8 codebook, fp8 scales and zeros rounded up, asymmetric, warm start): the
+  Euclidean k-means that QSAC is ablated against at an identical budget.
 """
 from __future__ import annotations
 
@@ -29,20 +44,28 @@ def gather_rows(c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 class QVG(GroupMethod):
     name = "qvg"
     n_centroids: int = 256
-    min_tokens_per_centroid: int = 16
+    min_tokens_per_centroid: int = 1
     stages: int = 1
-    iters: int = 6
-    codebook_dtype: str = "fp16"
+    iters: int = 2
+    tol: float = 1e-4
+    warm_start: bool = False
+    symmetric: bool = True
+    scale_dtype: str = "fp8"
+    scale_rounding: str = "nearest"
+    codebook_dtype: str = "bf16"
 
     def __post_init__(self):
         super().__post_init__()
         if self.n_centroids < 1 or self.min_tokens_per_centroid < 1 or self.stages < 1 or self.iters < 0:
             raise ValueError("n_centroids, min_tokens_per_centroid and stages must be >= 1, iters >= 0")
+        if not 0 <= self.tol < 1:
+            raise ValueError(f"tol must lie in [0, 1), got {self.tol}")
         if self.codebook_dtype not in SCALE_DTYPES:
             raise ValueError(f"codebook_dtype must be one of {', '.join(SCALE_DTYPES)}, got {self.codebook_dtype!r}")
 
     def grid(self) -> str:
-        return f"{super().grid()}; k-means {self.n_centroids} centroids x {self.stages} stage(s)"
+        return (f"{super().grid()}; k-means {self.n_centroids} centroids x {self.stages} stage(s), "
+                f"{self.codebook_dtype} codebook")
 
     def n_clusters(self, n_tokens: int) -> int:
         return max(1, min(self.n_centroids, n_tokens // self.min_tokens_per_centroid))
@@ -56,8 +79,10 @@ class QVG(GroupMethod):
         stored = {}
         for s in range(self.stages):
             key = f"{kind}.centroids{s}"
-            c, ids = kmeans(r, K, self.iters, seed=ctx.seed + s, init=ctx.state.get(key), assign=assign)
-            ctx.state[key] = c
+            init = ctx.state.get(key) if self.warm_start else None
+            c, ids = kmeans(r, K, self.iters, seed=ctx.seed + s, init=init, assign=assign, tol=self.tol)
+            if self.warm_start:
+                ctx.state[key] = c
             codebook = to_storage(c, SCALE_DTYPES[self.codebook_dtype])  # widened if fp8 cannot hold it
             stored[f"codebook{s}"] = codebook
             stored[f"centroid_ids{s}"] = ids.to(torch.uint8 if K <= 256 else torch.int16)
@@ -75,6 +100,20 @@ class QVG(GroupMethod):
             x = x + gather_rows(enc.tensors[f"codebook{s}"].float(), enc.tensors[f"centroid_ids{s}"].long())
         return x
 
+    def fused_format(self, enc: Encoded, head_dim: int) -> dict | None:
+        """The residual's side plus one codebook stage (several stages, as in qvg-pro, are not fused)."""
+        side = super().fused_format(enc, head_dim)
+        if side is None or self.stages != 1:
+            return None
+        return {**side, "codebook": enc.tensors["codebook0"], "ids": enc.tensors["centroid_ids0"]}
+
+
+@register("qvg-asym")
+@dataclass(frozen=True)
+class QVGAsym(QVG):
+    name = "qvg-asym"
+    symmetric: bool = False
+
 
 @register("qvg-pro")
 @dataclass(frozen=True)
@@ -82,3 +121,17 @@ class QVGPro(QVG):
     name = "qvg-pro"
     stages: int = 4
     group_size: int = 16
+
+
+@register("qvg-budget")
+@dataclass(frozen=True)
+class QVGBudget(QVG):
+    name = "qvg-budget"
+    n_centroids: int = 64
+    min_tokens_per_centroid: int = 64
+    iters: int = 6
+    tol: float = 0.0
+    warm_start: bool = True
+    symmetric: bool = False
+    scale_rounding: str = "up"
+    codebook_dtype: str = "fp8"

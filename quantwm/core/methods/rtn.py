@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant import SCALE_DTYPES, GroupQuant, check_bits, dequantize_groups, group_step, quantize_groups
+from ..quant import ROUNDINGS, SCALE_DTYPES, GroupQuant, check_bits, dequantize_groups, group_step, quantize_groups
 from .base import Encoded, Method, SpanContext, register
 
 
@@ -37,9 +37,12 @@ class GroupMethod(Method):
     group_size: int = 64
     symmetric: bool = False
     scale_dtype: str = "fp16"
+    scale_rounding: str = "up"
 
     def __post_init__(self):
         check_bits(self.bits)
+        if self.scale_rounding not in ROUNDINGS:
+            raise ValueError(f"scale_rounding must be one of {', '.join(ROUNDINGS)}, got {self.scale_rounding!r}")
         if self.group_size < 1:
             raise ValueError(f"group_size must be >= 1, got {self.group_size}")
         if self.scale_dtype not in SCALE_DTYPES:
@@ -56,10 +59,12 @@ class GroupMethod(Method):
     def grid(self) -> str:
         levels = 2 ** self.bits - 1 if self.symmetric else 2 ** self.bits
         kind = "symmetric" if self.symmetric else "asymmetric"
-        return f"{self.bits}-bit {kind} ({levels} levels), groups of {self.group_size}, {self.scale_dtype} scales"
+        meta = f"{self.scale_dtype} scales" + ("" if self.symmetric else " and zeros")
+        return f"{self.bits}-bit {kind} ({levels} levels), groups of {self.group_size}, {meta} ({self.scale_rounding})"
 
     def quantize_residual(self, r: torch.Tensor, kind: str) -> GroupQuant:
-        return quantize_groups(r, self.bits, self.group_size, self.axis(kind), self.symmetric, self.scale_dtype)
+        return quantize_groups(r, self.bits, self.group_size, self.axis(kind), self.symmetric, self.scale_dtype,
+                               self.scale_rounding)
 
     def residual(self, enc: Encoded) -> GroupQuant:
         t = enc.tensors
@@ -76,6 +81,18 @@ class GroupMethod(Method):
 
     def step(self, enc: Encoded) -> torch.Tensor:
         return group_step(self.residual(enc))
+
+    def fused_format(self, enc: Encoded, head_dim: int) -> dict | None:
+        """2/4/8-bit codes; per-token groups a power of two dividing D (kernels/span_attention.py)."""
+        G, axis = self.group_size, enc.meta["axis"]
+        if self.bits not in (2, 4, 8) or (axis == "channel" and (head_dim % G or G & (G - 1))):
+            return None
+        t = enc.tensors
+        side = {"codes": t["codes"], "scales": t["scales"], "bits": self.bits, "group_size": G, "axis": axis,
+                "symmetric": self.symmetric}
+        if "zeros" in t:
+            side["zeros"] = t["zeros"]
+        return side
 
 
 @register("rtn")
