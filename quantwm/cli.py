@@ -154,7 +154,7 @@ def cmd_eval(a) -> int:
     methods = _methods(a.methods)
     report = evaluate(_world_model(a.weights), methods, a.target, _ints(a.seeds, "--seeds"), a.frames, a.bits,
                       a.trajectory, a.steps, progress=_progress("eval"), training_seeds=a.training_seeds,
-                      world=a.world)
+                      world=a.world, method_options=_options(a.set))
     _write_json(report, a.json)
     keys = ("psnr", "ssim", "lpips", "tdiff", "warp_error", "shift_rate", "place_shift_rate", "k_rel_err",
             "v_rel_err", "bits_per_element", "compression")
@@ -238,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--training-seeds", action="store_true",
                    help="use training worlds (seed + 100000) instead of held-out ones, to check memorisation")
     s.add_argument("--world", choices=WORLDS, default="photo", help="world kind (procedural: the first models' world)")
+    s.add_argument("--set", action="append", metavar="KEY=VALUE",
+                   help="method option for every method, e.g. --set qsac=false (repeatable)")
     s.add_argument("--weights", help="world-model weights (default: the built-in model, shipped with the package)")
     s.add_argument("--json")
     s.set_defaults(fn=cmd_eval)
@@ -266,6 +268,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--weights", help="world-model weights (default: the built-in model)")
     s.add_argument("--out-dir", required=True)
     s.set_defaults(fn=cmd_figures)
+    s = sub.add_parser("frontier", help="quality vs bits per element for every method (resumable sweep)")
+    s.add_argument("--sources", default="world", help="comma-separated: world and/or trace:FILE")
+    s.add_argument("--methods", default="", help="methods to sweep (default: all with a sweep)")
+    s.add_argument("--bits", default="2,3,4")
+    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
+    s.add_argument("--seeds", default="0,1", help="held-out world seeds of the world source")
+    s.add_argument("--frames", type=int, default=16)
+    s.add_argument("--quick", action="store_true", help="one point per method (a smoke test)")
+    s.add_argument("--workers", type=int, default=1, help="local worker processes")
+    s.add_argument("--ray", default=None, metavar="ADDRESS", help="run the points on a Ray cluster ('local': start one)")
+    s.add_argument("--formats", default="png,svg")
+    s.add_argument("--out-dir", required=True)
+    s.set_defaults(fn=cmd_frontier)
     s = sub.add_parser("methods", help="list the registered methods")
     s.set_defaults(fn=cmd_methods)
     sub.add_parser("app", help="start the diagnostics app (options: quantwm app --help)", add_help=False)
@@ -296,6 +311,37 @@ def cmd_figures(a) -> int:
     paths = run_figures(Workbench(a.weights), key, a.out_dir, kinds, formats, frame=a.frame, pixel=pixel,
                         layer=a.layer, head=a.head, methods=methods, progress=_progress("figures"))
     print("\n".join(f"wrote {p}" for p in paths))
+    return 0
+
+
+def cmd_frontier(a) -> int:
+    from .evaluation.figures import check_formats
+    from .evaluation.frontier import GRID, QUICK_GRID, frontier_figure, make_tasks, summarise, sweep
+
+    formats = [f.strip() for f in a.formats.split(",") if f.strip()]
+    check_formats(formats)
+    sources = [s.strip() for s in a.sources.split(",") if s.strip()]
+    for s in sources:
+        if s != "world" and not (s.startswith("trace:") and Path(s[6:]).is_file()):
+            raise ValueError(f"a source is 'world' or 'trace:FILE' (an existing trace file), got {s!r}")
+    grid = QUICK_GRID if a.quick else GRID
+    if a.methods:
+        unknown = [m for m in _methods(a.methods) if m not in GRID]
+        if unknown:
+            raise ValueError(f"no sweep defined for {unknown[0]!r}; sweepable: {', '.join(GRID)}")
+        grid = {m: grid.get(m, GRID[m]) for m in _methods(a.methods)}
+    tasks = make_tasks(sources, grid, _ints(a.bits, "--bits"), a.target, _ints(a.seeds, "--seeds"), a.frames)
+    manifest = sweep(tasks, a.out_dir, a.workers, a.ray, progress=_progress("frontier"))
+    summary = summarise({k: v for k, v in manifest.items() if v["task"] in tasks})
+    _write_json(summary, str(Path(a.out_dir) / "frontier.json"))
+    paths = frontier_figure(summary, Path(a.out_dir) / "frontier", formats)
+    for source, s in summary.items():
+        for m, best in s["best_ratio_vs_qvg_family"].items():
+            if best:
+                print(f"{source}: best {m} point {best['point']} at {best['bits']:.3f} bits: {s['shift_metric']} "
+                      f"{best['shift']:.4f} vs {best['reference_shift']:.4f} for {best['reference']} at "
+                      f"{best['reference_bits']:.3f} bits (ratio {best['ratio']:.2f})")
+    print(f"wrote {Path(a.out_dir) / 'frontier.json'}, {', '.join(map(str, paths))} ({len(tasks)} points)")
     return 0
 
 

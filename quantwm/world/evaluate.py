@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..core.cache import CacheConfig
+from ..core.cache import CacheConfig, KVCache
 from ..evaluation import metrics as M
 from .generate import Rollout, generate, revisited_frames
 from .model import WorldModel
@@ -79,7 +79,7 @@ def memory_stats(run: Rollout) -> dict:
 
 def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: list[int] = (0, 1), n_frames: int = 32,
              bits: int = 2, trajectory_kind: str = "loop", steps: int = 4, progress: Callable | None = None,
-             training_seeds: bool = False, world: str = "photo") -> dict:
+             training_seeds: bool = False, world: str = "photo", method_options: tuple = ()) -> dict:
     """The `quantwm eval` report (see the module docstring). `training_seeds=True` evaluates on worlds
     drawn like the model's training worlds (seed + TRAIN_SEED_BASE: training photographs), to compare with
     held-out ones; `world` is the world kind (`scene.WORLDS`)."""
@@ -89,7 +89,10 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
         seeds = [s + TRAIN_SEED_BASE for s in seeds]
     if not seeds:
         raise ValueError("give at least one seed")
-    configs = {m: CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits) for m in methods}  # validates names
+    configs = {m: CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits, method_options=method_options)
+               for m in methods}  # validates names
+    for c in configs.values():
+        KVCache(c, 1)  # validates the options for every method before any work
     ctx = model.cfg.context_frames
     per: dict = {m: {k: [] for k in ("psnr", "ssim", "lpips", "tdiff", "warp_error")} for m in methods}
     lpips_note = M.lpips_unavailable()
@@ -130,7 +133,8 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
                 progress(done, total, f"seed {seed} {m}")
     out: dict = {"methods": {}, "bf16": {}, "config": {
         "target": target, "bits": bits, "seeds": list(seeds), "frames": n_frames, "trajectory": trajectory_kind,
-        "world": world, "steps": steps, "context_frames": ctx, "lpips_note": lpips_note, "model": model.config_dict(),
+        "world": world, "method_options": dict(method_options), "steps": steps, "context_frames": ctx,
+        "lpips_note": lpips_note, "model": model.config_dict(),
         "seconds": time.time() - t0}}
     for m in methods:
         frame_means = {k: [sum(col) / len(col) for col in zip(*v)] for k, v in per[m].items()}

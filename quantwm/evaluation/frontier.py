@@ -1,0 +1,202 @@
+"""`quantwm frontier`: quality against bits per element for every method, sweeping its budget knobs.
+
+Each sweep point is one configuration (method, target, bits, method options) measured on one source: the
+built-in world model on held-out seeds ("world": bits per element from stored bytes, token and place shift,
+PSNR/SSIM/LPIPS/tdiff against BF16) or a synthetic trace ("trace:<path>": bits, token shift, attention-output
+error). Points are independent tasks; the manifest (`manifest.json` in the output folder) is keyed by the
+configuration, so an interrupted sweep resumes where it stopped. They run in a local process pool by default,
+or on a Ray cluster (`ray_address`, the optional `ray` extra) when a sweep outgrows one machine.
+
+`summarise` compares methods at equal bits: for every point of a method it finds the best point of the
+reference method that costs no more bits (the reference's frontier at that budget) and reports the ratio of
+their shift rates; the figure draws every point and each method's Pareto front.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+# The budget knobs each method sweeps (on top of bits 2/3/4). Paper presets keep their configuration except
+# the knob that sets the budget; every point is labelled with its options.
+GRID: dict[str, list[dict]] = {
+    "rtn": [{"group_size": g} for g in (32, 64, 128)],
+    "kivi": [{"group_size": g} for g in (32, 64)],
+    "qvg": [{"n_centroids": k} for k in (2, 6, 16, 64, 256)],
+    "qvg-asym": [{"n_centroids": k} for k in (2, 6, 16, 64, 256)],
+    "qvg-budget": [{}],
+    "quantwm": [{"psac_rank": r, "psac_bits": b} for r in (4, 8, 16) for b in (4, 8)],
+    "quantwm-paper": [{"n_centroids": k} for k in (4, 16, 256)],
+}
+QUICK_GRID: dict[str, list[dict]] = {"rtn": [{}], "qvg": [{"n_centroids": 6}], "quantwm": [{}]}
+SHIFT = {"world": "place_shift_rate", "trace": "shift_rate"}
+
+
+def task_key(task: dict) -> str:
+    return json.dumps(task, sort_keys=True)
+
+
+def make_tasks(sources: list[str], grid: dict[str, list[dict]], bits: list[int], target: str = "kv",
+               seeds: list[int] = (0, 1), frames: int = 16) -> list[dict]:
+    """Every (source, method, options, bits) point; world points carry the held-out seeds and frames."""
+    tasks = []
+    for source in sources:
+        for method, options in grid.items():
+            for opts in options:
+                for b in bits:
+                    t = {"source": source, "method": method, "options": opts, "bits": b, "target": target}
+                    if source == "world":
+                        t.update(seeds=list(seeds), frames=frames)
+                    tasks.append(t)
+    return tasks
+
+
+def run_task(task: dict) -> dict:
+    """Measure one point (runs in a worker: imports here, one torch thread)."""
+    import torch
+
+    torch.set_num_threads(1)
+    opts = tuple(sorted(task["options"].items()))
+    if task["source"] == "world":
+        from ..world.evaluate import evaluate
+        from ..world.generate import load_world_model
+
+        r = evaluate(load_world_model(), [task["method"]], task["target"], task["seeds"], task["frames"],
+                     task["bits"], method_options=opts)
+        m = r["methods"][task["method"]]["mean"]
+        keys = ("bits_per_element", "shift_rate", "place_shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error")
+        return {k: m[k] for k in keys}
+    from .analyze import analyze_trace
+    from .trace import read_trace
+
+    path = task["source"].removeprefix("trace:")
+    r = analyze_trace(read_trace(path), [task["method"]], task["target"], task["bits"], method_options=opts)
+    m = r["methods"][task["method"]]["mean"]
+    return {k: m[k] for k in ("bits_per_element", "shift_rate", "topk_overlap", "out_rel_err", "k_rel_err")}
+
+
+def _run_ray(todo: list[dict], address: str, done: Callable, workers: int, temp_dir: Path) -> None:
+    """Run the points as Ray tasks. address "local" starts a Ray of `workers` CPUs whose temporary files stay
+    in `temp_dir`, and stops it afterwards; any other address joins that cluster."""
+    try:
+        import ray
+    except ImportError as e:
+        raise ValueError("--ray needs Ray: pip install 'quantwm[ray]'") from e
+    local = address == "local"
+    if local:
+        temp_dir = temp_dir.resolve()
+        if len(str(temp_dir)) > 40:  # Ray puts unix sockets ~65 characters below it; the OS allows 107
+            raise ValueError(f"Ray's scratch folder {temp_dir} is too long a path for its sockets; give a shorter "
+                             "--out-dir (40 characters or fewer)")
+        temp_dir.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a throwaway local cluster: no token under ~/.ray
+        ray.init(num_cpus=max(1, workers), include_dashboard=False, log_to_driver=False,
+                 _temp_dir=str(temp_dir))
+    else:
+        ray.init(address=address, log_to_driver=False)
+    try:
+        remote = ray.remote(num_cpus=1)(run_task)
+        pending = {remote.remote(t): t for t in todo}
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1)
+            for ref in ready:
+                done(pending.pop(ref), ray.get(ref))
+    finally:
+        ray.shutdown()
+
+
+def sweep(tasks: list[dict], out_dir: str | Path, workers: int = 1, ray_address: str | None = None,
+          progress: Callable | None = None) -> dict[str, dict]:
+    """Run every task not yet in the manifest; returns the manifest {task key: {"task", "result"}}."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "manifest.json"
+    manifest: dict = json.loads(path.read_text()) if path.is_file() else {}
+    todo = [t for t in tasks if task_key(t) not in manifest]
+    total, count = len(tasks), len(tasks) - len(todo)
+
+    def done(task: dict, result: dict) -> None:
+        nonlocal count
+        manifest[task_key(task)] = {"task": task, "result": result}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(manifest, indent=1, allow_nan=True))
+        tmp.replace(path)  # the manifest is complete after every point: nothing is lost on interruption
+        count += 1
+        if progress:
+            progress(count, total, f"{task['method']} {task['bits']}-bit")
+
+    if ray_address:
+        _run_ray(todo, ray_address, done, workers, out / "ray")
+    elif workers <= 1:
+        for t in todo:
+            done(t, run_task(t))
+    else:
+        with ProcessPoolExecutor(workers) as pool:
+            for t, r in zip(todo, pool.map(run_task, todo)):
+                done(t, r)
+    return manifest
+
+
+def _label(task: dict) -> str:
+    opts = ",".join(f"{k}={v}" for k, v in sorted(task["options"].items()))
+    return f"{task['method']}({opts})" if opts else task["method"]
+
+
+def summarise(manifest: dict, reference: str = "qvg", methods: tuple[str, ...] = ("quantwm", "quantwm-paper"),
+              reference_family: tuple[str, ...] = ("qvg", "qvg-asym", "qvg-pro", "qvg-budget")) -> dict:
+    """Per source: every point, and for each of `methods` the best ratio of its shift rate to the best point of
+    the QVG family that costs no more bits per element (the quantity the frontier target is stated in)."""
+    by_source: dict[str, list[dict]] = {}
+    for e in manifest.values():
+        t, r = e["task"], e["result"]
+        by_source.setdefault(t["source"], []).append({**r, "label": _label(t), "method": t["method"],
+                                                      "bits": t["bits"], "options": t["options"]})
+    out = {}
+    for source, points in by_source.items():
+        shift = SHIFT["world" if source == "world" else "trace"]
+        refs = [p for p in points if p["method"] in reference_family]
+        best = {}
+        for m in methods:
+            rows = []
+            for p in (p for p in points if p["method"] == m):
+                cheaper = [q for q in refs if q["bits_per_element"] <= p["bits_per_element"] + 1e-9]
+                if cheaper:
+                    q = min(cheaper, key=lambda q: q[shift])
+                    rows.append({"point": p["label"], "bits": p["bits_per_element"], "shift": p[shift],
+                                 "reference": q["label"], "reference_bits": q["bits_per_element"],
+                                 "reference_shift": q[shift], "ratio": p[shift] / q[shift] if q[shift] else math.inf})
+            best[m] = min(rows, key=lambda r: r["ratio"]) if rows else None
+        out[source] = {"shift_metric": shift, "points": points, "best_ratio_vs_qvg_family": best}
+    return out
+
+
+def frontier_figure(summary: dict, path_stem: str | Path, formats: list[str]) -> list[Path]:
+    """One panel per source: shift rate against bits per element, every point, each method's Pareto front."""
+    from .figures import _figure, save_figure
+
+    sources = list(summary)
+    fig = _figure(4.2 * len(sources), 3.6)
+    axes = fig.subplots(1, len(sources), squeeze=False)[0]
+    for ax, source in zip(axes, sources):
+        s = summary[source]
+        shift = s["shift_metric"]
+        for m in sorted({p["method"] for p in s["points"]}):
+            pts = sorted((p["bits_per_element"], p[shift]) for p in s["points"] if p["method"] == m
+                         and math.isfinite(p["bits_per_element"]))
+            front, low = [], math.inf
+            for b, y in pts:
+                if y < low:
+                    front.append((b, y))
+                    low = y
+            line, = ax.plot([b for b, _ in front], [y for _, y in front], "-", lw=1.4, label=m)
+            ax.plot([b for b, _ in pts], [y for _, y in pts], "o", ms=3, alpha=0.5, color=line.get_color())
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bits per element (stored bytes)", fontsize=8)
+        ax.set_ylabel(shift.replace("_", " "), fontsize=8)
+        ax.set_title(source if source == "world" else Path(source.removeprefix("trace:")).stem, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=6, frameon=False)
+    return save_figure(fig, path_stem, formats)

@@ -1,0 +1,71 @@
+"""Tests for quantwm.evaluation.frontier: the resumable sweep, the equal-bits summary, the Ray path."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from quantwm.cli import main
+from quantwm.evaluation import frontier as FR
+
+
+@pytest.fixture(scope="module")
+def trace_source(small_trace_path):
+    return f"trace:{small_trace_path}"
+
+
+def test_sweep_resumes_from_its_manifest(tmp_path, trace_source):
+    tasks = FR.make_tasks([trace_source], {"rtn": [{}], "qvg": [{"n_centroids": 4}]}, [2], "k")
+    first = FR.sweep(tasks[:1], tmp_path)
+    assert len(first) == 1
+    calls = []
+    real = FR.run_task
+    FR.run_task, original = (lambda t: calls.append(t) or real(t)), FR.run_task
+    try:
+        second = FR.sweep(tasks, tmp_path)  # only the point not yet in the manifest runs
+    finally:
+        FR.run_task = original
+    assert [c["method"] for c in calls] == ["qvg"] and len(second) == 2
+    on_disk = json.loads((tmp_path / "manifest.json").read_text())
+    assert set(on_disk) == {FR.task_key(t) for t in tasks}
+
+
+def test_summary_compares_at_equal_bits():
+    pts = {}
+    for method, bits, shift in (("qvg", 2.5, 0.4), ("qvg", 3.5, 0.2), ("quantwm", 3.0, 0.1)):
+        t = {"source": "trace:x", "method": method, "options": {}, "bits": 2, "target": "k"}
+        t["options"] = {"b": bits}
+        pts[FR.task_key(t)] = {"task": t, "result": {"bits_per_element": bits, "shift_rate": shift}}
+    best = FR.summarise(pts)["trace:x"]["best_ratio_vs_qvg_family"]["quantwm"]
+    assert best["reference_bits"] == 2.5 and best["ratio"] == pytest.approx(0.25)  # not the 3.5-bit qvg point
+
+
+def test_frontier_cli_writes_json_and_figure(tmp_path, trace_source, capsys):
+    out = tmp_path / "fr"
+    assert main(["frontier", "--quick", "--sources", trace_source, "--bits", "2", "--target", "k",
+                 "--formats", "svg", "--out-dir", str(out)]) == 0
+    summary = json.loads((out / "frontier.json").read_text())
+    (s,) = summary.values()
+    assert {p["method"] for p in s["points"]} == {"rtn", "qvg", "quantwm"}
+    assert math.isfinite(s["best_ratio_vs_qvg_family"]["quantwm"]["ratio"])
+    assert (out / "frontier.svg").stat().st_size > 1000
+    assert "ratio" in capsys.readouterr().out
+    assert main(["frontier", "--sources", "trace:/nope.safetensors", "--out-dir", str(out)]) == 2
+
+
+def test_sweep_on_a_local_ray_with_two_cpus(trace_source):
+    pytest.importorskip("ray")
+    import shutil
+    import tempfile
+
+    scratch = Path(tempfile.mkdtemp(prefix="qwm-", dir="/tmp"))  # short: Ray's sockets live below it
+    try:
+        tasks = FR.make_tasks([trace_source], {"rtn": [{}], "kivi": [{}]}, [2], "k")
+        manifest = FR.sweep(tasks, scratch, workers=2, ray_address="local")
+        assert len(manifest) == 2 and (scratch / "ray").is_dir()  # Ray's temporary files stay in the scratch folder
+        local = FR.run_task(tasks[0])
+        assert manifest[FR.task_key(tasks[0])]["result"] == local  # the same numbers as in this process
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
