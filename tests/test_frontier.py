@@ -69,3 +69,12 @@ def test_sweep_on_a_local_ray_with_two_cpus(trace_source):
         assert manifest[FR.task_key(tasks[0])]["result"] == local  # the same numbers as in this process
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_a_configuration_the_source_cannot_take_is_recorded_not_fatal(tmp_path, trace_source):
+    tasks = FR.make_tasks([trace_source], {"rtn": [{"group_size": 128}, {}]}, [2], "k")  # the trace has D = 64
+    manifest = FR.sweep(tasks, tmp_path)
+    bad = manifest[FR.task_key(tasks[0])]["result"]
+    assert "does not divide" in bad["error"]
+    (s,) = FR.summarise(manifest).values()
+    assert len(s["points"]) == 1

@@ -55,7 +55,15 @@ def make_tasks(sources: list[str], grid: dict[str, list[dict]], bits: list[int],
 
 
 def run_task(task: dict) -> dict:
-    """Measure one point (runs in a worker: imports here, one torch thread)."""
+    """Measure one point (runs in a worker: imports here, one torch thread). A configuration the source
+    cannot take (e.g. a group size that does not divide its head dim) gives {"error": message}."""
+    try:
+        return _measure(task)
+    except ValueError as e:
+        return {"error": str(e).splitlines()[0]}
+
+
+def _measure(task: dict) -> dict:
     import torch
 
     torch.set_num_threads(1)
@@ -152,6 +160,8 @@ def summarise(manifest: dict, reference: str = "qvg", methods: tuple[str, ...] =
     by_source: dict[str, list[dict]] = {}
     for e in manifest.values():
         t, r = e["task"], e["result"]
+        if "error" in r:  # a configuration this source cannot take: listed in the manifest, not plotted
+            continue
         by_source.setdefault(t["source"], []).append({**r, "label": _label(t), "method": t["method"],
                                                       "bits": t["bits"], "options": t["options"]})
     out = {}
