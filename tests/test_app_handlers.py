@@ -9,7 +9,7 @@ from quantwm.evaluation.synthetic import make_synthetic_trace
 from quantwm.evaluation.workbench import Workbench
 
 FRAMES = 10
-SETTINGS = (3, "pan-return", "qvg", "k", 2, FRAMES)
+SETTINGS = (3, "pan-return", "qvg-budget", "k", 2, FRAMES)  # lossy here (qvg's 256 centroids hold every key)
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +26,7 @@ def generated(wb):
 
 def test_generate_returns_h264_videos_plot_and_worst_frame(generated):
     r, calls = generated
-    assert r["run_id"] == "seed=3 pan-return qvg k 2-bit 10f" and not r["status"].startswith("**Error")
+    assert r["run_id"] == "seed=3 pan-return qvg-budget k 2-bit 10f" and not r["status"].startswith("**Error")
     assert "PSNR vs BF16" in r["status"] and "shift rate" in r["status"]
     for which in ("bf16_video", "method_video"):
         meta = next(imageio_ffmpeg.read_frames(r[which]))
@@ -165,8 +165,8 @@ def test_kv_finding_is_computed_from_the_numbers():
 
 
 def test_methods_handler(wb):
-    r = wh.methods_handler(wb, 3, "pan-return", "k", 2, FRAMES, ["qvg", "rtn"])
-    assert [row[0] for row in r["rows"]] == ["qvg", "rtn"] and r["header"] == list(wh.METHOD_COLUMNS)
+    r = wh.methods_handler(wb, 3, "pan-return", "k", 2, FRAMES, ["qvg-budget", "rtn"])
+    assert [row[0] for row in r["rows"]] == ["qvg-budget", "rtn"] and r["header"] == list(wh.METHOD_COLUMNS)
     bf16_mb, mb = r["header"].index("memory_bf16_mb"), r["header"].index("memory_mb")
     assert all(row[mb] < row[bf16_mb] for row in r["rows"])
     assert "unknown method" in wh.methods_handler(wb, 3, "loop", "k", 2, FRAMES, ["zzz"])["status"]
