@@ -1,4 +1,7 @@
-"""Why the built-in model's revisited views stop at ~24 dB: measurements of its copy ceiling.
+"""The built-in model's copy ceiling: how faithfully it reproduces places its cache has seen.
+
+(Written when the 192-wide model stopped at ~24 dB on revisited views; README "Results on the built-in
+model" has today's figures.)
 
     python benchmarks/world_copy_ceiling.py
 
