@@ -451,3 +451,11 @@ def test_bf16_input_encodes_like_its_float32_value(name, kind):
     b = m.decode(m.encode(x.float(), kind, SpanContext()))
     assert a.dtype == torch.float32
     assert torch.equal(a, b)
+
+
+def test_quantwm_paper_stores_spans_as_the_qvg_preset_does():
+    """quantwm-paper is QVG's storage plus the paper's QSAC and PSAC: its storage fields must follow `qvg`'s."""
+    qvg, paper = get_method("qvg"), get_method("quantwm-paper")
+    for field in ("n_centroids", "min_tokens_per_centroid", "stages", "iters", "tol", "warm_start", "bits",
+                  "group_size", "symmetric", "scale_dtype", "scale_rounding", "codebook_dtype"):
+        assert getattr(paper, field) == getattr(qvg, field), field

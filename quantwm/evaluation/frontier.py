@@ -8,8 +8,8 @@ configuration, so an interrupted sweep resumes where it stopped. They run in a l
 or on a Ray cluster (`ray_address`, the optional `ray` extra) when a sweep outgrows one machine.
 
 `summarise` compares methods at equal bits: for every point of a method it finds the best point of the
-reference method that costs no more bits (the reference's frontier at that budget) and reports the ratio of
-their shift rates; the figure draws every point and each method's Pareto front.
+reference family (the QVG presets) that costs no more bits (the family's frontier at that budget) and
+reports the ratio of their shift rates; the figure draws every point and each method's Pareto front.
 """
 from __future__ import annotations
 
@@ -153,7 +153,7 @@ def _label(task: dict) -> str:
     return f"{task['method']}({opts})" if opts else task["method"]
 
 
-def summarise(manifest: dict, reference: str = "qvg", methods: tuple[str, ...] = ("quantwm", "quantwm-paper"),
+def summarise(manifest: dict, methods: tuple[str, ...] = ("quantwm", "quantwm-paper"),
               reference_family: tuple[str, ...] = ("qvg", "qvg-asym", "qvg-pro", "qvg-budget")) -> dict:
     """Per source: every point, and for each of `methods` the best ratio of its shift rate to the best point of
     the QVG family that costs no more bits per element (the quantity the frontier target is stated in)."""
