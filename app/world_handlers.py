@@ -19,7 +19,13 @@ THUMB = 2  # source thumbnails
 FLICKER_FULL_SCALE = 0.25  # a flicker of a quarter of the intensity range shows full red
 WARP_FULL_SCALE = 0.15  # a warping error of 0.15 shows full orange
 OVERLAYS = ("flicker map", "warping error", "top-1 jumps")
-_exports = tempfile.mkdtemp(prefix="quantwm-figures-")
+_exports: list[str] = []  # the folder exported figures go to, made on the first export
+
+
+def _export_dir(kind: str) -> str:
+    if not _exports:
+        _exports.append(tempfile.mkdtemp(prefix="quantwm-figures-"))
+    return os.path.join(_exports[0], kind)
 _videos: dict[tuple[str, str], str] = {}
 
 
@@ -254,7 +260,7 @@ def export_handler(wb, run_id, frame, x, y, layer=0, head=0, formats=("pdf",)) -
         t = int(frame) if frame is not None else None
         generated = t is not None and t >= wb.model_facts()["context_frames"]  # context frames have no probes
         kinds = ["frames", "maps", "energy"] + (["trace"] if generated else [])
-        paths = run_figures(wb, key, os.path.join(_exports, "run"), kinds, list(formats or []), frame=t,
+        paths = run_figures(wb, key, _export_dir("run"), kinds, list(formats or []), frame=t,
                             pixel=[int(x), int(y)], layer=int(layer), head=int(head))
     except (ValueError, TypeError) as e:
         return error(str(e))
@@ -272,7 +278,7 @@ def export_methods_handler(wb, seed, trajectory, target, bits, frames, methods, 
         if not methods:
             raise ValueError("choose at least one method")
         key = _key(seed, trajectory, list(methods)[0], target, bits, frames)
-        paths = run_figures(wb, key, os.path.join(_exports, "methods"), ["methods"], list(formats or []),
+        paths = run_figures(wb, key, _export_dir("methods"), ["methods"], list(formats or []),
                             methods=list(methods), progress=progress)
     except (Busy, ValueError) as e:
         return error(str(e))
