@@ -191,3 +191,16 @@ def test_trace_inspect_and_energy_handlers(small_trace_path, tmp_path):
     assert "unknown method" in handlers.trace_inspect_handler(str(small_trace_path), "zz", "k", 2, 0, 0, 0)["status"]
     assert "out of range" in handlers.trace_inspect_handler(str(small_trace_path), "qvg", "k", 2, 0, 5, 0)["status"]
     assert handlers.trace_inspect_handler(None, "qvg", "k", 2, 0, 0, 0)["status"] == "**Error:** no trace file given."
+
+
+def test_export_handlers_write_print_figures_and_refuse_bad_input(wb, generated):
+    rid = generated[0]["run_id"]
+    r = wh.export_handler(wb, rid, FRAMES - 1, 10, 20, 1, 0, ["svg"])
+    assert sorted(f.rsplit("/", 1)[-1].split("-")[0] for f in r["files"]) == ["energy", "frames", "maps", "trace"]
+    ctx = wh.export_handler(wb, rid, 1, 10, 20, 1, 0, ["png"])  # a context frame has no probes: no trace figure
+    assert sorted(f.rsplit("/", 1)[-1].split("-")[0] for f in ctx["files"]) == ["energy", "frames", "maps"]
+    assert wh.export_handler(wb, rid, FRAMES - 1, 10, 20, 1, 0, ["gif"])["status"].startswith("**Error:** unknown figure format")
+    assert wh.export_handler(wb, "not a run", 5, 1, 1)["status"].startswith("**Error:** not a run id")
+    m = wh.export_methods_handler(wb, 3, "pan-return", "k", 2, FRAMES, ["qvg-budget", "rtn"], ["pdf"])
+    assert len(m["files"]) == 1 and m["files"][0].endswith(".pdf")
+    assert wh.export_methods_handler(wb, 3, "pan-return", "k", 2, FRAMES, [], ["pdf"])["status"].startswith("**Error:** choose")
