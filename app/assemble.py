@@ -14,7 +14,6 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
-from quantwm.core.methods import known_methods  # noqa: E402
 from quantwm.evaluation.figures import FORMATS  # noqa: E402
 from quantwm.evaluation.synthetic import make_synthetic_trace  # noqa: E402
 from quantwm.evaluation.trace import read_trace  # noqa: E402
@@ -51,7 +50,7 @@ def build_app(trace: str | None = None, workbench: Workbench | None = None, fram
     trace_path = default_trace(trace)
     wb = workbench or Workbench()
     facts = wb.model_facts()
-    methods = known_methods()
+    methods = wb.methods()  # what the built-in model can run; the trace tab takes the same list
     with gr.Blocks(title="QuantWM") as demo:
         gr.Markdown("# QuantWM: where 2-bit KV caches make video world models flicker\n"
                     f"Built-in world model: {facts['layers']} layers, {facts['heads']} heads x {facts['head_dim']}, "

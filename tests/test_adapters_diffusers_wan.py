@@ -118,7 +118,10 @@ def test_adapter_restores_processors_and_rope_on_exit(wan, inputs):
 
 @pytest.mark.parametrize("method", known_methods())
 def test_every_registry_method_generates_through_the_adapter(wan, inputs, method):
-    cache = wan_kv_cache(wan, CacheConfig(method))
+    if method.startswith("kivi-pre"):  # defined on pre-RoPE keys: the adapter's pre-RoPE cache
+        cache = wan_kv_cache(wan, CacheConfig(method, rope="pre"), (HEIGHT // 2, WIDTH // 2))
+    else:
+        cache = wan_kv_cache(wan, CacheConfig(method))
     den, clean = _generate(wan, inputs, cache, n_chunks=4)
     assert torch.isfinite(den).all() and torch.isfinite(clean).all()
     assert [len(st.chunks) for st in cache.layers] == [4, 4]

@@ -128,3 +128,18 @@ def test_read_trace_rejects_a_bad_q_hist_chunk(tmp_path):
     save_file(t, tmp_path / "bad.safetensors", metadata=meta)
     with pytest.raises(ValueError, match="q_hist_chunk must be int64"):
         read_trace(tmp_path / "bad.safetensors")
+
+
+def test_kivi_pre_quantizes_keys_before_rope_on_a_post_rope_trace(small_trace):
+    """kivi-pre on a post-RoPE trace: keys un-rotated with the trace's 3-D RoPE, quantized, rotated at read."""
+    r = analyze_trace(small_trace, ["kivi", "kivi-pre"], "k", 2)
+    k, pre = r["methods"]["kivi"]["mean"], r["methods"]["kivi-pre"]["mean"]
+    assert pre["bits_per_element"] == k["bits_per_element"] and pre["k_rel_err"] != k["k_rel_err"]
+    assert 0 < pre["shift_rate"] < 1
+
+
+def test_kivi_pre_is_refused_by_a_post_rope_cache():
+    from quantwm.core.cache import CacheConfig, KVCache
+
+    with pytest.raises(ValueError, match="before RoPE"):
+        KVCache(CacheConfig("kivi-pre"), 1)

@@ -140,6 +140,9 @@ class KVCache:
         self.quantize_k = self.k_method.quantized and config.target in ("k", "kv")
         self.quantize_v = self.v_method.quantized and config.target in ("v", "kv")
         self.causal_stats = bool(getattr(self.k_method, "causal_stats", False))
+        if self.k_method.pre_rope and self.quantize_k and config.rope != "pre":
+            raise ValueError(f"{config.method} quantizes keys before RoPE: it needs CacheConfig(rope='pre') and the "
+                             "model's rope function (the built-in world model stores post-RoPE keys only)")
         self.layers = [LayerState() for _ in range(n_layers)]
 
     # ---- layout ---------------------------------------------------------------------------------

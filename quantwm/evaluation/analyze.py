@@ -14,6 +14,7 @@ Pre-RoPE traces are read with the standard 3-D RoPE of `quantwm.core.rope` over 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
@@ -39,15 +40,24 @@ def stats_source(trace: Trace) -> str:
 
 
 def _layer_cache(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: int) -> tuple[KVCache, Callable]:
+    """The traced layer's keys and values committed into a one-layer cache; returns (cache, rope or None: the
+    rope that turns the trace's stored keys into post-RoPE ones)."""
     t = trace.layers[layer]
     H, Nk, D = t["k"].shape
     rope = Rope3D(D, trace.frame_grid) if trace.meta["rope"] == "pre" else None
-    cache = KVCache(config, 1, rope=rope)
+    keys = t["k"].float()
+    if rope is None and make_method(config.method, config.k_bits, dict(config.method_options)).pre_rope:
+        # a method defined on pre-RoPE keys, on a post-RoPE trace: un-rotate with the trace's 3-D RoPE
+        keys = Rope3D(D, trace.frame_grid)(keys[None], torch.arange(Nk), inverse=True)[0]
+        config = replace(config, rope="pre")
+        cache = KVCache(config, 1, rope=Rope3D(D, trace.frame_grid))
+    else:
+        cache = KVCache(config, 1, rope=rope)
     hist, chunk_of = t.get("q_hist"), t.get("q_hist_chunk")
     if hist is not None and chunk_of is None:
         cache.load_query_stats(0, second_moment(hist.float()), count=hist.shape[1])
     for i, s in enumerate(range(0, Nk, chunk_tokens)):
-        cache.write(0, t["k"][None, :, s:s + chunk_tokens].float(), t["v"][None, :, s:s + chunk_tokens].float(), i)
+        cache.write(0, keys[None, :, s:s + chunk_tokens], t["v"][None, :, s:s + chunk_tokens].float(), i)
         if chunk_of is not None and (chunk_of == i).any():
             cache.observe(0, hist[None, :, chunk_of == i].float())
         cache.commit(0, i)

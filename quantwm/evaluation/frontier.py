@@ -25,6 +25,7 @@ from pathlib import Path
 GRID: dict[str, list[dict]] = {
     "rtn": [{"group_size": g} for g in (32, 64, 128)],
     "kivi": [{"group_size": g} for g in (32, 64)],
+    "kivi-pre": [{"group_size": g} for g in (32, 64)],  # traces only: the built-in model cannot run pre-RoPE keys
     "qvg": [{"n_centroids": k} for k in (2, 6, 16, 64, 256)],
     "qvg-asym": [{"n_centroids": k} for k in (2, 6, 16, 64, 256)],
     "qvg-budget": [{}],

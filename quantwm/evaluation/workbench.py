@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..core.cache import CacheConfig, jensen_bias
+from ..core.methods import get_method, known_methods
 from ..world.evaluate import shift_rate
 from ..world.generate import generate, load_world_model
 from ..world.scene import TRAJECTORIES
@@ -115,6 +116,12 @@ class Workbench:
         if self.device.startswith("cuda"):
             return f"CUDA ({torch.cuda.get_device_name(0)})"
         return f"CPU ({torch.get_num_threads()} torch thread(s))"
+
+    @staticmethod
+    def methods() -> list[str]:
+        """Every registered method the built-in model can run (not the pre-RoPE ones: its RoPE runs over world
+        coordinates the cache does not know)."""
+        return [m for m in known_methods() if not get_method(m).pre_rope]
 
     def model_facts(self) -> dict:
         c = self.cfg
