@@ -338,3 +338,41 @@ def test_psac_basis_is_reused_while_the_subspace_holds_and_replaced_when_it_move
     V = psac_basis(moved, R, prev=U)
     assert V is not U and subspace_overlap(U, V).max() < 0.01
     assert psac_basis(stats, R, prev=U, reuse=1.01) is not U  # reuse > 1: always a fresh basis
+
+
+# --- adaptive PSAC rank (issue 12, "spend the bits where the Queries are") ---------------------------
+
+def test_spectrum_ranks_hold_the_asked_share_of_each_heads_energy():
+    from quantwm.core.psac import spectrum_ranks
+
+    diag = torch.stack([torch.tensor([8.0, 1, 1, 0, 0, 0, 0, 0]), torch.ones(8)])
+    ranks = spectrum_ranks(torch.diag_embed(diag), 0.8, max_rank=6)
+    assert ranks.tolist() == [1, 6]  # 8/10 in one direction; the flat head needs 7 of 8, capped at 6
+    assert spectrum_ranks(torch.diag_embed(diag), 0.81, 8).tolist() == [2, 7]
+    with pytest.raises(ValueError, match="share"):
+        spectrum_ranks(torch.eye(4)[None], 0.0, 4)
+
+
+def test_adaptive_rank_psac_stores_each_stream_at_its_own_rank_and_corrects_there():
+    from quantwm.core.methods import SpanContext, get_method
+
+    S_, N_, D_ = 3, 128, 64
+    x = _randn(S_, N_, D_, seed=40)
+    Q = torch.linalg.qr(_randn(S_, D_, D_, seed=41))[0]
+    ev = torch.stack([2.0 ** -torch.arange(D_).float(), 2.0 ** -torch.arange(D_).float(), torch.ones(D_)])
+    stats = Q @ torch.diag_embed(ev) @ Q.transpose(1, 2)
+    fixed = get_method("quantwm", psac_rank=16)
+    adaptive = get_method("quantwm", psac_rank=16, psac_energy=0.9)
+    ctx = lambda: SpanContext(stats=stats, history=100)  # noqa: E731
+    ef, ea = fixed.encode(x, "k", ctx()), adaptive.encode(x, "k", ctx())
+    assert ea.tensors["psac_ranks"].tolist() == [4, 4, 16]  # 90% of 1, 1/2, 1/4, ... takes 4 directions
+    assert ea.nbytes() < ef.nbytes()  # concentrated heads store fewer coefficients
+    assert ea.tensors["psac_codes.0"].shape == (1, N_, 2) and ea.tensors["psac_codes.2"].shape == (1, N_, 8)
+    # what the logits feel, eᵀ S e per stream: the 4 kept directions remove most of it (90% of the energy)
+    def weighted(m, enc=None):
+        e = m.decode(enc if enc is not None else m.encode(x, "k", ctx())) - x
+        return torch.einsum("snd,sde,sne->s", e, stats, e)
+    none = weighted(get_method("quantwm", psac=False))
+    assert (weighted(adaptive, ea)[:2] < 0.15 * none[:2]).all()
+    assert torch.allclose(weighted(adaptive, ea)[2], weighted(fixed, ef)[2])  # the diffuse head keeps all 16
+    assert adaptive.fused_format(ea, D_) is None  # ragged ranks: the reference path reads them

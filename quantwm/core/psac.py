@@ -9,6 +9,11 @@ A basis is computed when a span is committed and shared with later spans for as 
 subspace overlaps it by at least `reuse` (||Uᵀ U'||²_F / R): with a settled S one stored basis serves many
 spans, which is what lets bases amortise over short spans. The cache counts each shared basis once.
 
+With `share` (adaptive rank, beyond the paper), each stream keeps only as many directions as hold that
+share of its S's energy (at most the basis' rank): a head whose queries are concentrated stores a few
+coefficients a token, a diffuse one more (`spectrum_ranks`, `psac_encode_ranked`). The basis is stored at the
+maximum rank and shared as above; the per-stream coefficients are stored at their own rank.
+
 Coefficients are quantized per (stream, direction) over the span (one scale and zero per direction,
 `bits` levels) by default: per-token scales (`per_token=True`, the QuantWM paper's INT8 coefficients)
 cost 32 bits a token more, which a 2-bit budget barely carries (see README, "Where the bits go").
@@ -65,3 +70,35 @@ def psac_correction(t: dict[str, torch.Tensor], U: torch.Tensor, n_tokens: int, 
     q = GroupQuant(t["psac_codes"], t["psac_scales"], t.get("psac_zeros"), (U.shape[0], n_tokens, R), bits,
                    group, axis, symmetric)
     return torch.bmm(dequantize_groups(q), U.transpose(1, 2))
+
+
+def spectrum_ranks(stats: torch.Tensor, share: float, max_rank: int) -> torch.Tensor:
+    """Per stream, the smallest rank whose top eigenvalues of S hold `share` of its trace: (S, D, D) -> (S,) long
+    in [1, max_rank]."""
+    if not 0 < share <= 1:
+        raise ValueError(f"the energy share must lie in (0, 1], got {share}")
+    ev = torch.linalg.eigvalsh(stats.double()).flip(-1).clamp_min(0)  # (S, D) descending
+    cum = ev.cumsum(-1) / ev.sum(-1, keepdim=True).clamp_min(1e-300)
+    return ((cum < share - 1e-12).sum(-1) + 1).clamp(1, max_rank)
+
+
+def psac_encode_ranked(err: torch.Tensor, U: torch.Tensor, ranks: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
+    """Like `psac_encode` (per-direction scales), stream s keeping its first ranks[s] directions:
+    {psac_ranks (S,) uint8, psac_codes.{s}, psac_scales.{s}, psac_zeros.{s}}."""
+    a = torch.bmm(err.float(), U.float())  # (S, N, D) @ (S, D, R) -> (S, N, R)
+    out = {"psac_ranks": ranks.to(torch.uint8)}
+    for s, r in enumerate(ranks.tolist()):
+        q = quantize_groups(a[s:s + 1, :, :r], bits, a.shape[1], "token")
+        out[f"psac_codes.{s}"], out[f"psac_scales.{s}"], out[f"psac_zeros.{s}"] = q.codes, q.scale, q.zero
+    return out
+
+
+def psac_correction_ranked(t: dict[str, torch.Tensor], U: torch.Tensor, n_tokens: int, bits: int) -> torch.Tensor:
+    """U[:, :, :r_s] â_s for every stream and token -> (S, N, D)."""
+    U = U.float()
+    out = torch.zeros(U.shape[0], n_tokens, U.shape[1], device=U.device)
+    for s, r in enumerate(t["psac_ranks"].long().tolist()):
+        q = GroupQuant(t[f"psac_codes.{s}"], t[f"psac_scales.{s}"], t[f"psac_zeros.{s}"], (1, n_tokens, r), bits,
+                       n_tokens, "token", False)
+        out[s] = dequantize_groups(q)[0] @ U[s, :, :r].T
+    return out

@@ -29,7 +29,9 @@ GRID: dict[str, list[dict]] = {
     "qvg": [{"n_centroids": k} for k in (2, 6, 16, 64, 256)],
     "qvg-asym": [{"n_centroids": k} for k in (2, 6, 16, 64, 256)],
     "qvg-budget": [{}],
-    "quantwm": [{"psac_rank": r, "psac_bits": b} for r in (4, 8, 16) for b in (4, 8)],
+    "quantwm": [{"psac_rank": r, "psac_bits": b} for r in (4, 8, 16) for b in (4, 8)]
+    # beyond the paper: the rank follows each head's spectrum (at most 24), traded against the residual's groups
+    + [{"psac_rank": 24, "psac_energy": e, "group_size": g} for e in (0.8, 0.9, 0.95) for g in (64, 128)],
     "quantwm-paper": [{"n_centroids": k} for k in (4, 16, 256)],
 }
 QUICK_GRID: dict[str, list[dict]] = {"rtn": [{}], "qvg": [{"n_centroids": 6}], "quantwm": [{}]}

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..psac import psac_basis, psac_correction, psac_encode
+from ..psac import psac_basis, psac_correction, psac_correction_ranked, psac_encode, psac_encode_ranked, spectrum_ranks
 from ..qsac import channel_sensitivity, qsac_assign
 from ..quant import SCALE_DTYPES, check_bits, dequantize_groups
 from .base import Encoded, SpanContext, register
@@ -51,6 +51,7 @@ class QuantWM(QVGBudget):
     psac_scale_dtype: str = "fp16"
     history_only: bool = False  # spans quantized before any history query: uniform weights, no PSAC (paper)
     causal_stats: bool = False  # a chunk's queries enter S only once that chunk is quantized (the cache does it)
+    psac_energy: float | None = None  # adaptive rank: per stream the fewest directions holding this share of S
 
     def __post_init__(self):
         super().__post_init__()
@@ -59,6 +60,8 @@ class QuantWM(QVGBudget):
             raise ValueError(f"psac_basis_dtype must be 'fp16' or 'bf16', got {self.psac_basis_dtype!r}")
         if self.qsac_distance < 0:
             raise ValueError(f"qsac_distance must be >= 0, got {self.qsac_distance}")
+        if self.psac_energy is not None and not (0 < self.psac_energy <= 1 and not self.psac_per_token):
+            raise ValueError(f"psac_energy must lie in (0, 1] (with per-direction scales), got {self.psac_energy}")
         if self.psac_rank < 1 or self.lam < 0 or (self.candidates is not None and self.candidates < 1):
             raise ValueError("psac_rank must be >= 1, lam >= 0 and candidates >= 1 or None")
 
@@ -66,7 +69,10 @@ class QuantWM(QVGBudget):
         parts = [super().grid()]
         if self.qsac:
             parts.append(f"QSAC lambda={self.lam}")
-        if self.psac:
+        if self.psac and self.psac_energy is not None:
+            parts.append(f"PSAC adaptive rank (≤ {self.psac_rank}, {self.psac_energy:.0%} of each head's query energy), "
+                         f"{self.psac_bits}-bit coefficients")
+        elif self.psac:
             scales = "per-token" if self.psac_per_token else "per-direction"
             parts.append(f"PSAC R={self.psac_rank} ({self.psac_basis_dtype} basis), {self.psac_bits}-bit coefficients, "
                          f"{scales} scales")
@@ -91,8 +97,13 @@ class QuantWM(QVGBudget):
             U = psac_basis(stats, self.psac_rank, ctx.state.get("k.psac_basis"), self.basis_reuse,
                            SCALE_DTYPES[self.psac_basis_dtype])
             ctx.state["k.psac_basis"] = shared["psac_basis"] = U
-            stored.update(psac_encode(r - dequantize_groups(q), U, self.psac_bits, self.psac_per_token,
-                                      self.psac_symmetric, self.psac_scale_dtype))
+            err = r - dequantize_groups(q)
+            if self.psac_energy is not None:
+                ranks = spectrum_ranks(stats, self.psac_energy, U.shape[-1])
+                stored.update(psac_encode_ranked(err, U, ranks, self.psac_bits))
+            else:
+                stored.update(psac_encode(err, U, self.psac_bits, self.psac_per_token, self.psac_symmetric,
+                                          self.psac_scale_dtype))
         return Encoded(stored, tuple(x.shape), {"axis": q.axis}, shared)
 
     def fused_format(self, enc: Encoded, head_dim: int) -> dict | None:
@@ -102,8 +113,8 @@ class QuantWM(QVGBudget):
         U = enc.shared.get("psac_basis")
         if side is None or U is None:
             return side
-        if self.psac_per_token or self.psac_symmetric:  # the kernel reads per-direction asymmetric coefficients
-            return None
+        if self.psac_per_token or self.psac_symmetric or self.psac_energy is not None:
+            return None  # the kernel reads per-direction asymmetric coefficients of one rank for every stream
         t = enc.tensors
         scales, zeros = t["psac_scales"].float()[:, 0], t["psac_zeros"].float()[:, 0]  # (S, R): one per direction
 
@@ -115,7 +126,9 @@ class QuantWM(QVGBudget):
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         x = super().decode(enc)
-        if "psac_basis" in enc.shared:
+        if "psac_basis" in enc.shared and "psac_ranks" in enc.tensors:
+            x = x + psac_correction_ranked(enc.tensors, enc.shared["psac_basis"], enc.shape[1], self.psac_bits)
+        elif "psac_basis" in enc.shared:
             x = x + psac_correction(enc.tensors, enc.shared["psac_basis"], enc.shape[1], self.psac_bits,
                                     self.psac_per_token, self.psac_symmetric)
         return x
