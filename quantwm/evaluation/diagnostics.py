@@ -161,6 +161,21 @@ def attention_output_error(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor
     return float((out - ref).square().sum()), float(ref.square().sum())
 
 
+def probed_attention_error(probes, k_exact: list, k_stored: list, v_exact: list, v_stored: list,
+                           chunk_tokens: int, recent_chunks: int = 1) -> float:
+    """Relative error of the attention output over the cache, stored vs exact K/V (per layer (H, L, D) lists),
+    summed over every probed chunk and layer, each chunk seeing the cache as it was then."""
+    num = den = 0.0
+    for p in probes:
+        n = p.chunk * chunk_tokens
+        for l in range(len(k_exact)):
+            k_hat = seen_by_chunk(k_exact[l], k_stored[l], p.chunk, chunk_tokens, recent_chunks)
+            v_hat = seen_by_chunk(v_exact[l], v_stored[l], p.chunk, chunk_tokens, recent_chunks)
+            a, b = attention_output_error(p.q[l].cpu(), k_exact[l][:, :n], k_hat, v_exact[l][:, :n], v_hat)
+            num, den = num + a, den + b
+    return num / den if den else float("nan")
+
+
 # ---- query energy -------------------------------------------------------------------------------
 
 def energy_spectrum(stats: torch.Tensor, rank: int = 8) -> dict[str, torch.Tensor]:

@@ -78,7 +78,8 @@ def _measure(task: dict) -> dict:
         r = evaluate(load_world_model(), [task["method"]], task["target"], task["seeds"], task["frames"],
                      task["bits"], method_options=opts)
         m = r["methods"][task["method"]]["mean"]
-        keys = ("bits_per_element", "shift_rate", "place_shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error")
+        keys = ("bits_per_element", "shift_rate", "place_shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error",
+                "attn_out_rel_err")
         return {k: m[k] for k in keys}
     from .analyze import analyze_trace
     from .trace import read_trace

@@ -284,16 +284,8 @@ class Workbench:
     # ---- studies over several runs ------------------------------------------------------------
     def attention_error(self, rec: Record) -> float:
         """Relative error of the attention output over the cache, stored vs exact K/V, every probed chunk."""
-        num = den = 0.0
-        tokens = self.cfg.chunk_frames * self.cfg.tokens_per_frame
-        for p in rec.probes:
-            for l in range(self.cfg.layers):
-                n = p.chunk * tokens
-                k_hat = D.seen_by_chunk(rec.k_exact[l], rec.k_stored[l], p.chunk, tokens, 1)
-                v_hat = D.seen_by_chunk(rec.v_exact[l], rec.v_stored[l], p.chunk, tokens, 1)
-                a, b = D.attention_output_error(p.q[l].cpu(), rec.k_exact[l][:, :n], k_hat, rec.v_exact[l][:, :n], v_hat)
-                num, den = num + a, den + b
-        return num / den if den else float("nan")
+        return D.probed_attention_error(rec.probes, rec.k_exact, rec.k_stored, rec.v_exact, rec.v_stored,
+                                        self.cfg.chunk_frames * self.cfg.tokens_per_frame)
 
     def key_vs_value(self, key: RunKey, progress: Callable | None = None) -> list[dict]:
         """The method with Keys only and Values only quantized: errors of K and V beside what they cause."""

@@ -6,7 +6,8 @@ for the clip from the mean MSE over all generated frames), SSIM and LPIPS-Alex a
 and the motion-compensated warping error against BF16, the top-1 shift rate (same cache
 state, exact vs stored keys, every layer, head and query of every generated chunk) and the place shift rate
 (only the top-1 changes that land on another world place; overall and per layer), Key/Value relative
-reconstruction errors, bits per element and compression of the quantized chunks. The BF16 run also
+reconstruction errors, the attention-output error they cause (every probed chunk and layer, exact vs
+stored K/V), bits per element and compression of the quantized chunks. The BF16 run also
 reports its memory: PSNR against ground truth on views the context had fully seen, and per layer the
 attention mass each query puts on cached tokens that saw its own world location, and the top-1
 probability. World seeds used here are below TRAIN_SEED_BASE, so never seen in training.
@@ -20,6 +21,7 @@ from collections.abc import Callable
 import torch
 
 from ..core.cache import CacheConfig, KVCache
+from ..evaluation import diagnostics as D
 from ..evaluation import metrics as M
 from .generate import Rollout, generate, revisited_frames
 from .model import WorldModel
@@ -61,6 +63,16 @@ def place_shift_rate(run: Rollout) -> tuple[float, list[float]]:
     return sum(moved) / sum(total), [m / t for m, t in zip(moved, total)]
 
 
+def attention_error(run: Rollout) -> float:
+    """Relative attention-output error, stored vs exact K/V, over every probed chunk and layer."""
+    c, L = run.cache, run.config.layers
+    k_e = [c.keys(l, exact=True)[0].cpu() for l in range(L)]
+    v_e = [c.values(l, exact=True)[0].cpu() for l in range(L)]
+    return D.probed_attention_error(run.probes, k_e, [c.keys(l)[0].cpu() for l in range(L)], v_e,
+                                    [c.values(l)[0].cpu() for l in range(L)],
+                                    run.config.chunk_frames * run.config.tokens_per_frame)
+
+
 def rel_errors(run: Rollout) -> tuple[float, float]:
     """Relative MSE of the stored Keys and Values over every layer of the final cache."""
     c = run.cache
@@ -97,7 +109,7 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
     per: dict = {m: {k: [] for k in ("psnr", "ssim", "lpips", "tdiff", "warp_error")} for m in methods}
     lpips_note = M.lpips_unavailable()
     scalars: dict = {m: {k: [] for k in ("shift_rate", "place_shift_rate", "bits_per_element", "k_rel_err",
-                                         "v_rel_err")} for m in methods}
+                                         "v_rel_err", "attn_out_rel_err")} for m in methods}
     place_layers: dict = {m: [] for m in methods}
     bf16: dict = {"revisit_psnr_vs_gt": [], "psnr_vs_gt": [], "same_place_mass": [], "top1_prob": [], "revisited_frames": []}
     total, done, t0 = len(seeds) * (1 + len(methods)), 0, time.time()
@@ -125,6 +137,7 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
             place, per_layer = place_shift_rate(run)
             place_layers[m].append(per_layer)
             for k, v in (("shift_rate", shift_rate(run)), ("place_shift_rate", place),
+                         ("attn_out_rel_err", attention_error(run)),
                          ("bits_per_element", run.cache.bits_per_element()),
                          ("k_rel_err", ke), ("v_rel_err", ve)):
                 scalars[m][k].append(v)
