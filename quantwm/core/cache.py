@@ -124,7 +124,7 @@ class LayerState:
     next_token: int = 0
     stats: QueryStats | None = None
     method_state: dict = field(default_factory=dict)
-    pending: dict[int, QueryStats] = field(default_factory=dict)  # causal_stats: queries by chunk, not yet in S
+    pending: dict[int, QueryStats] = field(default_factory=dict)  # causal_stats: queries not yet in S, by fold point
 
 
 class KVCache:
@@ -198,6 +198,12 @@ class KVCache:
             victim = next(i for i, x in enumerate(st.chunks) if x.index >= self.config.sink_chunks)
             st.chunks.pop(victim)  # a multi-chunk span leaves as a whole
 
+    def _fold_point(self, chunk: int) -> int:
+        """The first span start after `chunk`: spans start at sink, sink + n, ... (n = span_chunks), and a chunk's
+        queries may enter S when a later span is quantized, so all chunks before one start fold together."""
+        sink, n = self.config.sink_chunks, self.config.span_chunks
+        return sink if chunk < sink else sink + n * ((chunk - sink) // n + 1)
+
     @staticmethod
     def _merge(st: LayerState, run: list[Chunk]) -> Chunk:
         """Consecutive full-precision chunks -> one span (it replaces them in the layer's list)."""
@@ -210,7 +216,7 @@ class KVCache:
 
     def _quantize(self, layer: int, st: LayerState, c: Chunk) -> None:
         B, H, N, D = c.k.shape
-        for j in sorted(j for j in st.pending if j < c.index):  # causal_stats: queries of earlier chunks only
+        for j in sorted(j for j in st.pending if j <= c.index):  # causal_stats: queries of earlier chunks only
             self._stats(st, H, D).merge(st.pending.pop(j))
         stats = self._stats(st, H, D).matrix().to(c.k.device)
         if self.config.rope == "pre" and st.stats is not None and st.stats.count:  # S into the keys' space
@@ -341,9 +347,9 @@ class KVCache:
         qb = self._in(q, "q")
         H, D = qb.shape[1], qb.shape[3]
         stats = self._stats(st, H, D)
-        if self.causal_stats:  # held back until this chunk is quantized
+        if self.causal_stats:  # held back until the chunks before it are quantized, grouped by when that happens
             idx = st.current.index if st.current is not None else st.next_chunk
-            stats = st.pending.setdefault(idx, QueryStats(H, D, self.config.stats_decay))
+            stats = st.pending.setdefault(self._fold_point(idx), QueryStats(H, D, self.config.stats_decay))
         stats.update(qb)
 
     def load_query_stats(self, layer: int, second: torch.Tensor, count: int = 1) -> None:
