@@ -249,6 +249,11 @@ def methods_handler(wb, seed, trajectory, target, bits, frames, methods, progres
                       "codebooks, PSAC).", "header": list(METHOD_COLUMNS), "rows": table}
 
 
+def _exported(paths) -> dict:
+    return {"status": f"{len(paths)} file(s): {', '.join(os.path.basename(p) for p in paths)}",
+            "files": [str(p) for p in paths]}
+
+
 def export_handler(wb, run_id, frame, x, y, layer=0, head=0, formats=("pdf",)) -> dict:
     """Print figures (matplotlib) of the current run: per-frame plot, maps and pixel trace at `frame`, energy."""
     from quantwm.evaluation.figures import run_figures
@@ -264,8 +269,7 @@ def export_handler(wb, run_id, frame, x, y, layer=0, head=0, formats=("pdf",)) -
                             pixel=[int(x), int(y)], layer=int(layer), head=int(head))
     except (ValueError, TypeError) as e:
         return error(str(e))
-    return {"status": f"{len(paths)} file(s): {', '.join(os.path.basename(p) for p in paths)}",
-            "files": [str(p) for p in paths]}
+    return _exported(paths)
 
 
 def export_methods_handler(wb, seed, trajectory, target, bits, frames, methods, formats=("pdf",),
@@ -282,5 +286,4 @@ def export_methods_handler(wb, seed, trajectory, target, bits, frames, methods, 
                             methods=list(methods), progress=progress)
     except (Busy, ValueError) as e:
         return error(str(e))
-    return {"status": f"{len(paths)} file(s): {', '.join(os.path.basename(p) for p in paths)}",
-            "files": [str(p) for p in paths]}
+    return _exported(paths)

@@ -41,19 +41,21 @@ def pixel_to_patch(x: int, y: int, size: tuple[int, int], grid: tuple[int, int])
 
 # ---- per frame ----------------------------------------------------------------------------------
 
-def frame_series(frames: torch.Tensor, ref: torch.Tensor, context_frames: int) -> dict[str, list]:
+def frame_series(frames: torch.Tensor, ref: torch.Tensor, context_frames: int,
+                 flow: torch.Tensor | None = None) -> dict[str, list]:
     """Per-frame PSNR (dB), tdiff-L1 and motion-compensated warping error of `frames` against `ref`
     (T, H, W, 3) in [0, 1], and which frames are identical to the reference.
 
     PSNR is None for frames identical to the reference (the context, and generated frames before anything
     was quantized): they have no finite PSNR, and a cap would squeeze the axis; `identical` marks them.
-    tdiff and the warping error of frame 0 are None.
+    tdiff and the warping error of frame 0 are None. `flow` is the reference's (`metrics.reference_flow`)
+    when the caller has it already.
     """
     p = M.psnr(frames, ref).tolist()
     same = [bool(torch.equal(a, b)) or t < context_frames for t, (a, b) in enumerate(zip(frames, ref))]
     multi = len(frames) > 1
     td = [None] + M.tdiff(frames, ref).tolist() if multi else [None]
-    warp = [None] + M.warp_error(frames, ref).tolist() if multi else [None]
+    warp = [None] + M.warp_error(frames, ref, flow).tolist() if multi else [None]
     return {"psnr": [None if same[t] else v for t, v in enumerate(p)], "tdiff": td, "warp_error": warp,
             "identical": same}
 
@@ -64,9 +66,9 @@ def flicker_maps(frames: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return torch.cat([torch.zeros_like(f[:1]), f])
 
 
-def warp_maps(frames: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+def warp_maps(frames: torch.Tensor, ref: torch.Tensor, flow: torch.Tensor | None = None) -> torch.Tensor:
     """Per-pixel motion-compensated warping error (T, H, W) (`metrics.warp_error_map`), zeros for frame 0."""
-    w = M.warp_error_map(frames, ref)
+    w = M.warp_error_map(frames, ref, flow)
     return torch.cat([torch.zeros_like(w[:1]), w])
 
 

@@ -95,6 +95,7 @@ class Record:
     bits_per_element: float
     memory_mb: dict  # {"bf16": ..., "stored": ...}, full-precision chunks counted at 2 bytes per element
     seconds: float
+    flow: torch.Tensor | None = None  # BF16 records: the optical flow every warping error against it uses
 
 
 class Workbench:
@@ -190,7 +191,7 @@ class Workbench:
         """Per-frame series of the method against BF16 plus the summary numbers."""
         ref, rec = self.pair(key, progress)
         c = self.cfg
-        series = D.frame_series(rec.frames, ref.frames, c.context_frames)
+        series = D.frame_series(rec.frames, ref.frames, c.context_frames, self.reference_flow(ref))
         series["shift_rate"] = D.shift_rate_per_frame(rec.probes, key.frames, c.chunk_frames, c.tokens_per_frame)
         return {"key": key.id, "bf16": self.frames_uint8(ref), "method": self.frames_uint8(rec),
                 "series": series, "summary": self.summary(ref, rec, lpips=False),
@@ -208,13 +209,21 @@ class Workbench:
         mse = float((x - r).square().mean())
         out = {"psnr": min(100.0, -10 * float(np.log10(max(mse, 1e-10)))), "ssim": float(M.ssim(x, r).mean()),
                "tdiff": float(M.tdiff(rec.frames[ctx - 1:], ref.frames[ctx - 1:]).mean()),
-               "warp_error": float(M.warp_error(rec.frames[ctx - 1:], ref.frames[ctx - 1:]).mean()),
+               "warp_error": float(M.warp_error(rec.frames[ctx - 1:], ref.frames[ctx - 1:],
+                                                self.reference_flow(ref)[ctx - 1:]).mean()),
                "shift_rate": shift_rate(rec), "bits_per_element": rec.bits_per_element,
                "compression": 16 / rec.bits_per_element if rec.bits_per_element == rec.bits_per_element else 1.0,
                "memory_bf16_mb": rec.memory_mb["bf16"], "memory_mb": rec.memory_mb["stored"]}
         if lpips:
             out["lpips"] = float(M.lpips(x, r).mean())
         return out
+
+    @staticmethod
+    def reference_flow(ref: Record) -> torch.Tensor:
+        """Optical flow (T-1, H, W, 2) of a BF16 record's frames, computed once and kept with the record."""
+        if ref.flow is None:
+            ref.flow = M.reference_flow(ref.frames)
+        return ref.flow
 
     def record(self, run_id: str) -> Record:
         key = RunKey.parse(run_id)
@@ -240,7 +249,7 @@ class Workbench:
             flick = warp = torch.zeros(rec.frames.shape[1:3])
         else:
             pair = rec.frames[t - 1:t + 1], ref.frames[t - 1:t + 1]
-            flick, warp = D.flicker_maps(*pair)[-1], D.warp_maps(*pair)[-1]
+            flick, warp = D.flicker_maps(*pair)[-1], D.warp_maps(*pair, self.reference_flow(ref)[t - 1:t])[-1]
         jumps = D.frame_jumps(rec.probes, t, c.chunk_frames, c.tokens_per_frame, layer, head)
         return {"frame": t, "bf16": self.frames_uint8(ref)[t], "method": self.frames_uint8(rec)[t],
                 "flicker": flick.numpy(), "warp": warp.numpy(),

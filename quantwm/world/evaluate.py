@@ -120,6 +120,7 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
         if revisit:
             bf16["revisit_psnr_vs_gt"].append(float(M.psnr(ref.frames[revisit], ref.ground_truth[revisit]).mean()))
         bf16["psnr_vs_gt"].append(M.psnr(ref.frames[ctx:], ref.ground_truth[ctx:]).tolist())
+        flow = M.reference_flow(ref.frames[ctx - 1:])  # one flow per seed serves every method's warping error
         mem = memory_stats(ref)
         bf16["same_place_mass"].append(mem["same_place_mass"]), bf16["top1_prob"].append(mem["top1_prob"])
         done += 1
@@ -132,7 +133,7 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
             per[m]["ssim"].append(M.ssim(x, r).tolist())
             per[m]["lpips"].append([math.nan] * len(x) if lpips_note else M.lpips(x, r).tolist())
             per[m]["tdiff"].append(M.tdiff(run.frames[ctx - 1:], ref.frames[ctx - 1:]).tolist())
-            per[m]["warp_error"].append(M.warp_error(run.frames[ctx - 1:], ref.frames[ctx - 1:]).tolist())
+            per[m]["warp_error"].append(M.warp_error(run.frames[ctx - 1:], ref.frames[ctx - 1:], flow).tolist())
             ke, ve = rel_errors(run)
             place, per_layer = place_shift_rate(run)
             place_layers[m].append(per_layer)
