@@ -32,7 +32,7 @@ def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str
     table = gr.Dataframe(label="Means over layers and heads", interactive=False)
 
     def handler(path, methods, target, bits):
-        message, header, rows = analyze(path or default_trace, methods, target, int(bits))
+        message, header, rows = analyze(path or default_trace, methods, target, bits)
         return message, gr.Dataframe(value=rows, headers=header) if header else gr.Dataframe(value=None)
 
     run.click(handler, [trace, chosen, target, bits], [status, table], api_name="analyze")

@@ -41,34 +41,50 @@ def default_trace(path: str | None) -> str:
     return out
 
 
-def launch_options() -> dict:
-    """What launch() needs besides the Blocks: the page script (plot click, video sync) and CSS."""
-    return {"js": PAGE_JS, "css": CSS}
+def launch_options(wb: Workbench | None = None) -> dict:
+    """What launch() needs besides the Blocks: the page script (plot click, video sync), CSS, error messages
+    for API clients, and the upload limit (Gradio refuses larger uploads itself)."""
+    opts = {"js": PAGE_JS, "css": CSS, "show_error": True}
+    if wb is not None:
+        opts["max_file_size"] = int(wb.limits.max_upload_mb * 2 ** 20)
+    return opts
 
 
-def build_app(trace: str | None = None, workbench: Workbench | None = None, frames: int = 32) -> gr.Blocks:
+def _bind(fn, *args, **kwargs):
+    return wh.guarded(partial(fn, *args, **kwargs))
+
+
+def build_app(trace: str | None = None, workbench: Workbench | None = None, frames: int = 32,
+              delete_cache: tuple[int, int] = (300, 1800)) -> gr.Blocks:
+    """The app. `delete_cache` (every, age) in seconds: Gradio's copies of served files (videos, frames)
+    older than `age` are deleted every `every` seconds, and all of them when the server stops."""
     trace_path = default_trace(trace)
     wb = workbench or Workbench()
+    wh.track_evictions(wb)
     facts = wb.model_facts()
     methods = wb.methods()  # what the built-in model can run; the trace tab takes the same list
-    with gr.Blocks(title="QuantWM") as demo:
+    check = wb.limits.check_upload
+    with gr.Blocks(title="QuantWM", delete_cache=delete_cache) as demo:
         gr.Markdown("# QuantWM: where 2-bit KV caches make video world models flicker\n"
                     f"Built-in world model: {facts['layers']} layers, {facts['heads']} heads x {facts['head_dim']}, "
-                    f"{facts['frame_size']}x{facts['frame_size']} frames. **Device: {wb.describe_device()}**",
+                    f"{facts['frame_size']}x{facts['frame_size']} frames. **Device: {wb.describe_device()}**. "
+                    f"{wb.limits.describe()} One generation runs at a time; others wait in the queue.",
                     elem_id="header")
         with gr.Tab("Generate & play"):
-            controls = build_playback_tab(partial(wh.generate_handler, wb), partial(wh.scrub_handler, wb),
-                                          partial(wh.trace_pixel_handler, wb), partial(wh.click_pixel_handler, wb),
-                                          partial(wh.export_handler, wb), methods, facts, FORMATS, frames)
+            controls = build_playback_tab(_bind(wh.generate_handler, wb), _bind(wh.scrub_handler, wb),
+                                          _bind(wh.trace_pixel_handler, wb), _bind(wh.click_pixel_handler, wb),
+                                          _bind(wh.export_handler, wb), methods, facts, FORMATS,
+                                          min(frames, wb.limits.max_frames), wb.limits.max_frames)
         with gr.Tab("Query energy"):
-            build_energy_tab(partial(wh.energy_handler, wb), controls, facts["layers"])
+            build_energy_tab(_bind(wh.energy_handler, wb), controls, facts["layers"])
         with gr.Tab("Key vs Value"):
             baselines = [m for m in methods if m != "bf16" and not m.startswith("quantwm")]
-            build_key_value_tab(partial(wh.key_value_handler, wb), controls, baselines, KV_BASELINE)
+            build_key_value_tab(_bind(wh.key_value_handler, wb), controls, baselines, KV_BASELINE)
         with gr.Tab("Methods"):
-            build_methods_tab(partial(wh.methods_handler, wb), partial(wh.export_methods_handler, wb), methods,
+            build_methods_tab(_bind(wh.methods_handler, wb), _bind(wh.export_methods_handler, wb), methods,
                               controls, FORMATS)
         with gr.Tab("Trace analysis"):
-            build_analysis_tab(handlers.analyze_handler, methods, trace_path, handlers.trace_inspect_handler,
-                               handlers.trace_energy_handler)
+            build_analysis_tab(partial(handlers.analyze_handler, check_upload=check), methods, trace_path,
+                               wh.guarded(partial(handlers.trace_inspect_handler, check_upload=check)),
+                               wh.guarded(partial(handlers.trace_energy_handler, check_upload=check)))
     return demo

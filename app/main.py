@@ -1,14 +1,21 @@
 """The diagnostics app's entry point: `python app.py`, `quantwm app` or `python -m quantwm.app`.
 
-Options: --trace FILE, --host, --port, --threads. The server address follows Gradio's conventions:
-`--host` / `--port` when given, else `GRADIO_SERVER_NAME` / `GRADIO_SERVER_PORT`, else 127.0.0.1:7860.
-The address is checked before gradio is imported (gradio itself fails at import on a malformed
-GRADIO_SERVER_PORT); a bad option or file prints one line and exits 2.
+Options: --trace FILE, --weights FILE, --host, --port, --threads, and the per-request limits (--max-frames,
+--max-methods, --max-upload-mb, --cache-mb, --memory-mb, --max-seconds; by default derived from this
+machine's memory and its measured speed, see `quantwm.evaluation.limits`). The server address follows
+Gradio's conventions: `--host` / `--port` when given, else `GRADIO_SERVER_NAME` / `GRADIO_SERVER_PORT`, else
+127.0.0.1:7860. The address is checked before gradio is imported (gradio itself fails at import on a
+malformed GRADIO_SERVER_PORT); a bad option or file prints one line and exits 2.
+
+Every file the app writes (videos, exported figures, Gradio's copies of served files) lives under one
+temporary folder of this process, removed at shutdown.
 """
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
+import signal
 import sys
 
 
@@ -26,22 +33,59 @@ def server_address(host: str | None, port: int | None, env=os.environ) -> tuple[
     return host, port
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="quantwm app", description=__doc__.splitlines()[0])
     ap.add_argument("--trace", help="a QuantWM trace file (.safetensors)")
+    ap.add_argument("--weights", help="world-model weights (default: the built-in model shipped with the package)")
     ap.add_argument("--port", type=int, default=None, help="default: $GRADIO_SERVER_PORT, else 7860")
     ap.add_argument("--host", default=None, help="default: $GRADIO_SERVER_NAME, else 127.0.0.1")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for generation (default 1)")
-    a = ap.parse_args(argv)
+    lim = ap.add_argument_group("limits per request (default: derived from this machine)")
+    lim.add_argument("--max-frames", type=int, help="frames one generation may ask for")
+    lim.add_argument("--max-methods", type=int, help="methods in one comparison")
+    lim.add_argument("--max-upload-mb", type=float, help="size of an uploaded trace file")
+    lim.add_argument("--cache-mb", type=float, help="the shared results cache (default: half the memory planned with)")
+    lim.add_argument("--memory-mb", type=float, help="memory to plan with (default: 60%% of what is available)")
+    lim.add_argument("--max-seconds", type=float, default=120.0,
+                     help="how long one generation may hold the queue, from the measured speed (default 120)")
+    lim.add_argument("--file-age", type=int, default=1800,
+                     help="seconds Gradio keeps its copies of served files (videos, frames) before deleting "
+                          "them (default 1800; all are deleted at shutdown)")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parser().parse_args(argv)
     try:
         host, port = server_address(a.host, a.port)
         os.environ["GRADIO_SERVER_PORT"] = str(port)  # what gradio reads at import: now a valid integer
+        if a.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {a.threads}")
+        if a.file_age < 1:
+            raise ValueError(f"--file-age must be >= 1 second, got {a.file_age}")
+        if a.trace and not os.path.isfile(a.trace):
+            raise ValueError(f"--trace {a.trace}: no such file")
+        from .media import TempFiles
+
+        files = TempFiles()
+        atexit.register(files.close)
+        os.environ.setdefault("GRADIO_TEMP_DIR", os.path.join(files.root, "gradio"))
+        from quantwm.evaluation.limits import Limits
         from quantwm.evaluation.workbench import Workbench
 
+        from . import world_handlers
         from .assemble import build_app, launch_options
 
-        app = build_app(a.trace, Workbench(threads=a.threads))
+        world_handlers.use_files(files)
+        wb = Workbench(a.weights, threads=a.threads)
+        wb.set_limits(Limits.from_machine(
+            wb.cfg, len(wb.methods()), wb.calibrate(), memory_mb=a.memory_mb, max_seconds=a.max_seconds,
+            max_frames=a.max_frames, max_methods=a.max_methods, max_upload_mb=a.max_upload_mb, cache_mb=a.cache_mb))
+        print(f"quantwm app: {wb.limits.describe()}", flush=True)
+        app = build_app(a.trace, wb, delete_cache=(max(1, a.file_age // 6), a.file_age))
     except ValueError as e:
         print(f"quantwm app: error: {e}", file=sys.stderr)
         sys.exit(2)
-    app.queue(default_concurrency_limit=1).launch(server_name=host, server_port=port, **launch_options())
+    # SIGTERM ends the process like Ctrl-C, so the temporary folder is removed then too
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    app.queue(default_concurrency_limit=1).launch(server_name=host, server_port=port, **launch_options(wb))

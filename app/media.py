@@ -6,7 +6,9 @@ a click at image pixel (x, y) is frame pixel (x // factor, y // factor).
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
+import threading
 
 import imageio.v2 as imageio
 import numpy as np
@@ -57,3 +59,60 @@ def write_mp4(frames: np.ndarray, factor: int, directory: str | None = None, nam
     imageio.mimwrite(path, big, fps=FPS, codec="libx264", pixelformat="yuv420p", macro_block_size=16,
                      ffmpeg_params=["-movflags", "+faststart", "-crf", "16"])
     return path
+
+
+class TempFiles:
+    """Every file the app writes, under one folder of its own, removed by `close()` (at shutdown).
+
+    Videos live in one folder per run (`video`), deleted with `forget(run_id)` when the results cache
+    evicts the run; exported figures go to a fresh folder per export (`export_dir`), of which the newest
+    `keep_exports` are kept. So disk use is bounded by the cache's runs and a few exports."""
+
+    def __init__(self, root: str | None = None, keep_exports: int = 8):
+        self.root = root or tempfile.mkdtemp(prefix="quantwm-app-")
+        os.makedirs(self.root, exist_ok=True)
+        self.keep_exports = keep_exports
+        self._runs: dict[str, str] = {}
+        self._exports: list[str] = []
+        self._lock = threading.Lock()
+
+    def video(self, run_id: str, which: str, frames: np.ndarray, factor: int) -> str:
+        """The MP4 of one side (`which`) of a run, written on first use."""
+        with self._lock:
+            folder = self._runs.get(run_id)
+            if folder is None:
+                folder = self._runs[run_id] = tempfile.mkdtemp(prefix="run-", dir=self.root)
+        path = os.path.join(folder, f"{which}.mp4")
+        if not os.path.isfile(path):
+            write_mp4(frames, factor, folder, name=which)
+        return path
+
+    def forget(self, run_id: str) -> None:
+        """Delete a run's videos (its run left the results cache)."""
+        with self._lock:
+            folder = self._runs.pop(run_id, None)
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def export_dir(self, kind: str) -> str:
+        """A fresh folder for one export; the oldest beyond `keep_exports` are deleted."""
+        with self._lock:
+            folder = tempfile.mkdtemp(prefix=f"export-{kind}-", dir=self.root)
+            self._exports.append(folder)
+            old, self._exports = self._exports[:-self.keep_exports], self._exports[-self.keep_exports:]
+        for f in old:
+            shutil.rmtree(f, ignore_errors=True)
+        return folder
+
+    def disk_bytes(self) -> int:
+        total = 0
+        for dirpath, _, files in os.walk(self.root):
+            for f in files:
+                try:
+                    total += os.path.getsize(os.path.join(dirpath, f))
+                except OSError:
+                    pass
+        return total
+
+    def close(self) -> None:
+        shutil.rmtree(self.root, ignore_errors=True)

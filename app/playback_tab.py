@@ -18,7 +18,7 @@ assert {v for _, v in TARGET_CHOICES} == set(TARGETS)
 
 def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callable, click_pixel: Callable,
                        export: Callable, methods: list[str], facts: dict, figure_formats: tuple,
-                       default_frames: int = 32) -> dict:
+                       default_frames: int = 32, max_frames: int | None = None) -> dict:
     """Build the tab; returns the shared controls (seed, trajectory, method, target, bits, frames, run_id).
 
     export(run_id, frame, x, y, layer, head, formats) -> {status, files}: print figures of the run."""
@@ -32,8 +32,8 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
         method = gr.Dropdown(methods, value="quantwm", label="Method")
         target = gr.Radio(TARGET_CHOICES, value="kv", label="Quantize")
         bits = gr.Dropdown([2, 3, 4, 8], value=2, label="Bits")
-        frames = gr.Number(default_frames, label="Frames", precision=0, minimum=facts["context_frames"] + 2,
-                           step=facts["chunk_frames"])
+        frames = gr.Number(default_frames, label=f"Frames (at most {max_frames})" if max_frames else "Frames",
+                           precision=0, step=facts["chunk_frames"])
     with gr.Row():
         go = gr.Button("Generate", variant="primary", elem_id="generate-btn")
         run_id = gr.Textbox(label="Current run", interactive=False, elem_id="run-id")
@@ -97,7 +97,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
 
     ev = go.click(on_generate, [seed, trajectory, method, target, bits, frames],
                   [status, run_id, bf16_video, method_video, plot, frame], api_name="generate",
-                  trigger_mode="multiple", concurrency_limit=2, concurrency_id="generate")
+                  trigger_mode="multiple", concurrency_limit=1, concurrency_id="generate")
     ev.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name="show_frame", **view)
     gr.on([frame.change, overlays.change, jump_layer.change, jump_head.change], do_scrub, scrub_in,
           [frame_info, bf16_img, method_img], api_name="scrub", trigger_mode="always_last", **view)

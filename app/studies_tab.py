@@ -50,7 +50,7 @@ def build_key_value_tab(key_value: Callable, controls: dict, baselines: list[str
 
     c = controls
     go.click(run, [c["seed"], c["trajectory"], baseline, c["bits"], c["frames"]], [status, plot, rows],
-             api_name="key_vs_value", concurrency_limit=2, concurrency_id="generate", trigger_mode="multiple")
+             api_name="key_vs_value", concurrency_limit=1, concurrency_id="generate", trigger_mode="multiple")
 
 
 def build_methods_tab(methods_table: Callable, export: Callable, methods: list[str], controls: dict,
@@ -72,7 +72,7 @@ def build_methods_tab(methods_table: Callable, export: Callable, methods: list[s
 
     c = controls
     inputs = [c["seed"], c["trajectory"], c["target"], c["bits"], c["frames"], chosen]
-    go.click(run, inputs, [status, rows], api_name="methods_table", concurrency_limit=2, concurrency_id="generate",
+    go.click(run, inputs, [status, rows], api_name="methods_table", concurrency_limit=1, concurrency_id="generate",
              trigger_mode="multiple")
     with gr.Row():
         formats = gr.CheckboxGroup(list(figure_formats), value=["pdf"], label="Formats")
@@ -86,4 +86,4 @@ def build_methods_tab(methods_table: Callable, export: Callable, methods: list[s
         return r["status"], r.get("files")
 
     export_btn.click(do_export, [*inputs, formats], [export_status, files], api_name="export_methods_figure",
-                     concurrency_limit=2, concurrency_id="generate", trigger_mode="multiple")
+                     concurrency_limit=1, concurrency_id="generate", trigger_mode="multiple")

@@ -2,12 +2,18 @@
 
 Every handler takes the compute object (`quantwm.evaluation.workbench.Workbench`) first; app.py binds it. Bad input
 never raises: the dict then holds an "**Error:** ..." status and None for every output it leaves alone
-(the tabs turn None into "no change").
+(the tabs turn None into "no change"). Anything else that goes wrong inside a handler (`guarded`) also
+ends in a message, with the traceback on the server's stderr: the app stays up for everyone.
+
+Files (videos, exported figures) go to `FILES` (`media.TempFiles`): one folder per process, a run's videos
+deleted when the results cache evicts the run (`track_evictions`), everything removed at shutdown.
 """
 from __future__ import annotations
 
+import functools
 import os
-import tempfile
+import sys
+import traceback
 from collections.abc import Callable
 
 import numpy as np
@@ -19,18 +25,38 @@ THUMB = 2  # source thumbnails
 FLICKER_FULL_SCALE = 0.25  # a flicker of a quarter of the intensity range shows full red
 WARP_FULL_SCALE = 0.15  # a warping error of 0.15 shows full orange
 OVERLAYS = ("flicker map", "warping error", "top-1 jumps")
-_exports: list[str] = []  # the folder exported figures go to, made on the first export
+FILES: media.TempFiles | None = None  # made by `use_files` (the app, at start-up) or on first use
 
 
-def _export_dir(kind: str) -> str:
-    if not _exports:
-        _exports.append(tempfile.mkdtemp(prefix="quantwm-figures-"))
-    return os.path.join(_exports[0], kind)
-_videos: dict[tuple[str, str], str] = {}
+def use_files(files: media.TempFiles) -> media.TempFiles:
+    global FILES
+    FILES = files
+    return files
+
+
+def _files() -> media.TempFiles:
+    return FILES or use_files(media.TempFiles())
+
+
+def track_evictions(wb) -> None:
+    """Delete a run's videos when the workbench's results cache evicts it."""
+    wb.on_evict.append(lambda key: _files().forget(key.id))
 
 
 def error(message: str, **keep) -> dict:
     return {"status": f"**Error:** {message}", **keep}
+
+
+def guarded(handler: Callable) -> Callable:
+    """Wrap a handler so an unexpected exception becomes an error message (and a traceback on stderr)."""
+    @functools.wraps(handler)
+    def wrapper(*args, **kwargs):
+        try:
+            return handler(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - the app must answer every request
+            traceback.print_exc(file=sys.stderr)
+            return error(f"the request failed ({type(e).__name__}: {e}); nothing else was affected")
+    return wrapper
 
 
 def _choice(value, name: str):
@@ -56,10 +82,7 @@ def _key(seed, trajectory, method, target, bits, frames):
 
 
 def _video(run_id: str, which: str, frames: np.ndarray) -> str:
-    path = _videos.get((run_id, which))
-    if path is None or not os.path.isfile(path):
-        path = _videos[(run_id, which)] = media.write_mp4(frames, FACTOR, name=which)
-    return path
+    return _files().video(run_id, which, frames, FACTOR)
 
 
 def _fmt(x, digits=4):
@@ -68,15 +91,11 @@ def _fmt(x, digits=4):
 
 def generate_handler(wb, seed, trajectory, method, target, bits, frames, progress: Callable | None = None) -> dict:
     """Generate (or fetch) BF16 and the method: videos, per-frame figure, summary, the worst frame."""
-    from quantwm.evaluation.workbench import Busy
-
     try:
         key = _key(seed, trajectory, method, target, bits, frames)
         wb.check_frames(key.frames)
         cached = wb.cached(key) and wb.cached(key.reference())
         cmp = wb.compare(key, progress)
-    except Busy as e:
-        return error(f"{e}. Scrubbing and tracing the current run still work meanwhile.")
     except ValueError as e:
         return error(str(e))
     ctx = wb.model_facts()["context_frames"]
@@ -200,8 +219,6 @@ def _kv_finding(method: str, k: dict, v: dict) -> str:
 def key_value_handler(wb, seed, trajectory, baseline, bits, frames, progress: Callable | None = None) -> dict:
     """Keys-only vs Values-only for `baseline` and for quantwm beside it: reconstruction errors beside the
     damage each causes."""
-    from quantwm.evaluation.workbench import Busy
-
     try:
         key = _key(seed, trajectory, baseline, "kv", bits, frames)
         if key.method == "bf16":
@@ -212,7 +229,7 @@ def key_value_handler(wb, seed, trajectory, baseline, bits, frames, progress: Ca
         for i, m in enumerate(names):
             step = (lambda a, n, i=i: progress(i * n + a, len(names) * n)) if progress else None
             rows += [{"method": m, **r} for r in wb.key_vs_value(_key(seed, trajectory, m, "kv", bits, frames), step)]
-    except (Busy, ValueError) as e:
+    except ValueError as e:
         return error(str(e))
     by = {(r["method"], r["target"]): r for r in rows}
     finding = " ".join(_kv_finding(m, by[(m, "k")], by[(m, "v")]) for m in names)
@@ -235,13 +252,10 @@ METHOD_COLUMNS = ("method", "compression", "bits_per_element", "memory_bf16_mb",
 
 def methods_handler(wb, seed, trajectory, target, bits, frames, methods, progress: Callable | None = None) -> dict:
     """Every chosen method on one world: compression, memory (MB), shift rate and frame metrics vs BF16."""
-    from quantwm.evaluation.workbench import Busy
-
     try:
         key = _key(seed, trajectory, "bf16", target, bits, frames)
-        wb.check_frames(key.frames)
         rows = wb.methods_table(key, list(methods or []), progress)
-    except (Busy, ValueError) as e:
+    except ValueError as e:
         return error(str(e))
     table = [[r["method"], *[_fmt(r[c]) for c in METHOD_COLUMNS[1:]]] for r in rows]
     return {"status": f"seed {seed}, {trajectory}, target {target}, {bits}-bit, {frames} frames; memory counts "
@@ -265,7 +279,7 @@ def export_handler(wb, run_id, frame, x, y, layer=0, head=0, formats=("pdf",)) -
         t = int(frame) if frame is not None else None
         generated = t is not None and t >= wb.model_facts()["context_frames"]  # context frames have no probes
         kinds = ["frames", "maps", "energy"] + (["trace"] if generated else [])
-        paths = run_figures(wb, key, _export_dir("run"), kinds, list(formats or []), frame=t,
+        paths = run_figures(wb, key, _files().export_dir("run"), kinds, list(formats or []), frame=t,
                             pixel=[int(x), int(y)], layer=int(layer), head=int(head))
     except (ValueError, TypeError) as e:
         return error(str(e))
@@ -276,14 +290,15 @@ def export_methods_handler(wb, seed, trajectory, target, bits, frames, methods, 
                            progress: Callable | None = None) -> dict:
     """The method comparison on one world as a print figure."""
     from quantwm.evaluation.figures import run_figures
-    from quantwm.evaluation.workbench import Busy
 
     try:
         if not methods:
             raise ValueError("choose at least one method")
         key = _key(seed, trajectory, list(methods)[0], target, bits, frames)
-        paths = run_figures(wb, key, _export_dir("methods"), ["methods"], list(formats or []),
+        wb.check_frames(key.frames)
+        wb.limits.check_methods(len(methods), key.frames)
+        paths = run_figures(wb, key, _files().export_dir("methods"), ["methods"], list(formats or []),
                             methods=list(methods), progress=progress)
-    except (Busy, ValueError) as e:
+    except ValueError as e:
         return error(str(e))
     return _exported(paths)

@@ -148,18 +148,24 @@ def _world_model(weights: str | None):
     return load_world_model(weights or DEFAULT_WEIGHTS)
 
 
+def _photo_note(a) -> str:
+    if a.training_photos:
+        return " (the seeds' layouts cut from the training photographs)"
+    return " (training photographs)" if a.training_seeds and a.world == "photo" else ""
+
+
 def cmd_eval(a) -> int:
     from .world.evaluate import evaluate
 
     methods = _methods(a.methods)
     report = evaluate(_world_model(a.weights), methods, a.target, _ints(a.seeds, "--seeds"), a.frames, a.bits,
                       a.trajectory, a.steps, progress=_progress("eval"), training_seeds=a.training_seeds,
-                      world=a.world, method_options=_options(a.set))
+                      world=a.world, method_options=_options(a.set), training_photos=a.training_photos)
     _write_json(report, a.json)
     keys = ("psnr", "ssim", "lpips", "tdiff", "warp_error", "shift_rate", "place_shift_rate", "k_rel_err",
             "v_rel_err", "bits_per_element", "compression")
     print(f"eval: target={a.target}, bits={a.bits}, seeds={a.seeds}, {a.frames} frames, {a.trajectory}, "
-          f"{a.world} world{' (training photographs)' if a.training_seeds and a.world == 'photo' else ''}, "
+          f"{a.world} world{_photo_note(a)}, "
           f"{report['config']['seconds']:.0f} s")
     if report["config"].get("lpips_note"):
         print(report["config"]["lpips_note"])
@@ -237,6 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=4, help="flow-matching steps per chunk")
     s.add_argument("--training-seeds", action="store_true",
                    help="use training worlds (seed + 100000) instead of held-out ones, to check memorisation")
+    s.add_argument("--training-photos", action="store_true",
+                   help="the same worlds' layouts, trajectories and noise with tiles from the training photographs "
+                        "(each held-out world against its twin: the paired memorisation check)")
     s.add_argument("--world", choices=WORLDS, default="photo", help="world kind (procedural: the first models' world)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="method option for every method, e.g. --set qsac=false (repeatable)")

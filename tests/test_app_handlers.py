@@ -55,17 +55,6 @@ def test_generate_bad_input_is_a_message(wb, settings, needle):
     assert r["status"].startswith("**Error:**") and needle in r["status"] and r.get("run_id") is None
 
 
-def test_generate_while_another_runs_is_a_message(wb):
-    wb._lock.acquire()
-    wb.running = "seed=9 loop rtn kv 2-bit 32f"
-    try:
-        r = wh.generate_handler(wb, 11, "loop", "rtn", "kv", 2, FRAMES)
-    finally:
-        wb.running = None
-        wb._lock.release()
-    assert r["status"].startswith("**Error:** a generation is already running (seed=9") and r.get("run_id") is None
-
-
 def test_scrub_enlarges_both_frames_and_overlays_change_only_the_method_frame(wb, generated):
     rid, t = generated[0]["run_id"], FRAMES - 1
     plain = wh.scrub_handler(wb, rid, t, [])

@@ -1,6 +1,9 @@
+import threading
+import time
+
 import pytest
 
-from quantwm.evaluation.workbench import Busy, RunKey, Workbench, trace_energy, trace_query_view
+from quantwm.evaluation.workbench import RunKey, Workbench, trace_energy, trace_query_view
 
 FRAMES = 10
 
@@ -45,15 +48,17 @@ def test_compare_caches_runs_and_reports_series(wb, key):
     assert summ["memory_bf16_mb"] == pytest.approx(2 * c.layers * FRAMES * c.tokens_per_frame * c.dim * 2 / 2 ** 20)
 
 
-def test_a_second_generation_while_one_runs_is_refused(wb):
-    wb._lock.acquire()
-    wb.running = "another run"
-    try:
-        with pytest.raises(Busy, match="already running \\(another run\\)"):
-            wb.run(RunKey(seed=5, method="kivi", frames=FRAMES))
-    finally:
-        wb.running = None
-        wb._lock.release()
+def test_a_second_generation_waits_for_the_running_one(wb):
+    key = RunKey(seed=5, method="bf16", frames=FRAMES)
+    got = []
+    wb._lock.acquire()  # a generation is running
+    t = threading.Thread(target=lambda: got.append(wb.run(key)))
+    t.start()
+    time.sleep(0.3)
+    assert t.is_alive() and not got  # waiting, not refused
+    wb._lock.release()
+    t.join(120)
+    assert got and got[0].key == key and wb.cached(key)
 
 
 def test_frame_view_and_pixel_trace(wb, key):

@@ -6,11 +6,16 @@
     wb.pixel_trace(key.id, frame=20, x=31, y=12, layer=1, head=0)
 
 Everything returned is a plain value (numpy arrays, lists, floats, dicts) for the app's handlers. Each
-rollout is kept as a compact record (frames, probes, exact and stored K/V, query statistics, memory)
-in a small LRU, so switching back to earlier settings is instant. One generation runs at a time: a
-second request while one runs raises `Busy` (the app turns it into a message). On CUDA the model runs
-there; on CPU torch uses `threads` intra-op threads (1 by default: these are small matrices, and more
-threads only spin against other work on the machine).
+rollout is kept as a compact record (frames, probes, exact and stored K/V, query statistics, memory) in
+a results cache shared by every user, bounded in bytes (`cache_mb`) and evicted least recently used
+first. A run is never kept without its BF16 reference: using a run also uses its reference, and evicting
+a reference evicts the runs compared against it; `on_evict` callbacks hear of every eviction (the app
+deletes the run's videos). The views (`frame_view`, `pixel_trace`, `energy`) never generate: for an
+evicted run they say so. One generation runs at a time: a second waits for the first (the app's queue
+shows its users their position). `limits` (`quantwm.evaluation.limits.Limits`) bounds what a request may
+ask for; `calibrate()` measures this machine's speed for it. On CUDA the model runs there; on CPU torch
+uses `threads` intra-op threads (1 by default: these are small matrices, and more threads only spin
+against other work on the machine).
 """
 from __future__ import annotations
 
@@ -27,15 +32,12 @@ from ..core.cache import CacheConfig, jensen_bias
 from ..core.methods import get_method, known_methods
 from ..world.evaluate import shift_rate
 from ..world.generate import generate, load_world_model
-from ..world.scene import TRAJECTORIES
+from ..world.scene import TRAIN_SEED_BASE, TRAJECTORIES
 from . import diagnostics as D
 from . import metrics as M
+from .limits import Limits, fit_chunk_seconds, generated_chunk_tokens
 
 MiB = 2 ** 20
-
-
-class Busy(RuntimeError):
-    """A generation is already running."""
 
 
 @dataclass(frozen=True)
@@ -97,20 +99,43 @@ class Record:
     seconds: float
     flow: torch.Tensor | None = None  # BF16 records: the optical flow every warping error against it uses
 
+    def nbytes(self) -> int:
+        """Bytes of every tensor the record holds (what it costs the results cache)."""
+        tensors = [self.frames, *self.k_exact, *self.k_stored, *self.v_exact, *self.v_stored, *self.stats,
+                   *(self.k_steps or []), *([self.flow] if self.flow is not None else [])]
+        for p in self.probes:
+            for name in ("top1_exact", "top1_quant", "q", "same_place_mass", "top1_prob"):
+                tensors += getattr(p, name)
+        return sum(t.numel() * t.element_size() for t in tensors)
+
 
 class Workbench:
     def __init__(self, weights: str | None = None, device: str | None = None, threads: int = 1,
-                 max_records: int = 24):
-        self.model = load_world_model(weights) if weights else load_world_model()
+                 cache_mb: float | None = None, limits: Limits | None = None, model=None):
+        """`model`: an already loaded world model to share (instead of loading `weights`); `limits`: the
+        request limits (default: this machine's, without a speed calibration); `cache_mb` overrides the
+        results cache's budget."""
+        self.model = model if model is not None else load_world_model(weights) if weights else load_world_model()
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cpu":
             torch.set_num_threads(max(1, int(threads)))
         self.model.to(self.device)
         self.cfg = self.model.cfg
-        self.max_records = max_records
+        self.limits = limits or Limits.from_machine(self.cfg, len(self.methods()), cache_mb=cache_mb)
+        self.cache_bytes = int((cache_mb or self.limits.cache_mb) * MiB)
         self._records: OrderedDict[RunKey, Record] = OrderedDict()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # one generation at a time
+        self._cache_lock = threading.RLock()  # the records table
+        self._evicted: set[RunKey] = set()
+        self.on_evict: list[Callable[[RunKey], None]] = []
         self.running: str | None = None
+
+    def set_limits(self, limits: Limits) -> None:
+        """New limits; the results cache takes their budget (evicting at once if it shrank)."""
+        self.limits = limits
+        self.cache_bytes = int(limits.cache_mb * MiB)
+        with self._cache_lock:
+            self._evict(set())
 
     # ---- facts --------------------------------------------------------------------------------
     def describe_device(self) -> str:
@@ -130,34 +155,96 @@ class Workbench:
                 "grid": (c.view, c.view), "chunk_frames": c.chunk_frames, "context_frames": c.context_frames}
 
     def check_frames(self, n: int) -> None:
+        """A valid frame count within this server's limit (ValueError naming what is wrong)."""
         c = self.cfg
         if n <= c.context_frames or (n - c.context_frames) % c.chunk_frames:
             raise ValueError(f"frames must exceed {c.context_frames} by a multiple of {c.chunk_frames}, got {n}")
+        self.limits.check_frames(n)
+
+    def calibrate(self, generated_chunks: int = 6) -> tuple[float, float]:
+        """Time each generated chunk of a short BF16 rollout here (a training world); returns (a, b) of
+        seconds per chunk = a + b x cached tokens (the time model of `limits`)."""
+        c = self.cfg
+        frames = c.context_frames + generated_chunks * c.chunk_frames
+        stamps = [time.perf_counter()]
+        generate(self.model, TRAIN_SEED_BASE, "loop", frames, CacheConfig(),
+                 progress=lambda done, total: stamps.append(time.perf_counter()))
+        first = c.context_frames // c.chunk_frames  # the context chunks are only committed
+        seconds = [b - a for a, b in zip(stamps[first:], stamps[first + 1:])]
+        return fit_chunk_seconds(generated_chunk_tokens(c, frames), seconds)
 
     # ---- rollouts -----------------------------------------------------------------------------
     def cached(self, key: RunKey) -> bool:
         return key in self._records
 
-    def run(self, key: RunKey, progress: Callable | None = None) -> Record:
-        """The rollout for `key`, from the cache or generated now (raises Busy if another is running)."""
-        if key in self._records:
-            self._records.move_to_end(key)
-            return self._records[key]
+    def cached_bytes(self) -> int:
+        with self._cache_lock:
+            return sum(r.nbytes() for r in self._records.values())
+
+    def _touch(self, key: RunKey) -> Record | None:
+        """The cached record (its reference used with it), or None."""
+        with self._cache_lock:
+            rec = self._records.get(key)
+            if rec is not None:
+                ref = key.reference()
+                if ref in self._records:
+                    self._records.move_to_end(ref)
+                self._records.move_to_end(key)
+            return rec
+
+    def run(self, key: RunKey, progress: Callable | None = None, keep: tuple = ()) -> Record:
+        """The rollout for `key`, from the cache or generated now (waiting for a running generation first);
+        `keep`: keys the eviction that makes room must spare (the pair being built)."""
+        rec = self._touch(key)
+        if rec is not None:
+            return rec
         self.check_frames(key.frames)
-        if not self._lock.acquire(blocking=False):
-            raise Busy(f"a generation is already running ({self.running}); wait for it to finish")
-        try:
+        with self._lock:
+            rec = self._touch(key)  # made by the generation this one waited for?
+            if rec is not None:
+                return rec
             self.running = key.id
-            rec = self._generate(key, progress)
-        finally:
-            self.running = None
-            self._lock.release()
-        self._records[key] = rec
-        while len(self._records) > self.max_records:
-            self._records.popitem(last=False)
+            try:
+                rec = self._generate(key, progress)
+            finally:
+                self.running = None
+        with self._cache_lock:
+            self._records[key] = rec
+            self._evicted.discard(key)
+            self._evict({key, *keep})
         return rec
 
+    def _evict(self, keep: set) -> None:
+        """Drop least recently used records until the cache fits its budget; a reference takes the runs
+        compared against it along."""
+        sizes = {k: r.nbytes() for k, r in self._records.items()}
+        total = sum(sizes.values())
+        for k in list(self._records):
+            if total <= self.cache_bytes:
+                break
+            if k in keep or k not in self._records:
+                continue
+            gone = [k] + ([d for d in self._records if d != k and d.reference() == k and d not in keep]
+                          if k.method == "bf16" else [])
+            if k.method == "bf16" and any(d.reference() == k for d in keep):
+                continue  # the reference of a run being kept stays
+            for d in gone:
+                del self._records[d]
+                total -= sizes[d]
+                self._evicted.add(d)
+                for callback in self.on_evict:
+                    callback(d)
+
     def _generate(self, key: RunKey, progress: Callable | None) -> Record:
+        rec = self._rollout(key, progress)
+        for name, t in (("frames", rec.frames), *((f"layer {l} keys", k) for l, k in enumerate(rec.k_stored)),
+                        *((f"layer {l} values", v) for l, v in enumerate(rec.v_stored))):
+            if not torch.isfinite(t).all():
+                raise ValueError(f"the {key.method} run produced non-finite {name} (NaN or Inf); nothing was kept. "
+                                 "Try more bits or another method")
+        return rec
+
+    def _rollout(self, key: RunKey, progress: Callable | None) -> Record:
         t0 = time.time()
         run = generate(self.model, key.seed, key.trajectory, key.frames, key.cache_config(), progress=progress)
         c, L = run.cache, self.cfg.layers
@@ -183,9 +270,9 @@ class Workbench:
         def step(i, n):
             if progress:
                 progress(done[0] * n + i, n * len(todo))
-        ref = self.run(ref_key, step)
+        ref = self.run(ref_key, step, keep=(key,))
         done[0] = int(ref_key in todo)
-        return ref, self.run(key, step)
+        return ref, self.run(key, step, keep=(ref_key,))
 
     def compare(self, key: RunKey, progress: Callable | None = None) -> dict:
         """Per-frame series of the method against BF16 plus the summary numbers."""
@@ -226,10 +313,17 @@ class Workbench:
         return ref.flow
 
     def record(self, run_id: str) -> Record:
+        """A cached record (used: it and its reference move to the recent end); ValueError when it was
+        never generated or was evicted, saying which."""
         key = RunKey.parse(run_id)
-        if key not in self._records:
-            raise ValueError(f"run {run_id!r} is not generated (or was evicted): press Generate")
-        return self._records[key]
+        rec = self._touch(key)
+        if rec is None:
+            if key in self._evicted:
+                raise ValueError(f"run {run_id!r} was evicted from the shared results cache "
+                                 f"({self.cache_bytes / MiB:.0f} MB) to make room for newer runs: press Generate "
+                                 "to make it again")
+            raise ValueError(f"run {run_id!r} is not generated: press Generate")
+        return rec
 
     # ---- views of one run ---------------------------------------------------------------------
     def check_frame(self, rec: Record, frame: int) -> int:
@@ -313,6 +407,8 @@ class Workbench:
         if not methods:
             raise ValueError("choose at least one method")
         keys = [replace(key, method=m) for m in methods]  # validates every name before any work
+        self.check_frames(key.frames)
+        self.limits.check_methods(len(keys), key.frames)
         rows = []
         for i, k in enumerate(keys):
             ref, rec = self.pair(k, (lambda a, n, i=i: progress(i * n + a, len(keys) * n)) if progress else None)

@@ -91,16 +91,24 @@ def memory_stats(run: Rollout) -> dict:
 
 def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: list[int] = (0, 1), n_frames: int = 32,
              bits: int = 2, trajectory_kind: str = "loop", steps: int = 4, progress: Callable | None = None,
-             training_seeds: bool = False, world: str = "photo", method_options: tuple = ()) -> dict:
-    """The `quantwm eval` report (see the module docstring). `training_seeds=True` evaluates on worlds
-    drawn like the model's training worlds (seed + TRAIN_SEED_BASE: training photographs), to compare with
-    held-out ones; `world` is the world kind (`scene.WORLDS`)."""
+             training_seeds: bool = False, world: str = "photo", method_options: tuple = (),
+             training_photos: bool = False) -> dict:
+    """The `quantwm eval` report (see the module docstring). `world` is the world kind (`scene.WORLDS`).
+    Two ways to compare with the training photographs (the memorisation check):
+
+    * `training_photos=True`: the same seeds (so the same mosaic layouts, trajectories and noise), with
+      the tiles cut from the training photographs: each held-out world against its own twin;
+    * `training_seeds=True`: the worlds of seeds + TRAIN_SEED_BASE, drawn as in training (other layouts
+      and trajectories too, so the difference also holds the seeds' spread)."""
     if any(s >= TRAIN_SEED_BASE or s < 0 for s in seeds):
         raise ValueError(f"evaluation world seeds must lie in [0, {TRAIN_SEED_BASE}) (training uses the rest)")
     if training_seeds:
         seeds = [s + TRAIN_SEED_BASE for s in seeds]
     if not seeds:
         raise ValueError("give at least one seed")
+    if training_photos and (training_seeds or world != "photo"):
+        raise ValueError("training_photos applies to the photographic world, without training_seeds")
+    photos = "training" if training_photos else None
     configs = {m: CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits, method_options=method_options)
                for m in methods}  # validates names
     for c in configs.values():
@@ -114,7 +122,7 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
     bf16: dict = {"revisit_psnr_vs_gt": [], "psnr_vs_gt": [], "same_place_mass": [], "top1_prob": [], "revisited_frames": []}
     total, done, t0 = len(seeds) * (1 + len(methods)), 0, time.time()
     for seed in seeds:
-        ref = generate(model, seed, trajectory_kind, n_frames, CacheConfig(), steps=steps, world=world)
+        ref = generate(model, seed, trajectory_kind, n_frames, CacheConfig(), steps=steps, world=world, photos=photos)
         revisit = revisited_frames(ref.poses, ctx, model.cfg.view)
         bf16["revisited_frames"].append(revisit)
         if revisit:
@@ -127,7 +135,7 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
         if progress:
             progress(done, total, f"seed {seed} bf16")
         for m, cc in configs.items():
-            run = generate(model, seed, trajectory_kind, n_frames, cc, steps=steps, world=world)
+            run = generate(model, seed, trajectory_kind, n_frames, cc, steps=steps, world=world, photos=photos)
             x, r = run.frames[ctx:], ref.frames[ctx:]
             per[m]["psnr"].append(M.psnr(x, r).tolist())
             per[m]["ssim"].append(M.ssim(x, r).tolist())
@@ -147,7 +155,7 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
                 progress(done, total, f"seed {seed} {m}")
     out: dict = {"methods": {}, "bf16": {}, "config": {
         "target": target, "bits": bits, "seeds": list(seeds), "frames": n_frames, "trajectory": trajectory_kind,
-        "world": world, "method_options": dict(method_options), "steps": steps, "context_frames": ctx,
+        "world": world, "photos": photos or "by seed", "method_options": dict(method_options), "steps": steps, "context_frames": ctx,
         "lpips_note": lpips_note, "model": model.config_dict(),
         "seconds": time.time() - t0}}
     for m in methods:

@@ -45,8 +45,15 @@ def load_world_model(path: str | Path = DEFAULT_WEIGHTS) -> WorldModel:
                 state[k] = t.float() * f.get_tensor(k + "::scale")[:, None] if t.dtype == torch.int8 else t.float()
     except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
         raise ValueError(f"{path}: not a QuantWM world-model file ({str(e).splitlines()[0][:100]})") from None
+    bad = next((k for k, t in state.items() if not torch.isfinite(t).all()), None)
+    if bad is not None:
+        raise ValueError(f"{path}: corrupt world-model file (tensor {bad!r} holds NaN or Inf)")
     model = WorldModel(cfg)
-    model.load_state_dict(state)
+    try:
+        model.load_state_dict(state)
+    except RuntimeError as e:
+        raise ValueError(f"{path}: the weights do not fit the model its metadata describes "
+                         f"({str(e).splitlines()[0][:120]})") from None
     return model.eval()
 
 
@@ -118,10 +125,12 @@ class Rollout:
 
 def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n_frames: int = 32,
              cache_config: CacheConfig = CacheConfig(), steps: int = 4, noise_seed: int = 0,
-             probe: bool = True, progress=None, poses: torch.Tensor | None = None, world: str = "photo") -> Rollout:
+             probe: bool = True, progress=None, poses: torch.Tensor | None = None, world: str = "photo",
+             photos: str | None = None) -> Rollout:
     """Roll the model out over a world and trajectory through a KVCache configured by `cache_config`.
 
-    `world` is the world kind (`scene.WORLDS`: "photo" or "procedural").
+    `world` is the world kind (`scene.WORLDS`: "photo" or "procedural"); `photos` overrides the side of the
+    photograph split the world's tiles come from (`scene.make_world`).
 
     `poses` (n_frames, 2), camera positions in patches, replaces the trajectory (diagnostics: a static camera).
 
@@ -134,7 +143,7 @@ def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", 
         raise ValueError(f"n_frames must exceed {cfg.context_frames} by a multiple of {cfg.chunk_frames}, got {n_frames}")
     if steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
-    world_map = make_world(world_seed, cfg.world_patches * cfg.patch, world)
+    world_map = make_world(world_seed, cfg.world_patches * cfg.patch, world, photos)
     if poses is None:
         poses = trajectory(trajectory_kind, n_frames, world_seed, cfg.world_patches, cfg.view)
     else:

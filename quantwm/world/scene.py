@@ -36,13 +36,23 @@ TRAIN_PHOTOS = ("astronaut", "rocket", "hubble_deep_field", "retina", "immunohis
 HELD_OUT_PHOTOS = ("chelsea", "coffee", "motorcycle_left", "motorcycle_right", "gravel")
 
 
-def make_world(seed: int, size: int = 256, kind: str = "photo") -> torch.Tensor:
-    """A (3, size, size) float world map in [0, 1] of the given kind, fully determined by `seed`."""
+PHOTO_SIDES = ("training", "held-out")
+
+
+def make_world(seed: int, size: int = 256, kind: str = "photo", photos: str | None = None) -> torch.Tensor:
+    """A (3, size, size) float world map in [0, 1] of the given kind, fully determined by `seed`.
+
+    `photos` ("training" / "held-out") overrides which side of the split a photographic world's tiles come
+    from; by default the seed decides (see the module docstring). The layout (tiles, crops, zooms, jitter)
+    still follows the seed, so `photos="training"` on an evaluation seed gives that world's twin made of
+    training photographs: the memorisation check compares such pairs."""
     if kind not in WORLDS:
         raise ValueError(f"unknown world {kind!r}; known: {', '.join(WORLDS)}")
     if seed < 0:
         raise ValueError(f"world seed must be >= 0, got {seed}")
-    return photo_world(seed, size) if kind == "photo" else procedural_world(seed, size)
+    if photos is not None and photos not in PHOTO_SIDES:
+        raise ValueError(f"photos must be one of {', '.join(PHOTO_SIDES)}, got {photos!r}")
+    return photo_world(seed, size, photos) if kind == "photo" else procedural_world(seed, size)
 
 
 @cache
@@ -75,10 +85,12 @@ def _split(g: torch.Generator, h: int, w: int, depth: int) -> list[tuple[int, in
     return a + [(y + cut, x, hh, ww) if along_h else (y, x + cut, hh, ww) for y, x, hh, ww in b]
 
 
-def photo_world(seed: int, size: int = 256) -> torch.Tensor:
-    """A mosaic world of bundled photographs (held-out ones for seeds below TRAIN_SEED_BASE)."""
+def photo_world(seed: int, size: int = 256, photos: str | None = None) -> torch.Tensor:
+    """A mosaic world of bundled photographs (held-out ones for seeds below TRAIN_SEED_BASE, unless `photos`
+    names the side)."""
     g = torch.Generator().manual_seed(int(seed))
-    names = TRAIN_PHOTOS if seed >= TRAIN_SEED_BASE else HELD_OUT_PHOTOS
+    side = photos or ("training" if seed >= TRAIN_SEED_BASE else "held-out")
+    names = TRAIN_PHOTOS if side == "training" else HELD_OUT_PHOTOS
     img = torch.zeros(3, size, size)
     for y, x, h, w in _split(g, size, size, depth=2):
         photo = load_photo(names[int(torch.randint(0, len(names), (1,), generator=g))])
