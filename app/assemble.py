@@ -32,11 +32,13 @@ KV_BASELINE = "kivi"
 CSS = "#frame-bf16 img, #frame-method img { image-rendering: pixelated; }"
 
 
-def default_trace(path: str | None) -> str:
+def default_trace(path: str | None, directory: str | None = None) -> str:
+    """The trace the Trace analysis tab opens with: `path` (checked now) or the synthetic world trace, made in
+    `directory` (the app's temporary folder, removed at shutdown)."""
     if path:
         read_trace(path)  # fail at start-up, clearly, on a bad file
         return path
-    out = os.path.join(tempfile.mkdtemp(prefix="quantwm-"), "synthetic-world.safetensors")
+    out = os.path.join(tempfile.mkdtemp(prefix="trace-", dir=directory), "synthetic-world.safetensors")
     make_synthetic_trace(seed=0, n_layers=2, n_heads=4).save(out)
     return out
 
@@ -58,7 +60,7 @@ def build_app(trace: str | None = None, workbench: Workbench | None = None, fram
               delete_cache: tuple[int, int] = (300, 1800)) -> gr.Blocks:
     """The app. `delete_cache` (every, age) in seconds: Gradio's copies of served files (videos, frames)
     older than `age` are deleted every `every` seconds, and all of them when the server stops."""
-    trace_path = default_trace(trace)
+    trace_path = default_trace(trace, wh.app_files().root)
     wb = workbench or Workbench()
     wh.track_evictions(wb)
     facts = wb.model_facts()

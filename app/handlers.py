@@ -10,6 +10,8 @@ import numpy as np
 from quantwm.evaluation.analyze import analyze_trace, report_rows
 from quantwm.evaluation.trace import read_trace
 
+from .values import integer
+
 
 def _readable(trace_path, check_upload) -> str:
     """The trace path, checked: a file within the upload limit (ValueError otherwise)."""
@@ -30,7 +32,7 @@ def analyze_handler(trace_path: str | None, methods: list[str], target: str, bit
         return "**Error:** choose at least one method.", [], []
     try:
         trace = read_trace(_readable(trace_path, check_upload))
-        report = analyze_trace(trace, list(methods), target, int(bits))
+        report = analyze_trace(trace, list(methods), target, integer(bits, "bits"))
     except (ValueError, TypeError) as e:
         return f"**Error:** {e}", [], []
     except Exception as e:  # noqa: BLE001 - the app must answer every request
@@ -56,8 +58,8 @@ def trace_inspect_handler(trace_path: str | None, method: str, target: str, bits
         for name, val in (("layer", layer), ("head", head), ("query", query), ("bits", bits)):
             if val is None or val == "":
                 raise ValueError(f"no {name} given")
-        r = trace_query_view(_readable(trace_path, check_upload), method, target, int(bits), int(layer), int(head),
-                             int(query))
+        r = trace_query_view(_readable(trace_path, check_upload), method, target,
+                             *(integer(v, n) for n, v in (("bits", bits), ("layer", layer), ("head", head), ("query", query))))
     except (ValueError, TypeError) as e:
         return {"status": f"**Error:** {e}"}
     eb, em, (qf, qr, qc) = r["source_bf16"], r["source_method"], r["query_coords"]
@@ -94,7 +96,7 @@ def trace_energy_handler(trace_path: str | None, layer_index=0, check_upload=Non
         return {"status": "**Error:** no trace file given."}
     try:
         spectra = trace_energy(_readable(trace_path, check_upload))
-        li = int(layer_index)
+        li = integer(layer_index, "layer index")
         if not 0 <= li < len(spectra):
             raise ValueError(f"layer index {li} out of range: the trace holds {len(spectra)} layers")
     except (TypeError, ValueError) as e:

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from . import media, plots
+from .values import integer
 
 FACTOR = 4  # frames are shown enlarged 4x on the server: a click at (x, y) is frame pixel (x // 4, y // 4)
 THUMB = 2  # source thumbnails
@@ -34,13 +35,14 @@ def use_files(files: media.TempFiles) -> media.TempFiles:
     return files
 
 
-def _files() -> media.TempFiles:
+def app_files() -> media.TempFiles:
+    """The app's temporary files (made on first use when the entry point did not set them)."""
     return FILES or use_files(media.TempFiles())
 
 
 def track_evictions(wb) -> None:
     """Delete a run's videos when the workbench's results cache evicts it."""
-    wb.on_evict.append(lambda key: _files().forget(key.id))
+    wb.on_evict.append(lambda key: app_files().forget(key.id))
 
 
 def error(message: str, **keep) -> dict:
@@ -61,28 +63,26 @@ def guarded(handler: Callable) -> Callable:
 
 def _choice(value, name: str):
     """'all' / None -> None; otherwise an int (ValueError naming the control)."""
-    if value in (None, "", "all"):
+    if value is None or (isinstance(value, str) and value in ("", "all")):
         return None
     try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be 'all' or an integer, got {value!r}") from None
+        return integer(value, name)
+    except ValueError:
+        raise ValueError(f"{name} must be 'all' or an integer, got {value!r:.60}") from None
 
 
 def _key(seed, trajectory, method, target, bits, frames):
     from quantwm.evaluation.workbench import RunKey
 
-    def integer(value, name):
-        try:
-            return int(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    for name, v in (("trajectory", trajectory), ("method", method), ("target", target)):
+        if not isinstance(v, str):
+            raise ValueError(f"{name} must be a name, got {v!r:.60}")
     return RunKey(integer(seed, "world seed"), str(trajectory), str(method), str(target), integer(bits, "bits"),
                   integer(frames, "frames"))
 
 
 def _video(run_id: str, which: str, frames: np.ndarray) -> str:
-    return _files().video(run_id, which, frames, FACTOR)
+    return app_files().video(run_id, which, frames, FACTOR)
 
 
 def _fmt(x, digits=4):
@@ -123,7 +123,7 @@ def scrub_handler(wb, run_id, frame, overlays=(), layer="all", head="all") -> di
             raise ValueError(f"unknown overlay {unknown[0]!r}; choose from {', '.join(OVERLAYS)}")
         if frame is None:
             raise ValueError("no frame given")
-        v = wb.frame_view(str(run_id or ""), int(frame), _choice(layer, "layer"), _choice(head, "head"))
+        v = wb.frame_view(str(run_id or ""), integer(frame, "frame"), _choice(layer, "layer"), _choice(head, "head"))
     except ValueError as e:
         return error(str(e))
     method = v["method"]
@@ -150,7 +150,8 @@ def trace_pixel_handler(wb, run_id, frame, x, y, layer=0, head=0) -> dict:
         for name, val in (("frame", frame), ("x", x), ("y", y), ("layer", layer), ("head", head)):
             if val is None or val == "":
                 raise ValueError(f"no {name} given")
-        r = wb.pixel_trace(str(run_id or ""), int(frame), int(x), int(y), int(layer), int(head))
+        r = wb.pixel_trace(str(run_id or ""), *(integer(v, n) for n, v in (("frame", frame), ("x", x), ("y", y),
+                                                                             ("layer", layer), ("head", head))))
     except ValueError as e:
         return error(str(e))
     key_method = str(run_id).split()[2]
@@ -184,7 +185,7 @@ def energy_handler(wb, run_id, layer=0) -> dict:
     """Eigen spectrum and cumulative energy of the history-Query second moment, per head; top-8 table."""
     try:
         spectra = wb.energy(str(run_id or ""))
-        layer = int(layer)
+        layer = integer(layer, "layer")
         if not 0 <= layer < len(spectra):
             raise ValueError(f"layer {layer} out of range: the model has {len(spectra)} layers")
     except ValueError as e:
@@ -276,11 +277,12 @@ def export_handler(wb, run_id, frame, x, y, layer=0, head=0, formats=("pdf",)) -
     try:
         key = RunKey.parse(str(run_id or ""))
         wb.record(key.id)  # generated (not evicted)?
-        t = int(frame) if frame is not None else None
+        t = integer(frame, "frame") if frame is not None else None
         generated = t is not None and t >= wb.model_facts()["context_frames"]  # context frames have no probes
         kinds = ["frames", "maps", "energy"] + (["trace"] if generated else [])
-        paths = run_figures(wb, key, _files().export_dir("run"), kinds, list(formats or []), frame=t,
-                            pixel=[int(x), int(y)], layer=int(layer), head=int(head))
+        paths = run_figures(wb, key, app_files().export_dir("run"), kinds, list(formats or []), frame=t,
+                            pixel=[integer(x, "x"), integer(y, "y")], layer=integer(layer, "layer"),
+                            head=integer(head, "head"))
     except (ValueError, TypeError) as e:
         return error(str(e))
     return _exported(paths)
@@ -297,7 +299,7 @@ def export_methods_handler(wb, seed, trajectory, target, bits, frames, methods, 
         key = _key(seed, trajectory, list(methods)[0], target, bits, frames)
         wb.check_frames(key.frames)
         wb.limits.check_methods(len(methods), key.frames)
-        paths = run_figures(wb, key, _files().export_dir("methods"), ["methods"], list(formats or []),
+        paths = run_figures(wb, key, app_files().export_dir("methods"), ["methods"], list(formats or []),
                             methods=list(methods), progress=progress)
     except ValueError as e:
         return error(str(e))

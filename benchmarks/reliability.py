@@ -165,18 +165,48 @@ def bad_values(rng: random.Random, files: list[str]) -> list:
             rng.choice(files)]
 
 
-def fuzz(url: str, n: int, rng: random.Random, tmp: str, good_run: str) -> dict:
-    from gradio_client import handle_file
-    from gradio_client.exceptions import AppError
+def call_raw(url: str, name: str, data: list, timeout: float = 300) -> tuple[str, object]:
+    """One request over Gradio's HTTP API (JSON with NaN/Inf literals allowed, as a hand-written client might
+    send): ("complete", outputs), ("error", message), ("http", status and detail)."""
+    import json
 
-    c = client(url)
-    api = c.view_api(return_format="dict", print_info=False)["named_endpoints"]
+    import httpx
+
+    body = json.dumps({"data": data}, allow_nan=True)
+    r = httpx.post(f"{url}gradio_api/call{name}", content=body, headers={"Content-Type": "application/json"},
+                   timeout=timeout)
+    if r.status_code != 200:
+        return "http", f"{r.status_code} {r.text[:200]}"
+    event_id = r.json()["event_id"]
+    event = None
+    with httpx.stream("GET", f"{url}gradio_api/call{name}/{event_id}", timeout=timeout) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("event:"):
+                event = line.split(":", 1)[1].strip()
+            elif line.startswith("data:") and event in ("complete", "error"):
+                payload = line.split(":", 1)[1].strip()
+                return event, json.loads(payload) if payload not in ("", "null") else None
+    return "none", None
+
+
+def upload(url: str, path: str) -> dict:
+    import httpx
+
+    with open(path, "rb") as f:
+        r = httpx.post(f"{url}gradio_api/upload", files={"files": (os.path.basename(path), f)}, timeout=60)
+    r.raise_for_status()
+    return {"path": r.json()[0], "meta": {"_type": "gradio.FileData"}, "orig_name": os.path.basename(path)}
+
+
+def fuzz(url: str, n: int, rng: random.Random, tmp: str, good_run: str) -> dict:
+    api = client(url).view_api(return_format="dict", print_info=False)["named_endpoints"]
     files = garbage_files(tmp, rng)
+    uploaded = {p: upload(url, p) for p in files}
     valid = {"seed": 0, "trajectory": "loop", "method": "quantwm", "target": "kv", "bits": 2, "frames": FRAMES,
              "run_id": good_run, "frame": FRAMES - 1, "overlays": [], "layer": 0, "head": 0, "x": 5, "y": 5,
              "formats": ["png"], "baseline": "kivi", "methods": ["rtn"], "path": None, "query": 0}
     counts = {"requests": 0, "error_message": 0, "accepted": 0, "crash": 0}
-    crashes, per_endpoint = [], {}
+    crashes, accepted, per_endpoint = [], [], {}
     names = sorted(api)
     for i in range(n):
         name = names[i % len(names)]
@@ -184,24 +214,27 @@ def fuzz(url: str, n: int, rng: random.Random, tmp: str, good_run: str) -> dict:
         args = {p: valid.get(p) for p in params}
         for p in rng.sample(params, k=max(1, min(len(params), rng.choice([1, 1, 2, 3])))):
             args[p] = rng.choice(bad_values(rng, files))
-        for p, v in args.items():  # file parameters travel as files
-            if p == "path" and isinstance(v, str) and os.path.isfile(v):
-                args[p] = handle_file(v)
+        for p, v in args.items():  # garbage files travel as uploads (any parameter may get one)
+            if isinstance(v, str) and v in uploaded:
+                args[p] = uploaded[v]
         counts["requests"] += 1
         per_endpoint[name] = per_endpoint.get(name, 0) + 1
         try:
-            out = c.predict(*args.values(), api_name=name)
-            first = out[0] if isinstance(out, (tuple, list)) and out else out
-            if isinstance(first, str) and first.startswith("**Error:**"):
-                counts["error_message"] += 1
-            else:
-                counts["accepted"] += 1
-        except AppError as e:  # Gradio refused the value (type, range, choices) with a message
-            counts["error_message" if str(e).strip() else "crash"] += 1
+            kind, out = call_raw(url, name, list(args.values()))
         except Exception as e:  # noqa: BLE001 - no answer: a crash
+            kind, out = "crash", f"{type(e).__name__}: {e}"
+        first = out[0] if kind == "complete" and isinstance(out, list) and out else out
+        if kind == "complete" and isinstance(first, str) and first.startswith("**Error:**"):
+            counts["error_message"] += 1
+        elif kind in ("error", "http") and out:  # Gradio refused the value (type, range, choices) with a message
+            counts["error_message"] += 1
+        elif kind == "complete":
+            counts["accepted"] += 1
+            accepted.append(f"{name} {args!r:.160}: {str(first)[:120]}")
+        else:
             counts["crash"] += 1
-            crashes.append(f"{name} {args!r:.200}: {type(e).__name__}: {str(e)[:200]}")
-    return {**counts, "endpoints": len(per_endpoint), "crashes": crashes}
+            crashes.append(f"{name} {args!r:.160}: {kind} {str(out)[:200]}")
+    return {**counts, "endpoints": len(per_endpoint), "crashes": crashes, "accepted_requests": accepted}
 
 
 # ---- 3/4. memory and disk over many generations -----------------------------------------------------------
@@ -238,6 +271,11 @@ def main(argv=None) -> int:
               f"({time.time() - t:.0f} s)", flush=True)
         for p in problems:
             print("   ", p)
+        rss = rss_mb(app.proc.pid)
+        t = time.perf_counter()
+        huge = client(app.url).predict(0, "loop", "quantwm", "kv", 2, 100000, api_name="/generate")[0]
+        print(f"   frames=100000: answered in {time.perf_counter() - t:.2f} s, resident memory {rss:.0f} -> "
+              f"{rss_mb(app.proc.pid):.0f} MB: {huge}", flush=True)
         good_run = f"seed=500 loop quantwm kv 2-bit {FRAMES}f"
         t = time.time()
         fuzz_dir = tempfile.mkdtemp(prefix="quantwm-fuzz-")
@@ -249,7 +287,9 @@ def main(argv=None) -> int:
               f"{f['crash']} crashes; server alive: {app.alive()}; a normal request afterwards: "
               f"{'ok' if not after.startswith('**Error') else after} ({time.time() - t:.0f} s)", flush=True)
         for c in f["crashes"][:10]:
-            print("   ", c)
+            print("    crash:", c)
+        for c in f["accepted_requests"][:10]:
+            print("    accepted:", c)
         generations(app.url, range(1000, 1000 + a.warmup))
         rss0, disk0 = rss_mb(app.proc.pid), disk_bytes(app.tmp)
         t = time.time()
@@ -265,7 +305,7 @@ def main(argv=None) -> int:
     left = disk_bytes(app.tmp)
     print(f", {left / 2 ** 20:.1f} MB after shutdown (exit code {rc})")
     shutil.rmtree(app.tmp, ignore_errors=True)
-    bad = crashed or f["crash"] or served < a.clients or rss1 / rss0 - 1 >= 0.10 or left > 0
+    bad = crashed or f["crash"] or f["accepted"] or served < a.clients or rss1 / rss0 - 1 >= 0.10 or left > 0
     print("PASS" if not bad else "FAIL")
     return int(bool(bad))
 

@@ -103,7 +103,7 @@ def take_tab_screenshots(page, outdir: pathlib.Path) -> list[pathlib.Path]:
 
 
 @pytest.fixture(scope="module")
-def browser_page(small_trace_path):
+def browser_and_url(small_trace_path):
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is missing: run install.sh (Debian chromium)")
     from playwright.sync_api import sync_playwright
@@ -111,12 +111,18 @@ def browser_page(small_trace_path):
     demo, url = launch(str(small_trace_path), FRAMES)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        page = browser.new_page(viewport={"width": 1400, "height": 1600})
-        page.goto(url)
-        page.wait_for_selector("#generate-btn")
-        yield page
+        yield browser, url
         browser.close()
     demo.close()
+
+
+@pytest.fixture(scope="module")
+def browser_page(browser_and_url):
+    browser, url = browser_and_url
+    page = browser.new_page(viewport={"width": 1400, "height": 1600})
+    page.goto(url)
+    page.wait_for_selector("#generate-btn")
+    return page
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +182,37 @@ def test_trace_outside_the_frame_shows_an_error_and_the_page_stays_usable(browse
     page.locator("#trace-btn").click()
     page.wait_for_function("document.querySelector('#trace-status').innerText.startsWith('Query frame')",
                            timeout=30_000)
+
+
+def test_two_users_at_once_each_see_their_own_run(browser_and_url):
+    """Two browser contexts (two users, separate sessions) press Generate at the same time: one waits in the
+    queue, and each ends with its own run, frames and trace."""
+    browser, url = browser_and_url
+    pages = []
+    for seed in (7, 8):
+        ctx = browser.new_context(viewport={"width": 1400, "height": 1600})
+        page = ctx.new_page()
+        page.goto(url)
+        page.wait_for_selector("#generate-btn")
+        seed_box = page.get_by_label("World seed")
+        seed_box.fill(str(seed))
+        seed_box.press("Tab")
+        pages.append((seed, page))
+    for _, page in pages:
+        page.locator("#generate-btn").click()
+    for seed, page in pages:
+        page.wait_for_function(f"(document.querySelector('#run-id textarea, #run-id input').value || '')"
+                               f".includes('seed={seed} ')", timeout=180_000)
+        page.wait_for_selector("#frame-method img", timeout=60_000)
+    srcs = []
+    for seed, page in pages:
+        assert run_id(page) == f"seed={seed} loop quantwm kv 2-bit {FRAMES}f"
+        assert f"seed={seed} loop" in page.locator("#generate-status").inner_text()
+        page.wait_for_function(IDLE, arg="#frame-bf16", timeout=30_000)
+        srcs.append(page.locator("#frame-bf16 img").get_attribute("src"))
+    assert srcs[0] != srcs[1]  # different worlds on the two screens
+    for _, page in pages:
+        page.context.close()
 
 
 if __name__ == "__main__" and "--readme" in sys.argv:
