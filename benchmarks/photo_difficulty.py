@@ -1,6 +1,6 @@
 """How hard each bundled photograph is for a model that has never seen any photograph: the split's check.
 
-    python benchmarks/photo_difficulty.py [--weights out/stage2.safetensors] [--seeds 4]
+    python benchmarks/photo_difficulty.py [--weights out/stage2.safetensors] [--seeds 3]
 
 For every photograph in `scene.TRAIN_PHOTOS + scene.HELD_OUT_PHOTOS`, worlds are drawn from that photograph
 alone (same crops, flips and jitter as `scene.photo_world`) on seeds 300000 + i, which no evaluation and no
@@ -41,7 +41,7 @@ def photo_psnr(model, name: str, seeds: int) -> float:
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--weights", default=None, help="model weights (default: the committed model)")
-    ap.add_argument("--seeds", type=int, default=4)
+    ap.add_argument("--seeds", type=int, default=3)
     a = ap.parse_args(argv)
     torch.set_num_threads(2)
     model = load_world_model(a.weights) if a.weights else load_world_model()

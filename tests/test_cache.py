@@ -849,3 +849,38 @@ def test_quantwm_paper_first_span_without_history_has_uniform_weights_and_no_psa
     assert "psac_basis" in warm.shared and warm.shared["psac_basis"].dtype == torch.bfloat16
     assert warm.tensors["psac_codes"].shape == (2, 64, 8)  # 8 INT8 coefficients per token
     assert warm.tensors["psac_scales"].shape == (2, 64, 1)  # one scale per token
+
+
+def test_public_contract_seq_len_and_spans():
+    from quantwm.core.cache import CacheConfig, KVCache
+
+    c = KVCache(CacheConfig(method="rtn", recent_chunks=1), 2)
+    k = torch.randn(1, 2, 4, 64)
+    assert c.n_layers == 2 and c.seq_len(0) == 0 and c.spans(0) == []
+    for i in range(3):
+        c.attend(0, k, k, k, chunk=i, commit=True)
+    c.write(0, k, k, chunk=3)
+    spans = c.spans(0)
+    assert [s.index for s in spans] == [0, 1, 2, 3]
+    assert [s.quantized for s in spans] == [False, True, False, False]  # sink, quantized, recent, current
+    assert c.seq_len(0) == 16 == len(c.positions(0)) == c.keys(0).shape[2] and c.seq_len(1) == 0
+    with pytest.raises(ValueError, match="layer 5 out of range"):
+        c.spans(5)
+
+
+def test_nothing_outside_the_cache_module_reaches_into_its_private_fields():
+    """The cache's contract is public: adapters, diagnostics, the app and the benchmarks use only it."""
+    import ast
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    offenders = []
+    for path in [*root.glob("quantwm/**/*.py"), *root.glob("app/*.py"), *root.glob("kernels/*.py"),
+                 *root.glob("benchmarks/*.py")]:
+        if path.name == "cache.py" and path.parent.name == "core":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                    and "cache" in ast.unparse(node.value).lower() and ast.unparse(node.value) != "self"):
+                offenders.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
+    assert not offenders, offenders

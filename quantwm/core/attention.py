@@ -33,7 +33,7 @@ def chunk_spans(cache, layer: int) -> list[tuple[dict, dict, PsacFn | None]] | N
     """Every span of `layer` as (key side, value side, PSAC inputs); None if a method says its stored format
     has no fused kernel (`Method.fused_format`)."""
     out = []
-    for c in cache._chunks(cache._layer(layer)):
+    for c in cache.spans(layer):
         B, H, D = c.bhd
         sides = []
         for full, enc, method in ((c.k, c.k_enc, cache.k_method), (c.v, c.v_enc, cache.v_method)):

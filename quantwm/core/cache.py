@@ -29,6 +29,21 @@ commits it. So, per layer:
   scaled_dot_product_attention (`memo_decoded=True` keeps each quantized chunk's decoded copy as working
   memory, outside nbytes). With `+jensen` methods the logit of every quantized key j gets
   -(τ²/24) Σ_i q_i² Δ_{j,i}².
+
+The public surface a model author (and every adapter and diagnostic in this package) uses; nothing outside
+this module touches the cache's private fields:
+
+    cache.n_layers                       # layers the cache was made for
+    cache.attend(layer, q, k, v, chunk, commit=False)    # write + attend (+ commit), the usual call
+    cache.write(layer, k, v, chunk); cache.commit(layer, chunk)   # the same in steps
+    cache.observe(layer, q)              # feed queries into S without attending (e.g. from a hook)
+    cache.load_query_stats(layer, second, count)         # or load S from a calibration file
+    cache.seq_len(layer)                 # tokens the layer holds (committed spans and the current chunk)
+    cache.spans(layer)                   # those spans, oldest first (read-only `Chunk` views)
+    cache.positions(layer)               # absolute token position of every held token, in cache order
+    cache.keys(layer) / values(layer)    # what attention reads (exact=True: the unquantized copy)
+    cache.query_stats(layer); cache.key_steps(layer)
+    cache.nbytes(); bytes_by_component(); runtime_bytes(); bits_per_element()
 """
 from __future__ import annotations
 
@@ -238,6 +253,21 @@ class KVCache:
     # ---- reading --------------------------------------------------------------------------------
     def _chunks(self, st: LayerState) -> list[Chunk]:
         return st.chunks + ([st.current] if st.current is not None else [])
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def spans(self, layer: int) -> list[Chunk]:
+        """The spans `layer` holds, oldest first: committed spans (a quantized span may cover `n_chunks`
+        chunks), then the current chunk if one is written. Each is a `Chunk`: `index` (first chunk), `start`
+        (first token position), `n_tokens`, `n_chunks`, `bhd`, `quantized`, and either the full-precision
+        `k`/`v` (B, H, n_tokens, D) or the method's encodings `k_enc`/`v_enc`. Read them, never modify them."""
+        return list(self._chunks(self._layer(layer)))
+
+    def seq_len(self, layer: int) -> int:
+        """Tokens `layer` holds (what its attention reads): committed spans and the current chunk."""
+        return sum(c.n_tokens for c in self._chunks(self._layer(layer)))
 
     def _decode(self, c: Chunk, which: str) -> torch.Tensor:
         full = c.k if which == "k" else c.v

@@ -117,6 +117,7 @@ class Limits:
     memory_mb: float  # the memory planned with
     chunk_seconds: tuple[float, float] | None  # measured: seconds per generated chunk = a + b * cached tokens
     cfg: object = None  # the model's WorldConfig (shapes for the estimates)
+    frames_reason: str = "the server's settings"  # what bounds max_frames, for the refusal message
 
     @classmethod
     def from_machine(cls, cfg, n_methods: int, chunk_seconds: tuple[float, float] | None = None, *,
@@ -132,35 +133,40 @@ class Limits:
             total, available = machine_memory()
             memory_mb = memory_fraction * min(total, available) / MiB
         cache_mb = cache_mb if cache_mb is not None else memory_mb / 2
-        derived = cls._frames_allowed(cfg, memory_mb / 2, cache_mb, max_seconds, chunk_seconds)
-        frames = min(derived, max_frames) if max_frames is not None else derived
+        derived, reason = cls._frames_allowed(cfg, memory_mb / 2, cache_mb, max_seconds, chunk_seconds)
+        frames = derived
+        if max_frames is not None and max_frames < derived:
+            frames, reason = max_frames, "--max-frames"
         if frames <= cfg.context_frames:
             raise ValueError(f"the machine's limits ({memory_mb:.0f} MB to plan with, {max_seconds:g} s per request) "
                              f"leave no room for one generated chunk; give more memory or time")
         upload = max_upload_mb if max_upload_mb is not None else min(1024.0, cache_mb / 8)
         return cls(frames, int(max_methods or n_methods), float(upload), float(cache_mb), float(max_seconds),
-                   float(memory_mb), chunk_seconds, cfg)
+                   float(memory_mb), chunk_seconds, cfg, reason)
 
     @staticmethod
-    def _frames_allowed(cfg, request_mb, cache_mb, max_seconds, chunk_seconds) -> int:
+    def _frames_allowed(cfg, request_mb, cache_mb, max_seconds, chunk_seconds) -> tuple[int, str]:
+        """The largest valid frame count all three bounds allow, and which bound stops the next one."""
         F, ctx = cfg.chunk_frames, cfg.context_frames
         best, frames = ctx, ctx + F
         while frames < 10 ** 6:
-            fits = (request_bytes(cfg, frames) <= request_mb * MiB and 3 * run_bytes(cfg, frames) <= cache_mb * MiB
-                    and (chunk_seconds is None or request_seconds(cfg, frames, chunk_seconds) <= max_seconds))
-            if not fits:
-                break
+            if request_bytes(cfg, frames) > request_mb * MiB:
+                return best, (f"memory: one request may use {request_mb:.0f} MB, half of the {2 * request_mb:.0f} MB "
+                              "planned with (--memory-mb)")
+            if 3 * run_bytes(cfg, frames) > cache_mb * MiB:
+                return best, f"the shared results cache of {cache_mb:.0f} MB must hold a run and its reference (--cache-mb)"
+            if chunk_seconds is not None and request_seconds(cfg, frames, chunk_seconds) > max_seconds:
+                return best, (f"time: one generation may hold the queue {max_seconds:g} s at this machine's measured "
+                              "speed (--max-seconds)")
             best, frames = frames, frames + F
-        return best
+        return best, "the largest size considered"
 
     # ---- checks (ValueError naming the limit) -------------------------------------------------------
     def check_frames(self, frames: int) -> None:
         if frames > self.max_frames:
-            why = (f"{self.memory_mb:.0f} MB of memory to plan with and {self.max_seconds:g} s per generation"
-                   if self.cfg is not None else "the server's settings")
             raise ValueError(f"frames={frames} is over this server's limit of {self.max_frames} frames per "
-                             f"generation ({why}; start the app with --max-frames, --memory-mb or --max-seconds "
-                             "to change it)")
+                             f"generation, set by {self.frames_reason}; start the app with --max-frames, "
+                             "--memory-mb, --cache-mb or --max-seconds to change it")
 
     def check_methods(self, n: int, frames: int) -> None:
         """`n` methods in one comparison at `frames`: within max_methods, and all their runs (plus the
