@@ -13,9 +13,11 @@ TARGETS = [("Keys only", "k"), ("Values only", "v"), ("Keys and Values", "kv")]
 
 
 def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str | None,
-                       inspect: Callable | None = None, energy: Callable | None = None) -> None:
+                       inspect: Callable | None = None, energy: Callable | None = None,
+                       click: Callable | None = None) -> None:
     """analyze(trace_path, methods, target, bits) -> (markdown status, header, rows);
     inspect(trace_path, method, target, bits, layer, head, query) -> {status, figure, jump_image, result};
+    click(..., query, index) -> the same plus query_index: the query at the clicked token of the shown frame;
     energy(trace_path, layer_index) -> {status, figure}."""
     gr.Markdown("Attention fidelity of each method on a trace (queries, cached keys and values of a real "
                 "or built-in model): top-1 shift rate, top-k overlap, attention KL, logit RMSE, errors, bits. "
@@ -47,8 +49,9 @@ def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str
         go = gr.Button("Inspect query", elem_id="trace-inspect-btn")
     q_status = gr.Markdown(elem_id="trace-inspect-status")
     with gr.Row():
-        jump_img = gr.Image(label="Query frame: cyan = share of heads whose top-1 moved; yellow = the query",
-                            format="png", interactive=False, buttons=[])
+        jump_img = gr.Image(label="Query frame (click a token to inspect its query): cyan = share of heads whose "
+                                  "top-1 moved; yellow = the query", format="png", interactive=False, buttons=[],
+                            elem_id="trace-jump-image")
         result = gr.JSON(label="Query result")
     heat = gr.Plot(label="Logits over the cached keys (frames x positions)")
     def do_inspect(path, method, target, bits, layer, head, query):
@@ -57,6 +60,14 @@ def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str
 
     go.click(do_inspect, [trace, method, target, bits, layer, head, query], [q_status, heat, jump_img, result],
              api_name="trace_inspect")
+    if click is not None:
+        def on_click(path, method, target, bits, layer, head, query, evt: gr.SelectData):
+            r = click(path or default_trace, method, target, bits, layer, head, query, evt.index)
+            return (*unpack(r, ["status", "figure", "jump_image", "result"]),
+                    r["query_index"] if "query_index" in r else gr.skip())
+
+        jump_img.select(on_click, [trace, method, target, bits, layer, head, query],
+                        [q_status, heat, jump_img, result, query], api_name="trace_click_query")
     gr.Markdown("### Query energy of the trace (from q_hist when present)")
     with gr.Row():
         e_layer = gr.Number(0, label="Layer index (order in the file)", precision=0)

@@ -88,5 +88,6 @@ def build_app(trace: str | None = None, workbench: Workbench | None = None, fram
         with gr.Tab("Trace analysis"):
             build_analysis_tab(partial(handlers.analyze_handler, check_upload=check), methods, trace_path,
                                wh.guarded(partial(handlers.trace_inspect_handler, check_upload=check)),
-                               wh.guarded(partial(handlers.trace_energy_handler, check_upload=check)))
+                               wh.guarded(partial(handlers.trace_energy_handler, check_upload=check)),
+                               wh.guarded(partial(handlers.trace_click_handler, check_upload=check)))
     return demo

@@ -69,21 +69,58 @@ def trace_inspect_handler(trace_path: str | None, method: str, target: str, bits
               f"Layer shift rate {r['shift_rate']:.1%} over {r['heads']} heads x {r['queries']} queries.")
     h, w = r["grid"]
     image = None
-    jumps = r["jumps"]
-    cached_frames = r["logits_bf16"].shape[0]
-    if len(jumps) % (h * w) == 0 and r["logits_bf16"].shape[1] == h * w:  # whole frames of queries and keys
-        jump_map = jumps.reshape(-1, h, w)[qf - cached_frames]
+    geo = _query_frame_geometry(r)
+    if geo is not None:  # whole frames of queries and keys: the layer's jump map on the query's frame
+        factor, cell, cached_frames = geo
+        jump_map = r["jumps"].reshape(-1, h, w)[qf - cached_frames]
         frames = r["frames"]
-        if frames is not None and qf < len(frames):
-            base = frames[qf]
-        else:
-            base = np.full((h * 8, w * 8, 3), 96, np.uint8)
-        cell = base.shape[0] // h
+        base = frames[qf] if frames is not None and qf < len(frames) else np.full((h * cell, w * cell, 3), 96, np.uint8)
         image = media.enlarge(media.draw_box(media.tint(base, jump_map, media.CYAN, 0.6), qr, qc, cell, media.YELLOW, 1),
-                              max(1, 256 // base.shape[0]))
+                              factor)
     return {"status": status, "figure": plots.logit_heatmaps_figure(r["logits_bf16"], r["logits_method"], eb, em, method, w),
             "jump_image": image, "result": {"query": [qf, qr, qc], "source_bf16": list(eb), "source_method": list(em),
                                             "jumped": bool(r["jumped"]), "layer_shift_rate": r["shift_rate"]}}
+
+
+def trace_click_handler(trace_path: str | None, method: str, target: str, bits: int, layer, head, query, index,
+                        check_upload=None) -> dict:
+    """A click at `index` = (x, y) on the shown query frame (`trace_inspect_handler`'s jump image): inspect the
+    query of that frame at the clicked token instead; the result carries its index as "query_index"."""
+    from quantwm.evaluation.workbench import trace_query_view
+
+    try:
+        if not index or len(index) != 2:
+            raise ValueError("no pixel clicked")
+        current = trace_query_view(_readable(trace_path, check_upload), method, target,
+                                   *(integer(v, n) for n, v in (("bits", bits), ("layer", layer), ("head", head),
+                                                                ("query", query))))
+        geo = _query_frame_geometry(current)
+        if geo is None:
+            raise ValueError("this trace's queries are not whole frames of the key grid: pick a query by index")
+        factor, cell, first_query_frame = geo
+        (h, w), tpf = current["grid"], current["tokens_per_frame"]
+        x, y = integer(index[0], "x") // factor, integer(index[1], "y") // factor
+        if not (0 <= x < w * cell and 0 <= y < h * cell):
+            raise ValueError(f"the click ({x}, {y}) lies outside the {w * cell}x{h * cell} frame")
+        frame = current["query_coords"][0]
+        new = (frame - first_query_frame) * tpf + (y // cell) * w + x // cell
+    except (ValueError, TypeError) as e:
+        return {"status": f"**Error:** {e}"}
+    r = trace_inspect_handler(trace_path, method, target, bits, layer, head, new, check_upload)
+    r["query_index"] = new
+    return r
+
+
+def _query_frame_geometry(r: dict) -> tuple[int, int, int] | None:
+    """(enlargement factor, pixels per token, first query frame) of the jump image, or None when the queries
+    are not whole frames."""
+    h, w = r["grid"]
+    cached_frames = r["logits_bf16"].shape[0]
+    if len(r["jumps"]) % (h * w) or r["logits_bf16"].shape[1] != h * w:
+        return None
+    frames = r["frames"]
+    size = frames.shape[1] if frames is not None and r["query_coords"][0] < len(frames) else h * 8
+    return max(1, 256 // size), size // h, cached_frames
 
 
 def trace_energy_handler(trace_path: str | None, layer_index=0, check_upload=None) -> dict:

@@ -238,10 +238,14 @@ def fuzz(url: str, n: int, rng: random.Random, tmp: str, good_run: str) -> dict:
 
 
 # ---- 3/4. memory and disk over many generations -----------------------------------------------------------
-def generations(url: str, seeds: range) -> int:
+def generations(url: str, seeds: range, pid: int | None = None, every: int = 5, trail: list | None = None) -> int:
+    """Generate (and scrub) each seed in turn; with `pid`, the server's resident MB every `every` runs goes
+    to `trail`."""
     c = client(url)
     failures = 0
-    for s in seeds:
+    for i, s in enumerate(seeds):
+        if pid is not None and i % every == 0:
+            trail.append(rss_mb(pid))
         g = c.predict(s, "loop", "quantwm", "kv", 2, FRAMES, api_name="/generate")
         if g[0].startswith("**Error"):
             failures += 1
@@ -255,7 +259,7 @@ def main(argv=None) -> int:
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--fuzz", type=int, default=200)
     ap.add_argument("--generations", type=int, default=20)
-    ap.add_argument("--warmup", type=int, default=8, help="generations that fill the results cache first")
+    ap.add_argument("--warmup", type=int, default=12, help="generations that fill the results cache first")
     ap.add_argument("--cache-mb", type=float, default=150.0, help="the app's results cache (small: eviction happens)")
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args(argv)
@@ -293,10 +297,12 @@ def main(argv=None) -> int:
         generations(app.url, range(1000, 1000 + a.warmup))
         rss0, disk0 = rss_mb(app.proc.pid), disk_bytes(app.tmp)
         t = time.time()
-        failed = generations(app.url, range(2000, 2000 + a.generations))
+        trail: list[float] = []
+        failed = generations(app.url, range(2000, 2000 + a.generations), app.proc.pid, 5, trail)
         rss1, disk1 = rss_mb(app.proc.pid), disk_bytes(app.tmp)
         print(f"3. memory: resident {rss0:.0f} MB after {a.warmup} warm-up generations, {rss1:.0f} MB after "
-              f"{a.generations} more ({(rss1 / rss0 - 1):+.1%}; {failed} failed; {time.time() - t:.0f} s)")
+              f"{a.generations} more ({(rss1 / rss0 - 1):+.1%}; every 5: {', '.join(f'{x:.0f}' for x in trail)}, "
+              f"{rss1:.0f} MB; {failed} failed; {time.time() - t:.0f} s)")
         print(f"4. disk: temporary files {disk0 / 2 ** 20:.1f} MB after the warm-up, {disk1 / 2 ** 20:.1f} MB after "
               f"the generations", end="")
         crashed = not app.alive()

@@ -45,6 +45,7 @@ API_PARAMETERS = {
     "/export_methods_figure": ["seed", "trajectory", "target", "bits", "frames", "methods", "formats"],
     "/analyze": ["path", "methods", "target", "bits"],
     "/trace_inspect": ["path", "method", "target", "bits", "layer", "head", "query"],
+    "/trace_click_query": ["path", "method", "target", "bits", "layer", "head", "query"],
     "/trace_energy": ["path", "layer"],
 }
 

@@ -182,6 +182,18 @@ def test_trace_inspect_and_energy_handlers(small_trace_path, tmp_path):
     assert handlers.trace_inspect_handler(None, "qvg", "k", 2, 0, 0, 0)["status"] == "**Error:** no trace file given."
 
 
+def test_clicking_the_trace_query_frame_selects_that_token_s_query(small_trace_path):
+    """The jump image shows query 70's frame (13) enlarged 4x, 8 pixels per token: a click at (98, 66) is
+    token row 2, col 3 of frame 13, i.e. query 64 + 2 * 8 + 3 = 83."""
+    r = handlers.trace_click_handler(str(small_trace_path), "qvg", "k", 2, 1, 0, 70, [98, 66])
+    assert r["query_index"] == 83 and r["result"]["query"] == [13, 2, 3] and "query 83" in r["status"]
+    direct = handlers.trace_inspect_handler(str(small_trace_path), "qvg", "k", 2, 1, 0, 83)
+    assert r["result"] == direct["result"]
+    for index, needle in (([300, 10], "outside the 64x64 frame"), (None, "no pixel clicked")):
+        bad = handlers.trace_click_handler(str(small_trace_path), "qvg", "k", 2, 1, 0, 70, index)
+        assert bad["status"].startswith("**Error:**") and needle in bad["status"] and "query_index" not in bad
+
+
 def test_export_handlers_write_print_figures_and_refuse_bad_input(wb, generated):
     rid = generated[0]["run_id"]
     r = wh.export_handler(wb, rid, FRAMES - 1, 10, 20, 1, 0, ["svg"])
