@@ -80,7 +80,8 @@ class TempFiles:
         """The MP4 of one side (`which`) of a run, written on first use."""
         with self._lock:
             folder = self._runs.get(run_id)
-            if folder is None:
+            if folder is None or not os.path.isdir(folder):  # a cleaner may have removed it
+                os.makedirs(self.root, exist_ok=True)
                 folder = self._runs[run_id] = tempfile.mkdtemp(prefix="run-", dir=self.root)
         path = os.path.join(folder, f"{which}.mp4")
         if not os.path.isfile(path):
@@ -97,6 +98,7 @@ class TempFiles:
     def export_dir(self, kind: str) -> str:
         """A fresh folder for one export; the oldest beyond `keep_exports` are deleted."""
         with self._lock:
+            os.makedirs(self.root, exist_ok=True)
             folder = tempfile.mkdtemp(prefix=f"export-{kind}-", dir=self.root)
             self._exports.append(folder)
             old, self._exports = self._exports[:-self.keep_exports], self._exports[-self.keep_exports:]

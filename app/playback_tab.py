@@ -27,7 +27,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
                 "quantized run use the same world, trajectory and noise, so they differ only by the KV cache. "
                 "Click a pixel of either frame to trace its Query to the cached token it attends to most.")
     with gr.Row():
-        seed = gr.Number(0, label="World seed", precision=0, minimum=0)
+        seed = gr.Number(0, label="World seed (0..99999, held-out photographs)", precision=0, minimum=0)
         trajectory = gr.Dropdown(list(TRAJECTORIES), value="loop", label="Trajectory")
         method = gr.Dropdown(methods, value="quantwm", label="Method")
         target = gr.Radio(TARGET_CHOICES, value="kv", label="Quantize")

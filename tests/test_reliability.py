@@ -30,8 +30,10 @@ def test_frames_over_the_limit_are_refused_at_once_naming_it(wb):
     r = wh.generate_handler(wb, 0, "loop", "quantwm", "kv", 2, 100000)
     assert r["status"].startswith("**Error:**") and f"limit of {wb.limits.max_frames} frames" in r["status"]
     assert "--max-frames" in r["status"] and not wb.cached(RunKey(frames=100000 - 100000 % 2))
-    for bad in (float("nan"), "many", None, -3):
+    for bad in (float("nan"), "many", None, -3, 2.5, True):
         assert wh.generate_handler(wb, 0, "loop", "quantwm", "kv", 2, bad)["status"].startswith("**Error:**")
+    huge_seed = wh.generate_handler(wb, 10 ** 18, "loop", "quantwm", "kv", 2, FRAMES)["status"]
+    assert "world seed must lie in [0, 100000)" in huge_seed
 
 
 def test_limits_follow_memory_time_and_overrides(wb):
@@ -130,7 +132,7 @@ def test_eviction_keeps_runs_with_their_references_and_deletes_their_videos(wb, 
         exports = [files.export_dir("run") for _ in range(files.keep_exports + 3)]
         assert sum(os.path.isdir(e) for e in exports) == files.keep_exports
     finally:
-        wh.use_files(old) if old else None
+        wh.FILES = old
         files.close()
     assert not os.path.exists(files.root)
 

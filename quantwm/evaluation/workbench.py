@@ -56,8 +56,9 @@ class RunKey:
     def __post_init__(self):
         if self.trajectory not in TRAJECTORIES:
             raise ValueError(f"unknown trajectory {self.trajectory!r}; known: {', '.join(TRAJECTORIES)}")
-        if self.seed < 0:
-            raise ValueError(f"world seed must be >= 0, got {self.seed}")
+        if not 0 <= self.seed < TRAIN_SEED_BASE:
+            raise ValueError(f"world seed must lie in [0, {TRAIN_SEED_BASE}) (the evaluation worlds, of held-out "
+                             f"photographs; training worlds use the seeds above), got {self.seed}")
         self.cache_config()  # validates method, target and bits with the cache's own messages
 
     def cache_config(self) -> CacheConfig:
