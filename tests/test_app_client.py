@@ -121,23 +121,35 @@ def test_frame_out_of_range_is_refused_with_a_message(client, generated):
 def test_a_second_generation_waits_in_the_queue_while_views_stay_served(server, client, generated):
     """One generation at a time: a second user's Generate waits with a queue position (Gradio's queue, not an
     error) and then gets its own run; views are served meanwhile."""
+    import threading
     import time
 
     from gradio_client import Client
 
-    other = Client(server, verbose=False)
-    long_job = client.submit(5, "random-walk", "rtn", "kv", 2, 30, api_name="/generate")
+    other, viewer = Client(server, verbose=False), Client(server, verbose=False)  # connected before the race
+    long_job = client.submit(5, "random-walk", "rtn", "kv", 2, 40, api_name="/generate")
     while long_job.status().code.name not in ("PROCESSING", "FINISHED"):
-        time.sleep(0.05)
+        time.sleep(0.02)
     waiting = other.submit(6, "loop", "kivi", "kv", 2, FRAMES, api_name="/generate")
-    info = other.predict(generated[1], FRAMES - 2, [], "all", "all", api_name="/scrub")[0]
-    seen = set()
-    while not long_job.done():
-        st = waiting.status()
-        seen.add((st.code.name, st.rank))
-        time.sleep(0.05)
-    assert info.startswith(f"Frame **{FRAMES - 2}**")
+    seen, stop = set(), threading.Event()
+
+    def watch():
+        while not stop.is_set():
+            st = waiting.status()
+            seen.add((st.code.name, st.rank))
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        info = viewer.predict(generated[1], FRAMES - 2, [], "all", "all", api_name="/scrub")[0]
+        scrub_done_first = not long_job.done()
+        first = long_job.result()
+        second = waiting.result()
+    finally:
+        stop.set()
+        watcher.join()
+    assert info.startswith(f"Frame **{FRAMES - 2}**") and scrub_done_first  # a view, served meanwhile
     assert ("IN_QUEUE", 0) in seen, seen  # queued behind the running generation, position shown
-    assert long_job.result()[1] == "seed=5 random-walk rtn kv 2-bit 30f"
-    second = waiting.result()
+    assert first[1] == "seed=5 random-walk rtn kv 2-bit 40f"
     assert second[1] == f"seed=6 loop kivi kv 2-bit {FRAMES}f" and not second[0].startswith("**Error")
