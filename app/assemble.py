@@ -76,7 +76,8 @@ def build_app(trace: str | None = None, workbench: Workbench | None = None, fram
             controls = build_playback_tab(_bind(wh.generate_handler, wb), _bind(wh.scrub_handler, wb),
                                           _bind(wh.trace_pixel_handler, wb), _bind(wh.click_pixel_handler, wb),
                                           _bind(wh.export_handler, wb), methods, facts, FORMATS,
-                                          min(frames, wb.limits.max_frames), wb.limits.max_frames)
+                                          min(frames, wb.limits.max_frames), wb.limits.max_frames,
+                                          _bind(wh.open_run_handler, wb), wb.opened_runs())
         with gr.Tab("Query energy"):
             build_energy_tab(_bind(wh.energy_handler, wb), controls, facts["layers"])
         with gr.Tab("Key vs Value"):

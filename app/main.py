@@ -1,6 +1,7 @@
 """The diagnostics app's entry point: `python app.py`, `quantwm app` or `python -m quantwm.app`.
 
-Options: --trace FILE, --weights FILE, --host, --port, --threads, and the per-request limits (--max-frames,
+Options: --trace FILE, --run FILE (repeatable: recorded runs, `quantwm record`), --weights FILE, --host,
+--port, --threads, and the per-request limits (--max-frames,
 --max-methods, --max-upload-mb, --cache-mb, --memory-mb, --max-seconds; by default derived from this
 machine's memory and its measured speed, see `quantwm.evaluation.limits`). The server address follows
 Gradio's conventions: `--host` / `--port` when given, else `GRADIO_SERVER_NAME` / `GRADIO_SERVER_PORT`, else
@@ -36,6 +37,8 @@ def server_address(host: str | None, port: int | None, env=os.environ) -> tuple[
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="quantwm app", description=__doc__.splitlines()[0])
     ap.add_argument("--trace", help="a QuantWM trace file (.safetensors)")
+    ap.add_argument("--run", action="append", default=[], metavar="FILE",
+                    help="a run file (`quantwm record`) to open in Generate & play (repeatable)")
     ap.add_argument("--weights", help="world-model weights (default: the built-in model shipped with the package)")
     ap.add_argument("--port", type=int, default=None, help="default: $GRADIO_SERVER_PORT, else 7860")
     ap.add_argument("--host", default=None, help="default: $GRADIO_SERVER_NAME, else 127.0.0.1")
@@ -81,6 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         wb.set_limits(Limits.from_machine(
             wb.cfg, len(wb.methods()), wb.calibrate(), memory_mb=a.memory_mb, max_seconds=a.max_seconds,
             max_frames=a.max_frames, max_methods=a.max_methods, max_upload_mb=a.max_upload_mb, cache_mb=a.cache_mb))
+        for path in a.run:
+            wb.open_run(path)  # a bad file stops the start here, with its reason
         print(f"quantwm app: {wb.limits.describe()}", flush=True)
         app = build_app(a.trace, wb, delete_cache=(max(1, a.file_age // 6), a.file_age))
     except ValueError as e:

@@ -18,10 +18,13 @@ assert {v for _, v in TARGET_CHOICES} == set(TARGETS)
 
 def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callable, click_pixel: Callable,
                        export: Callable, methods: list[str], facts: dict, figure_formats: tuple,
-                       default_frames: int = 32, max_frames: int | None = None) -> dict:
+                       default_frames: int = 32, max_frames: int | None = None, open_run: Callable | None = None,
+                       opened: list[str] = ()) -> dict:
     """Build the tab; returns the shared controls (seed, trajectory, method, target, bits, frames, run_id).
 
-    export(run_id, frame, x, y, layer, head, formats) -> {status, files}: print figures of the run."""
+    export(run_id, frame, x, y, layer, head, formats) -> {status, files}: print figures of the run;
+    open_run(path or opened run id) -> the same outputs as generate, for a run file (`quantwm record`);
+    `opened`: the ids of run files opened at start-up (`--run`)."""
     size = facts["frame_size"]
     gr.Markdown("Pick a world and a quantization method, press **Generate**: the BF16 reference and the "
                 "quantized run use the same world, trajectory and noise, so they differ only by the KV cache. "
@@ -37,6 +40,14 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     with gr.Row():
         go = gr.Button("Generate", variant="primary", elem_id="generate-btn")
         run_id = gr.Textbox(label="Current run", interactive=False, elem_id="run-id")
+    if open_run is not None:
+        with gr.Accordion("Open a recorded run (any model: `quantwm record`)", open=bool(opened)):
+            with gr.Row():
+                run_choice = gr.Dropdown(list(opened), value=opened[0] if opened else None, label="Opened runs",
+                                         elem_id="run-choice", allow_custom_value=True)
+                open_btn = gr.Button("Show this run", elem_id="open-run-btn")
+                run_upload = gr.File(label="Upload a run file (.safetensors)", file_types=[".safetensors"],
+                                     type="filepath", elem_id="run-upload")
     status = gr.Markdown(elem_id="generate-status")
     img_kw = dict(format="png", interactive=False, height=size * FACTOR + 2, width=size * FACTOR + 2, buttons=[])
     with gr.Row():
@@ -95,10 +106,31 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
         return unpack(scrub(run_id, frame, overlays, layer, head), scrub_names)
     view = dict(concurrency_limit=4, concurrency_id="view")
 
-    ev = go.click(on_generate, [seed, trajectory, method, target, bits, frames],
-                  [status, run_id, bf16_video, method_video, plot, frame], api_name="generate",
+    gen_out = [status, run_id, bf16_video, method_video, plot, frame]
+    ev = go.click(on_generate, [seed, trajectory, method, target, bits, frames], gen_out, api_name="generate",
                   trigger_mode="multiple", concurrency_limit=1, concurrency_id="generate")
     ev.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name="show_frame", **view)
+    if open_run is not None:
+        known = list(opened)  # the run ids this page lists: start-up runs, then uploads
+
+        def shown(r):
+            if r.get("frames"):
+                r["frame_slider"] = gr.Slider(minimum=0, maximum=r["frames"] - 1, value=r["frame"], step=1)
+            return unpack(r, gen_names)
+
+        def on_open(run):
+            return shown(open_run(run, files=False))
+
+        def on_upload(path):
+            r = open_run(path)
+            if r.get("run_id") and r["run_id"] not in known:
+                known.append(r["run_id"])
+            pick = gr.Dropdown(choices=known, value=r["run_id"]) if r.get("run_id") else gr.skip()
+            return (*shown(r), pick)
+
+        for e in (open_btn.click(on_open, [run_choice], gen_out, api_name="open_run", **view),
+                  run_upload.upload(on_upload, [run_upload], [*gen_out, run_choice], api_name="upload_run", **view)):
+            e.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name=False, **view)
     gr.on([frame.change, overlays.change, jump_layer.change, jump_head.change], do_scrub, scrub_in,
           [frame_info, bf16_img, method_img], api_name="scrub", trigger_mode="always_last", **view)
 

@@ -42,7 +42,7 @@ def app_files() -> media.TempFiles:
 
 def track_evictions(wb) -> None:
     """Delete a run's videos when the workbench's results cache evicts it."""
-    wb.on_evict.append(lambda key: app_files().forget(key.id))
+    wb.on_evict.append(lambda key: app_files().forget(getattr(key, "id", key)))  # a RunKey, or an opened run's id
 
 
 def error(message: str, **keep) -> dict:
@@ -98,20 +98,51 @@ def generate_handler(wb, seed, trajectory, method, target, bits, frames, progres
         cmp = wb.compare(key, progress)
     except ValueError as e:
         return error(str(e))
-    ctx = wb.model_facts()["context_frames"]
+    origin = "from the cache" if cached else f"generated in {cmp['seconds']:.1f} s"
+    return _shown(cmp, key.id, wb.model_facts()["context_frames"], origin)
+
+
+def _shown(cmp: dict, run_id: str, ctx: int, origin: str) -> dict:
+    """The Generate tab's outputs for a comparison (`Workbench.compare` or a loaded run's)."""
     s = cmp["summary"]
     worst = cmp["worst"][0] + ctx if cmp["worst"] else ctx
     worst_frames = [t + ctx for t in cmp["worst"]]
-    origin = "from the cache" if cached else f"generated in {cmp['seconds']:.1f} s"
-    status = (f"**{key.id}** ({origin}): "
+    status = (f"**{run_id}** ({origin}): "
               f"PSNR vs BF16 {s['psnr']:.2f} dB, SSIM {s['ssim']:.4f}, tdiff {s['tdiff']:.4f}, "
               f"top-1 shift rate {s['shift_rate']:.1%}, {s['bits_per_element']:.2f} bits/element "
               f"({s['compression']:.2f}x), cache {s['memory_mb']:.2f} MB vs {s['memory_bf16_mb']:.2f} MB BF16. "
               f"Worst flicker frames: {', '.join(map(str, worst_frames)) or 'none'}.")
-    return {"status": status, "run_id": key.id, "bf16_video": _video(key.id, "bf16", cmp["bf16"]),
-            "method_video": _video(key.id, "method", cmp["method"]), "frames": len(cmp["bf16"]),
+    return {"status": status, "run_id": run_id, "bf16_video": _video(run_id, "bf16", cmp["bf16"]),
+            "method_video": _video(run_id, "method", cmp["method"]), "frames": len(cmp["bf16"]),
             "figure": plots.frame_series_figure(cmp["series"], worst_frames, ctx), "frame": worst,
             "worst_frames": worst_frames, "summary": {k: _fmt(v) for k, v in s.items()}}
+
+
+def open_run_handler(wb, path, files: bool = True) -> dict:
+    """Open a run file (`quantwm record`; an uploaded file's path, or the id of a run already open) and show it
+    like a generated run: videos, per-frame plot, and every view (scrub, overlays, pixel trace, energy).
+    `files=False` accepts only ids of opened runs (what the page's run list sends)."""
+    try:
+        if not path:
+            raise ValueError("no run file given")
+        if wb.loaded(str(path)) is not None:
+            run_id = str(path)
+        elif not files:
+            raise ValueError(f"{str(path)!r:.120} is not an opened run; opened: {', '.join(wb.opened_runs()) or 'none'} "
+                             "(upload the file, or start the app with --run FILE)")
+        else:
+            if not os.path.isfile(str(path)):
+                raise ValueError(f"run file {str(path)!r:.120} does not exist")
+            wb.limits.check_upload(str(path), "run file")
+            run_id = wb.open_run(str(path))
+        lr = wb.loaded(run_id)
+        cmp = lr.compare()
+    except (ValueError, TypeError) as e:
+        return error(str(e))
+    f = lr.facts
+    origin = (f"opened: {f.model}, latent grid {f.latent_grid[0]}x{f.latent_grid[1]}, {f.pixels_per_token} pixels "
+              f"per token, {f.vae_temporal} output frame(s) per latent frame")
+    return _shown(cmp, run_id, lr.context_frames, origin)
 
 
 def scrub_handler(wb, run_id, frame, overlays=(), layer="all", head="all") -> dict:
@@ -154,8 +185,8 @@ def trace_pixel_handler(wb, run_id, frame, x, y, layer=0, head=0) -> dict:
                                                                              ("layer", layer), ("head", head))))
     except ValueError as e:
         return error(str(e))
-    key_method = str(run_id).split()[2]
-    grid = wb.model_facts()["grid"][0]
+    key_method = r["method"]
+    grid = r["grid"][0]
     cell = r["frames"].shape[1] // grid
     t, row, col = r["query"]
     eb, em = r["source_bf16"], r["source_method"]
@@ -275,6 +306,9 @@ def export_handler(wb, run_id, frame, x, y, layer=0, head=0, formats=("pdf",)) -
     from quantwm.evaluation.workbench import RunKey
 
     try:
+        if wb.loaded(str(run_id)) is not None:
+            raise ValueError("print figures are made from built-in runs (quantwm figures); an opened run file "
+                             "has every view in the page but no export yet")
         key = RunKey.parse(str(run_id or ""))
         wb.record(key.id)  # generated (not evicted)?
         t = integer(frame, "frame") if frame is not None else None

@@ -192,6 +192,27 @@ def cmd_trace(a) -> int:
     return 0
 
 
+def cmd_record(a) -> int:
+    import os
+
+    from .evaluation.limits import Limits
+    from .evaluation.runfile import write_run
+    from .evaluation.workbench import RunKey, Workbench
+
+    model = _world_model(a.weights)
+    # a command-line run is bounded by the machine's memory only (no queue to hold)
+    wb = Workbench(model=model, limits=Limits.from_machine(model.cfg, 1))
+    key = RunKey(a.seed, a.trajectory, a.method, a.target, a.bits, a.frames)
+    wb.check_frames(key.frames)
+    run = wb.make_run(key, _ints(a.logit_layers, "--logit-layers") if a.logit_layers else [],
+                      _ints(a.logit_heads, "--logit-heads") if a.logit_heads else [],
+                      {"command": "quantwm record --model builtin"}, progress=_progress("record"))
+    write_run(a.out, run)
+    print(f"wrote {a.out} ({os.path.getsize(a.out) / 2 ** 20:.1f} MB): {key.id} against BF16; open it with "
+          f"python app.py --run {a.out}")
+    return 0
+
+
 def cmd_methods(a) -> int:
     print("\n".join(known_methods()))
     return 0
@@ -260,6 +281,20 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--weights", help="world-model weights (default: the built-in model)")
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_trace)
+    s = sub.add_parser("record", help="write a run file (BF16 and a method from the same noise) for the app")
+    s.add_argument("--model", choices=("builtin",), default="builtin",
+                   help="the model to run (the built-in world model; real pipelines are not recorded yet)")
+    s.add_argument("--seed", type=int, default=0, help="world seed (evaluation worlds: 0..99999)")
+    s.add_argument("--trajectory", default="loop")
+    s.add_argument("--method", default="quantwm")
+    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
+    s.add_argument("--bits", type=int, default=2)
+    s.add_argument("--frames", type=int, default=32)
+    s.add_argument("--logit-layers", default="1", help="layers whose attention logits the file keeps (size bound)")
+    s.add_argument("--logit-heads", default="0", help="heads whose attention logits the file keeps")
+    s.add_argument("--weights", help="world-model weights (default: the built-in model)")
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_record)
     s = sub.add_parser("figures", help="print figures (PNG/PDF/SVG, matplotlib) of a built-in-model run")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--trajectory", default="loop")

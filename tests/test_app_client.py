@@ -33,6 +33,8 @@ def generated(client):
 
 API_PARAMETERS = {
     "/generate": ["seed", "trajectory", "method", "target", "bits", "frames"],
+    "/open_run": ["run"],
+    "/upload_run": ["path"],
     "/show_frame": ["run_id", "frame", "overlays", "layer", "head"],
     "/scrub": ["run_id", "frame", "overlays", "layer", "head"],
     "/click_pixel": ["run_id", "frame", "layer", "head"],
@@ -153,3 +155,23 @@ def test_a_second_generation_waits_in_the_queue_while_views_stay_served(server, 
     assert ("IN_QUEUE", 0) in seen, seen  # queued behind the running generation, position shown
     assert first[1] == "seed=5 random-walk rtn kv 2-bit 40f"
     assert second[1] == f"seed=6 loop kivi kv 2-bit {FRAMES}f" and not second[0].startswith("**Error")
+
+
+def test_a_recorded_run_opens_over_the_api_and_every_view_answers(client, tmp_path):
+    from gradio_client import handle_file
+
+    from quantwm.evaluation.runfile import write_run
+    from quantwm.evaluation.workbench import RunKey, Workbench
+
+    path = tmp_path / "rec.safetensors"
+    write_run(path, Workbench().make_run(RunKey(seed=8, method="rtn", frames=FRAMES)))
+    out = client.predict(handle_file(str(path)), api_name="/upload_run")
+    run_id, video = out[1], out[2] if isinstance(out[2], str) else out[2]["video"]
+    assert run_id == "file=rec.safetensors rtn kv 2-bit" and "opened" in out[0] and pathlib.Path(video).is_file()
+    trace = client.predict(run_id, FRAMES - 1, 10, 20, 1, 0, api_name="/trace_pixel")
+    assert trace[0].startswith(f"Query frame {FRAMES - 1}, row 2, col 1") and trace[-1]["query"] == [FRAMES - 1, 2, 1]
+    assert client.predict(run_id, FRAMES - 2, ["top-1 jumps"], "all", "all", api_name="/scrub")[0].startswith(
+        f"Frame **{FRAMES - 2}**")
+    assert client.predict(run_id, api_name="/open_run")[1] == run_id  # reopened by id
+    refused = client.predict(str(path), api_name="/open_run")[0]  # a server path is not an opened run
+    assert refused.startswith("**Error:**") and "not an opened run" in refused

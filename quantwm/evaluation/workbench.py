@@ -142,6 +142,8 @@ class Workbench:
         self._evicted: set[RunKey] = set()
         self.on_evict: list[Callable[[RunKey], None]] = []
         self.running: str | None = None
+        self._loaded: dict[str, LoadedRun] = {}  # run files opened (`open_run`), by run id, oldest first
+        self.max_opened = 8
 
     def set_limits(self, limits: Limits) -> None:
         """New limits; the results cache takes their budget (evicting at once if it shrank)."""
@@ -349,6 +351,8 @@ class Workbench:
     def frame_view(self, run_id: str, frame: int, layer: int | None = None, head: int | None = None) -> dict:
         """Both frames (uint8), the flicker and warping-error maps (H, W) and the top-1 jump map (h, w) or
         None (context)."""
+        if run_id in self._loaded:
+            return self._loaded[run_id].frame_view(frame, layer, head)
         rec = self.record(run_id)
         ref = self.record(rec.key.reference().id)
         t = self.check_frame(rec, frame)
@@ -366,6 +370,8 @@ class Workbench:
 
     def pixel_trace(self, run_id: str, frame: int, x: int, y: int, layer: int = 0, head: int = 0) -> dict:
         """Trace pixel (x, y) of `frame` to its Query's top-1 cached source, exact vs stored keys."""
+        if run_id in self._loaded:
+            return self._loaded[run_id].pixel_trace(frame, x, y, layer, head)
         rec = self.record(run_id)
         t = self.check_frame(rec, frame)
         c = self.cfg
@@ -378,25 +384,88 @@ class Workbench:
                              f"probed; pick a frame >= {c.context_frames}")
         probe = next(p for p in rec.probes if p.chunk == t // c.chunk_frames)
         qi = (t - probe.chunk * c.chunk_frames) * c.tokens_per_frame + row * c.view + col
-        chunk_tokens = c.chunk_frames * c.tokens_per_frame
-        k_seen = D.seen_by_chunk(rec.k_exact[layer], rec.k_stored[layer], probe.chunk, chunk_tokens, 1)
-        bias = None
-        if rec.k_steps is not None:  # +jensen: the logits the method compares carry its bias
-            steps = D.seen_by_chunk(torch.zeros_like(rec.k_steps[layer]), rec.k_steps[layer], probe.chunk,
-                                    chunk_tokens, 1)
-            bias = jensen_bias(probe.q[layer][head, qi].cpu()[None], steps[head], 1.0)[0]
-        exact, stored = D.query_logits(probe.q[layer][head, qi].cpu(), rec.k_exact[layer][head, :len(k_seen[0])],
-                                       k_seen[head], tokens_per_frame=c.tokens_per_frame, bias=bias)
+        le, lq = self.probe_logits(rec, probe, layer, head)
+        exact, stored = (x[qi].reshape(-1, c.tokens_per_frame) for x in (le, lq))
         src_e, src_q = int(probe.top1_exact[layer][head, qi]), int(probe.top1_quant[layer][head, qi])
         return {"query": (t, row, col), "layer": layer, "head": head,
                 "source_bf16": D.token_coords(src_e, (c.view, c.view)),
                 "source_method": D.token_coords(src_q, (c.view, c.view)), "jumped": src_e != src_q,
-                "logits_bf16": exact.numpy(), "logits_method": stored.numpy(), "frames": self.frames_uint8(rec)}
+                "logits_bf16": exact.numpy(), "logits_method": stored.numpy(), "frames": self.frames_uint8(rec),
+                "method": rec.key.method, "grid": (c.view, c.view)}
+
+    def probe_logits(self, rec: Record, probe, layer: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(N, n_cached) attention logits of a probed chunk's queries in (layer, head) over the cache that chunk
+        saw, under exact and under stored keys (with the +jensen bias where the method applies it)."""
+        c = self.cfg
+        chunk_tokens = c.chunk_frames * c.tokens_per_frame
+        k_seen = D.seen_by_chunk(rec.k_exact[layer], rec.k_stored[layer], probe.chunk, chunk_tokens, 1)
+        q = probe.q[layer][head].cpu()
+        bias = None
+        if rec.k_steps is not None:  # +jensen: the logits the method compares carry its bias
+            steps = D.seen_by_chunk(torch.zeros_like(rec.k_steps[layer]), rec.k_steps[layer], probe.chunk,
+                                    chunk_tokens, 1)
+            bias = jensen_bias(q, steps[head], 1.0)
+        exact = q @ rec.k_exact[layer][head, :k_seen.shape[1]].float().T
+        stored = q @ k_seen[head].float().T
+        return exact, stored if bias is None else stored + bias
 
     def energy(self, run_id: str, rank: int = 8) -> list[dict]:
         """Per layer: the history-Query spectrum the method's cache accumulated (energy_spectrum as numpy)."""
+        if run_id in self._loaded:
+            return self._loaded[run_id].energy(rank)
         rec = self.record(run_id)
         return [{k: v.numpy() for k, v in D.energy_spectrum(S, rank).items()} for S in rec.stats]
+
+    # ---- run files ----------------------------------------------------------------------------
+    def make_run(self, key: RunKey, logit_layers=(1,), logit_heads=(0,), source: dict | None = None,
+                 progress: Callable | None = None):
+        """The run file contents (`runfile.Run`) of `key` against BF16, from the same rollouts the app shows."""
+        from .runfile import Run, RunFacts
+
+        c = self.cfg
+        for name, vals, n in (("logit layer", logit_layers, c.layers), ("logit head", logit_heads, c.heads)):
+            bad = [v for v in vals if not 0 <= v < n]
+            if bad:
+                raise ValueError(f"{name} {bad[0]} out of range: the model has {n}")
+        ref, rec = self.pair(key, progress)
+        facts = RunFacts("quantwm built-in world model", c.layers, c.heads, c.head_dim, (c.view, c.view),
+                         c.chunk_frames, c.context_frames, vae_spatial=1, patch=c.patch, vae_temporal=1)
+        top1, logits = {}, {}
+        for p in rec.probes:
+            top1[p.chunk] = (torch.stack(p.top1_exact).int(), torch.stack(p.top1_quant).int())
+            if logit_layers and logit_heads:
+                pairs = [[self.probe_logits(rec, p, l, h) for h in logit_heads] for l in logit_layers]
+                logits[p.chunk] = tuple(torch.stack([torch.stack([hh[i] for hh in row]) for row in pairs]) for i in (0, 1))
+        meta = {"method": key.method, "target": key.target, "bits": key.bits, "bits_per_element": rec.bits_per_element,
+                "memory_mb": rec.memory_mb, "logit_layers": list(logit_layers), "logit_heads": list(logit_heads),
+                "source": {"seed": key.seed, "trajectory": key.trajectory, "frames": key.frames, **(source or {})}}
+        return Run(facts, meta, torch.from_numpy(self.frames_uint8(ref)), torch.from_numpy(self.frames_uint8(rec)),
+                   torch.stack(rec.stats).float(), top1, logits)
+
+    def open_run(self, path: str) -> str:
+        """Open a run file (validated by `runfile.read_run`); returns the run id its views answer to."""
+        import os
+
+        from .runfile import read_run
+
+        run = read_run(path)
+        m = run.meta
+        run_id = f"file={os.path.basename(str(path))} {m['method']} {m['target']} {m['bits']}-bit"
+        with self._cache_lock:
+            self._loaded.pop(run_id, None)
+            self._loaded[run_id] = LoadedRun(run, run_id)
+            while len(self._loaded) > self.max_opened:  # the oldest opened run goes (and its videos)
+                gone = next(iter(self._loaded))
+                del self._loaded[gone]
+                for callback in self.on_evict:
+                    callback(gone)
+        return run_id
+
+    def opened_runs(self) -> list[str]:
+        return list(self._loaded)
+
+    def loaded(self, run_id: str) -> LoadedRun | None:
+        return self._loaded.get(str(run_id))
 
     # ---- studies over several runs ------------------------------------------------------------
     def attention_error(self, rec: Record) -> float:
@@ -468,3 +537,99 @@ def trace_energy(path: str, rank: int = 8) -> list[dict]:
     trace = read_trace(path)
     return [{k: v.numpy() for k, v in D.energy_spectrum(M.second_moment(t.get("q_hist", t["q"]).float()), rank).items()}
             for t in trace.layers.values()]
+
+
+# ---- run files: any model's generation, opened in the app ---------------------------------------------
+
+class LoadedRun:
+    """The app's views (compare, frame_view, pixel_trace, energy) of a run file (`runfile.Run`), with the
+    same return values as the Workbench's for a built-in run. Frames are output frames; probes, sources and
+    logits live on latent frames (`RunFacts` maps between them)."""
+
+    def __init__(self, run, run_id: str):
+        from ..world.generate import ChunkProbe
+
+        self.run, self.id, f = run, run_id, run.facts
+        self.facts = f
+        self.frames_bf16 = run.bf16.float() / 255
+        self.frames_method = run.method.float() / 255
+        self.probes = [ChunkProbe(c, top1_exact=list(e), top1_quant=list(q)) for c, (e, q) in sorted(run.top1.items())]
+        self.flow = M.reference_flow(self.frames_bf16)
+        self.context_frames = f.first_output_frame(f.context_frames) if f.context_frames else 0
+
+    def model_facts(self) -> dict:
+        f = self.facts
+        return {"layers": f.layers, "heads": f.heads, "head_dim": f.head_dim, "frame_size": self.run.bf16.shape[1],
+                "grid": f.latent_grid, "chunk_frames": f.chunk_frames, "context_frames": self.context_frames}
+
+    def _latent_jumps(self, t: int, layer, head):
+        f = self.facts
+        return D.frame_jumps(self.probes, f.latent_frame(t), f.chunk_frames, f.tokens_per_frame, layer, head)
+
+    def compare(self) -> dict:
+        ctx, T = self.context_frames, self.run.bf16.shape[0]
+        series = D.frame_series(self.frames_method, self.frames_bf16, ctx, self.flow)
+        series["shift_rate"] = [None if (j := self._latent_jumps(t, None, None)) is None else float(j.mean())
+                                for t in range(T)]
+        x, r = self.frames_method[ctx:], self.frames_bf16[ctx:]
+        mse = float((x - r).square().mean()) if len(x) else 0.0
+        moved = [(e != q).float().mean() for e, q in self.run.top1.values()]
+        bpe, mem = self.run.meta["bits_per_element"], self.run.meta["memory_mb"]
+        summary = {"psnr": min(100.0, -10 * float(np.log10(max(mse, 1e-10)))), "ssim": float(M.ssim(x, r).mean()),
+                   "tdiff": float(M.tdiff(self.frames_method[max(ctx - 1, 0):], self.frames_bf16[max(ctx - 1, 0):]).mean()),
+                   "warp_error": float(M.warp_error(self.frames_method[max(ctx - 1, 0):], self.frames_bf16[max(ctx - 1, 0):],
+                                                    self.flow[max(ctx - 1, 0):]).mean()),
+                   "shift_rate": float(torch.stack(moved).mean()) if moved else float("nan"),
+                   "bits_per_element": bpe, "compression": 16 / bpe if bpe == bpe and bpe else 1.0,
+                   "memory_bf16_mb": mem["bf16"], "memory_mb": mem["stored"]}
+        return {"key": self.id, "bf16": self.run.bf16.numpy(), "method": self.run.method.numpy(), "series": series,
+                "summary": summary, "worst": D.worst_frames(series["tdiff"][ctx:], 3), "seconds": 0.0}
+
+    def check_frame(self, frame: int) -> int:
+        T = self.run.bf16.shape[0]
+        if not 0 <= int(frame) < T:
+            raise ValueError(f"frame {frame} out of range: the run has frames 0..{T - 1}")
+        return int(frame)
+
+    def frame_view(self, frame: int, layer: int | None = None, head: int | None = None) -> dict:
+        t = self.check_frame(frame)
+        if t == 0:
+            flick = warp = torch.zeros(self.run.bf16.shape[1:3])
+        else:
+            pair = self.frames_method[t - 1:t + 1], self.frames_bf16[t - 1:t + 1]
+            flick, warp = D.flicker_maps(*pair)[-1], D.warp_maps(*pair, self.flow[t - 1:t])[-1]
+        jumps = self._latent_jumps(t, layer, head)
+        return {"frame": t, "bf16": self.run.bf16[t].numpy(), "method": self.run.method[t].numpy(),
+                "flicker": flick.numpy(), "warp": warp.numpy(),
+                "jumps": None if jumps is None else jumps.reshape(*self.facts.latent_grid).numpy(),
+                "context": t < self.context_frames}
+
+    def pixel_trace(self, frame: int, x: int, y: int, layer: int = 0, head: int = 0) -> dict:
+        f, meta = self.facts, self.run.meta
+        t = self.check_frame(frame)
+        if not 0 <= layer < f.layers or not 0 <= head < f.heads:
+            raise ValueError(f"layer/head ({layer}, {head}) out of range: {f.layers} layers, {f.heads} heads")
+        row, col = f.pixel_to_token(int(x), int(y))
+        lat = f.latent_frame(t)
+        chunk = lat // f.chunk_frames
+        if chunk not in self.run.top1:
+            raise ValueError(f"frame {t} (latent frame {lat}) was not generated with probes (context or unprobed); "
+                             f"probed chunks: {sorted(self.run.top1)}")
+        if layer not in meta["logit_layers"] or head not in meta["logit_heads"]:
+            raise ValueError(f"the run holds attention logits for layers {meta['logit_layers']} and heads "
+                             f"{meta['logit_heads']} only (record with --logit-layers / --logit-heads)")
+        qi = (lat - chunk * f.chunk_frames) * f.tokens_per_frame + row * f.latent_grid[1] + col
+        e, q = self.run.top1[chunk]
+        le, lq = self.run.logits[chunk]
+        li, hi = meta["logit_layers"].index(layer), meta["logit_heads"].index(head)
+        exact, stored = (m[li, hi, qi].reshape(-1, f.tokens_per_frame) for m in (le, lq))
+        src_e, src_q = int(e[layer, head, qi]), int(q[layer, head, qi])
+        n_lat = f.latent_frame(self.run.method.shape[0] - 1) + 1
+        thumbs = self.run.method[[f.first_output_frame(i) for i in range(n_lat)]].numpy()
+        return {"query": (lat, row, col), "layer": layer, "head": head, "method": meta["method"],
+                "source_bf16": D.token_coords(src_e, f.latent_grid), "source_method": D.token_coords(src_q, f.latent_grid),
+                "jumped": src_e != src_q, "logits_bf16": exact.numpy(), "logits_method": stored.numpy(),
+                "frames": thumbs, "grid": f.latent_grid}
+
+    def energy(self, rank: int = 8) -> list[dict]:
+        return [{k: v.numpy() for k, v in D.energy_spectrum(S, rank).items()} for S in self.run.stats]

@@ -1,0 +1,182 @@
+"""Run files v1: a BF16 generation and a method's generation from the same noise, with what the app shows.
+
+One safetensors file (`write_run` / `read_run`). Tensors:
+
+* `frames.bf16`, `frames.method`: (T, H, W, 3) uint8, the decoded output frames of both runs;
+* `stats`: (layers, heads, D, D) float32, the history-Query second moment S the method's cache held;
+* per probed (generated) chunk c: `probe.{c}.top1_exact`, `probe.{c}.top1_quant`: (layers, heads, N) int32,
+  the cached token each of the chunk's N query tokens attends to most under exact and under stored keys
+  (cached tokens only, in cache order: frame by frame, row-major);
+* per probed chunk, for the layers and heads named in `logit_layers` / `logit_heads` only (bounded so:
+  `quantwm record --logit-layers/--logit-heads`): `probe.{c}.logits_exact`, `probe.{c}.logits_method`:
+  (n_layers, n_heads, N, n_cached) float16, each query's attention logits over the cache.
+
+Metadata (strings): `quantwm_run_version`="1" and `run` (JSON): `model` (name), `layers`, `heads`, `head_dim`,
+`latent_grid` [h, w], `chunk_frames` and `context_frames` (latent frames), `vae_spatial`, `patch`,
+`vae_temporal`, `method`, `target`, `bits`, `bits_per_element`, `memory_mb` {bf16, stored}, `logit_layers`,
+`logit_heads`, `probed_chunks`, and free-form `source` (seed, prompt, command).
+
+How tokens map to pixels (`RunFacts`): a latent token is `vae_spatial * patch` output pixels square; latent
+frame 0 decodes to output frame 0 and latent frame f > 0 to output frames 1 + vae_temporal (f - 1) ...
+vae_temporal f (Wan's causal VAE: 4; the built-in model has no VAE: 1, one frame per latent frame).
+
+    run = read_run("run.safetensors")   # ValueError naming the problem for a file that is not a valid run
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+RUN_VERSION = "1"
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    model: str
+    layers: int
+    heads: int
+    head_dim: int
+    latent_grid: tuple[int, int]
+    chunk_frames: int
+    context_frames: int
+    vae_spatial: int = 1
+    patch: int = 1
+    vae_temporal: int = 1
+
+    @property
+    def tokens_per_frame(self) -> int:
+        return self.latent_grid[0] * self.latent_grid[1]
+
+    @property
+    def pixels_per_token(self) -> int:
+        return self.vae_spatial * self.patch
+
+    def output_frames(self, latent_frames: int) -> int:
+        return 1 + self.vae_temporal * (latent_frames - 1) if latent_frames else 0
+
+    def latent_frame(self, t: int) -> int:
+        """The latent frame output frame `t` decodes from."""
+        return 0 if t == 0 else 1 + (t - 1) // self.vae_temporal
+
+    def first_output_frame(self, f: int) -> int:
+        return 0 if f == 0 else 1 + self.vae_temporal * (f - 1)
+
+    def pixel_to_token(self, x: int, y: int) -> tuple[int, int]:
+        """Output pixel (x, y) -> (row, col) of its latent token; ValueError outside the frame."""
+        h, w = self.latent_grid
+        p = self.pixels_per_token
+        if not (0 <= x < w * p and 0 <= y < h * p):
+            raise ValueError(f"pixel ({x}, {y}) lies outside the {w * p}x{h * p} frame")
+        return y // p, x // p
+
+
+@dataclass
+class Run:
+    facts: RunFacts
+    meta: dict  # method, target, bits, bits_per_element, memory_mb, source, logit_layers, logit_heads
+    bf16: torch.Tensor  # (T, H, W, 3) uint8
+    method: torch.Tensor
+    stats: torch.Tensor  # (layers, heads, D, D)
+    top1: dict[int, tuple[torch.Tensor, torch.Tensor]]  # chunk -> (exact, stored), (layers, heads, N)
+    logits: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # chunk -> (nl, nh, N, L)
+
+    def nbytes(self) -> int:
+        ts = [self.bf16, self.method, self.stats, *sum(map(list, self.top1.values()), []),
+              *sum(map(list, self.logits.values()), [])]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+
+def write_run(path: str | Path, run: Run) -> None:
+    tensors = {"frames.bf16": run.bf16.contiguous(), "frames.method": run.method.contiguous(),
+               "stats": run.stats.float().contiguous()}
+    for c, (e, q) in run.top1.items():
+        tensors[f"probe.{c}.top1_exact"], tensors[f"probe.{c}.top1_quant"] = e.int().contiguous(), q.int().contiguous()
+    for c, (e, q) in run.logits.items():
+        tensors[f"probe.{c}.logits_exact"] = e.half().contiguous()
+        tensors[f"probe.{c}.logits_method"] = q.half().contiguous()
+    meta = {**run.meta, **asdict(run.facts), "probed_chunks": sorted(run.top1)}
+    save_file(tensors, str(path), metadata={"quantwm_run_version": RUN_VERSION, "run": json.dumps(meta)})
+
+
+def _invalid(path, why: str) -> ValueError:
+    return ValueError(f"{path}: not a valid QuantWM run: {why}")
+
+
+FACT_KEYS = ("model", "layers", "heads", "head_dim", "latent_grid", "chunk_frames", "context_frames", "vae_spatial",
+             "patch", "vae_temporal")
+META_KEYS = ("method", "target", "bits", "bits_per_element", "memory_mb", "logit_layers", "logit_heads",
+             "probed_chunks")
+
+
+def read_run(path: str | Path) -> Run:
+    """Load and validate a run file; ValueError naming the first problem."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such run file")
+    try:
+        with safe_open(str(p), "pt") as f:
+            raw = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise _invalid(path, f"unreadable safetensors ({str(e).splitlines()[0][:100]})") from None
+    if raw.get("quantwm_run_version") != RUN_VERSION:
+        raise _invalid(path, f"quantwm_run_version is {raw.get('quantwm_run_version')!r}, expected {RUN_VERSION!r}")
+    try:
+        meta = json.loads(raw["run"])
+        missing = [k for k in (*FACT_KEYS, *META_KEYS) if k not in meta]
+        if missing:
+            raise _invalid(path, f"metadata lacks {', '.join(missing)}")
+        facts = RunFacts(**{k: meta[k] for k in FACT_KEYS})
+        facts = RunFacts(**{**asdict(facts), "latent_grid": tuple(int(v) for v in facts.latent_grid)})
+        ints = [facts.layers, facts.heads, facts.head_dim, *facts.latent_grid, facts.chunk_frames, facts.vae_spatial,
+                facts.patch, facts.vae_temporal]
+        if any(not isinstance(v, int) or v < 1 for v in ints) or not isinstance(facts.context_frames, int) \
+                or facts.context_frames < 0:
+            raise _invalid(path, "model facts must be positive integers (context_frames >= 0)")
+    except (KeyError, TypeError, json.JSONDecodeError) as e:
+        raise _invalid(path, f"bad metadata ({e})") from None
+    for name in ("frames.bf16", "frames.method", "stats"):
+        if name not in tensors:
+            raise _invalid(path, f"missing tensor {name!r}")
+    bf16, method, stats = tensors["frames.bf16"], tensors["frames.method"], tensors["stats"]
+    if bf16.dtype != torch.uint8 or bf16.dim() != 4 or bf16.shape[-1] != 3 or bf16.shape != method.shape \
+            or method.dtype != torch.uint8:
+        raise _invalid(path, f"frames must be two (T, H, W, 3) uint8 tensors of one shape, got {tuple(bf16.shape)} "
+                             f"{bf16.dtype} and {tuple(method.shape)} {method.dtype}")
+    h, w = facts.latent_grid
+    px = facts.pixels_per_token
+    if tuple(bf16.shape[1:3]) != (h * px, w * px):
+        raise _invalid(path, f"frames are {bf16.shape[2]}x{bf16.shape[1]} but the latent grid {h}x{w} at "
+                             f"{px} pixels per token gives {w * px}x{h * px}")
+    L, H, D = facts.layers, facts.heads, facts.head_dim
+    if tuple(stats.shape) != (L, H, D, D) or not torch.isfinite(stats).all():
+        raise _invalid(path, f"stats must be finite ({L}, {H}, {D}, {D}), got {tuple(stats.shape)}")
+    n = facts.chunk_frames * facts.tokens_per_frame
+    latent = facts.latent_frame(bf16.shape[0] - 1) + 1
+    top1, logits = {}, {}
+    nl, nh = len(meta["logit_layers"]), len(meta["logit_heads"])
+    for c in meta["probed_chunks"]:
+        if not isinstance(c, int) or not facts.context_frames // facts.chunk_frames <= c < -(-latent // facts.chunk_frames):
+            raise _invalid(path, f"probed chunk {c!r} is not a generated chunk of this run")
+        pair = []
+        for side in ("exact", "quant"):
+            t = tensors.get(f"probe.{c}.top1_{side}")
+            if t is None or tuple(t.shape) != (L, H, n) or t.dtype != torch.int32:
+                raise _invalid(path, f"probe.{c}.top1_{side} must be ({L}, {H}, {n}) int32")
+            if t.min() < 0 or t.max() >= c * n:
+                raise _invalid(path, f"probe.{c}.top1_{side} points outside the {c * n} cached tokens")
+            pair.append(t.long())
+        top1[c] = tuple(pair)
+        if nl and nh:
+            lg = [tensors.get(f"probe.{c}.logits_{s}") for s in ("exact", "method")]
+            if any(t is None or tuple(t.shape) != (nl, nh, n, c * n) for t in lg):
+                raise _invalid(path, f"probe.{c}.logits_exact/_method must be ({nl}, {nh}, {n}, {c * n})")
+            if any(not torch.isfinite(t).all() for t in lg):
+                raise _invalid(path, f"probe.{c}.logits hold NaN or Inf")
+            logits[c] = (lg[0].float(), lg[1].float())
+    return Run(facts, {k: meta[k] for k in meta if k not in FACT_KEYS}, bf16, method, stats.float(), top1, logits)
