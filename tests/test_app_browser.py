@@ -215,6 +215,30 @@ def test_two_users_at_once_each_see_their_own_run(browser_and_url):
         page.context.close()
 
 
+def test_an_uploaded_run_file_plays_scrubs_and_traces_like_a_generated_run(browser_and_url, tmp_path):
+    from quantwm.evaluation.runfile import write_run
+    from quantwm.evaluation.workbench import RunKey, Workbench
+
+    path = tmp_path / "recorded.safetensors"
+    write_run(path, Workbench().make_run(RunKey(seed=9, method="kivi", frames=FRAMES)))
+    browser, url = browser_and_url
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1600})
+    page = ctx.new_page()
+    page.goto(url)
+    page.wait_for_selector("#generate-btn")
+    page.get_by_text("Open a recorded run").click()
+    page.locator("#run-upload input[type=file]").set_input_files(str(path))
+    page.wait_for_function("(document.querySelector('#run-id textarea, #run-id input').value || '')"
+                           ".startsWith('file=recorded.safetensors')", timeout=120_000)
+    assert "opened" in page.locator("#generate-status").inner_text()
+    assert page.locator("#video-bf16 video").count() == 1
+    page.wait_for_selector("#frame-method img", timeout=60_000)
+    click_frame_pixel(page, 21, 42)
+    text = page.locator("#trace-status").inner_text()
+    assert "row 5, col 2" in text and "kivi source" in text
+    ctx.close()
+
+
 if __name__ == "__main__" and "--readme" in sys.argv:
     import tempfile
 
