@@ -199,14 +199,28 @@ def cmd_record(a) -> int:
     from .evaluation.runfile import write_run
     from .evaluation.workbench import RunKey, Workbench
 
+    layers = _ints(a.logit_layers, "--logit-layers") if a.logit_layers else []
+    heads = _ints(a.logit_heads, "--logit-heads") if a.logit_heads else []
+    if a.model == "self-forcing":
+        from .adapters.self_forcing import record_self_forcing
+
+        missing = [n for n, v in (("--checkpoint", a.checkpoint), ("--base", a.base), ("--embeddings", a.embeddings))
+                   if not v]
+        if missing:
+            raise ValueError(f"--model self-forcing needs {', '.join(missing)}")
+        run = record_self_forcing(a.checkpoint, a.base, a.embeddings, a.method, a.target, a.bits, a.latent_frames,
+                                  a.chunk_frames, a.height, a.width, a.seed, layers, heads, a.device,
+                                  progress=_progress("record"))
+        write_run(a.out, run)
+        print(f"wrote {a.out} ({os.path.getsize(a.out) / 2 ** 20:.1f} MB): Self-Forcing, {a.method} "
+              f"{a.target} {a.bits}-bit against BF16; open it with python app.py --run {a.out}")
+        return 0
     model = _world_model(a.weights)
     # a command-line run is bounded by the machine's memory only (no queue to hold)
     wb = Workbench(model=model, limits=Limits.from_machine(model.cfg, 1))
     key = RunKey(a.seed, a.trajectory, a.method, a.target, a.bits, a.frames)
     wb.check_frames(key.frames)
-    run = wb.make_run(key, _ints(a.logit_layers, "--logit-layers") if a.logit_layers else [],
-                      _ints(a.logit_heads, "--logit-heads") if a.logit_heads else [],
-                      {"command": "quantwm record --model builtin"}, progress=_progress("record"))
+    run = wb.make_run(key, layers, heads, {"command": "quantwm record --model builtin"}, progress=_progress("record"))
     write_run(a.out, run)
     print(f"wrote {a.out} ({os.path.getsize(a.out) / 2 ** 20:.1f} MB): {key.id} against BF16; open it with "
           f"python app.py --run {a.out}")
@@ -282,9 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_trace)
     s = sub.add_parser("record", help="write a run file (BF16 and a method from the same noise) for the app")
-    s.add_argument("--model", choices=("builtin",), default="builtin",
-                   help="the model to run (the built-in world model; real pipelines are not recorded yet)")
-    s.add_argument("--seed", type=int, default=0, help="world seed (evaluation worlds: 0..99999)")
+    s.add_argument("--model", choices=("builtin", "self-forcing"), default="builtin",
+                   help="builtin: the built-in world model; self-forcing: Self-Forcing's causal Wan2.1 generator "
+                        "(--checkpoint, --base, --embeddings)")
+    s.add_argument("--seed", type=int, default=0, help="world seed (builtin: 0..99999) or noise seed")
     s.add_argument("--trajectory", default="loop")
     s.add_argument("--method", default="quantwm")
     s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
@@ -292,7 +307,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--frames", type=int, default=32)
     s.add_argument("--logit-layers", default="1", help="layers whose attention logits the file keeps (size bound)")
     s.add_argument("--logit-heads", default="0", help="heads whose attention logits the file keeps")
-    s.add_argument("--weights", help="world-model weights (default: the built-in model)")
+    s.add_argument("--weights", help="builtin: world-model weights (default: the built-in model)")
+    s.add_argument("--checkpoint", help="self-forcing: the released generator checkpoint (.pt, original Wan names)")
+    s.add_argument("--base", help="self-forcing: a local diffusers Wan2.1 folder (transformer/config.json, vae/)")
+    s.add_argument("--embeddings", help="self-forcing: a safetensors file with the prompt's UMT5 prompt_embeds")
+    s.add_argument("--latent-frames", type=int, default=21, help="self-forcing: latent frames (21: 81 video frames)")
+    s.add_argument("--chunk-frames", type=int, default=3, help="self-forcing: latent frames per chunk")
+    s.add_argument("--height", type=int, default=480)
+    s.add_argument("--width", type=int, default=832)
+    s.add_argument("--device", default="cpu", help="self-forcing: cpu or cuda (cuda uses the fused kernels)")
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_record)
     s = sub.add_parser("figures", help="print figures (PNG/PDF/SVG, matplotlib) of a built-in-model run")

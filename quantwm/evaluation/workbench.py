@@ -112,6 +112,17 @@ class Record:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def cache_memory_mb(cache) -> dict:
+    """{"bf16": MB the cache's K and V would take in BF16, "stored": MB as stored}, full-precision chunks
+    (sink, recent) counted at 2 bytes per element, every quantized byte (codes, scales, codebooks, PSAC)."""
+    elems = sum(2 * cache.keys(l, exact=cache.config.keep_exact).numel() for l in range(cache.n_layers))
+    bpe = cache.bits_per_element()
+    full = sum(n for name, n in cache.bytes_by_component().items() if name.endswith(".full"))
+    qbytes = cache.nbytes() - full
+    qelems = 8 * qbytes / bpe if bpe == bpe else 0
+    return {"bf16": 2 * elems / MiB, "stored": (qbytes + 2 * (elems - qelems)) / MiB}
+
+
 def release_memory() -> None:
     """Give freed memory back to the OS (glibc keeps freed heap pages otherwise, and a long-running server's
     resident size would creep up after every eviction)."""
@@ -267,11 +278,7 @@ class Workbench:
         k_exact = [c.keys(l, exact=True)[0].cpu() for l in range(L)]
         v_exact = [c.values(l, exact=True)[0].cpu() for l in range(L)]
         bpe = c.bits_per_element()
-        elems = sum(2 * k.numel() for k in k_exact)
-        full = sum(n for name, n in c.bytes_by_component().items() if name.endswith(".full"))
-        qbytes = c.nbytes() - full
-        qelems = 8 * qbytes / bpe if bpe == bpe else 0
-        memory = {"bf16": 2 * elems / MiB, "stored": (qbytes + 2 * (elems - qelems)) / MiB}
+        memory = cache_memory_mb(c)
         steps = [c.key_steps(l)[0].cpu() for l in range(L)] if c.config.jensen else None
         return Record(key, run.frames.cpu(), run.probes, k_exact, [c.keys(l)[0].cpu() for l in range(L)],
                       v_exact, [c.values(l)[0].cpu() for l in range(L)],

@@ -1,0 +1,246 @@
+"""Record Self-Forcing's causal Wan2.1 generator into a run file: BF16 and a method from the same noise.
+
+    run = record_self_forcing("self_forcing_dmd.pt", "Wan2.1-T2V-1.3B-Diffusers", "prompt.safetensors",
+                              method="quantwm", latent_frames=21)
+    write_run("sf.safetensors", run)     # python app.py --run sf.safetensors
+
+* **Weights.** Self-Forcing releases its generator as a torch checkpoint in the original Wan parameter
+  names (`blocks.0.self_attn.q.weight`, `head.modulation`, ...), under "generator_ema" or "generator" and
+  with a "model." prefix. `load_self_forcing` unwraps it and loads it into diffusers'
+  `WanTransformer3DModel` with diffusers' own conversion (`from_single_file`, the config read from
+  `base/transformer`, nothing downloaded); the VAE is `AutoencoderKLWan` from `base/vae`.
+* **Text.** The prompt's UMT5 embeddings come from a safetensors file holding `prompt_embeds`
+  (1, tokens, text_dim) (`transformers` is not a dependency here; with the base model's UMT5 encoder, save
+  `encoder(ids).last_hidden_state` once).
+* **Sampling** (Self-Forcing's inference): chunks of `chunk_frames` latent frames (3), each denoised with the
+  few-step list (1000, 750, 500, 250) warped by the flow-matching shift (5.0): at step j the model predicts
+  the flow v, x0 = x - sigma_j v, and the next step starts from (1 - sigma_{j+1}) x0 + sigma_{j+1} noise;
+  then a clean pass at t = 0 writes the chunk's K/V and commits it (`quantwm.adapters.diffusers_wan`).
+  Both runs draw the same noise. The latents are de-normalised with the VAE's latents_mean/std and decoded.
+* **Probes** (`ProbeCapture`): on the last denoising pass of every chunk after the first, per layer and
+  head, the top-1 cached token of each query under exact and under stored keys, and the logits for the
+  layers/heads asked for (what the app's pixel trace draws).
+
+What is verified here: tiny randomly initialised models of these classes, saved in these formats
+(tests/test_self_forcing.py). Real weights need the released checkpoint and a GPU for useful speed.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..core.cache import CacheConfig
+from .capture import TraceCapture
+from .diffusers_wan import WanCacheAdapter, wan_kv_cache
+
+DENOISING_STEPS = (1000, 750, 500, 250)
+SHIFT = 5.0
+
+
+def _generator_state(path: str | Path) -> dict[str, torch.Tensor]:
+    """The generator's state dict in original Wan names from a Self-Forcing checkpoint (.pt) or a plain
+    state dict (.pt / .safetensors)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such checkpoint")
+    try:
+        if p.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            state = load_file(str(p))
+        else:
+            state = torch.load(str(p), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+        raise ValueError(f"{path}: unreadable checkpoint ({str(e).splitlines()[0][:100]})") from None
+    for key in ("generator_ema", "generator", "model", "state_dict"):
+        if isinstance(state, dict) and isinstance(state.get(key), dict):
+            state = state[key]
+            break
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{path}: not a state dict of tensors")
+    state = {k.removeprefix("model."): v for k, v in state.items()}
+    if "head.modulation" not in state:
+        raise ValueError(f"{path}: not a Wan generator in the original parameter names (no head.modulation)")
+    return state
+
+
+def load_self_forcing(checkpoint: str | Path, base: str | Path, device: str = "cpu",
+                      dtype: torch.dtype = torch.float32):
+    """(WanTransformer3DModel, AutoencoderKLWan) from Self-Forcing's checkpoint and a local diffusers Wan2.1
+    folder (`base`: transformer/config.json and vae/), through diffusers' single-file conversion."""
+    from diffusers import AutoencoderKLWan, WanTransformer3DModel
+    from safetensors.torch import save_file
+
+    base = Path(base)
+    for sub in ("transformer/config.json", "vae"):
+        if not (base / sub).exists():
+            raise ValueError(f"{base}: not a diffusers Wan folder (no {sub})")
+    state = _generator_state(checkpoint)
+    with tempfile.TemporaryDirectory() as tmp:
+        single = os.path.join(tmp, "generator.safetensors")
+        save_file({k: v.contiguous() for k, v in state.items()}, single)
+        try:
+            model = WanTransformer3DModel.from_single_file(single, config=str(base), subfolder="transformer",
+                                                           local_files_only=True, torch_dtype=dtype)
+        except Exception as e:  # noqa: BLE001 - a mismatch between checkpoint and config
+            raise ValueError(f"{checkpoint}: does not load into {base}/transformer ({str(e).splitlines()[0][:160]})") \
+                from None
+    vae = AutoencoderKLWan.from_pretrained(str(base), subfolder="vae", torch_dtype=dtype)
+    return model.to(device).eval(), vae.to(device).eval()
+
+
+def load_prompt_embeddings(path: str | Path, text_dim: int) -> torch.Tensor:
+    """`prompt_embeds` (1, tokens, text_dim) from a safetensors file."""
+    from safetensors.torch import load_file
+
+    try:
+        e = load_file(str(path))["prompt_embeds"]
+    except Exception as err:  # noqa: BLE001
+        raise ValueError(f"{path}: no prompt_embeds in a safetensors file ({str(err).splitlines()[0][:100]})") from None
+    if e.dim() == 2:
+        e = e[None]
+    if e.dim() != 3 or e.shape[-1] != text_dim or not torch.isfinite(e).all():
+        raise ValueError(f"{path}: prompt_embeds must be finite (1, tokens, {text_dim}), got {tuple(e.shape)}")
+    return e.float()
+
+
+def sigmas(steps=DENOISING_STEPS, shift: float = SHIFT) -> list[float]:
+    """The flow-matching noise level of each few-step timestep after the shift warp."""
+    out = []
+    for t in steps:
+        s = t / 1000
+        out.append(shift * s / (1 + (shift - 1) * s))
+    return out
+
+
+class ProbeCapture(TraceCapture):
+    """Top-1 cached sources (exact vs stored keys) of every query on the last denoising pass of each chunk,
+    and logits for `logit_layers` x `logit_heads`; chunk -> tensors in `top1` / `logits`."""
+
+    def __init__(self, n_layers: int, logit_layers=(), logit_heads=(), head_block: int = 1):
+        super().__init__(chunks=[1], history=False)
+        self.n_layers, self.logit_layers, self.logit_heads = n_layers, list(logit_layers), list(logit_heads)
+        self.head_block = head_block
+        self._top1: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._logits: dict[int, dict[int, tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def observe(self, cache, layer: int, chunk: int, commit: bool, q: torch.Tensor, scale: float) -> None:
+        if commit or chunk == 0:
+            return
+        qh = self._bhd(cache, q).detach().float()  # (H, N, D)
+        n = qh.shape[1]
+        k_exact = self._bhd(cache, cache.keys(layer, exact=True))[:, :-n].float()
+        k_stored = self._bhd(cache, cache.keys(layer))[:, :-n].float()
+        bias_all = cache.logit_bias(layer, qh[None], scale)  # +jensen methods: (1, H, N, L) over all held keys
+        tops_e, tops_q = [], []
+        for h0 in range(0, qh.shape[0], self.head_block):  # bounded memory: a few heads' logits at a time
+            hs = slice(h0, h0 + self.head_block)
+            le = scale * qh[hs] @ k_exact[hs].transpose(-1, -2)
+            lq = scale * qh[hs] @ k_stored[hs].transpose(-1, -2)
+            if bias_all is not None:
+                lq = lq + bias_all[0, hs, :, :lq.shape[-1]].float()
+            tops_e.append(le.argmax(-1)), tops_q.append(lq.argmax(-1))
+            if layer in self.logit_layers:
+                for h in range(h0, min(h0 + self.head_block, qh.shape[0])):
+                    if h in self.logit_heads:
+                        self._logits.setdefault(chunk, {})[(layer, h)] = (le[h - h0].half().cpu(), lq[h - h0].half().cpu())
+        self._top1.setdefault(chunk, {})[layer] = (torch.cat(tops_e).int().cpu(), torch.cat(tops_q).int().cpu())
+
+    def top1(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        out = {}
+        for c, per in sorted(self._top1.items()):
+            if len(per) == self.n_layers:
+                out[c] = tuple(torch.stack([per[l][i] for l in range(self.n_layers)]) for i in (0, 1))
+        return out
+
+    def logits(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        if not (self.logit_layers and self.logit_heads):
+            return {}
+        out = {}
+        for c, per in sorted(self._logits.items()):
+            out[c] = tuple(torch.stack([torch.stack([per[(l, h)][i] for h in self.logit_heads])
+                                        for l in self.logit_layers]).float() for i in (0, 1))
+        return out
+
+
+def _rollout(model, vae, text, cache_config: CacheConfig, latent_frames: int, chunk_frames: int,
+             latent_hw: tuple[int, int], seed: int, capture: ProbeCapture | None, progress: Callable | None):
+    C = model.config.in_channels
+    device = next(model.parameters()).device
+    g = torch.Generator().manual_seed(seed)
+    noise = torch.randn(1, C, latent_frames, *latent_hw, generator=g)
+    sig = sigmas()
+    cache = wan_kv_cache(model, cache_config)
+    out = torch.zeros_like(noise)
+    n_chunks = latent_frames // chunk_frames
+    with torch.no_grad(), WanCacheAdapter(model, cache, capture) as wan:
+        for i in range(n_chunks):
+            sl = slice(i * chunk_frames, (i + 1) * chunk_frames)
+            x = noise[:, :, sl].to(device)
+            for j, s in enumerate(sig):
+                with wan.chunk(i):
+                    v = model(x, torch.tensor([s * 1000.0], device=device), text.to(device)).sample
+                x0 = x - s * v
+                if j + 1 < len(sig):
+                    x = (1 - sig[j + 1]) * x0 + sig[j + 1] * torch.randn(x0.shape, generator=g).to(device)
+            out[:, :, sl] = x0.cpu()
+            with wan.chunk(i, commit=True):
+                model(x0, torch.tensor([0.0], device=device), text.to(device))
+            if progress:
+                progress(i + 1, n_chunks)
+        mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)
+        std = torch.tensor(vae.config.latents_std).view(1, -1, 1, 1, 1)
+        video = vae.decode((out * std + mean).to(device, next(vae.parameters()).dtype)).sample  # (1, 3, T, H, W)
+    frames = ((video[0].permute(1, 2, 3, 0).float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+    return frames, cache
+
+
+def record_self_forcing(checkpoint, base, embeddings, method: str = "quantwm", target: str = "kv", bits: int = 2,
+                        latent_frames: int = 21, chunk_frames: int = 3, height: int = 480, width: int = 832,
+                        seed: int = 0, logit_layers=(), logit_heads=(), device: str = "cpu",
+                        progress: Callable | None = None, models=None):
+    """The run file contents (`runfile.Run`) of Self-Forcing with `method`'s cache against BF16.
+    `models`: an already loaded (transformer, vae) pair instead of checkpoint/base."""
+    from ..evaluation.runfile import Run, RunFacts
+    from ..evaluation.workbench import cache_memory_mb
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device on this machine")
+    model, vae = models if models is not None else load_self_forcing(checkpoint, base, device)
+    cfg_t = model.config
+    spatial = 2 ** len(vae.temperal_downsample)
+    temporal = 2 ** sum(vae.temperal_downsample)
+    pt, ph, pw = cfg_t.patch_size
+    if pt != 1 or ph != pw:
+        raise ValueError(f"patch size {cfg_t.patch_size}: only (1, p, p) patches are supported")
+    if height % (spatial * ph) or width % (spatial * pw):
+        raise ValueError(f"height and width must be multiples of {spatial * ph}, got {height}x{width}")
+    if latent_frames < 2 * chunk_frames or latent_frames % chunk_frames:
+        raise ValueError(f"latent_frames must be a multiple of chunk_frames={chunk_frames}, at least two chunks")
+    text = load_prompt_embeddings(embeddings, cfg_t.text_dim) if not torch.is_tensor(embeddings) else embeddings
+    lat_hw = (height // spatial, width // spatial)
+    layers, heads = cfg_t.num_layers, cfg_t.num_attention_heads
+    for name, vals, n in (("logit layer", logit_layers, layers), ("logit head", logit_heads, heads)):
+        bad = [v for v in vals if not 0 <= v < n]
+        if bad:
+            raise ValueError(f"{name} {bad[0]} out of range: the model has {n}")
+    step = (lambda a, n: progress(a, 2 * n)) if progress else None
+    ref_frames, _ = _rollout(model, vae, text, CacheConfig(layout="BLHD"), latent_frames, chunk_frames, lat_hw, seed,
+                             None, step)
+    probe = ProbeCapture(layers, logit_layers, logit_heads)
+    step2 = (lambda a, n: progress(n + a, 2 * n)) if progress else None
+    frames, cache = _rollout(model, vae, text, CacheConfig(method=method, target=target, k_bits=bits, v_bits=bits,
+                                                           layout="BLHD", keep_exact=True), latent_frames,
+                             chunk_frames, lat_hw, seed, probe, step2)
+    stats = torch.stack([cache.query_stats(l).float().cpu() for l in range(layers)])
+    facts = RunFacts("Self-Forcing (Wan2.1 causal, diffusers WanTransformer3DModel)", layers, heads,
+                     cfg_t.attention_head_dim, (lat_hw[0] // ph, lat_hw[1] // pw), chunk_frames, 0,
+                     vae_spatial=spatial, patch=ph, vae_temporal=temporal)
+    meta = {"method": method, "target": target, "bits": bits, "bits_per_element": cache.bits_per_element(),
+            "memory_mb": cache_memory_mb(cache), "logit_layers": list(logit_layers), "logit_heads": list(logit_heads),
+            "source": {"checkpoint": str(checkpoint), "base": str(base), "seed": seed, "latent_frames": latent_frames,
+                       "steps": list(DENOISING_STEPS), "shift": SHIFT}}
+    return Run(facts, meta, ref_frames, frames, stats, probe.top1(), probe.logits())

@@ -1,0 +1,156 @@
+"""Self-Forcing recording on tiny random models of the real classes, saved in the real checkpoint formats:
+the generator as a torch checkpoint in the original Wan parameter names ("generator_ema", "model." prefix),
+loaded through diffusers' single-file conversion; a diffusers Wan folder (transformer config, AutoencoderKLWan)."""
+import re
+
+import numpy as np
+import pytest
+import torch
+
+diffusers = pytest.importorskip("diffusers")
+
+from quantwm.adapters.self_forcing import load_self_forcing, record_self_forcing, sigmas  # noqa: E402
+from quantwm.evaluation.runfile import read_run, write_run  # noqa: E402
+from quantwm.evaluation.workbench import Workbench  # noqa: E402
+
+LATENT_FRAMES, HEIGHT, WIDTH = 12, 32, 64  # 4 chunks of 3 latent frames; latent 4x8, tokens 2x4 per frame
+
+# diffusers name -> original Wan name (the inverse of diffusers' convert_wan_transformer_to_diffusers)
+TO_ORIGINAL = [("condition_embedder.time_embedder.linear_1", "time_embedding.0"),
+               ("condition_embedder.time_embedder.linear_2", "time_embedding.2"),
+               ("condition_embedder.text_embedder.linear_1", "text_embedding.0"),
+               ("condition_embedder.text_embedder.linear_2", "text_embedding.2"),
+               ("condition_embedder.time_proj", "time_projection.1"), ("attn2", "cross_attn"), ("attn1", "self_attn"),
+               (".to_out.0.", ".o."), (".to_q.", ".q."), (".to_k.", ".k."), (".to_v.", ".v."),
+               ("ffn.net.0.proj", "ffn.0"), ("ffn.net.2", "ffn.2"), ("proj_out", "head.head")]
+
+
+def to_original_wan_names(state: dict) -> dict:
+    out = {}
+    for k, v in state.items():
+        o = k
+        for a, b in TO_ORIGINAL:
+            o = o.replace(a, b)
+        o = re.sub(r"^scale_shift_table$", "head.modulation", o)
+        o = re.sub(r"^(blocks\.\d+)\.scale_shift_table$", r"\1.modulation", o)
+        o = o.replace("norm2", "norm__x").replace("norm3", "norm2").replace("norm__x", "norm3")
+        out[o] = v
+    return out
+
+
+@pytest.fixture(scope="module")
+def released(tmp_path_factory):
+    """(checkpoint, base, embeddings, the diffusers model the checkpoint was made from)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=64).eval()
+    vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                     temperal_downsample=[False, True, True], latents_mean=[0.1] * 4,
+                                     latents_std=[1.5] * 4).eval()
+    root = tmp_path_factory.mktemp("self_forcing")
+    base = root / "Wan2.1-T2V-tiny-Diffusers"
+    model.save_config(base / "transformer")
+    vae.save_pretrained(base / "vae")
+    ckpt = root / "self_forcing_dmd.pt"
+    torch.save({"generator_ema": {f"model.{k}": v for k, v in to_original_wan_names(model.state_dict()).items()}}, ckpt)
+    emb = root / "prompt.safetensors"
+    save_file({"prompt_embeds": torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(5))}, str(emb))
+    return ckpt, base, emb, model
+
+
+def test_the_checkpoint_loads_through_diffusers_single_file_conversion(released):
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    ckpt, base, _, model = released
+    original = to_original_wan_names(model.state_dict())
+    assert "head.modulation" in original and "blocks.0.self_attn.q.weight" in original
+    assert set(convert_wan_transformer_to_diffusers(dict(original))) == set(model.state_dict())  # a true inverse
+    loaded, vae = load_self_forcing(ckpt, base)
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    assert 2 ** len(vae.temperal_downsample) == 8 and 2 ** sum(vae.temperal_downsample) == 4
+
+
+def test_few_step_schedule_is_self_forcings():
+    s = sigmas()
+    assert s[0] == 1.0 and s == sorted(s, reverse=True) and s[-1] == pytest.approx(5 * 0.25 / (1 + 4 * 0.25))
+
+
+@pytest.fixture(scope="module")
+def recorded(released, tmp_path_factory):
+    ckpt, base, emb, _ = released
+    run = record_self_forcing(ckpt, base, emb, method="quantwm", latent_frames=LATENT_FRAMES, height=HEIGHT,
+                              width=WIDTH, logit_layers=[1], logit_heads=[0, 1])
+    path = tmp_path_factory.mktemp("sf_run") / "sf.safetensors"
+    write_run(path, run)
+    return run, path
+
+
+def test_a_self_forcing_run_records_both_generations_with_probes(recorded):
+    run, path = recorded
+    back = read_run(path)
+    f = back.facts
+    assert f.latent_grid == (2, 4) and f.pixels_per_token == 16 and f.vae_temporal == 4 and f.chunk_frames == 3
+    assert back.bf16.shape == (f.output_frames(LATENT_FRAMES), HEIGHT, WIDTH, 3) == (45, 32, 64, 3)
+    assert sorted(back.top1) == [1, 2, 3] and back.top1[3][0].shape == (2, 2, 24)
+    assert back.logits[3][0].shape == (1, 2, 24, 72)
+    assert not torch.equal(back.bf16, back.method)  # the 2-bit cache changed the video
+    assert back.meta["bits_per_element"] < 16 and back.meta["memory_mb"]["stored"] < back.meta["memory_mb"]["bf16"]
+    # the top-1 sources are the argmax of the logits kept for them (layer 1)
+    e, q = back.top1[2]
+    le, lq = back.logits[2]
+    picked = le[0].gather(-1, e[1][..., None].long())[..., 0]  # logits kept in fp16: ties within 1e-2
+    assert (le[0].max(-1).values - picked).abs().max() < 1e-2
+
+
+def test_the_app_views_map_output_pixels_to_latent_tokens(recorded):
+    _, path = recorded
+    wb = Workbench()
+    rid = wb.open_run(str(path))
+    lr = wb.loaded(rid)
+    cmp = lr.compare()
+    assert len(cmp["series"]["psnr"]) == 45 and cmp["summary"]["bits_per_element"] < 16
+    v = wb.frame_view(rid, 44, None, None)
+    assert v["jumps"].shape == (2, 4) and v["bf16"].shape == (32, 64, 3)
+    assert wb.frame_view(rid, 3)["jumps"] is None  # latent frame 1: chunk 0, not probed
+    tr = wb.pixel_trace(rid, 44, 63, 31, 1, 1)  # output frame 44 = latent frame 11; pixel -> token (1, 3)
+    assert tr["query"] == (11, 1, 3) and tr["logits_bf16"].shape == (9, 8)
+    assert tr["frames"].shape == (12, 32, 64, 3)  # one thumbnail per latent frame
+    f, r, c = tr["source_bf16"]
+    assert tr["logits_bf16"][f, r * 4 + c] == pytest.approx(tr["logits_bf16"].max(), abs=1e-2)
+    with pytest.raises(ValueError, match="outside the 64x32 frame"):
+        wb.pixel_trace(rid, 44, 64, 0, 1, 0)
+    assert np.isfinite(wb.energy(rid)[0]["eigenvalues"]).all()
+
+
+def test_bad_inputs_are_refused(released, tmp_path):
+    ckpt, base, emb, _ = released
+    with pytest.raises(ValueError, match="no such checkpoint"):
+        load_self_forcing(tmp_path / "none.pt", base)
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="unreadable checkpoint"):
+        load_self_forcing(tmp_path / "junk.pt", base)
+    with pytest.raises(ValueError, match="not a diffusers Wan folder"):
+        load_self_forcing(ckpt, tmp_path)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        record_self_forcing(ckpt, base, emb, latent_frames=6, height=40, width=64)
+    with pytest.raises(ValueError, match="no CUDA" if not torch.cuda.is_available() else "."):
+        if torch.cuda.is_available():
+            raise ValueError("skip: CUDA present")
+        record_self_forcing(ckpt, base, emb, device="cuda")
+
+
+def test_quantwm_record_self_forcing_from_the_command_line(released, tmp_path, capsys):
+    from quantwm.cli import main
+
+    ckpt, base, emb, _ = released
+    out = tmp_path / "cli.safetensors"
+    assert main(["record", "--model", "self-forcing", "--checkpoint", str(ckpt), "--base", str(base), "--embeddings",
+                 str(emb), "--latent-frames", "6", "--height", "32", "--width", "64", "--method", "kivi",
+                 "--out", str(out)]) == 0
+    assert read_run(out).meta["method"] == "kivi" and "Self-Forcing" in capsys.readouterr().out
+    assert main(["record", "--model", "self-forcing", "--out", str(out)]) == 2
+    assert "needs --checkpoint, --base, --embeddings" in capsys.readouterr().err
