@@ -145,7 +145,7 @@ def test_a_second_generation_waits_in_the_queue_while_views_stay_served(server, 
     watcher.start()
     try:
         info = viewer.predict(generated[1], FRAMES - 2, [], "all", "all", api_name="/scrub")[0]
-        scrub_done_first = not long_job.done()
+        scrub_done_first = not waiting.done()  # not queued behind the generations
         first = long_job.result()
         second = waiting.result()
     finally:
