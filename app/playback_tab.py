@@ -118,25 +118,48 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
                 r["frame_slider"] = gr.Slider(minimum=0, maximum=r["frames"] - 1, value=r["frame"], step=1)
             return unpack(r, gen_names)
 
+        def controls_for(r):
+            """The layer/head pickers sized to the opened run (trace defaults: layers/heads with logits)."""
+            if not r.get("run_id"):
+                return (gr.skip(),) * 4
+            L, H = r["layers"], r["heads"]
+            return (gr.Dropdown(choices=["all", *map(str, range(L))], value="all"),
+                    gr.Dropdown(choices=["all", *map(str, range(H))], value="all"),
+                    gr.Dropdown(choices=list(range(L)), value=(r["logit_layers"] or [0])[0]),
+                    gr.Dropdown(choices=list(range(H)), value=(r["logit_heads"] or [0])[0]))
+
         def on_open(run):
-            return shown(open_run(run, files=False))
+            r = open_run(run, files=False)
+            return (*shown(r), *controls_for(r))
 
         def on_upload(path):
             r = open_run(path)
             if r.get("run_id") and r["run_id"] not in known:
                 known.append(r["run_id"])
             pick = gr.Dropdown(choices=known, value=r["run_id"]) if r.get("run_id") else gr.skip()
-            return (*shown(r), pick)
+            return (*shown(r), *controls_for(r), pick)
 
-        for e in (open_btn.click(on_open, [run_choice], gen_out, api_name="open_run", **view),
-                  run_upload.upload(on_upload, [run_upload], [*gen_out, run_choice], api_name="upload_run", **view)):
+        pickers = [jump_layer, jump_head, trace_layer, trace_head]
+        for e in (open_btn.click(on_open, [run_choice], [*gen_out, *pickers], api_name="open_run", **view),
+                  run_upload.upload(on_upload, [run_upload], [*gen_out, *pickers, run_choice], api_name="upload_run",
+                                    **view)):
             e.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name=False, **view)
+
+        def builtin_pickers(run_id):
+            """Back to the built-in model's layers and heads after a generated run (if an opened run changed them)."""
+            if not str(run_id or "").startswith("seed="):
+                return (gr.skip(),) * 4
+            return (gr.Dropdown(choices=["all", *map(str, range(facts["layers"]))]),
+                    gr.Dropdown(choices=["all", *map(str, range(facts["heads"]))]),
+                    gr.Dropdown(choices=list(range(facts["layers"]))), gr.Dropdown(choices=list(range(facts["heads"]))))
+
+        ev.then(builtin_pickers, [run_id], pickers, api_name=False, **view)
     gr.on([frame.change, overlays.change, jump_layer.change, jump_head.change], do_scrub, scrub_in,
           [frame_info, bf16_img, method_img], api_name="scrub", trigger_mode="always_last", **view)
 
     def on_click(run_id, frame, layer, head, evt: gr.SelectData):
         r = click_pixel(run_id, frame, evt.index, layer, head)
-        x, y = (int(evt.index[0]) // FACTOR, int(evt.index[1]) // FACTOR) if evt.index else (None, None)
+        x, y = r.get("pixel", (None, None))
         return (*unpack(r, trace_names), x if x is not None else gr.skip(), y if y is not None else gr.skip())
 
     for img, name in ((method_img, "click_pixel"), (bf16_img, "click_pixel_bf16")):

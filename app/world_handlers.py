@@ -21,7 +21,8 @@ import numpy as np
 from . import media, plots
 from .values import integer
 
-FACTOR = 4  # frames are shown enlarged 4x on the server: a click at (x, y) is frame pixel (x // 4, y // 4)
+FACTOR = 4  # the built-in model's 64x64 frames are shown enlarged 4x on the server (`factor_for`)
+DISPLAY = 256  # frames are enlarged by an integer factor to about this many pixels on their longer side
 THUMB = 2  # source thumbnails
 FLICKER_FULL_SCALE = 0.25  # a flicker of a quarter of the intensity range shows full red
 WARP_FULL_SCALE = 0.15  # a warping error of 0.15 shows full orange
@@ -81,8 +82,14 @@ def _key(seed, trajectory, method, target, bits, frames):
                   integer(frames, "frames"))
 
 
+def factor_for(shape) -> int:
+    """The integer enlargement of a frame of `shape` (H, W, ...): a click at image pixel (x, y) is frame pixel
+    (x // factor, y // factor). 4 for the built-in 64x64 frames, 1 for a real model's 480x832."""
+    return max(1, DISPLAY // max(int(shape[0]), int(shape[1])))
+
+
 def _video(run_id: str, which: str, frames: np.ndarray) -> str:
-    return app_files().video(run_id, which, frames, FACTOR)
+    return app_files().video(run_id, which, frames, factor_for(frames.shape[1:3]))
 
 
 def _fmt(x, digits=4):
@@ -140,9 +147,11 @@ def open_run_handler(wb, path, files: bool = True) -> dict:
     except (ValueError, TypeError) as e:
         return error(str(e))
     f = lr.facts
+    shown_layers = {"layers": f.layers, "heads": f.heads, "logit_layers": lr.run.meta["logit_layers"],
+                    "logit_heads": lr.run.meta["logit_heads"]}
     origin = (f"opened: {f.model}, latent grid {f.latent_grid[0]}x{f.latent_grid[1]}, {f.pixels_per_token} pixels "
               f"per token, {f.vae_temporal} output frame(s) per latent frame")
-    return _shown(cmp, run_id, lr.context_frames, origin)
+    return {**_shown(cmp, run_id, lr.context_frames, origin), **shown_layers}
 
 
 def scrub_handler(wb, run_id, frame, overlays=(), layer="all", head="all") -> dict:
@@ -171,8 +180,9 @@ def scrub_handler(wb, run_id, frame, overlays=(), layer="all", head="all") -> di
             method = media.tint(method, v["jumps"], media.CYAN, strength=0.6)
     if v["jumps"] is not None:
         notes.append(f"tokens whose top-1 moved: {float(v['jumps'].mean()):.1%} (layer {layer}, head {head})")
-    return {"status": ", ".join(notes) + ".", "bf16": media.enlarge(v["bf16"], FACTOR),
-            "method": media.enlarge(method, FACTOR), "frame": v["frame"]}
+    f = factor_for(v["bf16"].shape)
+    return {"status": ", ".join(notes) + ".", "bf16": media.enlarge(v["bf16"], f),
+            "method": media.enlarge(method, f), "frame": v["frame"]}
 
 
 def trace_pixel_handler(wb, run_id, frame, x, y, layer=0, head=0) -> dict:
@@ -209,7 +219,12 @@ def click_pixel_handler(wb, run_id, frame, index, layer=0, head=0) -> dict:
     """A click at `index` = (x, y) on the enlarged frame image: the trace of that frame pixel."""
     if not index or len(index) != 2:
         return error("no pixel clicked")
-    return trace_pixel_handler(wb, run_id, frame, int(index[0]) // FACTOR, int(index[1]) // FACTOR, layer, head)
+    try:
+        f = factor_for(wb.frame_size(str(run_id or "")))
+        x, y = integer(index[0], "x") // f, integer(index[1], "y") // f
+    except ValueError as e:
+        return error(str(e))
+    return {**trace_pixel_handler(wb, run_id, frame, x, y, layer, head), "pixel": (x, y)}
 
 
 def energy_handler(wb, run_id, layer=0) -> dict:

@@ -239,6 +239,63 @@ def test_an_uploaded_run_file_plays_scrubs_and_traces_like_a_generated_run(brows
     ctx.close()
 
 
+def synthetic_latent_run(path) -> None:
+    """A run file of a latent model whose frames are larger than the page's frame box: 240x416 output frames,
+    a 15x26 latent grid at 16 pixels per token, 4 output frames per latent frame (random content)."""
+    import torch
+
+    from quantwm.evaluation.runfile import Run, RunFacts, write_run
+
+    g = torch.Generator().manual_seed(0)
+    f = RunFacts("synthetic latent model", 1, 1, 64, (15, 26), 1, 0, vae_spatial=8, patch=2, vae_temporal=4)
+    n, T = f.tokens_per_frame, f.output_frames(3)
+    frames = torch.randint(0, 256, (T, 240, 416, 3), generator=g, dtype=torch.uint8)
+    top1 = {c: tuple(torch.randint(0, c * n, (1, 1, n), generator=g, dtype=torch.int32) for _ in range(2)) for c in (1, 2)}
+    logits = {c: tuple(torch.randn(1, 1, n, c * n, generator=g) for _ in range(2)) for c in (1, 2)}
+    meta = {"method": "qvg", "target": "kv", "bits": 2, "bits_per_element": 2.5, "memory_mb": {"bf16": 1.0, "stored": 0.2},
+            "logit_layers": [0], "logit_heads": [0], "source": {}}
+    write_run(path, Run(f, meta, frames, frames.roll(1, 0), torch.eye(64).expand(1, 1, 64, 64).clone(), top1, logits))
+
+
+def test_clicks_on_a_large_latent_frame_map_to_its_latent_token(browser_and_url, tmp_path):
+    """Frames wider than the frame box are shown at their own size (factor 1) and scaled down by the page: a click
+    still lands on the right latent token (16 output pixels per token)."""
+    path = tmp_path / "latent.safetensors"
+    synthetic_latent_run(path)
+    browser, url = browser_and_url
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1600})
+    page = ctx.new_page()
+    page.goto(url)
+    page.wait_for_selector("#generate-btn")
+    page.get_by_text("Open a recorded run").click()
+    page.locator("#run-upload input[type=file]").set_input_files(str(path))
+    page.wait_for_function("(document.querySelector('#run-id textarea, #run-id input').value || '')"
+                           ".startsWith('file=latent.safetensors')", timeout=120_000)
+    slider = page.locator("#frame-slider input[type='number']")  # output frame 8: latent frame 2, probed
+    slider.fill("8")
+    slider.press("Enter")
+    page.wait_for_function("document.querySelector('#frame-info').innerText.includes('Frame 8')", timeout=30_000)
+    page.wait_for_function(IDLE, arg="#frame-method", timeout=60_000)
+    img = page.locator("#frame-method img")
+    img.scroll_into_view_if_needed()
+    box = img.bounding_box()
+    natural = page.evaluate("document.querySelector('#frame-method img').naturalWidth")
+    assert natural == 416
+    x, y = 400, 200  # frame pixel -> latent token row 12, col 25
+    scale = min(box["width"] / 416, box["height"] / 240)  # shown scaled down, centred in its box (contain)
+    left, top = box["x"] + (box["width"] - 416 * scale) / 2, box["y"] + (box["height"] - 240 * scale) / 2
+    page.mouse.click(left + (x + 0.5) * scale, top + (y + 0.5) * scale)
+    try:
+        page.wait_for_function("(t => t.includes('source') || t.includes('Error'))"
+                               "(document.querySelector('#trace-status').innerText)", timeout=30_000)
+    except Exception:  # noqa: BLE001
+        page.screenshot(path="/tmp/latent-click.png", full_page=True)
+        raise AssertionError(f"no trace after a click at {box}, natural width {natural}") from None
+    text = page.locator("#trace-status").inner_text()
+    assert "Query frame 2, row 12, col 25" in text, text  # latent frame 2 (trace layer: the run's logit layer 0)
+    ctx.close()
+
+
 if __name__ == "__main__" and "--readme" in sys.argv:
     import tempfile
 

@@ -468,6 +468,14 @@ class Workbench:
                     callback(gone)
         return run_id
 
+    def frame_size(self, run_id: str) -> tuple[int, int]:
+        """(H, W) of a run's output frames (an opened run's, else the built-in model's)."""
+        lr = self._loaded.get(run_id)
+        if lr is not None:
+            return tuple(lr.run.bf16.shape[1:3])
+        size = self.cfg.view * self.cfg.patch
+        return size, size
+
     def opened_runs(self) -> list[str]:
         return list(self._loaded)
 
