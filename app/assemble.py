@@ -57,9 +57,11 @@ def _bind(fn, *args, **kwargs):
 
 
 def build_app(trace: str | None = None, workbench: Workbench | None = None, frames: int = 32,
-              delete_cache: tuple[int, int] = (300, 1800)) -> gr.Blocks:
+              delete_cache: tuple[int, int] = (300, 1800), live: dict | None = None) -> gr.Blocks:
     """The app. `delete_cache` (every, age) in seconds: Gradio's copies of served files (videos, frames)
-    older than `age` are deleted every `every` seconds, and all of them when the server stops."""
+    older than `age` are deleted every `every` seconds, and all of them when the server stops. `live`: a
+    real model for generating on demand ({"kind", "models", "device", "height", "width"}; app/main.py
+    `--model self-forcing`)."""
     trace_path = default_trace(trace, wh.app_files().root)
     wb = workbench or Workbench()
     wh.track_evictions(wb)
@@ -77,7 +79,10 @@ def build_app(trace: str | None = None, workbench: Workbench | None = None, fram
                                           _bind(wh.trace_pixel_handler, wb), _bind(wh.click_pixel_handler, wb),
                                           _bind(wh.export_handler, wb), methods, facts, FORMATS,
                                           min(frames, wb.limits.max_frames), wb.limits.max_frames,
-                                          _bind(wh.open_run_handler, wb), wb.opened_runs())
+                                          _bind(wh.open_run_handler, wb), wb.opened_runs(),
+                                          None if live is None else {
+                                              "kind": live["kind"], "device": live["device"],
+                                              "generate": _bind(wh.live_generate_handler, wb, live)})
         with gr.Tab("Query energy"):
             build_energy_tab(_bind(wh.energy_handler, wb), controls, facts["layers"])
         with gr.Tab("Key vs Value"):

@@ -1,6 +1,7 @@
 """The diagnostics app's entry point: `python app.py`, `quantwm app` or `python -m quantwm.app`.
 
-Options: --trace FILE, --run FILE (repeatable: recorded runs, `quantwm record`), --weights FILE, --host,
+Options: --trace FILE, --run FILE (repeatable: recorded runs, `quantwm record`), --weights FILE, --model
+self-forcing --checkpoint FILE --base DIR (generate live on a CUDA GPU; refused without one), --host,
 --port, --threads, and the per-request limits (--max-frames,
 --max-methods, --max-upload-mb, --cache-mb, --memory-mb, --max-seconds; by default derived from this
 machine's memory and its measured speed, see `quantwm.evaluation.limits`). The server address follows
@@ -34,12 +35,37 @@ def server_address(host: str | None, port: int | None, env=os.environ) -> tuple[
     return host, port
 
 
+def live_model(a, cuda_available=None) -> dict:
+    """The live backend's model (`--model self-forcing`), loaded on the GPU; ValueError without CUDA or with
+    missing or bad files."""
+    import torch
+
+    missing = [n for n, v in (("--checkpoint", a.checkpoint), ("--base", a.base)) if not v]
+    if missing:
+        raise ValueError(f"--model {a.model} needs {', '.join(missing)}")
+    if not (torch.cuda.is_available() if cuda_available is None else cuda_available):
+        raise ValueError(f"--model {a.model} generates live on a CUDA GPU, and this machine has none; record a run "
+                         "elsewhere (quantwm record --model self-forcing --device cuda) and open it with --run FILE")
+    from quantwm.adapters.self_forcing import load_self_forcing
+
+    models = load_self_forcing(a.checkpoint, a.base, "cuda", torch.bfloat16)
+    return {"kind": "Self-Forcing", "models": models, "device": f"CUDA ({torch.cuda.get_device_name(0)})",
+            "height": a.height, "width": a.width}
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="quantwm app", description=__doc__.splitlines()[0])
     ap.add_argument("--trace", help="a QuantWM trace file (.safetensors)")
     ap.add_argument("--run", action="append", default=[], metavar="FILE",
                     help="a run file (`quantwm record`) to open in Generate & play (repeatable)")
     ap.add_argument("--weights", help="world-model weights (default: the built-in model shipped with the package)")
+    ap.add_argument("--model", choices=("builtin", "self-forcing"), default="builtin",
+                    help="self-forcing: also generate live with Self-Forcing's Wan2.1 generator on a CUDA GPU "
+                         "(--checkpoint, --base)")
+    ap.add_argument("--checkpoint", help="self-forcing: the released generator checkpoint (.pt)")
+    ap.add_argument("--base", help="self-forcing: a local diffusers Wan2.1 folder (transformer/config.json, vae/)")
+    ap.add_argument("--height", type=int, default=480, help="self-forcing: video height (default 480)")
+    ap.add_argument("--width", type=int, default=832, help="self-forcing: video width (default 832)")
     ap.add_argument("--port", type=int, default=None, help="default: $GRADIO_SERVER_PORT, else 7860")
     ap.add_argument("--host", default=None, help="default: $GRADIO_SERVER_NAME, else 127.0.0.1")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads for generation (default 1)")
@@ -68,6 +94,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError(f"--file-age must be >= 1 second, got {a.file_age}")
         if a.trace and not os.path.isfile(a.trace):
             raise ValueError(f"--trace {a.trace}: no such file")
+        live = live_model(a) if a.model != "builtin" else None
         from .media import TempFiles
 
         files = TempFiles()
@@ -87,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
         for path in a.run:
             wb.open_run(path)  # a bad file stops the start here, with its reason
         print(f"quantwm app: {wb.limits.describe()}", flush=True)
-        app = build_app(a.trace, wb, delete_cache=(max(1, a.file_age // 6), a.file_age))
+        app = build_app(a.trace, wb, delete_cache=(max(1, a.file_age // 6), a.file_age), live=live)
     except ValueError as e:
         print(f"quantwm app: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -10,7 +10,7 @@ from quantwm.core.cache import TARGETS
 from quantwm.world.scene import TRAJECTORIES
 
 from .ui import progress_callback, unpack
-from .world_handlers import FACTOR, OVERLAYS
+from .world_handlers import FACTOR, LIVE_LATENT_FRAMES, OVERLAYS
 
 TARGET_CHOICES = [("Keys and Values", "kv"), ("Keys only", "k"), ("Values only", "v")]
 assert {v for _, v in TARGET_CHOICES} == set(TARGETS)
@@ -19,12 +19,14 @@ assert {v for _, v in TARGET_CHOICES} == set(TARGETS)
 def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callable, click_pixel: Callable,
                        export: Callable, methods: list[str], facts: dict, figure_formats: tuple,
                        default_frames: int = 32, max_frames: int | None = None, open_run: Callable | None = None,
-                       opened: list[str] = ()) -> dict:
+                       opened: list[str] = (), live: dict | None = None) -> dict:
     """Build the tab; returns the shared controls (seed, trajectory, method, target, bits, frames, run_id).
 
     export(run_id, frame, x, y, layer, head, formats) -> {status, files}: print figures of the run;
     open_run(path or opened run id) -> the same outputs as generate, for a run file (`quantwm record`);
-    `opened`: the ids of run files opened at start-up (`--run`)."""
+    `opened`: the ids of run files opened at start-up (`--run`);
+    live: {"kind", "device", "generate"(embeddings, seed, method, target, bits, latent_frames, progress)}: a real
+    model loaded for generating on demand (`python app.py --model self-forcing`), or None."""
     size = facts["frame_size"]
     gr.Markdown("Pick a world and a quantization method, press **Generate**: the BF16 reference and the "
                 "quantized run use the same world, trajectory and noise, so they differ only by the KV cache. "
@@ -48,6 +50,16 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
                 open_btn = gr.Button("Show this run", elem_id="open-run-btn")
                 run_upload = gr.File(label="Upload a run file (.safetensors)", file_types=[".safetensors"],
                                      type="filepath", elem_id="run-upload")
+    if live is not None:
+        with gr.Accordion(f"Generate live with {live['kind']} on {live['device']} (method, target and bits from "
+                          "above)", open=True):
+            with gr.Row():
+                live_embeddings = gr.File(label="Prompt embeddings (.safetensors with prompt_embeds)", type="filepath",
+                                          file_types=[".safetensors"], elem_id="live-embeddings")
+                live_seed = gr.Number(0, label="Noise seed", precision=0, minimum=0)
+                live_frames = gr.Dropdown(list(LIVE_LATENT_FRAMES), value=LIVE_LATENT_FRAMES[-1],
+                                          label="Latent frames (21: 81 video frames)")
+                live_btn = gr.Button("Generate live", variant="primary", elem_id="live-btn")
     status = gr.Markdown(elem_id="generate-status")
     img_kw = dict(format="png", interactive=False, height=size * FACTOR + 2, width=size * FACTOR + 2, buttons=[])
     with gr.Row():
@@ -110,23 +122,35 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     ev = go.click(on_generate, [seed, trajectory, method, target, bits, frames], gen_out, api_name="generate",
                   trigger_mode="multiple", concurrency_limit=1, concurrency_id="generate")
     ev.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name="show_frame", **view)
+    pickers = [jump_layer, jump_head, trace_layer, trace_head]
+
+    def shown(r):
+        if r.get("frames"):
+            r["frame_slider"] = gr.Slider(minimum=0, maximum=r["frames"] - 1, value=r["frame"], step=1)
+        return unpack(r, gen_names)
+
+    def controls_for(r):
+        """The layer/head pickers sized to an opened or live run (trace defaults: a layer and head with logits)."""
+        if not r.get("run_id"):
+            return (gr.skip(),) * 4
+        L, H = r["layers"], r["heads"]
+        return (gr.Dropdown(choices=["all", *map(str, range(L))], value="all"),
+                gr.Dropdown(choices=["all", *map(str, range(H))], value="all"),
+                gr.Dropdown(choices=list(range(L)), value=(r["logit_layers"] or [0])[0]),
+                gr.Dropdown(choices=list(range(H)), value=(r["logit_heads"] or [0])[0]))
+
+    def builtin_pickers(run_id):
+        """Back to the built-in model's layers and heads after a generated run (if another run changed them)."""
+        if not str(run_id or "").startswith("seed="):
+            return (gr.skip(),) * 4
+        return (gr.Dropdown(choices=["all", *map(str, range(facts["layers"]))]),
+                gr.Dropdown(choices=["all", *map(str, range(facts["heads"]))]),
+                gr.Dropdown(choices=list(range(facts["layers"]))), gr.Dropdown(choices=list(range(facts["heads"]))))
+
+    if open_run is not None or live is not None:
+        ev.then(builtin_pickers, [run_id], pickers, api_name=False, **view)
     if open_run is not None:
         known = list(opened)  # the run ids this page lists: start-up runs, then uploads
-
-        def shown(r):
-            if r.get("frames"):
-                r["frame_slider"] = gr.Slider(minimum=0, maximum=r["frames"] - 1, value=r["frame"], step=1)
-            return unpack(r, gen_names)
-
-        def controls_for(r):
-            """The layer/head pickers sized to the opened run (trace defaults: layers/heads with logits)."""
-            if not r.get("run_id"):
-                return (gr.skip(),) * 4
-            L, H = r["layers"], r["heads"]
-            return (gr.Dropdown(choices=["all", *map(str, range(L))], value="all"),
-                    gr.Dropdown(choices=["all", *map(str, range(H))], value="all"),
-                    gr.Dropdown(choices=list(range(L)), value=(r["logit_layers"] or [0])[0]),
-                    gr.Dropdown(choices=list(range(H)), value=(r["logit_heads"] or [0])[0]))
 
         def on_open(run):
             r = open_run(run, files=False)
@@ -139,21 +163,19 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
             pick = gr.Dropdown(choices=known, value=r["run_id"]) if r.get("run_id") else gr.skip()
             return (*shown(r), *controls_for(r), pick)
 
-        pickers = [jump_layer, jump_head, trace_layer, trace_head]
         for e in (open_btn.click(on_open, [run_choice], [*gen_out, *pickers], api_name="open_run", **view),
                   run_upload.upload(on_upload, [run_upload], [*gen_out, *pickers, run_choice], api_name="upload_run",
                                     **view)):
             e.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name=False, **view)
+    if live is not None:
+        def on_live(embeddings, seed, method, target, bits, latent_frames, progress=gr.Progress()):
+            r = live["generate"](embeddings, seed, method, target, bits, latent_frames,
+                                 progress=progress_callback(progress, f"generating BF16 and the method ({live['kind']})"))
+            return (*shown(r), *controls_for(r))
 
-        def builtin_pickers(run_id):
-            """Back to the built-in model's layers and heads after a generated run (if an opened run changed them)."""
-            if not str(run_id or "").startswith("seed="):
-                return (gr.skip(),) * 4
-            return (gr.Dropdown(choices=["all", *map(str, range(facts["layers"]))]),
-                    gr.Dropdown(choices=["all", *map(str, range(facts["heads"]))]),
-                    gr.Dropdown(choices=list(range(facts["layers"]))), gr.Dropdown(choices=list(range(facts["heads"]))))
-
-        ev.then(builtin_pickers, [run_id], pickers, api_name=False, **view)
+        e = live_btn.click(on_live, [live_embeddings, live_seed, method, target, bits, live_frames], [*gen_out, *pickers],
+                           api_name="generate_live", concurrency_limit=1, concurrency_id="generate")
+        e.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name=False, **view)
     gr.on([frame.change, overlays.change, jump_layer.change, jump_head.change], do_scrub, scrub_in,
           [frame_info, bf16_img, method_img], api_name="scrub", trigger_mode="always_last", **view)
 

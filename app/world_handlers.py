@@ -125,6 +125,43 @@ def _shown(cmp: dict, run_id: str, ctx: int, origin: str) -> dict:
             "worst_frames": worst_frames, "summary": {k: _fmt(v) for k, v in s.items()}}
 
 
+LIVE_LATENT_FRAMES = (6, 9, 12, 15, 18, 21)  # the live backend's choices (21 latent frames: Self-Forcing's 81 frames)
+
+
+def live_generate_handler(wb, live: dict, embeddings, seed, method, target, bits, latent_frames,
+                          progress: Callable | None = None) -> dict:
+    """Generate BF16 and `method` live with a loaded real model (`live`: {"kind", "models", "device",
+    "height", "width"}) from a prompt-embeddings file, and show the pair like an opened run."""
+    from quantwm.adapters.self_forcing import record_self_forcing
+
+    try:
+        if not embeddings:
+            raise ValueError("no prompt embeddings file given (a safetensors file with prompt_embeds)")
+        seed, bits, n = integer(seed, "noise seed"), integer(bits, "bits"), integer(latent_frames, "latent frames")
+        if n not in LIVE_LATENT_FRAMES:
+            raise ValueError(f"latent frames must be one of {', '.join(map(str, LIVE_LATENT_FRAMES))}, got {n}")
+        if seed < 0:
+            raise ValueError(f"noise seed must be >= 0, got {seed}")
+        wb.limits.check_upload(str(embeddings), "prompt embeddings file")
+        for name, v in (("method", method), ("target", target)):
+            if not isinstance(v, str):
+                raise ValueError(f"{name} must be a name, got {v!r:.60}")
+        from quantwm.core.cache import CacheConfig
+        CacheConfig(method=method, target=target, k_bits=bits, v_bits=bits)  # validates with the cache's messages
+        with wb.generation():  # one generation at a time, shared with the built-in model's
+            run = record_self_forcing(None, None, str(embeddings), method, target, bits, n, 3, live["height"],
+                                      live["width"], seed, [1], [0], live["device"], progress=progress,
+                                      models=live["models"])
+    except ValueError as e:
+        return error(str(e))
+    run_id = f"live={live['kind']} seed={seed} {method} {target} {bits}-bit {n}lf"
+    wb.add_run(run, run_id)
+    r = open_run_handler(wb, run_id, files=False)
+    if r.get("run_id"):
+        r["status"] = r["status"].replace("(opened:", "(generated live:", 1)
+    return r
+
+
 def open_run_handler(wb, path, files: bool = True) -> dict:
     """Open a run file (`quantwm record`; an uploaded file's path, or the id of a run already open) and show it
     like a generated run: videos, per-frame plot, and every view (scrub, overlays, pixel trace, energy).

@@ -154,3 +154,35 @@ def test_quantwm_record_self_forcing_from_the_command_line(released, tmp_path, c
     assert read_run(out).meta["method"] == "kivi" and "Self-Forcing" in capsys.readouterr().out
     assert main(["record", "--model", "self-forcing", "--out", str(out)]) == 2
     assert "needs --checkpoint, --base, --embeddings" in capsys.readouterr().err
+
+
+def test_the_live_backend_generates_on_demand_and_shows_the_run(released):
+    """What `python app.py --model self-forcing` runs per Generate (on CPU here, with the tiny models)."""
+    from argparse import Namespace
+
+    from app import world_handlers as wh
+    from app.main import live_model
+
+    ckpt, base, emb, _ = released
+    live = {"kind": "Self-Forcing", "models": load_self_forcing(ckpt, base), "device": "cpu", "height": HEIGHT,
+            "width": WIDTH}
+    wb = Workbench()
+    r = wh.live_generate_handler(wb, live, str(emb), 3, "quantwm", "kv", 2, 6)
+    assert r["run_id"] == "live=Self-Forcing seed=3 quantwm kv 2-bit 6lf" and "generated live" in r["status"]
+    assert r["layers"] == 2 and r["heads"] == 2 and r["frames"] == 21 and r["logit_layers"] == [1]
+    assert "top-1 moved" in wh.scrub_handler(wb, r["run_id"], 20, ["top-1 jumps"])["status"]
+    tr = wh.trace_pixel_handler(wb, r["run_id"], 20, 40, 20, 1, 0)
+    assert tr["status"].startswith("Query frame 5, row 1, col 2")  # output frame 20 = latent frame 5
+    for args, needle in (((None, 0, "quantwm", "kv", 2, 6), "no prompt embeddings"),
+                         ((str(emb), 0, "quantwm", "kv", 2, 7), "latent frames must be one of"),
+                         ((str(emb), 0, "nope", "kv", 2, 6), "unknown method"),
+                         ((str(emb), -1, "quantwm", "kv", 2, 6), "noise seed must be >= 0")):
+        assert needle in wh.live_generate_handler(wb, live, *args)["status"]
+    from app.assemble import build_app
+
+    demo = build_app(None, wb, live=live)  # the page grows the live controls and their endpoint
+    fns = demo.fns.values() if isinstance(demo.fns, dict) else demo.fns
+    assert "generate_live" in {f.api_name for f in fns}
+    a = Namespace(model="self-forcing", checkpoint=str(ckpt), base=str(base), height=HEIGHT, width=WIDTH)
+    with pytest.raises(ValueError, match="CUDA GPU, and this machine has none"):
+        live_model(a, cuda_available=False)

@@ -169,7 +169,8 @@ class ProbeCapture(TraceCapture):
 def _rollout(model, vae, text, cache_config: CacheConfig, latent_frames: int, chunk_frames: int,
              latent_hw: tuple[int, int], seed: int, capture: ProbeCapture | None, progress: Callable | None):
     C = model.config.in_channels
-    device = next(model.parameters()).device
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
+    text = text.to(device, dtype)
     g = torch.Generator().manual_seed(seed)
     noise = torch.randn(1, C, latent_frames, *latent_hw, generator=g)
     sig = sigmas()
@@ -179,16 +180,16 @@ def _rollout(model, vae, text, cache_config: CacheConfig, latent_frames: int, ch
     with torch.no_grad(), WanCacheAdapter(model, cache, capture) as wan:
         for i in range(n_chunks):
             sl = slice(i * chunk_frames, (i + 1) * chunk_frames)
-            x = noise[:, :, sl].to(device)
+            x = noise[:, :, sl].to(device)  # the sampler's arithmetic in float32; the model in its own dtype
             for j, s in enumerate(sig):
                 with wan.chunk(i):
-                    v = model(x, torch.tensor([s * 1000.0], device=device), text.to(device)).sample
+                    v = model(x.to(dtype), torch.tensor([s * 1000.0], device=device), text).sample.float()
                 x0 = x - s * v
                 if j + 1 < len(sig):
                     x = (1 - sig[j + 1]) * x0 + sig[j + 1] * torch.randn(x0.shape, generator=g).to(device)
             out[:, :, sl] = x0.cpu()
             with wan.chunk(i, commit=True):
-                model(x0, torch.tensor([0.0], device=device), text.to(device))
+                model(x0.to(dtype), torch.tensor([0.0], device=device), text)
             if progress:
                 progress(i + 1, n_chunks)
         mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)

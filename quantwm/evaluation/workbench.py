@@ -25,6 +25,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -155,6 +156,12 @@ class Workbench:
         self.running: str | None = None
         self._loaded: dict[str, LoadedRun] = {}  # run files opened (`open_run`), by run id, oldest first
         self.max_opened = 8
+
+    @contextmanager
+    def generation(self):
+        """Hold the one-generation-at-a-time lock (the live backend's generations share it)."""
+        with self._lock:
+            yield
 
     def set_limits(self, limits: Limits) -> None:
         """New limits; the results cache takes their budget (evicting at once if it shrank)."""
@@ -457,7 +464,11 @@ class Workbench:
 
         run = read_run(path)
         m = run.meta
-        run_id = f"file={os.path.basename(str(path))} {m['method']} {m['target']} {m['bits']}-bit"
+        return self.add_run(run, f"file={os.path.basename(str(path))} {m['method']} {m['target']} {m['bits']}-bit")
+
+    def add_run(self, run, run_id: str) -> str:
+        """Serve the views of `run` (a `runfile.Run`, e.g. generated live) under `run_id`; the oldest of more
+        than `max_opened` opened runs is dropped."""
         with self._cache_lock:
             self._loaded.pop(run_id, None)
             self._loaded[run_id] = LoadedRun(run, run_id)
