@@ -20,11 +20,11 @@ TABS = {"Generate & play": "generate", "Query energy": "energy", "Key vs Value":
         "Methods": "methods", "Trace analysis": "trace"}
 
 
-def launch(trace: str, frames: int):
+def launch(trace: str, frames: int, workbench=None):
     """Start the real app in this process; returns (demo, url)."""
     from app import assemble as mod
 
-    demo = mod.build_app(trace, frames=frames)
+    demo = mod.build_app(trace, workbench, frames=frames)
     _, url, _ = demo.queue(default_concurrency_limit=1).launch(prevent_thread_lock=True, quiet=True,
                                                                **mod.launch_options())
     return demo, url
@@ -308,7 +308,12 @@ if __name__ == "__main__" and "--readme" in sys.argv:
 
     trace = os.path.join(tempfile.mkdtemp(), "syn.safetensors")
     make_synthetic_trace(seed=0, n_layers=2, n_heads=4).save(trace)
-    demo, url = launch(trace, 32)
+    from quantwm.evaluation.limits import Limits
+    from quantwm.evaluation.workbench import Workbench
+
+    wb = Workbench()  # the limits `python app.py` shows: with its start-up speed calibration
+    wb.set_limits(Limits.from_machine(wb.cfg, len(wb.methods()), wb.calibrate()))
+    demo, url = launch(trace, 32, wb)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1400, "height": 1100})
