@@ -194,10 +194,11 @@ class Workbench:
             raise ValueError(f"frames must exceed {c.context_frames} by a multiple of {c.chunk_frames}, got {n}")
         self.limits.check_frames(n)
 
-    def calibrate(self, generated_chunks: int = 6) -> tuple[float, float]:
-        """Time each generated chunk of a short BF16 rollout here (a training world); returns (a, b) of
-        seconds per chunk = a + b x cached tokens (the time model of `limits`)."""
+    def calibrate(self, generated_chunks: int = 8) -> tuple[float, float]:
+        """Time each generated chunk of a short BF16 rollout here (a training world) after a warm-up one;
+        returns (a, b) of seconds per chunk = a + b x cached tokens (the time model of `limits`)."""
         c = self.cfg
+        generate(self.model, TRAIN_SEED_BASE, "loop", c.context_frames + c.chunk_frames, CacheConfig())  # warm-up
         frames = c.context_frames + generated_chunks * c.chunk_frames
         stamps = [time.perf_counter()]
         generate(self.model, TRAIN_SEED_BASE, "loop", frames, CacheConfig(),
