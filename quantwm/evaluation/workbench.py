@@ -443,6 +443,7 @@ class Workbench:
             if bad:
                 raise ValueError(f"{name} {bad[0]} out of range: the model has {n}")
         ref, rec = self.pair(key, progress)
+        shown = self.compare(key)  # the numbers the app shows for this run, from the float frames
         facts = RunFacts("quantwm built-in world model", c.layers, c.heads, c.head_dim, (c.view, c.view),
                          c.chunk_frames, c.context_frames, vae_spatial=1, patch=c.patch, vae_temporal=1)
         top1, logits = {}, {}
@@ -453,6 +454,7 @@ class Workbench:
                 logits[p.chunk] = tuple(torch.stack([torch.stack([hh[i] for hh in row]) for row in pairs]) for i in (0, 1))
         meta = {"method": key.method, "target": key.target, "bits": key.bits, "bits_per_element": rec.bits_per_element,
                 "memory_mb": rec.memory_mb, "logit_layers": list(logit_layers), "logit_heads": list(logit_heads),
+                "summary": shown["summary"], "series": shown["series"],
                 "source": {"seed": key.seed, "trajectory": key.trajectory, "frames": key.frames, **(source or {})}}
         return Run(facts, meta, torch.from_numpy(self.frames_uint8(ref)), torch.from_numpy(self.frames_uint8(rec)),
                    torch.stack(rec.stats).float(), top1, logits)
@@ -594,7 +596,16 @@ class LoadedRun:
         return D.frame_jumps(self.probes, f.latent_frame(t), f.chunk_frames, f.tokens_per_frame, layer, head)
 
     def compare(self) -> dict:
+        """The Generate tab's numbers: as recorded when the file carries them (`summary`, `series`: computed
+        from the frames before they were stored as uint8, so they match the app's own run), else from the
+        stored frames."""
         ctx, T = self.context_frames, self.run.bf16.shape[0]
+        meta = self.run.meta
+        if isinstance(meta.get("summary"), dict) and isinstance(meta.get("series"), dict) and all(
+                isinstance(v, list) and len(v) == T for v in meta["series"].values()):
+            series = meta["series"]
+            return {"key": self.id, "bf16": self.run.bf16.numpy(), "method": self.run.method.numpy(), "series": series,
+                    "summary": meta["summary"], "worst": D.worst_frames(series["tdiff"][ctx:], 3), "seconds": 0.0}
         series = D.frame_series(self.frames_method, self.frames_bf16, ctx, self.flow)
         series["shift_rate"] = [None if (j := self._latent_jumps(t, None, None)) is None else float(j.mean())
                                 for t in range(T)]
