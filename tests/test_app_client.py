@@ -9,10 +9,17 @@ FRAMES = 10
 
 
 @pytest.fixture(scope="module")
-def server(small_trace_path):
+def workbench():
+    from quantwm.evaluation.workbench import Workbench
+
+    return Workbench()
+
+
+@pytest.fixture(scope="module")
+def server(small_trace_path, workbench):
     from app import assemble as mod
 
-    demo = mod.build_app(str(small_trace_path), frames=FRAMES)
+    demo = mod.build_app(str(small_trace_path), workbench, frames=FRAMES)
     _, url, _ = demo.queue(default_concurrency_limit=1).launch(prevent_thread_lock=True, quiet=True,
                                                                **mod.launch_options())
     yield url
@@ -120,40 +127,46 @@ def test_frame_out_of_range_is_refused_with_a_message(client, generated):
         client.predict(generated[1], FRAMES + 3, [], "all", "all", api_name="/scrub")
 
 
-def test_a_second_generation_waits_in_the_queue_while_views_stay_served(server, client, generated):
-    """One generation at a time: a second user's Generate waits with a queue position (Gradio's queue, not an
-    error) and then gets its own run; views are served meanwhile."""
+def test_a_second_generation_waits_in_the_queue_while_views_stay_served(server, client, generated, workbench):
+    """One generation at a time: while one runs (held open here on the server), a second user's Generate
+    waits in Gradio's queue with its position shown (not an error, not a blocked worker), a view is served,
+    and once the first finishes the second gets its own run."""
     import threading
     import time
 
     from gradio_client import Client
 
-    other, viewer = Client(server, verbose=False), Client(server, verbose=False)  # connected before the race
-    long_job = client.submit(5, "random-walk", "rtn", "kv", 2, 40, api_name="/generate")
-    while long_job.status().code.name not in ("PROCESSING", "FINISHED"):
-        time.sleep(0.02)
-    waiting = other.submit(6, "loop", "kivi", "kv", 2, FRAMES, api_name="/generate")
-    seen, stop = set(), threading.Event()
+    wb = workbench
+    gate, real = threading.Event(), wb._rollout
 
-    def watch():
-        while not stop.is_set():
+    def held(key, progress):
+        if key.seed == 5:
+            gate.wait(120)
+        return real(key, progress)
+
+    wb._rollout = held
+    other, viewer = Client(server, verbose=False), Client(server, verbose=False)
+    try:
+        long_job = client.submit(5, "random-walk", "rtn", "kv", 2, 12, api_name="/generate")
+        deadline = time.time() + 60
+        while not str(wb.running or "").startswith("seed=5 ") and time.time() < deadline:
+            time.sleep(0.02)
+        assert str(wb.running).startswith("seed=5 "), "the first generation did not start"
+        waiting = other.submit(6, "loop", "kivi", "kv", 2, FRAMES, api_name="/generate")
+        seen = set()
+        while ("IN_QUEUE", 0) not in seen and time.time() < deadline:
             st = waiting.status()
             seen.add((st.code.name, st.rank))
             time.sleep(0.02)
-
-    watcher = threading.Thread(target=watch)
-    watcher.start()
-    try:
-        info = viewer.predict(generated[1], FRAMES - 2, [], "all", "all", api_name="/scrub")[0]
-        scrub_done_first = not waiting.done()  # not queued behind the generations
-        first = long_job.result()
-        second = waiting.result()
+        info = viewer.predict(generated[1], FRAMES - 2, [], "all", "all", api_name="/scrub")[0]  # while held
+        assert ("IN_QUEUE", 0) in seen, seen  # queued behind the running generation, position shown
+        assert info.startswith(f"Frame **{FRAMES - 2}**") and not long_job.done()  # a view, served meanwhile
     finally:
-        stop.set()
-        watcher.join()
-    assert info.startswith(f"Frame **{FRAMES - 2}**") and scrub_done_first  # a view, served meanwhile
-    assert ("IN_QUEUE", 0) in seen, seen  # queued behind the running generation, position shown
-    assert first[1] == "seed=5 random-walk rtn kv 2-bit 40f"
+        gate.set()
+        wb._rollout = real
+    first = long_job.result()
+    second = waiting.result()
+    assert first[1] == "seed=5 random-walk rtn kv 2-bit 12f"
     assert second[1] == f"seed=6 loop kivi kv 2-bit {FRAMES}f" and not second[0].startswith("**Error")
 
 
