@@ -53,7 +53,11 @@ def click_frame_pixel(page, x: int, y: int, factor: int = 4, tries: int = 3) -> 
         img = page.locator("#frame-method img")
         img.scroll_into_view_if_needed()
         box = img.bounding_box()
-        page.mouse.click(box["x"] + x * factor + factor // 2, box["y"] + y * factor + factor // 2)
+        nw, nh = page.evaluate("(() => { const i = document.querySelector('#frame-method img');"
+                               " return [i.naturalWidth, i.naturalHeight]; })()")
+        scale = min(box["width"] / nw, box["height"] / nh)  # shown to fit its box, centred (object-fit: contain)
+        left, top = box["x"] + (box["width"] - nw * scale) / 2, box["y"] + (box["height"] - nh * scale) / 2
+        page.mouse.click(left + (x * factor + factor / 2) * scale, top + (y * factor + factor / 2) * scale)
         try:
             page.wait_for_function("document.querySelector('#trace-status').innerText.includes('source')",
                                    timeout=15_000)
@@ -239,6 +243,100 @@ def test_an_uploaded_run_file_plays_scrubs_and_traces_like_a_generated_run(brows
     ctx.close()
 
 
+def tiny_wan_run(path) -> None:
+    """A recorded run of a tiny random Wan2.1 (diffusers WanTransformer3DModel + AutoencoderKLWan), Self-Forcing
+    sampling, quantwm at 2 bits: 12 latent frames of 4x8 (2x4 tokens; 4 chunks, so chunk 1 is quantized before
+    chunk 3 attends to it), 45 output frames of 32x64."""
+    import diffusers
+    import torch
+
+    from quantwm.adapters.self_forcing import record_self_forcing
+    from quantwm.evaluation.runfile import write_run
+
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4,
+        text_dim=16, freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=64).eval()
+    vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                     temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
+                                     latents_std=[1.0] * 4).eval()
+    text = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(1))
+    write_run(path, record_self_forcing(None, None, text, "quantwm", latent_frames=12, height=32, width=64,
+                                        logit_layers=[1], logit_heads=[0], models=(model, vae)))
+
+
+def serve_run(path, port: int):
+    """`python -m quantwm.app --run path` in a subprocess; returns (process, url) once it answers."""
+    import subprocess
+    import time
+    import urllib.request
+
+    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
+    proc = subprocess.Popen([sys.executable, "-m", "quantwm.app", "--run", str(path), "--port", str(port)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}/"
+    for _ in range(240):
+        if proc.poll() is not None:
+            raise RuntimeError(f"the app exited: {proc.stderr.read()}")
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError("the app did not start")
+
+
+def show_run_and_trace(page, url, x: int, y: int, frame: int = 44) -> str:
+    """Open the page, show the --run run, scrub to `frame` with both overlays, click frame pixel (x, y);
+    returns the trace status."""
+    page.goto(url)
+    page.wait_for_selector("#open-run-btn")
+    page.locator("#open-run-btn").click()
+    page.wait_for_function("(document.querySelector('#run-id textarea, #run-id input').value || '')"
+                           ".startsWith('file=')", timeout=120_000)
+    box = page.locator("#frame-slider input[type='number']")
+    box.fill(str(frame))
+    box.press("Enter")
+    page.wait_for_function(f"document.querySelector('#frame-info').innerText.includes('Frame {frame}')",
+                           timeout=30_000)
+    for name in ("flicker map", "warping error"):  # both overlays on (each re-renders the quantized frame)
+        page.get_by_label(name).check()
+        page.wait_for_timeout(300)
+        page.wait_for_function(IDLE, arg="#frame-method", timeout=30_000)
+    assert page.get_by_label("flicker map").is_checked() and page.get_by_label("warping error").is_checked()
+    click_frame_pixel(page, x, y)
+    page.wait_for_selector("#trace-heatmap .js-plotly-plot", timeout=30_000)
+    return page.locator("#trace-status").inner_text()
+
+
+def test_a_recorded_tiny_wan_run_opened_with_run_plays_scrubs_and_traces(browser_and_url, tmp_path):
+    """`python app.py --run FILE` on a tiny Wan2.1 run recorded through the Self-Forcing path: scrub, both
+    overlays, click a pixel: the source thumbnails and the logit heatmap appear (latent tokens: 16 px)."""
+    pytest.importorskip("diffusers")
+    import socket
+
+    path = tmp_path / "tiny-wan.safetensors"
+    tiny_wan_run(path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc, url = serve_run(path, port)
+    browser, _ = browser_and_url
+    ctx = browser.new_context(viewport={"width": 1400, "height": 1600})
+    try:
+        page = ctx.new_page()
+        text = show_run_and_trace(page, url, 40, 20)  # output frame 44 = latent frame 11; pixel -> token (1, 2)
+        assert text.startswith("Query frame 11, row 1, col 2") and "quantwm source" in text, text
+        assert "bits/element" in page.locator("#generate-status").inner_text()
+        assert page.locator("#trace-src-bf16 img").count() == 1 and page.locator("#trace-src-method img").count() == 1
+        assert page.locator("#trace-heatmap .js-plotly-plot g.hm image").count() == 3
+    finally:
+        ctx.close()
+        proc.terminate()
+        proc.wait(30)
+
+
 def synthetic_latent_run(path) -> None:
     """A run file of a latent model whose frames are larger than the page's frame box: 240x416 output frames,
     a 15x26 latent grid at 16 pixels per token, 4 output frames per latent frame (random content)."""
@@ -306,6 +404,21 @@ if __name__ == "__main__" and "--readme" in sys.argv:
 
     from quantwm.evaluation.synthetic import make_synthetic_trace
 
+    if "--run-shot" in sys.argv:  # docs/img/app-run.png: a tiny Wan2.1 run opened with --run
+        run_path = os.path.join(tempfile.mkdtemp(), "tiny-wan.safetensors")
+        tiny_wan_run(run_path)
+        proc, url = serve_run(run_path, 7873)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            page = browser.new_page(viewport={"width": 1400, "height": 1100})
+            show_run_and_trace(page, url, 40, 20)
+            out = ROOT / "docs" / "img" / "app-run.png"
+            page.screenshot(path=str(out), full_page=True)
+            shrink_png(out)
+            browser.close()
+        proc.terminate()
+        print(out)
+        sys.exit(0)
     trace = os.path.join(tempfile.mkdtemp(), "syn.safetensors")
     make_synthetic_trace(seed=0, n_layers=2, n_heads=4).save(trace)
     from quantwm.evaluation.limits import Limits
