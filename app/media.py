@@ -61,6 +61,18 @@ def write_mp4(frames: np.ndarray, factor: int, directory: str | None = None, nam
     return path
 
 
+def folder_bytes(root: str) -> int:
+    """Bytes of every file under `root` (files vanishing meanwhile are skipped)."""
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, f))
+            except OSError:
+                pass
+    return total
+
+
 class TempFiles:
     """Every file the app writes, under one folder of its own, removed by `close()` (at shutdown).
 
@@ -107,14 +119,7 @@ class TempFiles:
         return folder
 
     def disk_bytes(self) -> int:
-        total = 0
-        for dirpath, _, files in os.walk(self.root):
-            for f in files:
-                try:
-                    total += os.path.getsize(os.path.join(dirpath, f))
-                except OSError:
-                    pass
-        return total
+        return folder_bytes(self.root)
 
     def close(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)

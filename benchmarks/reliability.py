@@ -35,6 +35,8 @@ import threading
 import time
 import urllib.request
 
+from quantwm.app.media import folder_bytes as disk_bytes
+
 FRAMES = 10
 
 
@@ -50,17 +52,6 @@ def rss_mb(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError("no VmRSS")
-
-
-def disk_bytes(root: str) -> int:
-    total = 0
-    for d, _, files in os.walk(root):
-        for f in files:
-            try:
-                total += os.path.getsize(os.path.join(d, f))
-            except OSError:
-                pass
-    return total
 
 
 class App:

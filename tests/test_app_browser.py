@@ -219,28 +219,34 @@ def test_two_users_at_once_each_see_their_own_run(browser_and_url):
         page.context.close()
 
 
-def test_an_uploaded_run_file_plays_scrubs_and_traces_like_a_generated_run(browser_and_url, tmp_path):
-    from quantwm.evaluation.runfile import write_run
-    from quantwm.evaluation.workbench import RunKey, Workbench
-
-    path = tmp_path / "recorded.safetensors"
-    write_run(path, Workbench().make_run(RunKey(seed=9, method="kivi", frames=FRAMES)))
-    browser, url = browser_and_url
+def upload_run(browser, url, path):
+    """A fresh browser context (a new user) that uploads the run file at `path`; returns its page once the
+    run is shown."""
     ctx = browser.new_context(viewport={"width": 1400, "height": 1600})
     page = ctx.new_page()
     page.goto(url)
     page.wait_for_selector("#generate-btn")
     page.get_by_text("Open a recorded run").click()
     page.locator("#run-upload input[type=file]").set_input_files(str(path))
-    page.wait_for_function("(document.querySelector('#run-id textarea, #run-id input').value || '')"
-                           ".startsWith('file=recorded.safetensors')", timeout=120_000)
+    page.wait_for_function("(n) => (document.querySelector('#run-id textarea, #run-id input').value || '')"
+                           ".startsWith('file=' + n)", arg=path.name, timeout=120_000)
+    return page
+
+
+def test_an_uploaded_run_file_plays_scrubs_and_traces_like_a_generated_run(browser_and_url, tmp_path):
+    from quantwm.evaluation.runfile import write_run
+    from quantwm.evaluation.workbench import RunKey, Workbench
+
+    path = tmp_path / "recorded.safetensors"
+    write_run(path, Workbench().make_run(RunKey(seed=9, method="kivi", frames=FRAMES)))
+    page = upload_run(*browser_and_url, path)
     assert "opened" in page.locator("#generate-status").inner_text()
     assert page.locator("#video-bf16 video").count() == 1
     page.wait_for_selector("#frame-method img", timeout=60_000)
     click_frame_pixel(page, 21, 42)
     text = page.locator("#trace-status").inner_text()
     assert "row 5, col 2" in text and "kivi source" in text
-    ctx.close()
+    page.context.close()
 
 
 def tiny_wan_run(path) -> None:
@@ -360,15 +366,7 @@ def test_clicks_on_a_large_latent_frame_map_to_its_latent_token(browser_and_url,
     still lands on the right latent token (16 output pixels per token)."""
     path = tmp_path / "latent.safetensors"
     synthetic_latent_run(path)
-    browser, url = browser_and_url
-    ctx = browser.new_context(viewport={"width": 1400, "height": 1600})
-    page = ctx.new_page()
-    page.goto(url)
-    page.wait_for_selector("#generate-btn")
-    page.get_by_text("Open a recorded run").click()
-    page.locator("#run-upload input[type=file]").set_input_files(str(path))
-    page.wait_for_function("(document.querySelector('#run-id textarea, #run-id input').value || '')"
-                           ".startsWith('file=latent.safetensors')", timeout=120_000)
+    page = upload_run(*browser_and_url, path)
     slider = page.locator("#frame-slider input[type='number']")  # output frame 8: latent frame 2, probed
     slider.fill("8")
     slider.press("Enter")
@@ -391,7 +389,7 @@ def test_clicks_on_a_large_latent_frame_map_to_its_latent_token(browser_and_url,
         raise AssertionError(f"no trace after a click at {box}, natural width {natural}") from None
     text = page.locator("#trace-status").inner_text()
     assert "Query frame 2, row 12, col 25" in text, text  # latent frame 2 (trace layer: the run's logit layer 0)
-    ctx.close()
+    page.context.close()
 
 
 if __name__ == "__main__" and "--readme" in sys.argv:
