@@ -1,7 +1,6 @@
 """Plain handlers the tabs call: plain values in, plain values out, errors become messages."""
 from __future__ import annotations
 
-import os
 import sys
 import traceback
 
@@ -10,17 +9,11 @@ import numpy as np
 from quantwm.evaluation.analyze import analyze_trace, report_rows
 from quantwm.evaluation.trace import read_trace
 
-from .values import integer
+from .values import integer, readable_file
 
 
 def _readable(trace_path, check_upload) -> str:
-    """The trace path, checked: a file within the upload limit (ValueError otherwise)."""
-    path = str(trace_path)
-    if not os.path.isfile(path):
-        raise ValueError(f"trace file {path!r} does not exist (or is not a file)")
-    if check_upload is not None:
-        check_upload(path, "trace file")
-    return path
+    return readable_file(trace_path, "trace file", check_upload)
 
 
 def analyze_handler(trace_path: str | None, methods: list[str], target: str, bits: int, check_upload=None):

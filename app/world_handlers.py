@@ -19,7 +19,7 @@ from collections.abc import Callable
 import numpy as np
 
 from . import media, plots
-from .values import integer
+from .values import integer, name, readable_file
 
 FACTOR = 4  # the built-in model's 64x64 frames are shown enlarged 4x on the server (`factor_for`)
 DISPLAY = 256  # frames are enlarged by an integer factor to about this many pixels on their longer side
@@ -75,11 +75,8 @@ def _choice(value, name: str):
 def _key(seed, trajectory, method, target, bits, frames):
     from quantwm.evaluation.workbench import RunKey
 
-    for name, v in (("trajectory", trajectory), ("method", method), ("target", target)):
-        if not isinstance(v, str):
-            raise ValueError(f"{name} must be a name, got {v!r:.60}")
-    return RunKey(integer(seed, "world seed"), str(trajectory), str(method), str(target), integer(bits, "bits"),
-                  integer(frames, "frames"))
+    return RunKey(integer(seed, "world seed"), name(trajectory, "trajectory"), name(method, "method"),
+                  name(target, "target"), integer(bits, "bits"), integer(frames, "frames"))
 
 
 def factor_for(shape) -> int:
@@ -142,14 +139,12 @@ def live_generate_handler(wb, live: dict, embeddings, seed, method, target, bits
             raise ValueError(f"latent frames must be one of {', '.join(map(str, LIVE_LATENT_FRAMES))}, got {n}")
         if seed < 0:
             raise ValueError(f"noise seed must be >= 0, got {seed}")
-        wb.limits.check_upload(str(embeddings), "prompt embeddings file")
-        for name, v in (("method", method), ("target", target)):
-            if not isinstance(v, str):
-                raise ValueError(f"{name} must be a name, got {v!r:.60}")
+        embeddings = readable_file(embeddings, "prompt embeddings file", wb.limits.check_upload)
         from quantwm.core.cache import CacheConfig
-        CacheConfig(method=method, target=target, k_bits=bits, v_bits=bits)  # validates with the cache's messages
+        CacheConfig(method=name(method, "method"), target=name(target, "target"), k_bits=bits,
+                    v_bits=bits)  # validates with the cache's messages
         with wb.generation():  # one generation at a time, shared with the built-in model's
-            run = record_self_forcing(None, None, str(embeddings), method, target, bits, n, 3, live["height"],
+            run = record_self_forcing(None, None, embeddings, method, target, bits, n, 3, live["height"],
                                       live["width"], seed, [1], [0], live["device"], progress=progress,
                                       models=live["models"])
     except ValueError as e:
@@ -175,10 +170,7 @@ def open_run_handler(wb, path, files: bool = True) -> dict:
             raise ValueError(f"{str(path)!r:.120} is not an opened run; opened: {', '.join(wb.opened_runs()) or 'none'} "
                              "(upload the file, or start the app with --run FILE)")
         else:
-            if not os.path.isfile(str(path)):
-                raise ValueError(f"run file {str(path)!r:.120} does not exist")
-            wb.limits.check_upload(str(path), "run file")
-            run_id = wb.open_run(str(path))
+            run_id = wb.open_run(readable_file(path, "run file", wb.limits.check_upload))
         lr = wb.loaded(run_id)
         cmp = lr.compare()
     except (ValueError, TypeError) as e:

@@ -253,19 +253,13 @@ def tiny_wan_run(path) -> None:
     """A recorded run of a tiny random Wan2.1 (diffusers WanTransformer3DModel + AutoencoderKLWan), Self-Forcing
     sampling, quantwm at 2 bits: 12 latent frames of 4x8 (2x4 tokens; 4 chunks, so chunk 1 is quantized before
     chunk 3 attends to it), 45 output frames of 32x64."""
-    import diffusers
     import torch
+    from tiny_wan import tiny_wan
 
     from quantwm.adapters.self_forcing import record_self_forcing
     from quantwm.evaluation.runfile import write_run
 
-    torch.manual_seed(0)
-    model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4,
-        text_dim=16, freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=64).eval()
-    vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                     temperal_downsample=[False, True, True], latents_mean=[0.0] * 4,
-                                     latents_std=[1.0] * 4).eval()
+    model, vae = tiny_wan()
     text = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(1))
     write_run(path, record_self_forcing(None, None, text, "quantwm", latent_frames=12, height=32, width=64,
                                         logit_layers=[1], logit_heads=[0], models=(model, vae)))

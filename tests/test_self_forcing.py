@@ -42,14 +42,9 @@ def to_original_wan_names(state: dict) -> dict:
 def released(tmp_path_factory):
     """(checkpoint, base, embeddings, the diffusers model the checkpoint was made from)."""
     from safetensors.torch import save_file
+    from tiny_wan import tiny_wan
 
-    torch.manual_seed(0)
-    model = diffusers.WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=64, in_channels=4, out_channels=4,
-        text_dim=16, freq_dim=32, ffn_dim=128, num_layers=2, rope_max_seq_len=64).eval()
-    vae = diffusers.AutoencoderKLWan(base_dim=8, z_dim=4, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                                     temperal_downsample=[False, True, True], latents_mean=[0.1] * 4,
-                                     latents_std=[1.5] * 4).eval()
+    model, vae = tiny_wan(latents_mean=0.1, latents_std=1.5)
     root = tmp_path_factory.mktemp("self_forcing")
     base = root / "Wan2.1-T2V-tiny-Diffusers"
     model.save_config(base / "transformer")

@@ -72,6 +72,27 @@ def warp_maps(frames: torch.Tensor, ref: torch.Tensor, flow: torch.Tensor | None
     return torch.cat([torch.zeros_like(w[:1]), w])
 
 
+def frame_maps(frames: torch.Tensor, ref: torch.Tensor, flow: torch.Tensor, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flicker and warping-error maps (H, W) of frame `t` against `ref` (zeros at frame 0, which has no
+    previous frame); `flow` is the reference's whole optical flow (T-1, H, W, 2)."""
+    if t == 0:
+        zero = torch.zeros(frames.shape[1:3])
+        return zero, zero
+    pair = frames[t - 1:t + 1], ref[t - 1:t + 1]
+    return flicker_maps(*pair)[-1], warp_maps(*pair, flow[t - 1:t])[-1]
+
+
+def clip_metrics(frames: torch.Tensor, ref: torch.Tensor, context_frames: int, flow: torch.Tensor) -> dict:
+    """PSNR (from the mean MSE, capped at 100 dB), SSIM, tdiff and warping error of the generated frames
+    (from `context_frames` on; the temporal ones from the frame before) against `ref`."""
+    x, r = frames[context_frames:], ref[context_frames:]
+    mse = float((x - r).square().mean()) if len(x) else 0.0
+    lo = max(context_frames - 1, 0)
+    return {"psnr": min(100.0, -10 * math.log10(max(mse, 1e-10))), "ssim": float(M.ssim(x, r).mean()),
+            "tdiff": float(M.tdiff(frames[lo:], ref[lo:]).mean()),
+            "warp_error": float(M.warp_error(frames[lo:], ref[lo:], flow[lo:]).mean())}
+
+
 def _probe_of(probes, frame: int, chunk_frames: int):
     c = frame // chunk_frames
     for p in probes:

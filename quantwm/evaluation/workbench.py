@@ -116,7 +116,8 @@ class Record:
 def cache_memory_mb(cache) -> dict:
     """{"bf16": MB the cache's K and V would take in BF16, "stored": MB as stored}, full-precision chunks
     (sink, recent) counted at 2 bytes per element, every quantized byte (codes, scales, codebooks, PSAC)."""
-    elems = sum(2 * cache.keys(l, exact=cache.config.keep_exact).numel() for l in range(cache.n_layers))
+    elems = sum(2 * span.bhd[0] * span.bhd[1] * span.n_tokens * span.bhd[2]
+                for l in range(cache.n_layers) for span in cache.spans(l))
     bpe = cache.bits_per_element()
     full = sum(n for name, n in cache.bytes_by_component().items() if name.endswith(".full"))
     qbytes = cache.nbytes() - full
@@ -258,17 +259,17 @@ class Workbench:
                 break
             if k in keep or k not in self._records:
                 continue
-            gone = [k] + ([d for d in self._records if d != k and d.reference() == k and d not in keep]
-                          if k.method == "bf16" else [])
             if k.method == "bf16" and any(d.reference() == k for d in keep):
                 continue  # the reference of a run being kept stays
+            gone = [k] + ([d for d in self._records if d != k and d.reference() == k] if k.method == "bf16" else [])
             for d in gone:
                 del self._records[d]
                 total -= sizes[d]
                 self._evicted.add(d)
                 for callback in self.on_evict:
                     callback(d)
-            release_memory()
+        if len(self._records) < len(sizes):
+            release_memory()  # once, after everything this call evicted
 
     def _generate(self, key: RunKey, progress: Callable | None) -> Record:
         rec = self._rollout(key, progress)
@@ -323,17 +324,12 @@ class Workbench:
     def summary(self, ref: Record, rec: Record, lpips: bool = True) -> dict:
         """Clip-level numbers of `rec` against `ref` (generated frames only)."""
         ctx = self.cfg.context_frames
-        x, r = rec.frames[ctx:], ref.frames[ctx:]
-        mse = float((x - r).square().mean())
-        out = {"psnr": min(100.0, -10 * float(np.log10(max(mse, 1e-10)))), "ssim": float(M.ssim(x, r).mean()),
-               "tdiff": float(M.tdiff(rec.frames[ctx - 1:], ref.frames[ctx - 1:]).mean()),
-               "warp_error": float(M.warp_error(rec.frames[ctx - 1:], ref.frames[ctx - 1:],
-                                                self.reference_flow(ref)[ctx - 1:]).mean()),
+        out = {**D.clip_metrics(rec.frames, ref.frames, ctx, self.reference_flow(ref)),
                "shift_rate": shift_rate(rec), "bits_per_element": rec.bits_per_element,
                "compression": 16 / rec.bits_per_element if rec.bits_per_element == rec.bits_per_element else 1.0,
                "memory_bf16_mb": rec.memory_mb["bf16"], "memory_mb": rec.memory_mb["stored"]}
         if lpips:
-            out["lpips"] = float(M.lpips(x, r).mean())
+            out["lpips"] = float(M.lpips(rec.frames[ctx:], ref.frames[ctx:]).mean())
         return out
 
     @staticmethod
@@ -372,11 +368,7 @@ class Workbench:
         ref = self.record(rec.key.reference().id)
         t = self.check_frame(rec, frame)
         c = self.cfg
-        if t == 0:  # no previous frame: no temporal change to compare
-            flick = warp = torch.zeros(rec.frames.shape[1:3])
-        else:
-            pair = rec.frames[t - 1:t + 1], ref.frames[t - 1:t + 1]
-            flick, warp = D.flicker_maps(*pair)[-1], D.warp_maps(*pair, self.reference_flow(ref)[t - 1:t])[-1]
+        flick, warp = D.frame_maps(rec.frames, ref.frames, self.reference_flow(ref), t)
         jumps = D.frame_jumps(rec.probes, t, c.chunk_frames, c.tokens_per_frame, layer, head)
         return {"frame": t, "bf16": self.frames_uint8(ref)[t], "method": self.frames_uint8(rec)[t],
                 "flicker": flick.numpy(), "warp": warp.numpy(),
@@ -399,8 +391,8 @@ class Workbench:
                              f"probed; pick a frame >= {c.context_frames}")
         probe = next(p for p in rec.probes if p.chunk == t // c.chunk_frames)
         qi = (t - probe.chunk * c.chunk_frames) * c.tokens_per_frame + row * c.view + col
-        le, lq = self.probe_logits(rec, probe, layer, head)
-        exact, stored = (x[qi].reshape(-1, c.tokens_per_frame) for x in (le, lq))
+        le, lq = self.probe_logits(rec, probe, layer, head, queries=[qi])  # the clicked query only
+        exact, stored = (x[0].reshape(-1, c.tokens_per_frame) for x in (le, lq))
         src_e, src_q = int(probe.top1_exact[layer][head, qi]), int(probe.top1_quant[layer][head, qi])
         return {"query": (t, row, col), "layer": layer, "head": head,
                 "source_bf16": D.token_coords(src_e, (c.view, c.view)),
@@ -408,13 +400,15 @@ class Workbench:
                 "logits_bf16": exact.numpy(), "logits_method": stored.numpy(), "frames": self.frames_uint8(rec),
                 "method": rec.key.method, "grid": (c.view, c.view)}
 
-    def probe_logits(self, rec: Record, probe, layer: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(N, n_cached) attention logits of a probed chunk's queries in (layer, head) over the cache that chunk
-        saw, under exact and under stored keys (with the +jensen bias where the method applies it)."""
+    def probe_logits(self, rec: Record, probe, layer: int, head: int,
+                     queries=slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(n_queries, n_cached) attention logits of a probed chunk's queries (`queries`: an index or slice of the
+        chunk's N; default all) in (layer, head) over the cache that chunk saw, under exact and under stored keys
+        (with the +jensen bias where the method applies it)."""
         c = self.cfg
         chunk_tokens = c.chunk_frames * c.tokens_per_frame
         k_seen = D.seen_by_chunk(rec.k_exact[layer], rec.k_stored[layer], probe.chunk, chunk_tokens, 1)
-        q = probe.q[layer][head].cpu()
+        q = probe.q[layer][head][queries].cpu()
         bias = None
         if rec.k_steps is not None:  # +jensen: the logits the method compares carry its bias
             steps = D.seen_by_chunk(torch.zeros_like(rec.k_steps[layer]), rec.k_steps[layer], probe.chunk,
@@ -603,23 +597,17 @@ class LoadedRun:
         meta = self.run.meta
         if isinstance(meta.get("summary"), dict) and isinstance(meta.get("series"), dict) and all(
                 isinstance(v, list) and len(v) == T for v in meta["series"].values()):
-            series = meta["series"]
-            return {"key": self.id, "bf16": self.run.bf16.numpy(), "method": self.run.method.numpy(), "series": series,
-                    "summary": meta["summary"], "worst": D.worst_frames(series["tdiff"][ctx:], 3), "seconds": 0.0}
-        series = D.frame_series(self.frames_method, self.frames_bf16, ctx, self.flow)
-        series["shift_rate"] = [None if (j := self._latent_jumps(t, None, None)) is None else float(j.mean())
-                                for t in range(T)]
-        x, r = self.frames_method[ctx:], self.frames_bf16[ctx:]
-        mse = float((x - r).square().mean()) if len(x) else 0.0
-        moved = [(e != q).float().mean() for e, q in self.run.top1.values()]
-        bpe, mem = self.run.meta["bits_per_element"], self.run.meta["memory_mb"]
-        summary = {"psnr": min(100.0, -10 * float(np.log10(max(mse, 1e-10)))), "ssim": float(M.ssim(x, r).mean()),
-                   "tdiff": float(M.tdiff(self.frames_method[max(ctx - 1, 0):], self.frames_bf16[max(ctx - 1, 0):]).mean()),
-                   "warp_error": float(M.warp_error(self.frames_method[max(ctx - 1, 0):], self.frames_bf16[max(ctx - 1, 0):],
-                                                    self.flow[max(ctx - 1, 0):]).mean()),
-                   "shift_rate": float(torch.stack(moved).mean()) if moved else float("nan"),
-                   "bits_per_element": bpe, "compression": 16 / bpe if bpe == bpe and bpe else 1.0,
-                   "memory_bf16_mb": mem["bf16"], "memory_mb": mem["stored"]}
+            series, summary = meta["series"], meta["summary"]
+        else:
+            series = D.frame_series(self.frames_method, self.frames_bf16, ctx, self.flow)
+            series["shift_rate"] = [None if (j := self._latent_jumps(t, None, None)) is None else float(j.mean())
+                                    for t in range(T)]
+            moved = [(e != q).float().mean() for e, q in self.run.top1.values()]
+            bpe, mem = meta["bits_per_element"], meta["memory_mb"]
+            summary = {**D.clip_metrics(self.frames_method, self.frames_bf16, ctx, self.flow),
+                       "shift_rate": float(torch.stack(moved).mean()) if moved else float("nan"),
+                       "bits_per_element": bpe, "compression": 16 / bpe if bpe == bpe and bpe else 1.0,
+                       "memory_bf16_mb": mem["bf16"], "memory_mb": mem["stored"]}
         return {"key": self.id, "bf16": self.run.bf16.numpy(), "method": self.run.method.numpy(), "series": series,
                 "summary": summary, "worst": D.worst_frames(series["tdiff"][ctx:], 3), "seconds": 0.0}
 
@@ -631,11 +619,7 @@ class LoadedRun:
 
     def frame_view(self, frame: int, layer: int | None = None, head: int | None = None) -> dict:
         t = self.check_frame(frame)
-        if t == 0:
-            flick = warp = torch.zeros(self.run.bf16.shape[1:3])
-        else:
-            pair = self.frames_method[t - 1:t + 1], self.frames_bf16[t - 1:t + 1]
-            flick, warp = D.flicker_maps(*pair)[-1], D.warp_maps(*pair, self.flow[t - 1:t])[-1]
+        flick, warp = D.frame_maps(self.frames_method, self.frames_bf16, self.flow, t)
         jumps = self._latent_jumps(t, layer, head)
         return {"frame": t, "bf16": self.run.bf16[t].numpy(), "method": self.run.method[t].numpy(),
                 "flicker": flick.numpy(), "warp": warp.numpy(),
