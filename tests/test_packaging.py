@@ -36,11 +36,13 @@ def test_wheel_claims_no_top_level_name_but_quantwm(wheel):
     tops = {n.split("/")[0] for n in wheel.namelist()}
     assert tops == {"quantwm", next(t for t in tops if t.endswith(".dist-info"))}
     entry = next(n for n in wheel.namelist() if n.endswith("entry_points.txt"))
-    assert "quantwm = quantwm.cli:main" in wheel.read(entry).decode()
+    entries = wheel.read(entry).decode()
+    assert "quantwm = quantwm.cli:main" in entries
+    assert "[sglang.multimodal_gen.plugins]\nquantwm = quantwm.adapters.sglang_plugin:register" in entries
     meta = wheel.read(next(n for n in wheel.namelist() if n.endswith("METADATA"))).decode()
     for dep in ("torch", "tqdm", "safetensors", "scikit-image", "opencv-python-headless", "matplotlib", "gradio"):
         assert f"Requires-Dist: {dep}" in meta, dep
-    for extra in ("app", "kernels", "diffusers", "test"):
+    for extra in ("app", "kernels", "diffusers", "test", "sglang"):
         assert f"Provides-Extra: {extra}" in meta
 
 

@@ -36,6 +36,7 @@ this module touches the cache's private fields:
     cache.n_layers                       # layers the cache was made for
     cache.attend(layer, q, k, v, chunk, commit=False)    # write + attend (+ commit), the usual call
     cache.write(layer, k, v, chunk); cache.commit(layer, chunk)   # the same in steps
+    cache.evict_span(layer, index)       # drop a committed span (a host that runs its own window)
     cache.observe(layer, q)              # feed queries into S without attending (e.g. from a hook)
     cache.load_query_stats(layer, second, count)         # or load S from a calibration file
     cache.seq_len(layer)                 # tokens the layer holds (committed spans and the current chunk)
@@ -212,6 +213,16 @@ class KVCache:
         while limit is not None and sum(x.n_chunks for x in st.chunks) > limit:
             victim = next(i for i, x in enumerate(st.chunks) if x.index >= self.config.sink_chunks)
             st.chunks.pop(victim)  # a multi-chunk span leaves as a whole
+
+    def evict_span(self, layer: int, index: int) -> None:
+        """Drop the committed span that starts at chunk `index` (a host with its own window, such as SGLang's
+        rolling cache, decides when; `max_chunks` is this cache's own rule)."""
+        st = self._layer(layer)
+        at = next((i for i, c in enumerate(st.chunks) if c.index == index), None)
+        if at is None:
+            held = ", ".join(str(c.index) for c in st.chunks) or "none"
+            raise ValueError(f"layer {layer} holds no committed span starting at chunk {index} (held: {held})")
+        st.chunks.pop(at)
 
     def _fold_point(self, chunk: int) -> int:
         """The first span start after `chunk`: spans start at sink, sink + n, ... (n = span_chunks), and a chunk's

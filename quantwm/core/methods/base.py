@@ -65,6 +65,7 @@ class Method:
 
     name = "method"
     quantized = True
+    uses_queries = False  # True: encoding reads the history-query statistics S (QSAC / PSAC)
     pre_rope = False  # True: the method is defined on keys stored before RoPE (the cache must run rope="pre")
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:

@@ -37,6 +37,7 @@ from .qvg import QVGBudget
 @dataclass(frozen=True)
 class QuantWM(QVGBudget):
     name = "quantwm"
+    uses_queries = True
     qsac: bool = True
     psac: bool = True
     lam: float = 16.0
