@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
@@ -278,3 +279,19 @@ def test_sglang_finds_the_plugin_by_its_entry_point():
 
     (entry,) = [e for e in entry_points(group="sglang.multimodal_gen.plugins") if e.name == "quantwm"]
     assert entry.load() is plugin.register
+
+
+def test_the_benchmark_runs_every_cache_through_the_contract(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import sglang_kv
+
+    from quantwm.evaluation.synthetic import make_synthetic_trace
+
+    path = tmp_path / "trace.safetensors"
+    make_synthetic_trace(seed=100_001, n_layers=1, n_heads=2, head_dim=64, grid=(4, 4), cached_frames=12).save(path)
+    assert sglang_kv.main(["--trace", str(path)]) == 0
+    rows = {line.split("  ")[0].strip(): line for line in capsys.readouterr().out.splitlines()[2:]}
+    assert "skipped: needs CUDA" in rows["qvg int2 (SGLang)"]
+    dense, ours = rows["dense (SGLang BF16)"].split()[-5:], rows["quantwm 2-bit"].split()[-5:]
+    assert float(dense[2]) == 0 and float(dense[3]) == 0  # the reference against itself
+    assert 2 <= float(ours[0]) < 16 and float(ours[1]) < float(dense[1]) and 0 < float(ours[2]) < 1
