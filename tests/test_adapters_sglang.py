@@ -230,15 +230,33 @@ def _apply_rotary_emb(x, cos, sin, is_neox_style=False):  # what the attention m
     return x * cos + sin
 
 
-class CausalWanSelfAttention:
-    """Stand-in with the real forward's signature: it writes the rotated K/V into the cache, then attends."""
+class LocalAttention(torch.nn.Module):
+    """Stand-in for SGLang's LocalAttention: (B, L, H, D) in and out, softmax scale D**-0.5."""
+
+    def __init__(self, head_dim):
+        super().__init__()
+        self.softmax_scale = head_dim ** -0.5
+
+    def forward(self, q, k, v):
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2).float(), k.transpose(1, 2).float(),
+                                                               v.transpose(1, 2).float(), scale=self.softmax_scale)
+        return out.transpose(1, 2).to(q.dtype)
+
+
+class CausalWanSelfAttention(torch.nn.Module):
+    """Stand-in with the real forward's signature and body: rotate, write into the cache, attend with self.attn."""
+
+    def __init__(self, head_dim=64):
+        super().__init__()
+        self.attn = LocalAttention(head_dim)
 
     def forward(self, q, k, v, freqs_cis, block_mask, kv_cache=None, current_start=0, cache_start=None):
         cos, sin = freqs_cis
-        view = kv_cache.update_and_get_attention_kv(key=_apply_rotary_emb(k, cos, sin), value=v,
-                                                    current_chunk_start=current_start)
-        return torch.nn.functional.scaled_dot_product_attention(
-            _apply_rotary_emb(q, cos, sin).transpose(1, 2), view.k.transpose(1, 2), view.v.transpose(1, 2))
+        roped_query, roped_key = _apply_rotary_emb(q, cos, sin), _apply_rotary_emb(k, cos, sin)
+        if kv_cache.can_direct_current_attention(roped_key.shape[1]):
+            return self.attn(roped_query, roped_key, v)
+        view = kv_cache.update_and_get_attention_kv(key=roped_key, value=v, current_chunk_start=current_start)
+        return self.attn(roped_query, view.k, view.v)
 
 
 def test_register_installs_its_hooks_through_sglangs_registry(monkeypatch):
@@ -268,10 +286,46 @@ def test_register_installs_its_hooks_through_sglangs_registry(monkeypatch):
     attn, q = CausalWanSelfAttention(), torch.randn(1, 16, 2, 64).bfloat16()
     k, v = torch.randn(1, 16, 2, 64).bfloat16(), torch.randn(1, 16, 2, 64).bfloat16()
     out = attn.forward(q, k, v, (torch.ones(1), torch.zeros(1)), None, kv_cache=caches[0], current_start=0)
-    assert out.shape == (1, 2, 16, 64)
+    assert out.shape == (1, 16, 2, 64)
     S = caches[0].store.query_stats(0).double()  # E[q q^T] per head, of the rotated queries
     rotated = (q.double() * 1 + 0).transpose(1, 2)[0]  # the stand-in's RoPE with cos 1, sin 0: (H, N, D)
     assert torch.allclose(S, rotated.transpose(-1, -2) @ rotated / 16, rtol=1e-3, atol=1e-3)
+
+
+def hooked_attention(monkeypatch):
+    """The stand-in attention with the plugin's query hook applied by SGLang's registry."""
+    registry = fresh_registry()
+    plugin.register(registry, hooks.HookType.AROUND, {"QUANTWM_KV_METHOD": "quantwm"})
+    monkeypatch.setattr(CausalWanSelfAttention, "forward", CausalWanSelfAttention.forward)
+    registry._apply_target(f"{__name__}.CausalWanSelfAttention.forward", registry._hooks[plugin.QUERY_HOOKS[1]])
+    return CausalWanSelfAttention()
+
+
+def generate(attn, cache, chunks=8, tokens=16, passes=2):
+    g = torch.Generator().manual_seed(3)
+    outs = []
+    for c in range(chunks):
+        for _ in range(passes):
+            q, k, v = (torch.randn(1, tokens, 2, 64, generator=g).bfloat16() for _ in range(3))
+            outs.append(attn(q, k, v, (torch.ones(1), torch.zeros(1)), None, kv_cache=cache,
+                             current_start=c * tokens))
+    return torch.stack(outs).float()
+
+
+def test_fused_kernels_attend_over_the_stored_spans_when_the_view_is_the_whole_store(monkeypatch):
+    attn = hooked_attention(monkeypatch)
+    monkeypatch.setenv("QUANTWM_KERNELS", "ref")
+    decoded = ours(2, 64, 512, method="quantwm", sink_tokens=16)
+    reference = generate(attn, decoded)
+    monkeypatch.setenv("QUANTWM_KERNELS", "triton")  # the kernels under TRITON_INTERPRET=1 (conftest.py)
+    fused = ours(2, 64, 512, method="quantwm", sink_tokens=16)
+    out = generate(attn, fused)
+    assert decoded.fused_calls == 0 and fused.fused_calls == 16
+    assert torch.isfinite(out).all() and "attn" not in attn.__dict__  # the interception ends with the call
+    assert ((out - reference).norm() / reference.norm()).item() < 2e-2  # BF16 outputs of two attention paths
+    # A buffer of 56 tokens cuts inside a chunk of 16: the view hides stored tokens, so the decoded view serves.
+    windowed = ours(2, 64, 56, method="quantwm", sink_tokens=16)
+    assert torch.isfinite(generate(attn, windowed)).all() and windowed.fused_calls < 16
 
 
 def test_sglang_finds_the_plugin_by_its_entry_point():

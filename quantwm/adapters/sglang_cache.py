@@ -23,8 +23,12 @@ block one cache object, and the block's attention calls, on every pass,
 * Queries: the contract passes none. The plugin's attention hook calls `stash_queries` with the rotated
   queries before the write; they enter S (QSAC/PSAC's statistics) with the write. `load_query_stats`
   seeds S from a calibration file instead.
-* The view is decoded for the call, one layer at a time (as QVG's packed cache does); SGLang's attention
-  backend then runs on it. The fused kernels are not used on this path.
+* Attention: where the plugin's hook asked for it (`request_fused`: a single-device pass whose attention
+  call it can intercept), the kernels are on (CUDA, or QUANTWM_KERNELS=triton) and the view is all the
+  store holds, the queries attend to the stored spans with the fused kernels (`fused_output`), nothing
+  decompressed; the view's K/V are then NaN placeholders that only the intercepted call may receive.
+  Otherwise the view is decoded for the call, one layer at a time (as QVG's packed cache does), and
+  SGLang's attention backend runs on it.
 
 Known limits: writes must be chunk-sequential (what every SGLang causal stage does); with head slices
 written by separate calls on one object, each slice's queries count once per call in S's normaliser.
@@ -41,6 +45,8 @@ from types import ModuleType
 
 import torch
 
+from ..core.attention import fused_attention
+from ..core.backend import use_kernels
 from ..core.cache import CacheConfig, KVCache
 
 CONTRACT_MODULE = "sglang.multimodal_gen.runtime.layers.kvcache.causal_attention_cache"
@@ -113,6 +119,9 @@ class QuantWMCausalKVCache:
                              f"{tuple(query_stats.shape)}")
         self._calibration = query_stats
         self._stash: torch.Tensor | None = None
+        self._fused_scale: float | None = None  # set by the hook for one call: try the fused kernels
+        self._fused: tuple | None = None        # (placeholder K, output) of the last fused call
+        self.fused_calls = 0
         self._start_store()
 
     def _start_store(self) -> None:
@@ -179,7 +188,18 @@ class QuantWMCausalKVCache:
         self._stash = q
 
     def drop_stash(self) -> None:
-        self._stash = None
+        self._stash = self._fused_scale = self._fused = None
+
+    def request_fused(self, scale: float) -> None:
+        """Ask the next write (whose queries are stashed) to attend with the fused kernels where it can."""
+        self._fused_scale = float(scale)
+
+    def fused_output(self, k: torch.Tensor) -> torch.Tensor | None:
+        """The fused attention output (B, Nq, H, D) if `k` is the placeholder of the view it was computed for."""
+        if self._fused is None or self._fused[0] is not k:
+            return None
+        out, self._fused = self._fused[1], None
+        return out
 
     def _load_calibration(self, cache_head_start: int | None) -> None:
         """Calibration S: the model's every head (Ulysses: this rank's slice from `cache_head_start`) or ours."""
@@ -271,11 +291,28 @@ class QuantWMCausalKVCache:
             self._stage_k[:, :, heads] = key
             self._stage_v[:, :, heads] = value
             self.store.write(0, self._stage_k, self._stage_v, self._chunk)
+        q, scale, self._fused_scale = self._stash, self._fused_scale, None
         self._observe(heads, cache_head_start)
-        k, v = self._gather(seen.k.view(-1), heads, key.dtype)
+        visible = seen.k.view(-1)
+        out = self._attend_fused(q, scale, visible, heads) if scale is not None and q is not None else None
+        if out is not None:  # placeholders: NaN, so a consumer other than the intercepted call cannot go unnoticed
+            k = v = key.new_full((1, 1, 1, 1), float("nan")).expand(self.batch_size, visible.numel(),
+                                                                       heads.stop - heads.start, self.head_dim)
+            self._fused, self.fused_calls = (k, out), self.fused_calls + 1
+        else:
+            k, v = self._gather(visible, heads, key.dtype)
         return self._contract.CausalAttentionKVView(
             k=k, v=v, local_start_index=seen.local_start_index, local_end_index=seen.local_end_index,
             visible_local_end=seen.visible_local_end, visible_global_end=seen.visible_global_end)
+
+    def _attend_fused(self, q: torch.Tensor, scale: float, visible: torch.Tensor, heads: slice):
+        """Fused attention of q (B, Nq, H, D) over the store, if the view is exactly what it holds."""
+        if heads != slice(0, self.num_heads) or q.shape[2] != self.num_heads or not use_kernels(q):
+            return None
+        if not torch.equal(self.store.positions(0), visible):
+            return None  # a window that hides stored tokens (partial eviction, recent-token window)
+        out = fused_attention(self.store, 0, q.transpose(1, 2), scale)  # (B, H, Nq, D)
+        return None if out is None else out.transpose(1, 2).to(q.dtype)
 
     def _held(self) -> torch.Tensor:
         end = self._window.local_end_index_int

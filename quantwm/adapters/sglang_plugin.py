@@ -15,7 +15,9 @@ Hooks (AROUND, through SGLang's HookRegistry):
 * `_allocate_causal_kv_cache` of the covered stages (`COVERED_STAGES`) returns one `QuantWMCausalKVCache`
   per transformer block instead of SGLang's dense cache. Stages not covered keep their own caches.
 * The causal self-attention forwards (`QUERY_HOOKS`) rotate the queries as the model does and hand them to
-  the cache (`stash_queries`): the contract passes no queries, and QSAC/PSAC need them.
+  the cache (`stash_queries`): the contract passes no queries, and QSAC/PSAC need them. On a single-device
+  pass the hook also intercepts the forward's `self.attn(q, view.k, view.v)` so that, with the kernels on
+  (CUDA), attention runs fused over the stored spans instead of over a decoded view.
 
 A bad setting stops the worker with one line naming it (SGLang would otherwise log the error and serve the
 dense cache while the user believes the cache is quantized).
@@ -205,8 +207,32 @@ def _query_hook_applied(target: str) -> bool:
     return any(getattr(c, "cell_contents", None) is query_hook for c in (getattr(fn, "__closure__", None) or ()))
 
 
+def _sequence_sharded(globals_: dict) -> bool:
+    """Whether this pass shards the sequence (Ulysses and friends): then the forward attends with other layers."""
+    world = globals_.get("get_ulysses_parallel_world_size")
+    context = globals_.get("get_forward_context")
+    if world is None or context is None:
+        return False
+    batch = getattr(context(), "forward_batch", None)
+    return bool(batch is not None and getattr(batch, "enable_sequence_shard", False) and world() > 1)
+
+
+class _FusedAttention(torch.nn.Module):
+    """Stands in for the forward's `self.attn` for one call: the cache's fused output for its placeholder view,
+    the original attention for anything else (e.g. a pass that attends directly, without the cache)."""
+
+    def __init__(self, inner, cache: QuantWMCausalKVCache):
+        super().__init__()
+        self.inner, self.cache = inner, cache
+
+    def forward(self, q, k, v, *args, **kwargs):
+        out = self.cache.fused_output(k)
+        return self.inner(q, k, v, *args, **kwargs) if out is None else out
+
+
 def query_hook(original, attn, *args, **kwargs):
-    """AROUND a causal self-attention forward: the rotated queries go to a QuantWM cache before its write."""
+    """AROUND a causal self-attention forward: the rotated queries go to a QuantWM cache before its write, and
+    on a single-device pass its attention call may run fused."""
     bound = inspect.signature(original).bind(attn, *args, **kwargs)
     call = bound.arguments
     cache = call.get("kv_cache")
@@ -216,10 +242,18 @@ def query_hook(original, attn, *args, **kwargs):
     cos, sin = call["freqs_cis"][:2]
     q = call["q"]
     cache.stash_queries(rotate(q, cos, sin, is_neox_style=False).type_as(call["v"]))
+    inner = getattr(attn, "attn", None)
+    fused = isinstance(inner, torch.nn.Module) and not _sequence_sharded(original.__globals__)
+    if fused:
+        scale = getattr(inner, "softmax_scale", None) or q.shape[-1] ** -0.5
+        cache.request_fused(scale)
+        object.__setattr__(attn, "attn", _FusedAttention(inner, cache))  # an instance attribute, for this call
     try:
         return original(attn, *args, **kwargs)
     finally:
         cache.drop_stash()  # a direct-attention pass never reaches the cache
+        if fused:
+            del attn.__dict__["attn"]
 
 
 def register(registry=None, around=None, environ: dict | None = None) -> bool:
