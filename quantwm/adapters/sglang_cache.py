@@ -215,8 +215,8 @@ class QuantWMCausalKVCache:
     def _observe(self, heads: slice, cache_head_start: int | None) -> None:
         """Stashed queries into S, on the cache heads `heads` the call wrote."""
         q, self._stash = self._stash, None
-        if q is None:
-            return
+        if q is None or not (self.store.k_method.uses_queries or self.store.v_method.uses_queries):
+            return  # bf16, rtn, kivi, qvg read no statistics
         n = heads.stop - heads.start
         if q.shape[2] > n:  # Ulysses: the queries still carry every head, the keys only this rank's slice
             first = cache_head_start or 0
