@@ -1,5 +1,5 @@
-"""Command line: `python -m quantwm {analyze,memory,eval,trace,figures,synth-trace,methods,app} ...` (also
-installed as `quantwm`).
+"""Command line: `python -m quantwm {analyze,memory,eval,trace,record,figures,frontier,synth-trace,query-stats,
+methods,app} ...` (also installed as `quantwm`).
 
 Long work shows a progress bar on stderr. Bad arguments or files print one line on stderr and exit 2.
 `quantwm app ...` starts the diagnostics app (the same as `python app.py ...`).
@@ -132,6 +132,15 @@ def cmd_synth(a) -> int:
     make_synthetic_trace(a.seed, n_layers=a.layers, n_heads=a.heads, head_dim=a.head_dim,
                          content_dim=a.query_dims).save(a.out)
     print(f"wrote {a.out}")
+    return 0
+
+
+def cmd_query_stats(a) -> int:
+    from .adapters.sglang_plugin import save_query_stats
+
+    shapes = save_query_stats(a.trace, a.out)
+    print(f"wrote {a.out}: S for {len(shapes)} layers, {next(iter(shapes.values()))} each "
+          f"(QUANTWM_KV_QUERY_STATS={a.out})")
     return 0
 
 
@@ -348,6 +357,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--formats", default="png,svg")
     s.add_argument("--out-dir", required=True)
     s.set_defaults(fn=cmd_frontier)
+    s = sub.add_parser("query-stats", help="a calibration file of query statistics (S per layer) from a trace, for "
+                                           "the SGLang plugin's QUANTWM_KV_QUERY_STATS")
+    s.add_argument("--trace", required=True)
+    s.add_argument("--out", required=True)
+    s.set_defaults(fn=cmd_query_stats)
     s = sub.add_parser("methods", help="list the registered methods")
     s.set_defaults(fn=cmd_methods)
     sub.add_parser("app", help="start the diagnostics app (options: quantwm app --help)", add_help=False)

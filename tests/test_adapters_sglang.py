@@ -349,3 +349,21 @@ def test_the_benchmark_runs_every_cache_through_the_contract(tmp_path, capsys):
     dense, ours = rows["dense (SGLang BF16)"].split()[-5:], rows["quantwm 2-bit"].split()[-5:]
     assert float(dense[2]) == 0 and float(dense[3]) == 0  # the reference against itself
     assert 2 <= float(ours[0]) < 16 and float(ours[1]) < float(dense[1]) and 0 < float(ours[2]) < 1
+
+
+def test_query_stats_command_writes_the_calibration_file_from_a_trace(tmp_path, capsys):
+    from quantwm.cli import main
+    from quantwm.evaluation.synthetic import make_synthetic_trace
+    from quantwm.evaluation.trace import read_trace
+
+    trace = tmp_path / "trace.safetensors"
+    make_synthetic_trace(seed=100_002, n_layers=2, n_heads=2, head_dim=64, grid=(4, 4), cached_frames=6).save(trace)
+    out = tmp_path / "stats.safetensors"
+    assert main(["query-stats", "--trace", str(trace), "--out", str(out)]) == 0
+    assert "S for 2 layers, (2, 64, 64) each" in capsys.readouterr().out
+    stats = plugin.load_query_stats(str(out))
+    hist = read_trace(trace).layers[1]["q_hist"].double()
+    assert sorted(stats) == [0, 1] and torch.allclose(stats[1], hist.transpose(1, 2) @ hist / hist.shape[1],
+                                                      rtol=1e-5, atol=1e-6)
+    (tmp_path / "bad.safetensors").write_bytes(b"\0" * 10)
+    assert main(["query-stats", "--trace", str(tmp_path / "bad.safetensors"), "--out", str(out)]) == 2

@@ -152,6 +152,21 @@ def load_query_stats(path: str) -> dict[int, torch.Tensor]:
     return out
 
 
+def save_query_stats(trace_path: str, out: str) -> dict[int, tuple[int, ...]]:
+    """Write the calibration file from a trace: per layer, S = E[q qᵀ] of its earlier queries (`q_hist`, else
+    the traced queries), post-RoPE as the trace stores them. Returns {layer: shape of S}."""
+    from safetensors.torch import save_file
+
+    from ..evaluation.metrics import second_moment
+    from ..evaluation.trace import read_trace
+
+    trace = read_trace(trace_path)
+    stats = {f"L{layer}.S": second_moment(t.get("q_hist", t["q"]).float()).contiguous()
+             for layer, t in trace.layers.items()}
+    save_file(stats, out, metadata={"quantwm_query_stats_version": "1", "trace": os.path.basename(trace_path)})
+    return {int(name[1:-2]): tuple(t.shape) for name, t in stats.items()}
+
+
 # ---- the hooks ----------------------------------------------------------------------------------------------
 _state: dict = {"config": None, "stats": None, "warned": set()}
 
