@@ -159,7 +159,9 @@ def _world_model(weights: str | None):
 
 def _photo_note(a) -> str:
     if a.training_photos:
-        return " (the seeds' layouts cut from the training photographs)"
+        which = "one training photograph per held-out scene" if a.training_photos == "matched" else \
+            "the training photographs"
+        return f" (the seeds' layouts cut from {which})"
     return " (training photographs)" if a.training_seeds and a.world == "photo" else ""
 
 
@@ -287,9 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--steps", type=int, default=4, help="flow-matching steps per chunk")
     s.add_argument("--training-seeds", action="store_true",
                    help="use training worlds (seed + 100000) instead of held-out ones, to check memorisation")
-    s.add_argument("--training-photos", action="store_true",
+    s.add_argument("--training-photos", nargs="?", const="all", choices=("all", "matched"), default=None,
                    help="the same worlds' layouts, trajectories and noise with tiles from the training photographs "
-                        "(each held-out world against its twin: the paired memorisation check)")
+                        "(each held-out world against its twin: the paired memorisation check); 'matched': one "
+                        "per held-out scene, so tiles repeat a photograph where the held-out world's repeat a scene")
     s.add_argument("--world", choices=WORLDS, default="photo", help="world kind (procedural: the first models' world)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="method option for every method, e.g. --set qsac=false (repeatable)")

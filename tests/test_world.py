@@ -30,6 +30,22 @@ def test_world_is_deterministic_and_in_range():
     assert a.min() >= 0 and a.max() <= 1 and not torch.equal(a, scene.make_world(4, 64))
 
 
+def test_matched_twins_repeat_a_training_photograph_where_the_held_out_world_repeats_a_scene():
+    seen = set()
+    for seed in range(12):
+        held, names = scene.mosaic(seed, 64)
+        twin, stand_ins = scene.mosaic(seed, 64, photos="training-matched")
+        assert len(stand_ins) == len(names) and set(stand_ins) <= set(scene.TRAIN_PHOTOS)
+        for i in range(len(names)):
+            for j in range(len(names)):
+                assert (scene.scene_of(names[i]) == scene.scene_of(names[j])) == (stand_ins[i] == stand_ins[j])
+        assert not torch.equal(held, twin) and torch.equal(twin, scene.make_world(seed, 64, photos="training-matched"))
+        seen |= set(stand_ins)
+    assert len(seen) > 5  # the stand-ins change with the seed
+    with pytest.raises(ValueError, match="photos must be one of training, training-matched, held-out"):
+        scene.make_world(0, photos="train")
+
+
 @pytest.mark.parametrize("kind", scene.TRAJECTORIES)
 def test_trajectories_stay_inside_move_one_patch_and_revisit(kind):
     poses = scene.trajectory(kind, 32, seed=5, world_patches=32, view=8)

@@ -92,12 +92,15 @@ def memory_stats(run: Rollout) -> dict:
 def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: list[int] = (0, 1), n_frames: int = 32,
              bits: int = 2, trajectory_kind: str = "loop", steps: int = 4, progress: Callable | None = None,
              training_seeds: bool = False, world: str = "photo", method_options: tuple = (),
-             training_photos: bool = False) -> dict:
+             training_photos: str | None = None) -> dict:
     """The `quantwm eval` report (see the module docstring). `world` is the world kind (`scene.WORLDS`).
     Two ways to compare with the training photographs (the memorisation check):
 
-    * `training_photos=True`: the same seeds (so the same mosaic layouts, trajectories and noise), with
+    * `training_photos="all"`: the same seeds (so the same mosaic layouts, trajectories and noise), with
       the tiles cut from the training photographs: each held-out world against its own twin;
+      `"matched"`: one training photograph per held-out scene (a per-seed choice of 4), so a twin repeats a
+      photograph across tiles exactly where its held-out world repeats a scene (4 held-out scenes repeat
+      more often than 11 training photographs);
     * `training_seeds=True`: the worlds of seeds + TRAIN_SEED_BASE, drawn as in training (other layouts
       and trajectories too, so the difference also holds the seeds' spread)."""
     if any(s >= TRAIN_SEED_BASE or s < 0 for s in seeds):
@@ -106,9 +109,11 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
         seeds = [s + TRAIN_SEED_BASE for s in seeds]
     if not seeds:
         raise ValueError("give at least one seed")
+    if training_photos not in (None, "all", "matched"):
+        raise ValueError(f"training_photos must be None, 'all' or 'matched', got {training_photos!r}")
     if training_photos and (training_seeds or world != "photo"):
         raise ValueError("training_photos applies to the photographic world, without training_seeds")
-    photos = "training" if training_photos else None
+    photos = {None: None, "all": "training", "matched": "training-matched"}[training_photos]
     configs = {m: CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits, method_options=method_options)
                for m in methods}  # validates names
     for c in configs.values():

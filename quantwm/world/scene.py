@@ -34,18 +34,22 @@ TRAIN_SEED_BASE = 100_000  # world seeds >= this are training worlds; evaluation
 TRAIN_PHOTOS = ("astronaut", "rocket", "hubble_deep_field", "retina", "immunohistochemistry", "camera",
                 "grass", "brick", "moon", "coins", "clock")
 HELD_OUT_PHOTOS = ("chelsea", "coffee", "motorcycle_left", "motorcycle_right", "gravel")
+HELD_OUT_SCENES = ("chelsea", "coffee", "motorcycle", "gravel")
 
 
-PHOTO_SIDES = ("training", "held-out")
+PHOTO_SIDES = ("training", "training-matched", "held-out")
 
 
 def make_world(seed: int, size: int = 256, kind: str = "photo", photos: str | None = None) -> torch.Tensor:
     """A (3, size, size) float world map in [0, 1] of the given kind, fully determined by `seed`.
 
-    `photos` ("training" / "held-out") overrides which side of the split a photographic world's tiles come
-    from; by default the seed decides (see the module docstring). The layout (tiles, crops, zooms, jitter)
-    still follows the seed, so `photos="training"` on an evaluation seed gives that world's twin made of
-    training photographs: the memorisation check compares such pairs."""
+    `photos` ("training" / "training-matched" / "held-out") overrides which side of the split a photographic
+    world's tiles come from; by default the seed decides (see the module docstring). The layout (tiles,
+    crops, zooms, jitter) still follows the seed, so `photos="training"` on an evaluation seed gives that
+    world's twin made of training photographs: the memorisation check compares such pairs.
+    "training-matched" gives the twin one training photograph per held-out scene (a per-seed choice of 4;
+    the motorcycle stereo pair is one scene), so its tiles repeat a photograph exactly where the held-out
+    world's tiles repeat a scene."""
     if kind not in WORLDS:
         raise ValueError(f"unknown world {kind!r}; known: {', '.join(WORLDS)}")
     if seed < 0:
@@ -88,12 +92,37 @@ def _split(g: torch.Generator, h: int, w: int, depth: int) -> list[tuple[int, in
 def photo_world(seed: int, size: int = 256, photos: str | None = None) -> torch.Tensor:
     """A mosaic world of bundled photographs (held-out ones for seeds below TRAIN_SEED_BASE, unless `photos`
     names the side)."""
-    g = torch.Generator().manual_seed(int(seed))
+    return mosaic(seed, size, photos)[0]
+
+
+def _photo_list(seed: int, side: str) -> tuple[str, ...]:
+    if side == "held-out":
+        return HELD_OUT_PHOTOS
+    if side == "training":
+        return TRAIN_PHOTOS
+    g = torch.Generator().manual_seed(1_000_003 + int(seed))  # its own stream: the layout's stays the same
+    pick = torch.randperm(len(TRAIN_PHOTOS), generator=g)[:len(HELD_OUT_SCENES)]
+    return tuple(TRAIN_PHOTOS[int(i)] for i in pick)
+
+
+def scene_of(name: str) -> str:
+    """The scene a photograph shows: the motorcycle stereo pair is one."""
+    return "motorcycle" if name.startswith("motorcycle_") else name
+
+
+def mosaic(seed: int, size: int = 256, photos: str | None = None) -> tuple[torch.Tensor, list[str]]:
+    """The photographic world (3, size, size) and the photograph each tile was cut from, in tile order."""
     side = photos or ("training" if seed >= TRAIN_SEED_BASE else "held-out")
-    names = TRAIN_PHOTOS if side == "training" else HELD_OUT_PHOTOS
-    img = torch.zeros(3, size, size)
-    for y, x, h, w in _split(g, size, size, depth=2):
-        photo = load_photo(names[int(torch.randint(0, len(names), (1,), generator=g))])
+    names, forced = _photo_list(seed, side), None
+    if side == "training-matched":  # tile i: the stand-in of the held-out world's tile i's scene (same repeats)
+        stand_in = dict(zip(HELD_OUT_SCENES, names))
+        forced = [stand_in[scene_of(n)] for n in mosaic(seed, size, "held-out")[1]]
+    g = torch.Generator().manual_seed(int(seed))
+    img, used = torch.zeros(3, size, size), []
+    for i, (y, x, h, w) in enumerate(_split(g, size, size, depth=2)):
+        pick = int(torch.randint(0, len(names), (1,), generator=g))
+        used.append(forced[i] if forced else names[pick])
+        photo = load_photo(used[-1])
         _, ph, pw = photo.shape
         zoom = 2 ** (torch.rand(1, generator=g).item() * 2.0 - 1.0)  # source pixels per map pixel: 0.5 .. 2
         ch, cw = min(ph, max(8, round(h * zoom))), min(pw, max(8, round(w * zoom)))
@@ -110,7 +139,7 @@ def photo_world(seed: int, size: int = 256, photos: str | None = None) -> torch.
             gain = 0.55 + 0.9 * torch.rand(3, 1, 1, generator=g)
         gamma = 2 ** (0.6 * torch.rand(1, generator=g).item() - 0.3)
         img[:, y:y + h, x:x + w] = (tile.clamp(0, 1) ** gamma * gain).clamp(0, 1)
-    return img
+    return img, used
 
 
 def procedural_world(seed: int, size: int = 256) -> torch.Tensor:
