@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_sana import tiny_sana_refiner
 
 from quantwm.adapters.sana_wm import SanaWMCacheAdapter, sana_wm_kv_cache
 from quantwm.core.cache import CacheConfig, KVCache
-from tiny_sana import tiny_sana_refiner
 
 PROMPT = "a cat walks on the beach at dusk"
 
