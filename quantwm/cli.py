@@ -215,11 +215,19 @@ def cmd_record(a) -> int:
     if a.model == "self-forcing":
         from .adapters.self_forcing import record_self_forcing
 
-        missing = [n for n, v in (("--checkpoint", a.checkpoint), ("--base", a.base), ("--embeddings", a.embeddings))
-                   if not v]
+        missing = [n for n, v in (("--checkpoint", a.checkpoint), ("--base", a.base),
+                                  ("--embeddings or --prompt", a.embeddings or a.prompt)) if not v]
         if missing:
             raise ValueError(f"--model self-forcing needs {', '.join(missing)}")
-        run = record_self_forcing(a.checkpoint, a.base, a.embeddings, a.method, a.target, a.bits, a.latent_frames,
+        if a.embeddings and a.prompt:
+            raise ValueError("give --embeddings or --prompt, not both")
+        if a.prompt:
+            from .adapters.self_forcing import encode_prompt
+
+            text = encode_prompt(a.base, a.prompt, device=a.device)
+        else:
+            text = a.embeddings
+        run = record_self_forcing(a.checkpoint, a.base, text, a.method, a.target, a.bits, a.latent_frames,
                                   a.chunk_frames, a.height, a.width, a.seed, layers, heads, a.device,
                                   progress=_progress("record"))
         write_run(a.out, run)
@@ -310,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("record", help="write a run file (BF16 and a method from the same noise) for the app")
     s.add_argument("--model", choices=("builtin", "self-forcing"), default="builtin",
                    help="builtin: the built-in world model; self-forcing: Self-Forcing's causal Wan2.1 generator "
-                        "(--checkpoint, --base, --embeddings)")
+                        "(--checkpoint, --base, --embeddings or --prompt)")
     s.add_argument("--seed", type=int, default=0, help="world seed (builtin: 0..99999) or noise seed")
     s.add_argument("--trajectory", default="loop")
     s.add_argument("--method", default="quantwm")
@@ -323,6 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint", help="self-forcing: the released generator checkpoint (.pt, original Wan names)")
     s.add_argument("--base", help="self-forcing: a local diffusers Wan2.1 folder (transformer/config.json, vae/)")
     s.add_argument("--embeddings", help="self-forcing: a safetensors file with the prompt's UMT5 prompt_embeds")
+    s.add_argument("--prompt", help="self-forcing: the prompt, encoded by the base model's UMT5 (base/tokenizer, "
+                                    "base/text_encoder; needs transformers)")
     s.add_argument("--latent-frames", type=int, default=21, help="self-forcing: latent frames (21: 81 video frames)")
     s.add_argument("--chunk-frames", type=int, default=3, help="self-forcing: latent frames per chunk")
     s.add_argument("--height", type=int, default=480)

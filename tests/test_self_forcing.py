@@ -148,7 +148,52 @@ def test_quantwm_record_self_forcing_from_the_command_line(released, tmp_path, c
                  "--out", str(out)]) == 0
     assert read_run(out).meta["method"] == "kivi" and "Self-Forcing" in capsys.readouterr().out
     assert main(["record", "--model", "self-forcing", "--out", str(out)]) == 2
-    assert "needs --checkpoint, --base, --embeddings" in capsys.readouterr().err
+    assert "needs --checkpoint, --base, --embeddings or --prompt" in capsys.readouterr().err
+
+
+def save_tiny_umt5(base, text_dim: int = 16) -> None:
+    """The base folder's text side as diffusers' Wan folders hold it: tokenizer/ and text_encoder/ (UMT5)."""
+    from transformers import T5TokenizerFast, UMT5Config, UMT5EncoderModel
+
+    torch.manual_seed(7)
+    UMT5EncoderModel(UMT5Config(d_model=text_dim, d_kv=8, d_ff=32, num_layers=1, num_heads=2, vocab_size=64,
+                                relative_attention_num_buckets=8)).save_pretrained(base / "text_encoder")
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0)]  # a unigram vocabulary, as UMT5's sentencepiece is
+    pieces += [("\u2581" + w, -1.0 - i) for i, w in enumerate("a red car drives at night".split())]
+    T5TokenizerFast(vocab=pieces, extra_ids=0).save_pretrained(base / "tokenizer")
+
+
+def test_a_prompt_is_encoded_by_the_base_models_umt5_as_wans_pipeline_does(released, tmp_path, capsys):
+    from safetensors.torch import save_file
+    from transformers import UMT5EncoderModel
+
+    from quantwm.adapters.self_forcing import encode_prompt
+    from quantwm.cli import main
+
+    ckpt, base, _, _ = released
+    with pytest.raises(ValueError, match="no tokenizer/ folder"):
+        encode_prompt(base, "a red car")
+    save_tiny_umt5(base)
+    embeds = encode_prompt(base, "a red car")
+    assert embeds.shape == (1, 512, 16) and embeds[0, 4:].abs().max() == 0  # "a red car" + </s>, then zeros
+    encoder = UMT5EncoderModel.from_pretrained(base / "text_encoder")
+    with torch.no_grad():
+        direct = encoder(torch.tensor([[3, 4, 5, 1]])).last_hidden_state
+    assert torch.allclose(embeds[:, :4], direct, atol=1e-5)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        encode_prompt(base, "  ")
+    emb = tmp_path / "prompt.safetensors"
+    save_file({"prompt_embeds": embeds}, str(emb))
+    runs = []
+    for text in (["--prompt", "a red car"], ["--embeddings", str(emb)]):
+        out = tmp_path / f"run_{text[0][2:]}.safetensors"
+        assert main(["record", "--model", "self-forcing", "--checkpoint", str(ckpt), "--base", str(base), *text,
+                     "--latent-frames", "6", "--height", "32", "--width", "64", "--out", str(out)]) == 0
+        runs.append(read_run(out))
+    assert torch.equal(runs[0].method, runs[1].method) and torch.equal(runs[0].bf16, runs[1].bf16)
+    assert main(["record", "--model", "self-forcing", "--checkpoint", str(ckpt), "--base", str(base), "--prompt",
+                 "x", "--embeddings", str(emb), "--out", str(tmp_path / "x.safetensors")]) == 2
+    assert "not both" in capsys.readouterr().err
 
 
 def test_the_live_backend_generates_on_demand_and_shows_the_run(released):

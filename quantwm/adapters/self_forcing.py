@@ -9,9 +9,9 @@
   with a "model." prefix. `load_self_forcing` unwraps it and loads it into diffusers'
   `WanTransformer3DModel` with diffusers' own conversion (`from_single_file`, the config read from
   `base/transformer`, nothing downloaded); the VAE is `AutoencoderKLWan` from `base/vae`.
-* **Text.** The prompt's UMT5 embeddings come from a safetensors file holding `prompt_embeds`
-  (1, tokens, text_dim) (`transformers` is not a dependency here; with the base model's UMT5 encoder, save
-  `encoder(ids).last_hidden_state` once).
+* **Text.** The prompt's UMT5 embeddings come from the base model's own encoder (`encode_prompt`: `base/tokenizer`
+  and `base/text_encoder`, run through diffusers' `WanPipeline._get_t5_prompt_embeds`, 512 tokens; needs
+  `transformers`) or from a safetensors file holding `prompt_embeds` (1, tokens, text_dim).
 * **Sampling** (Self-Forcing's inference): chunks of `chunk_frames` latent frames (3), each denoised with the
   few-step list (1000, 750, 500, 250) warped by the flow-matching shift (5.0): at step j the model predicts
   the flow v, x0 = x - sigma_j v, and the next step starts from (1 - sigma_{j+1}) x0 + sigma_{j+1} noise;
@@ -105,6 +105,33 @@ def load_prompt_embeddings(path: str | Path, text_dim: int) -> torch.Tensor:
     if e.dim() != 3 or e.shape[-1] != text_dim or not torch.isfinite(e).all():
         raise ValueError(f"{path}: prompt_embeds must be finite (1, tokens, {text_dim}), got {tuple(e.shape)}")
     return e.float()
+
+
+def encode_prompt(base: str | Path, prompt: str, max_sequence_length: int = 512, device: str = "cpu") -> torch.Tensor:
+    """The prompt's UMT5 embeddings (1, max_sequence_length, text_dim), as diffusers' WanPipeline makes them:
+    its own `_get_t5_prompt_embeds` over the base folder's tokenizer and text encoder."""
+    from types import SimpleNamespace
+
+    from diffusers import WanPipeline
+
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("the prompt is empty")
+    base = Path(base)
+    for sub in ("tokenizer", "text_encoder"):
+        if not (base / sub).is_dir():
+            raise ValueError(f"{base}: no {sub}/ folder (the base model's UMT5 encoder); give --embeddings instead")
+    try:
+        from transformers import AutoTokenizer, UMT5EncoderModel
+    except ImportError as e:
+        raise ValueError("encoding a prompt needs transformers (pip install 'quantwm[diffusers]'); or give "
+                         "--embeddings") from e
+    tokenizer = AutoTokenizer.from_pretrained(str(base / "tokenizer"), local_files_only=True)
+    encoder = UMT5EncoderModel.from_pretrained(str(base / "text_encoder"), local_files_only=True).to(device).eval()
+    owner = SimpleNamespace(tokenizer=tokenizer, text_encoder=encoder, _execution_device=torch.device(device))
+    with torch.no_grad():
+        embeds = WanPipeline._get_t5_prompt_embeds(owner, prompt, 1, max_sequence_length, torch.device(device),
+                                                   torch.float32)
+    return embeds.cpu()
 
 
 def sigmas(steps=DENOISING_STEPS, shift: float = SHIFT) -> list[float]:
