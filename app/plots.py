@@ -46,9 +46,9 @@ def logit_heatmaps_figure(exact: np.ndarray, stored: np.ndarray, src_exact: tupl
                           method: str, grid_width: int) -> go.Figure:
     """Logits over the cache (frames x positions) with exact keys, stored keys, and their difference;
     the top-1 sources (frame, row, col) are marked at position row * grid_width + col."""
-    diff = stored - exact
-    lim = float(np.abs(diff).max()) or 1.0
-    lo, hi = float(min(exact.min(), stored.min())), float(max(exact.max(), stored.max()))
+    diff = stored - exact  # NaN rows: frames the cache did not hold (a sliding window), drawn as gaps
+    lim = float(np.nanmax(np.abs(diff))) or 1.0
+    lo, hi = float(min(np.nanmin(exact), np.nanmin(stored))), float(max(np.nanmax(exact), np.nanmax(stored)))
     fig = make_subplots(rows=1, cols=3, horizontal_spacing=0.08,
                         subplot_titles=("BF16 keys", f"{method} keys", f"{method} − BF16"))
     kw = dict(x=list(range(exact.shape[1])), y=list(range(exact.shape[0])))

@@ -212,6 +212,18 @@ def cmd_record(a) -> int:
 
     layers = _ints(a.logit_layers, "--logit-layers") if a.logit_layers else []
     heads = _ints(a.logit_heads, "--logit-heads") if a.logit_heads else []
+    if a.model == "sana-wm":
+        from .adapters.sana_wm import record_sana_wm
+
+        missing = [n for n, v in (("--base", a.base), ("--latents", a.latents), ("--prompt", a.prompt)) if not v]
+        if missing:
+            raise ValueError(f"--model sana-wm needs {', '.join(missing)}")
+        run = record_sana_wm(a.base, a.latents, a.prompt, a.method, a.target, a.bits, a.seed, layers, heads, a.device,
+                             kv_max_frames=a.kv_max_frames, progress=_progress("record"))
+        write_run(a.out, run)
+        print(f"wrote {a.out} ({os.path.getsize(a.out) / 2 ** 20:.1f} MB): SANA-WM refiner, {a.method} "
+              f"{a.target} {a.bits}-bit against BF16; open it with python app.py --run {a.out}")
+        return 0
     if a.model == "self-forcing":
         from .adapters.self_forcing import record_self_forcing
 
@@ -316,9 +328,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_trace)
     s = sub.add_parser("record", help="write a run file (BF16 and a method from the same noise) for the app")
-    s.add_argument("--model", choices=("builtin", "self-forcing"), default="builtin",
+    s.add_argument("--model", choices=("builtin", "self-forcing", "sana-wm"), default="builtin",
                    help="builtin: the built-in world model; self-forcing: Self-Forcing's causal Wan2.1 generator "
-                        "(--checkpoint, --base, --embeddings or --prompt)")
+                        "(--checkpoint, --base, --embeddings or --prompt); sana-wm: SANA-WM's stage-2 refiner, "
+                        "diffusers' SanaWMLTX2Refiner (--base, --latents, --prompt)")
     s.add_argument("--seed", type=int, default=0, help="world seed (builtin: 0..99999) or noise seed")
     s.add_argument("--trajectory", default="loop")
     s.add_argument("--method", default="quantwm")
@@ -331,6 +344,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--checkpoint", help="self-forcing: the released generator checkpoint (.pt, original Wan names)")
     s.add_argument("--base", help="self-forcing: a local diffusers Wan2.1 folder (transformer/config.json, vae/)")
     s.add_argument("--embeddings", help="self-forcing: a safetensors file with the prompt's UMT5 prompt_embeds")
+    s.add_argument("--latents", help="sana-wm: a safetensors file with the stage-1 `latents` (1, C, F, H, W)")
+    s.add_argument("--kv-max-frames", type=int, default=11,
+                   help="sana-wm: sink plus recent latent frames the refiner's window keeps (its default: 11)")
     s.add_argument("--prompt", help="self-forcing: the prompt, encoded by the base model's UMT5 (base/tokenizer, "
                                     "base/text_encoder; needs transformers)")
     s.add_argument("--latent-frames", type=int, default=21, help="self-forcing: latent frames (21: 81 video frames)")

@@ -76,3 +76,94 @@ def test_the_processors_are_restored_and_bad_input_is_refused(refiner):
         SanaWMCacheAdapter(refiner.transformer, KVCache(CacheConfig(), n_layers=2))
     with pytest.raises(ValueError, match="expected a SanaWMLTX2RefinerTransformer3DModel"):
         SanaWMCacheAdapter(torch.nn.Linear(2, 2), sana_wm_kv_cache(refiner.transformer))
+
+
+# ---- recording BF16 vs quantwm into a run file, and the app's views of it ---------------------------------------
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory, stage1):
+    """A tiny refiner with an LTX-2 VAE saved as a diffusers folder, stage-1 latents on disk, a recorded run."""
+    from safetensors.torch import save_file
+
+    from quantwm.cli import main
+    from quantwm.evaluation.runfile import read_run
+
+    root = tmp_path_factory.mktemp("sana_wm_run")
+    tiny_sana_refiner(vae=True).save_pretrained(root / "refiner")
+    save_file({"latents": stage1.float()}, str(root / "stage1.safetensors"))
+    out = root / "run.safetensors"
+    assert main(["record", "--model", "sana-wm", "--base", str(root / "refiner"), "--latents",
+                 str(root / "stage1.safetensors"), "--prompt", PROMPT, "--kv-max-frames", "5", "--logit-layers", "1",
+                 "--logit-heads", "0,1", "--seed", "1", "--out", str(out)]) == 0
+    return root, read_run(out)
+
+
+def test_a_sana_wm_run_records_both_refinements_with_probes_and_key_positions(recorded):
+    from diffusers import SanaWMLTX2Refiner
+    from safetensors.torch import load_file
+
+    from quantwm.adapters.sana_wm import _decode
+
+    root, run = recorded
+    f = run.facts
+    assert (f.chunk_start, f.context_frames, f.chunk_frames, f.latent_grid, f.vae_spatial, f.vae_temporal) == \
+        (1, 1, 3, (4, 4), 32, 8)
+    assert run.bf16.shape == (97, 128, 128, 3) and not torch.equal(run.bf16, run.method)
+    pipe = SanaWMLTX2Refiner.from_pretrained(root / "refiner")  # the stock pipeline, the same call
+    pipe.set_progress_bar_config(disable=True)
+    z = load_file(str(root / "stage1.safetensors"))["latents"]
+    stock = pipe(z, PROMPT, fps=16.0, kv_max_frames=5, output_type="latent", generator=torch.Generator().manual_seed(1))
+    assert torch.equal(run.bf16, _decode(pipe.vae, stock))  # BF16 through QuantWM = the stock refiner, decoded
+    assert sorted(run.top1) == [0, 1, 2, 3] and sorted(run.positions) == [0, 1, 2, 3]
+    tpf = 16
+    assert run.positions[0].tolist() == list(range(tpf))  # block 0 sees the sink only
+    # Block 3 (frames 10-12) sees the sink (frame 0) and the window's last 4 frames (6-9).
+    assert run.positions[3].tolist() == list(range(tpf)) + list(range(6 * tpf, 10 * tpf))
+    assert run.logits[3][0].shape == (1, 2, 3 * tpf, 5 * tpf)
+
+
+def test_the_app_views_of_a_sana_wm_run_map_sources_to_their_latent_frames(recorded):
+    import numpy as np
+
+    from quantwm.evaluation.workbench import LoadedRun
+
+    _, run = recorded
+    view = LoadedRun(run, "sana")
+    assert view.frame_view(0)["jumps"] is None and view.frame_view(0)["context"]  # the sink: never generated
+    assert view.frame_view(96)["jumps"].shape == (4, 4)
+    t = 1 + 8 * 10  # the first output frame of latent frame 11 (block 3)
+    r = view.pixel_trace(t, 40, 72, layer=1, head=1)
+    assert r["query"] == (11, 2, 1)
+    for key in ("source_bf16", "source_method"):
+        assert r[key][0] in (0, 6, 7, 8, 9)  # the sink or a frame in the window
+    heat = r["logits_bf16"]
+    assert heat.shape == (10, 16) and np.isnan(heat[1:6]).all() and np.isfinite(heat[[0, 6, 7, 8, 9]]).all()
+    summary = view.compare()["summary"]
+    assert 0 <= summary["shift_rate"] <= 1 and summary["bits_per_element"] > 2
+
+
+def test_sana_wm_record_refuses_bad_input(recorded, tmp_path, capsys):
+    from quantwm.adapters.sana_wm import record_sana_wm
+    from quantwm.cli import main
+
+    root, _ = recorded
+    with pytest.raises(ValueError, match="no latents in a safetensors file"):
+        record_sana_wm(root / "refiner", tmp_path / "none.safetensors", PROMPT)
+    with pytest.raises(ValueError, match="needs at least the sink"):
+        record_sana_wm(root / "refiner", torch.zeros(1, 8, 4, 4, 4), PROMPT)
+    with pytest.raises(ValueError, match="not a diffusers SanaWMLTX2Refiner folder"):
+        record_sana_wm(tmp_path, torch.zeros(1, 8, 13, 4, 4), PROMPT)
+    assert main(["record", "--model", "sana-wm", "--out", str(tmp_path / "x.safetensors")]) == 2
+    assert "needs --base, --latents, --prompt" in capsys.readouterr().err
+
+
+def test_the_apps_pixel_trace_handler_draws_a_sana_wm_run(recorded):
+    from app import world_handlers as wh
+    from quantwm.evaluation.workbench import Workbench
+
+    root, _ = recorded
+    wb = Workbench()
+    rid = wb.open_run(str(root / "run.safetensors"))
+    r = wh.trace_pixel_handler(wb, rid, 1 + 8 * 10, 40, 72, 1, 1)
+    assert r["status"].startswith("Query frame 11, row 2, col 1") and r["figure"] is not None, r["status"]
+    assert r["bf16_source"].shape == r["method_source"].shape  # thumbnails of the source frames
+    assert "not generated with probes" in wh.trace_pixel_handler(wb, rid, 0, 40, 72, 1, 1)["status"]

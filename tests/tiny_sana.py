@@ -5,10 +5,12 @@ from __future__ import annotations
 WORDS = "a cat walks on the beach at dusk red car drives through city night"
 
 
-def tiny_sana_refiner(seed: int = 0):
-    """The stock pipeline: 2 blocks, 2 heads x 64, 8 latent channels; Gemma-3 with 2 layers of width 32."""
+def tiny_sana_refiner(seed: int = 0, vae: bool = False):
+    """The stock pipeline: 2 blocks, 2 heads x 64, 8 latent channels; Gemma-3 with 2 layers of width 32; with
+    `vae`, an LTX-2 video VAE (32x spatial, 8x temporal, causal) to decode the refined latents."""
     import torch
-    from diffusers import FlowMatchEulerDiscreteScheduler, SanaWMLTX2Refiner, SanaWMLTX2RefinerTransformer3DModel
+    from diffusers import (AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler, SanaWMLTX2Refiner,
+                           SanaWMLTX2RefinerTransformer3DModel)
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GemmaTokenizerFast
@@ -35,6 +37,9 @@ def tiny_sana_refiner(seed: int = 0):
         video_connector_num_learnable_registers=None, audio_connector_num_attention_heads=2,
         audio_connector_attention_head_dim=16, audio_connector_num_layers=1,
         audio_connector_num_learnable_registers=None, video_hidden_dim=32, audio_hidden_dim=32).eval()
+    decoder = AutoencoderKLLTX2Video(
+        latent_channels=8, block_out_channels=(8, 16, 32, 64), decoder_block_out_channels=(8, 16, 32),
+        layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1)).eval() if vae else None
     return SanaWMLTX2Refiner(transformer=transformer, connectors=connectors, tokenizer=tokenizer,
                              text_encoder=text_encoder, scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0),
-                             text_max_sequence_length=16)
+                             vae=decoder, text_max_sequence_length=16)

@@ -20,17 +20,24 @@ processor a view of the stock layer cache (`SanaWMRefinerKVLayerCache`):
 * The rotated queries of every pass feed S (`cache.observe`): a forward hook on `attn.norm_q` takes the normed
   queries, and the model's own RoPE function rotates them.
 
+With a `ProbeCapture`, the last denoising pass of every block records each query's top-1 cached key (sink and
+history) under exact and stored keys, the logits asked for, and the latent token each cached key holds
+(`positions`, per block): `record_sana_wm` turns both runs into a run file for the app.
+
 In BF16 the refined latents are bit-identical to the stock pipeline's (tests/test_sana_wm.py, a tiny random
 refiner saved and loaded with `save_pretrained` / `from_pretrained`). The stock pipeline needs `transformers`
 (its Gemma-3 text encoder).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
 from ..core.cache import CacheConfig, KVCache
+from .self_forcing import ProbeCapture
 
 ATTENDING_MODES = ("inject", "inject_and_capture_post_rope")
 
@@ -101,6 +108,8 @@ class QuantWMRefinerAttnProcessor:
             def observe(_module, _inputs, query):  # normed queries (B, N, H·D), before the block's K/V is written
                 q = rotate(query, query_rotary_emb).unflatten(2, (attn.heads, -1))
                 self.adapter.cache.observe(self.layer, q)
+                if self.adapter.probe is not None and kv_cache_mode == "inject":
+                    self.adapter.probe_pass(self.layer, q, view, sink_rotary_emb, rotate)
             hook = attn.norm_q.register_forward_hook(observe)
         try:
             return self.stock(*args, sink_rotary_emb=sink_rotary_emb, kv_cache=view, kv_cache_mode=kv_cache_mode)
@@ -118,7 +127,7 @@ class SanaWMCacheAdapter:
 
     Leaving the block restores the original processors. One pipeline call per cache: `reset()` empties it."""
 
-    def __init__(self, transformer, cache: KVCache):
+    def __init__(self, transformer, cache: KVCache, probe: ProbeCapture | None = None):
         blocks = getattr(transformer, "transformer_blocks", None)
         if blocks is None or not all(hasattr(b, "attn1") for b in blocks):
             raise ValueError(f"expected a SanaWMLTX2RefinerTransformer3DModel, got {type(transformer).__name__}")
@@ -127,7 +136,10 @@ class SanaWMCacheAdapter:
                              "sana_wm_kv_cache(transformer, config)")
         if cache.config.layout != "BLHD" or cache.config.rope != "post":
             raise ValueError("the refiner's history is post-RoPE (B, N, H, D): the cache needs layout='BLHD', rope='post'")
-        self.transformer, self.cache = transformer, cache
+        if probe is not None and not cache.config.keep_exact and (cache.quantize_k or cache.quantize_v):
+            raise ValueError("probes compare exact and stored keys: the cache needs CacheConfig(keep_exact=True)")
+        self.transformer, self.cache, self.probe = transformer, cache, probe
+        self.positions: dict[int, torch.Tensor] = {}  # block -> latent token of each key its queries attend to
         self.next_chunk = [0] * len(blocks)
         self.pending = [0] * len(blocks)  # tokens of the captured, not yet committed block, per layer
         self._saved: list | None = None
@@ -138,6 +150,31 @@ class SanaWMCacheAdapter:
         if rope_type not in self._rope:
             raise ValueError(f"unsupported RoPE type {rope_type!r}; the refiner uses {', '.join(self._rope)}")
         return self._rope[rope_type]
+
+    def probe_pass(self, layer: int, q: torch.Tensor, view: _LayerView, sink_rope, rotate) -> None:
+        """Top-1 keys of a denoising pass's queries q (B, N, H, D) over [sink, history], exact vs stored."""
+        chunk, heads = self.next_chunk[layer], q.shape[2]
+        exact, stored, pos = [], [], []
+        sink = view.get_sink()
+        if sink is not None:  # the stock processor re-RoPEs the sink for this window; so do the probes
+            k = rotate(sink[0].to(q.dtype), sink_rope).unflatten(2, (heads, -1))[0].transpose(0, 1).float()
+            exact.append(k), stored.append(k), pos.append(torch.arange(k.shape[1]))
+        sink_tokens = exact[0].shape[1] if exact else 0
+        marker = view.stock.get_history()
+        n = 0 if marker is None else marker[0].shape[1]
+        if n:
+            exact.append(self.cache.keys(layer, exact=True)[0, -n:].transpose(0, 1).float())  # (H, n, D)
+            stored.append(self.cache.keys(layer)[0, -n:].transpose(0, 1).float())
+            pos.append(sink_tokens + self.cache.positions(layer)[-n:])  # refined blocks follow the sink
+        if not exact:
+            return
+        qh = q[0].transpose(0, 1).float()  # (H, N, D)
+        scale = qh.shape[-1] ** -0.5
+        bias = self.cache.logit_bias(layer, qh[None], scale) if n else None  # +jensen: stored history keys only
+        if bias is not None:
+            bias = torch.cat([bias.new_zeros(heads, qh.shape[1], sink_tokens), bias[0, :, :, -n:]], -1)
+        self.probe.record(layer, chunk, qh, torch.cat(exact, 1), torch.cat(stored, 1), scale, bias)
+        self.positions[chunk] = torch.cat(pos)
 
     def commit_pending(self, layer: int) -> None:
         if self.pending[layer]:
@@ -162,3 +199,93 @@ class SanaWMCacheAdapter:
         for b, processor in zip(self.transformer.transformer_blocks, self._saved):
             b.attn1.set_processor(processor)
         self._saved = None
+
+
+def _decode(vae, latents: torch.Tensor) -> torch.Tensor:
+    """Refined latents (1, C, F, H, W) -> output frames (T, H', W', 3) uint8, as the refiner pipeline decodes."""
+    mean = vae.latents_mean.view(1, -1, 1, 1, 1).to(latents)
+    std = vae.latents_std.view(1, -1, 1, 1, 1).to(latents)
+    x = (latents / vae.config.scaling_factor * std + mean).to(next(vae.parameters()).dtype)
+    with torch.no_grad():
+        video = vae.decode(x, return_dict=False)[0]  # (1, 3, T, H', W') in [-1, 1]
+    return ((video[0].permute(1, 2, 3, 0).float().clamp(-1, 1) + 1) * 127.5).round().to(torch.uint8).cpu()
+
+
+def load_stage1_latents(path: str | Path) -> torch.Tensor:
+    """Stage-1 latents (1, C, F, H, W) from a safetensors file holding `latents` (SanaWMPipeline's latent output)."""
+    from safetensors.torch import load_file
+
+    try:
+        z = load_file(str(path))["latents"]
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
+        raise ValueError(f"{path}: no latents in a safetensors file ({str(err).splitlines()[0][:100]})") from None
+    if z.dim() == 4:
+        z = z[None]
+    if z.dim() != 5 or z.shape[0] != 1 or not torch.isfinite(z).all():
+        raise ValueError(f"{path}: latents must be finite (1, C, F, H, W), got {tuple(z.shape)}")
+    return z
+
+
+def record_sana_wm(base, latents, prompt: str, method: str = "quantwm", target: str = "kv", bits: int = 2,
+                   seed: int = 42, logit_layers=(), logit_heads=(), device: str = "cpu", block_size: int = 3,
+                   kv_max_frames: int = 11, sink_size: int = 1, fps: float = 16.0, progress: Callable | None = None,
+                   pipe=None):
+    """The run file contents (`runfile.Run`) of SANA-WM's refiner with `method`'s cache against BF16, from the
+    same stage-1 latents and noise. `base`: a `SanaWMLTX2Refiner` folder with a vae; `pipe`: one already loaded."""
+    from ..evaluation.runfile import Run, RunFacts
+    from ..evaluation.workbench import cache_memory_mb
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError("--device cuda: no CUDA device on this machine")
+    if pipe is None:
+        from diffusers import SanaWMLTX2Refiner
+
+        if not (Path(base) / "model_index.json").is_file():
+            raise ValueError(f"{base}: not a diffusers SanaWMLTX2Refiner folder (no model_index.json)")
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+        pipe = SanaWMLTX2Refiner.from_pretrained(str(base), dtype=dtype).to(device)
+    if getattr(pipe, "vae", None) is None:
+        raise ValueError(f"{base}: the refiner has no vae (AutoencoderKLLTX2Video); a run needs decoded frames")
+    z = load_stage1_latents(latents) if not torch.is_tensor(latents) else latents
+    cfg = pipe.transformer.config
+    C, F, H, W = z.shape[1:]
+    if C != cfg.in_channels or H % cfg.patch_size or W % cfg.patch_size:
+        raise ValueError(f"latents {tuple(z.shape)} do not fit the refiner ({cfg.in_channels} channels, patch "
+                         f"{cfg.patch_size})")
+    if F < sink_size + 2 * block_size:
+        raise ValueError(f"{F} latent frames: the refiner needs at least the sink ({sink_size}) and two blocks of "
+                         f"{block_size}")
+    layers, heads = cfg.num_layers, cfg.num_attention_heads
+    for name, vals, n in (("logit layer", logit_layers, layers), ("logit head", logit_heads, heads)):
+        bad = [v for v in vals if not 0 <= v < n]
+        if bad:
+            raise ValueError(f"{name} {bad[0]} out of range: the model has {n}")
+
+    def refine(config: CacheConfig, probe):
+        cache = sana_wm_kv_cache(pipe.transformer, config)
+        with SanaWMCacheAdapter(pipe.transformer, cache, probe) as adapter:
+            out = pipe(z.to(device), prompt, fps=fps, sink_size=sink_size, block_size=block_size,
+                       kv_max_frames=kv_max_frames, generator=torch.Generator(device=device).manual_seed(seed),
+                       output_type="latent")
+        return _decode(pipe.vae, out), cache, adapter.positions
+
+    ref, _, _ = refine(CacheConfig("bf16", sink_chunks=0), None)
+    if progress:
+        progress(1, 2)
+    probe = ProbeCapture(layers, logit_layers, logit_heads)
+    frames, cache, positions = refine(CacheConfig(method, target=target, k_bits=bits, v_bits=bits, sink_chunks=0,
+                                                  keep_exact=True), probe)
+    if progress:
+        progress(2, 2)
+    spatial, temporal = frames.shape[2] // (W // cfg.patch_size) // cfg.patch_size, (frames.shape[0] - 1) // (F - 1)
+    facts = RunFacts("SANA-WM stage-2 refiner (LTX-2, diffusers SanaWMLTX2Refiner)", layers, heads,
+                     cfg.attention_head_dim, (H // cfg.patch_size, W // cfg.patch_size), block_size, sink_size,
+                     vae_spatial=spatial, patch=cfg.patch_size, vae_temporal=temporal, chunk_start=sink_size)
+    stats = torch.stack([cache.query_stats(layer).float().cpu() for layer in range(layers)])
+    top1 = probe.top1()
+    meta = {"method": method, "target": target, "bits": bits, "bits_per_element": cache.bits_per_element(),
+            "memory_mb": cache_memory_mb(cache), "logit_layers": list(logit_layers), "logit_heads": list(logit_heads),
+            "source": {"base": str(base), "latents": str(latents) if not torch.is_tensor(latents) else "tensor",
+                       "prompt": prompt, "seed": seed, "block_size": block_size, "kv_max_frames": kv_max_frames,
+                       "sink_size": sink_size, "fps": fps}}
+    return Run(facts, meta, ref, frames, stats, top1, probe.logits(), {c: positions[c] for c in top1})

@@ -161,14 +161,20 @@ class ProbeCapture(TraceCapture):
         n = qh.shape[1]
         k_exact = self._bhd(cache, cache.keys(layer, exact=True))[:, :-n].float()
         k_stored = self._bhd(cache, cache.keys(layer))[:, :-n].float()
-        bias_all = cache.logit_bias(layer, qh[None], scale)  # +jensen methods: (1, H, N, L) over all held keys
+        bias = cache.logit_bias(layer, qh[None], scale)  # +jensen methods: (1, H, N, L) over all held keys
+        self.record(layer, chunk, qh, k_exact, k_stored, scale, None if bias is None else bias[0, :, :, :-n])
+
+    def record(self, layer: int, chunk: int, qh: torch.Tensor, k_exact: torch.Tensor, k_stored: torch.Tensor,
+               scale: float, bias: torch.Tensor | None = None) -> None:
+        """Top-1 cached key of each query qh (H, N, D) under k_exact and k_stored (H, L, D), `bias` (H, N, L)
+        added to the stored logits; logits kept for the chosen layers and heads."""
         tops_e, tops_q = [], []
         for h0 in range(0, qh.shape[0], self.head_block):  # bounded memory: a few heads' logits at a time
             hs = slice(h0, h0 + self.head_block)
             le = scale * qh[hs] @ k_exact[hs].transpose(-1, -2)
             lq = scale * qh[hs] @ k_stored[hs].transpose(-1, -2)
-            if bias_all is not None:
-                lq = lq + bias_all[0, hs, :, :lq.shape[-1]].float()
+            if bias is not None:
+                lq = lq + bias[hs].float()
             tops_e.append(le.argmax(-1)), tops_q.append(lq.argmax(-1))
             if layer in self.logit_layers:
                 for h in range(h0, min(h0 + self.head_block, qh.shape[0])):

@@ -9,10 +9,14 @@ One safetensors file (`write_run` / `read_run`). Tensors:
   (cached tokens only, in cache order: frame by frame, row-major);
 * per probed chunk, for the layers and heads named in `logit_layers` / `logit_heads` only (bounded so:
   `quantwm record --logit-layers/--logit-heads`): `probe.{c}.logits_exact`, `probe.{c}.logits_method`:
-  (n_layers, n_heads, N, n_cached) float16, each query's attention logits over the cache.
+  (n_layers, n_heads, N, n_cached) float16, each query's attention logits over the cache;
+* optional, per probed chunk: `probe.{c}.positions` (n_cached,) int32, the latent token (frame * h * w + row * w
+  + col) each cached key holds, in cache order, for caches that do not hold every earlier token in order (a
+  sink plus a sliding window: SANA-WM's refiner). Without it the cache holds the chunk's predecessors in order.
 
 Metadata (strings): `quantwm_run_version`="1" and `run` (JSON): `model` (name), `layers`, `heads`, `head_dim`,
-`latent_grid` [h, w], `chunk_frames` and `context_frames` (latent frames), `vae_spatial`, `patch`,
+`latent_grid` [h, w], `chunk_frames` and `context_frames` (latent frames), optional `chunk_start` (the latent
+frame where chunk 0 begins; 0 unless the first frames are a sink, as SANA-WM's), `vae_spatial`, `patch`,
 `vae_temporal`, `method`, `target`, `bits`, `bits_per_element`, `memory_mb` {bf16, stored}, `logit_layers`,
 `logit_heads`, `probed_chunks`, and free-form `source` (seed, prompt, command).
 
@@ -47,6 +51,7 @@ class RunFacts:
     vae_spatial: int = 1
     patch: int = 1
     vae_temporal: int = 1
+    chunk_start: int = 0  # latent frame where chunk 0 begins (a sink before it: SANA-WM)
 
     @property
     def tokens_per_frame(self) -> int:
@@ -66,6 +71,10 @@ class RunFacts:
     def first_output_frame(self, f: int) -> int:
         return 0 if f == 0 else 1 + self.vae_temporal * (f - 1)
 
+    def chunk_of(self, f: int) -> int | None:
+        """The chunk latent frame `f` was generated in (None before chunk 0: a sink)."""
+        return None if f < self.chunk_start else (f - self.chunk_start) // self.chunk_frames
+
     def pixel_to_token(self, x: int, y: int) -> tuple[int, int]:
         """Output pixel (x, y) -> (row, col) of its latent token; ValueError outside the frame."""
         h, w = self.latent_grid
@@ -84,10 +93,11 @@ class Run:
     stats: torch.Tensor  # (layers, heads, D, D)
     top1: dict[int, tuple[torch.Tensor, torch.Tensor]]  # chunk -> (exact, stored), (layers, heads, N)
     logits: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # chunk -> (nl, nh, N, L)
+    positions: dict[int, torch.Tensor] = field(default_factory=dict)  # chunk -> (L,) latent token of each key
 
     def nbytes(self) -> int:
         ts = [self.bf16, self.method, self.stats, *sum(map(list, self.top1.values()), []),
-              *sum(map(list, self.logits.values()), [])]
+              *sum(map(list, self.logits.values()), []), *self.positions.values()]
         return sum(t.numel() * t.element_size() for t in ts)
 
 
@@ -99,6 +109,8 @@ def write_run(path: str | Path, run: Run) -> None:
     for c, (e, q) in run.logits.items():
         tensors[f"probe.{c}.logits_exact"] = e.half().contiguous()
         tensors[f"probe.{c}.logits_method"] = q.half().contiguous()
+    for c, pos in run.positions.items():
+        tensors[f"probe.{c}.positions"] = pos.int().contiguous()
     meta = {**run.meta, **asdict(run.facts), "probed_chunks": sorted(run.top1)}
     save_file(tensors, str(path), metadata={"quantwm_run_version": RUN_VERSION, "run": json.dumps(meta)})
 
@@ -131,13 +143,13 @@ def read_run(path: str | Path) -> Run:
         missing = [k for k in (*FACT_KEYS, *META_KEYS) if k not in meta]
         if missing:
             raise _invalid(path, f"metadata lacks {', '.join(missing)}")
-        facts = RunFacts(**{k: meta[k] for k in FACT_KEYS})
+        facts = RunFacts(**{k: meta[k] for k in (*FACT_KEYS, "chunk_start") if k in meta})
         facts = RunFacts(**{**asdict(facts), "latent_grid": tuple(int(v) for v in facts.latent_grid)})
         ints = [facts.layers, facts.heads, facts.head_dim, *facts.latent_grid, facts.chunk_frames, facts.vae_spatial,
                 facts.patch, facts.vae_temporal]
-        if any(not isinstance(v, int) or v < 1 for v in ints) or not isinstance(facts.context_frames, int) \
-                or facts.context_frames < 0:
-            raise _invalid(path, "model facts must be positive integers (context_frames >= 0)")
+        if any(not isinstance(v, int) or v < 1 for v in ints) or any(
+                not isinstance(v, int) or v < 0 for v in (facts.context_frames, facts.chunk_start)):
+            raise _invalid(path, "model facts must be positive integers (context_frames, chunk_start >= 0)")
     except (KeyError, TypeError, json.JSONDecodeError) as e:
         raise _invalid(path, f"bad metadata ({e})") from None
     for name in ("frames.bf16", "frames.method", "stats"):
@@ -158,25 +170,35 @@ def read_run(path: str | Path) -> Run:
         raise _invalid(path, f"stats must be finite ({L}, {H}, {D}, {D}), got {tuple(stats.shape)}")
     n = facts.chunk_frames * facts.tokens_per_frame
     latent = facts.latent_frame(bf16.shape[0] - 1) + 1
-    top1, logits = {}, {}
+    top1, logits, positions = {}, {}, {}
     nl, nh = len(meta["logit_layers"]), len(meta["logit_heads"])
+    first = -(-max(0, facts.context_frames - facts.chunk_start) // facts.chunk_frames)  # context chunks: no probes
     for c in meta["probed_chunks"]:
-        if not isinstance(c, int) or not facts.context_frames // facts.chunk_frames <= c < -(-latent // facts.chunk_frames):
+        if not isinstance(c, int) or not first <= c < -(-(latent - facts.chunk_start) // facts.chunk_frames):
             raise _invalid(path, f"probed chunk {c!r} is not a generated chunk of this run")
+        start = (facts.chunk_start + c * facts.chunk_frames) * facts.tokens_per_frame  # the chunk's first token
+        pos = tensors.get(f"probe.{c}.positions")
+        if pos is not None:
+            if pos.dim() != 1 or pos.dtype != torch.int32 or not len(pos) or pos.min() < 0 or pos.max() >= start:
+                raise _invalid(path, f"probe.{c}.positions must be (n_cached,) int32 latent tokens before the chunk's "
+                                     f"first ({start})")
+            positions[c] = pos.long()
+        cached = len(pos) if pos is not None else start
         pair = []
         for side in ("exact", "quant"):
             t = tensors.get(f"probe.{c}.top1_{side}")
             if t is None or tuple(t.shape) != (L, H, n) or t.dtype != torch.int32:
                 raise _invalid(path, f"probe.{c}.top1_{side} must be ({L}, {H}, {n}) int32")
-            if t.min() < 0 or t.max() >= c * n:
-                raise _invalid(path, f"probe.{c}.top1_{side} points outside the {c * n} cached tokens")
+            if t.min() < 0 or t.max() >= cached:
+                raise _invalid(path, f"probe.{c}.top1_{side} points outside the {cached} cached tokens")
             pair.append(t.long())
         top1[c] = tuple(pair)
         if nl and nh:
             lg = [tensors.get(f"probe.{c}.logits_{s}") for s in ("exact", "method")]
-            if any(t is None or tuple(t.shape) != (nl, nh, n, c * n) for t in lg):
-                raise _invalid(path, f"probe.{c}.logits_exact/_method must be ({nl}, {nh}, {n}, {c * n})")
+            if any(t is None or tuple(t.shape) != (nl, nh, n, cached) for t in lg):
+                raise _invalid(path, f"probe.{c}.logits_exact/_method must be ({nl}, {nh}, {n}, {cached})")
             if any(not torch.isfinite(t).all() for t in lg):
                 raise _invalid(path, f"probe.{c}.logits hold NaN or Inf")
             logits[c] = (lg[0].float(), lg[1].float())
-    return Run(facts, {k: meta[k] for k in meta if k not in FACT_KEYS}, bf16, method, stats.float(), top1, logits)
+    return Run(facts, {k: meta[k] for k in meta if k not in (*FACT_KEYS, "chunk_start")}, bf16, method, stats.float(),
+               top1, logits, positions)

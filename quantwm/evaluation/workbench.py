@@ -587,7 +587,21 @@ class LoadedRun:
 
     def _latent_jumps(self, t: int, layer, head):
         f = self.facts
-        return D.frame_jumps(self.probes, f.latent_frame(t), f.chunk_frames, f.tokens_per_frame, layer, head)
+        lat = f.latent_frame(t)
+        if f.chunk_of(lat) is None:
+            return None  # a sink frame: never generated
+        return D.frame_jumps(self.probes, lat - f.chunk_start, f.chunk_frames, f.tokens_per_frame, layer, head)
+
+    def _cached(self, chunk: int, logits: torch.Tensor, src: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """One query's logits over the cache as (cached frames, tokens per frame), and a source's (frame, row,
+        col). A cache with positions (a sink plus a window) is laid out by latent frame, NaN where it held none."""
+        f = self.facts
+        pos = self.run.positions.get(chunk)
+        if pos is None:
+            return logits.reshape(-1, f.tokens_per_frame), D.token_coords(src, f.latent_grid)
+        grid = torch.full(((int(pos.max()) // f.tokens_per_frame + 1) * f.tokens_per_frame,), float("nan"))
+        grid[pos] = logits.float()
+        return grid.reshape(-1, f.tokens_per_frame), D.token_coords(int(pos[src]), f.latent_grid)
 
     def compare(self) -> dict:
         """The Generate tab's numbers: as recorded when the file carries them (`summary`, `series`: computed
@@ -633,23 +647,24 @@ class LoadedRun:
             raise ValueError(f"layer/head ({layer}, {head}) out of range: {f.layers} layers, {f.heads} heads")
         row, col = f.pixel_to_token(int(x), int(y))
         lat = f.latent_frame(t)
-        chunk = lat // f.chunk_frames
+        chunk = f.chunk_of(lat)
         if chunk not in self.run.top1:
             raise ValueError(f"frame {t} (latent frame {lat}) was not generated with probes (context or unprobed); "
                              f"probed chunks: {sorted(self.run.top1)}")
         if layer not in meta["logit_layers"] or head not in meta["logit_heads"]:
             raise ValueError(f"the run holds attention logits for layers {meta['logit_layers']} and heads "
                              f"{meta['logit_heads']} only (record with --logit-layers / --logit-heads)")
-        qi = (lat - chunk * f.chunk_frames) * f.tokens_per_frame + row * f.latent_grid[1] + col
+        qi = (lat - f.chunk_start - chunk * f.chunk_frames) * f.tokens_per_frame + row * f.latent_grid[1] + col
         e, q = self.run.top1[chunk]
         le, lq = self.run.logits[chunk]
         li, hi = meta["logit_layers"].index(layer), meta["logit_heads"].index(head)
-        exact, stored = (m[li, hi, qi].reshape(-1, f.tokens_per_frame) for m in (le, lq))
         src_e, src_q = int(e[layer, head, qi]), int(q[layer, head, qi])
+        exact, source_e = self._cached(chunk, le[li, hi, qi], src_e)
+        stored, source_q = self._cached(chunk, lq[li, hi, qi], src_q)
         n_lat = f.latent_frame(self.run.method.shape[0] - 1) + 1
         thumbs = self.run.method[[f.first_output_frame(i) for i in range(n_lat)]].numpy()
         return {"query": (lat, row, col), "layer": layer, "head": head, "method": meta["method"],
-                "source_bf16": D.token_coords(src_e, f.latent_grid), "source_method": D.token_coords(src_q, f.latent_grid),
+                "source_bf16": source_e, "source_method": source_q,
                 "jumped": src_e != src_q, "logits_bf16": exact.numpy(), "logits_method": stored.numpy(),
                 "frames": thumbs, "grid": f.latent_grid}
 
