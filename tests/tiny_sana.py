@@ -9,8 +9,7 @@ def tiny_sana_refiner(seed: int = 0, vae: bool = False):
     """The stock pipeline: 2 blocks, 2 heads x 64, 8 latent channels; Gemma-3 with 2 layers of width 32; with
     `vae`, an LTX-2 video VAE (32x spatial, 8x temporal, causal) to decode the refined latents."""
     import torch
-    from diffusers import (AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler, SanaWMLTX2Refiner,
-                           SanaWMLTX2RefinerTransformer3DModel)
+    from diffusers import AutoencoderKLLTX2Video, FlowMatchEulerDiscreteScheduler, SanaWMLTX2Refiner, SanaWMLTX2RefinerTransformer3DModel
     from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration, GemmaTokenizerFast
