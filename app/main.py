@@ -50,7 +50,7 @@ def live_model(a, cuda_available=None) -> dict:
 
     models = load_self_forcing(a.checkpoint, a.base, "cuda", torch.bfloat16)
     return {"kind": "Self-Forcing", "models": models, "device": f"CUDA ({torch.cuda.get_device_name(0)})",
-            "height": a.height, "width": a.width}
+            "height": a.height, "width": a.width, "base": a.base}
 
 
 def parser() -> argparse.ArgumentParser:

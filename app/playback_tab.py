@@ -25,7 +25,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     export(run_id, frame, x, y, layer, head, formats) -> {status, files}: print figures of the run;
     open_run(path or opened run id) -> the same outputs as generate, for a run file (`quantwm record`);
     `opened`: the ids of run files opened at start-up (`--run`);
-    live: {"kind", "device", "generate"(embeddings, seed, method, target, bits, latent_frames, progress)}: a real
+    live: {"kind", "device", "generate"(embeddings, seed, method, target, bits, latent_frames, prompt, progress)}: a real
     model loaded for generating on demand (`python app.py --model self-forcing`), or None."""
     size = facts["frame_size"]
     gr.Markdown("Pick a world and a quantization method, press **Generate**: the BF16 reference and the "
@@ -54,8 +54,10 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
         with gr.Accordion(f"Generate live with {live['kind']} on {live['device']} (method, target and bits from "
                           "above)", open=True):
             with gr.Row():
-                live_embeddings = gr.File(label="Prompt embeddings (.safetensors with prompt_embeds)", type="filepath",
-                                          file_types=[".safetensors"], elem_id="live-embeddings")
+                live_prompt = gr.Textbox(label="Prompt (the base model's UMT5 encodes it)", elem_id="live-prompt",
+                                         lines=2)
+                live_embeddings = gr.File(label="or prompt embeddings (.safetensors with prompt_embeds)",
+                                          type="filepath", file_types=[".safetensors"], elem_id="live-embeddings")
                 live_seed = gr.Number(0, label="Noise seed", precision=0, minimum=0)
                 live_frames = gr.Dropdown(list(LIVE_LATENT_FRAMES), value=LIVE_LATENT_FRAMES[-1],
                                           label="Latent frames (21: 81 video frames)")
@@ -168,12 +170,13 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
                                     **view)):
             e.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name=False, **view)
     if live is not None:
-        def on_live(embeddings, seed, method, target, bits, latent_frames, progress=gr.Progress()):
-            r = live["generate"](embeddings, seed, method, target, bits, latent_frames,
+        def on_live(embeddings, seed, method, target, bits, latent_frames, prompt, progress=gr.Progress()):
+            r = live["generate"](embeddings, seed, method, target, bits, latent_frames, prompt,
                                  progress=progress_callback(progress, f"generating BF16 and the method ({live['kind']})"))
             return (*shown(r), *controls_for(r))
 
-        e = live_btn.click(on_live, [live_embeddings, live_seed, method, target, bits, live_frames], [*gen_out, *pickers],
+        e = live_btn.click(on_live, [live_embeddings, live_seed, method, target, bits, live_frames, live_prompt],
+                           [*gen_out, *pickers],
                            api_name="generate_live", concurrency_limit=1, concurrency_id="generate")
         e.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name=False, **view)
     gr.on([frame.change, overlays.change, jump_layer.change, jump_head.change], do_scrub, scrub_in,

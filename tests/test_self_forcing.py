@@ -213,11 +213,18 @@ def test_the_live_backend_generates_on_demand_and_shows_the_run(released):
     assert "top-1 moved" in wh.scrub_handler(wb, r["run_id"], 20, ["top-1 jumps"])["status"]
     tr = wh.trace_pixel_handler(wb, r["run_id"], 20, 40, 20, 1, 0)
     assert tr["status"].startswith("Query frame 5, row 1, col 2")  # output frame 20 = latent frame 5
-    for args, needle in (((None, 0, "quantwm", "kv", 2, 6), "no prompt embeddings"),
+    for args, needle in (((None, 0, "quantwm", "kv", 2, 6), "no prompt and no prompt embeddings file"),
+                         ((str(emb), 0, "quantwm", "kv", 2, 6, "a red car"), "not both"),
+                         ((None, 0, "quantwm", "kv", 2, 6, "a red car"), "started without a base folder"),
                          ((str(emb), 0, "quantwm", "kv", 2, 7), "latent frames must be one of"),
                          ((str(emb), 0, "nope", "kv", 2, 6), "unknown method"),
                          ((str(emb), -1, "quantwm", "kv", 2, 6), "noise seed must be >= 0")):
         assert needle in wh.live_generate_handler(wb, live, *args)["status"]
+    if not (base / "tokenizer").is_dir():
+        save_tiny_umt5(base)
+    live["base"] = base  # a prompt: the base model's UMT5 encodes it (loaded at the first prompt)
+    r = wh.live_generate_handler(wb, live, None, 3, "quantwm", "kv", 2, 6, "a red car")
+    assert r["run_id"] == "live=Self-Forcing seed=3 quantwm kv 2-bit 6lf" and live["text_encoder"] is not None
     from app.assemble import build_app
 
     demo = build_app(None, wb, live=live)  # the page grows the live controls and their endpoint

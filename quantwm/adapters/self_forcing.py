@@ -107,30 +107,38 @@ def load_prompt_embeddings(path: str | Path, text_dim: int) -> torch.Tensor:
     return e.float()
 
 
-def encode_prompt(base: str | Path, prompt: str, max_sequence_length: int = 512, device: str = "cpu") -> torch.Tensor:
-    """The prompt's UMT5 embeddings (1, max_sequence_length, text_dim), as diffusers' WanPipeline makes them:
-    its own `_get_t5_prompt_embeds` over the base folder's tokenizer and text encoder."""
+def load_text_encoder(base: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """(tokenizer, UMT5 encoder) from a diffusers Wan folder's tokenizer/ and text_encoder/ (needs transformers)."""
+    base = Path(base)
+    for sub in ("tokenizer", "text_encoder"):
+        if not (base / sub).is_dir():
+            raise ValueError(f"{base}: no {sub}/ folder (the base model's UMT5 encoder); give prompt embeddings instead")
+    try:
+        from transformers import AutoTokenizer, UMT5EncoderModel
+    except ImportError as e:
+        raise ValueError("encoding a prompt needs transformers (pip install 'quantwm[diffusers]'); or give prompt "
+                         "embeddings") from e
+    tokenizer = AutoTokenizer.from_pretrained(str(base / "tokenizer"), local_files_only=True)
+    encoder = UMT5EncoderModel.from_pretrained(str(base / "text_encoder"), local_files_only=True, dtype=dtype)
+    return tokenizer, encoder.to(device).eval()
+
+
+def encode_prompt(base: str | Path | None, prompt: str, max_sequence_length: int = 512, device: str = "cpu",
+                  text_encoder: tuple | None = None) -> torch.Tensor:
+    """The prompt's UMT5 embeddings (1, max_sequence_length, text_dim) float32, as diffusers' WanPipeline makes
+    them: its own `_get_t5_prompt_embeds` over the base folder's tokenizer and encoder (or `text_encoder`, a
+    loaded (tokenizer, encoder) pair)."""
     from types import SimpleNamespace
 
     from diffusers import WanPipeline
 
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("the prompt is empty")
-    base = Path(base)
-    for sub in ("tokenizer", "text_encoder"):
-        if not (base / sub).is_dir():
-            raise ValueError(f"{base}: no {sub}/ folder (the base model's UMT5 encoder); give --embeddings instead")
-    try:
-        from transformers import AutoTokenizer, UMT5EncoderModel
-    except ImportError as e:
-        raise ValueError("encoding a prompt needs transformers (pip install 'quantwm[diffusers]'); or give "
-                         "--embeddings") from e
-    tokenizer = AutoTokenizer.from_pretrained(str(base / "tokenizer"), local_files_only=True)
-    encoder = UMT5EncoderModel.from_pretrained(str(base / "text_encoder"), local_files_only=True).to(device).eval()
-    owner = SimpleNamespace(tokenizer=tokenizer, text_encoder=encoder, _execution_device=torch.device(device))
+    tokenizer, encoder = text_encoder or load_text_encoder(base, device)
+    dev = next(encoder.parameters()).device
+    owner = SimpleNamespace(tokenizer=tokenizer, text_encoder=encoder, _execution_device=dev)
     with torch.no_grad():
-        embeds = WanPipeline._get_t5_prompt_embeds(owner, prompt, 1, max_sequence_length, torch.device(device),
-                                                   torch.float32)
+        embeds = WanPipeline._get_t5_prompt_embeds(owner, prompt, 1, max_sequence_length, dev, torch.float32)
     return embeds.cpu()
 
 
