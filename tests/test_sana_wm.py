@@ -65,6 +65,19 @@ def test_quantwm_refines_close_to_bf16_in_fewer_bytes(refiner, stage1):
     assert torch.equal(out[:, :, :4], reference[:, :, :4])  # the sink and block 1 see no quantized history
 
 
+def test_a_second_refinement_needs_an_empty_cache(refiner, stage1):
+    cache = sana_wm_kv_cache(refiner.transformer, CacheConfig("bf16", sink_chunks=0))
+    first = refine(refiner, stage1, cache)
+    with SanaWMCacheAdapter(refiner.transformer, cache) as adapter:
+        with pytest.raises(ValueError, match="one pipeline call per cache"):
+            refiner(stage1, PROMPT, fps=8.0, generator=torch.Generator().manual_seed(1), kv_max_frames=5,
+                    output_type="latent")
+        adapter.reset()
+        again = refiner(stage1, PROMPT, fps=8.0, generator=torch.Generator().manual_seed(1), kv_max_frames=5,
+                        output_type="latent")
+    assert torch.equal(first, again) and adapter.cache is not cache
+
+
 def test_the_processors_are_restored_and_bad_input_is_refused(refiner):
     before = [b.attn1.processor for b in refiner.transformer.transformer_blocks]
     with SanaWMCacheAdapter(refiner.transformer, sana_wm_kv_cache(refiner.transformer)):

@@ -99,6 +99,10 @@ class QuantWMRefinerAttnProcessor:
         args = (attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb, key_rotary_emb)
         if kv_cache is None or kv_cache_mode is None:
             return self.stock(*args, sink_rotary_emb=sink_rotary_emb, kv_cache=kv_cache, kv_cache_mode=kv_cache_mode)
+        if kv_cache_mode == "capture_pre_rope" and (self.adapter.pending[self.layer] or
+                                                    self.adapter.cache.seq_len(self.layer)):
+            raise ValueError("this QuantWM cache already holds a refinement: one pipeline call per cache "
+                             "(adapter.reset() empties it; the new one is adapter.cache)")
         self.adapter.commit_pending(self.layer)  # the block captured last time is history now
         view = _LayerView(kv_cache, self.adapter, self.layer, attn.heads)
         hook = None
@@ -187,6 +191,7 @@ class SanaWMCacheAdapter:
         self.cache = KVCache(self.cache.config, self.cache.n_layers)
         self.next_chunk = [0] * self.cache.n_layers
         self.pending = [0] * self.cache.n_layers
+        self.positions = {}
 
     def __enter__(self) -> SanaWMCacheAdapter:
         blocks = self.transformer.transformer_blocks
