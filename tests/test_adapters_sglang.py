@@ -150,11 +150,21 @@ def test_queries_reach_the_statistics_and_a_calibration_file_seeds_them(tmp_path
     S = torch.eye(64).repeat(4, 1, 1) * torch.arange(1, 5).view(4, 1, 1)
     save_file({"L0.S": S, "L1.S": S.clone()}, str(tmp_path / "stats.safetensors"))
     stats = plugin.load_query_stats(str(tmp_path / "stats.safetensors"))
-    rank1 = ours(2, 64, 96, method="quantwm", query_stats=stats[1])  # Ulysses rank 1: heads 2 and 3
+    rank1 = ours(2, 64, 96, method="quantwm", query_stats=stats[1], head_offset=2)  # Ulysses rank 1: heads 2, 3
     rank1.update_and_get_attention_kv(key=torch.randn(1, 16, 2, 64).bfloat16(),
-                                      value=torch.randn(1, 16, 2, 64).bfloat16(), current_chunk_start=0,
-                                      cache_head_start=2)
+                                      value=torch.randn(1, 16, 2, 64).bfloat16(), current_chunk_start=0)
     assert torch.allclose(rank1.store.query_stats(0)[:, 0, 0].double(), torch.tensor([3.0, 4.0], dtype=torch.float64))
+    tp = ours(4, 64, 96, method="quantwm", query_stats=stats[0])  # tensor parallel: a full-head cache, heads 2, 3
+    tp.stash_queries(torch.randn(1, 16, 2, 64).bfloat16())
+    view = tp.update_and_get_attention_kv(key=torch.randn(1, 16, 2, 64).bfloat16(),
+                                          value=torch.randn(1, 16, 2, 64).bfloat16(), current_chunk_start=0,
+                                          cache_head_start=2)
+    assert view.k.shape == (1, 16, 2, 64) and tp.store.spans(0)[0].bhd == (1, 2, 64)  # the store keeps the slice
+    assert tp.store.query_stats(0).shape == (2, 64, 64)
+    kw = dict(batch_size=1, kv_cache_size=96, num_attention_heads=2, attention_head_dim=64, dtype=torch.bfloat16,
+              device="cpu")
+    with pytest.raises(ValueError, match="lacks block 2"):
+        plugin.make_caches(plugin.PluginConfig(), 3, query_stats=stats, **kw)
     (tmp_path / "bad.safetensors").write_bytes(b"not a file")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
         plugin.load_query_stats(str(tmp_path / "bad.safetensors"))
@@ -174,6 +184,16 @@ def test_a_wrong_call_fails_with_a_clear_message():
     with pytest.raises(ValueError, match="requires cache_head_start"):
         cache.update_and_get_attention_kv(key=kv["key"][:, :, :2], value=kv["value"][:, :, :2],
                                           current_chunk_start=24)
+    with pytest.raises(ValueError, match="lies inside the current chunk"):
+        cache.update_and_get_attention_kv(**kv, current_chunk_start=18)
+    with pytest.raises(ValueError, match="must be 0 \\(the first write of a video\\)"):
+        ours(4, 16, 60).update_and_get_attention_kv(**kv, current_chunk_start=12)
+    tp = ours(4, 16, 60)
+    tp.update_and_get_attention_kv(key=kv["key"][:, :, :2], value=kv["value"][:, :, :2], current_chunk_start=0,
+                                   cache_head_start=0)
+    with pytest.raises(ValueError, match="keeps heads \\[0, 2\\) \\(one rank's slice\\)"):
+        tp.update_and_get_attention_kv(key=kv["key"][:, :, :2], value=kv["value"][:, :, :2], current_chunk_start=0,
+                                       cache_head_start=2)
     with pytest.raises(ValueError, match="must be finite|NaN|non-finite"):
         cache.update_and_get_attention_kv(key=kv["key"] * float("nan"), value=kv["value"], current_chunk_start=24)
 
@@ -195,6 +215,8 @@ def test_config_from_environment_and_file(tmp_path):
     ({"QUANTWM_KV_METHOD": "rtn", "QUANTWM_KV_TARGTE": "k"}, "unknown setting QUANTWM_KV_TARGTE"),
     ({"QUANTWM_KV_METHOD": "rtn", "QUANTWM_KV_TARGET": "q"}, "target must be one of k, v, kv"),
     ({"QUANTWM_KV_CONFIG": "/nonexistent.json"}, "cannot read it as JSON"),
+    ({"QUANTWM_KV_METHOD": "kivi-pre"}, "quantizes keys before RoPE"),
+    ({"QUANTWM_KV_METHOD": "quantwm+jensen"}, "logit bias that SGLang's attention backends do not apply"),
 ])
 def test_a_bad_setting_stops_the_worker_with_one_line(environ, message):
     with pytest.raises(ValueError, match=message):

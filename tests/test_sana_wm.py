@@ -180,3 +180,18 @@ def test_the_apps_pixel_trace_handler_draws_a_sana_wm_run(recorded):
     assert r["status"].startswith("Query frame 11, row 2, col 1") and r["figure"] is not None, r["status"]
     assert r["bf16_source"].shape == r["method_source"].shape  # thumbnails of the source frames
     assert "not generated with probes" in wh.trace_pixel_handler(wb, rid, 0, 40, 72, 1, 1)["status"]
+
+
+def test_a_short_last_block_is_recorded_and_read_back(recorded, tmp_path):
+    from quantwm.adapters.sana_wm import record_sana_wm
+    from quantwm.evaluation.runfile import read_run, write_run
+    from quantwm.evaluation.workbench import LoadedRun
+
+    root, _ = recorded
+    z = torch.randn(1, 8, 12, 4, 4, generator=torch.Generator().manual_seed(3))  # sink + 3 blocks of 3 + one of 2
+    run = record_sana_wm(root / "refiner", z, PROMPT, kv_max_frames=5, logit_layers=[0], logit_heads=[0])
+    write_run(tmp_path / "short.safetensors", run)
+    back = read_run(tmp_path / "short.safetensors")
+    assert sorted(back.top1) == [0, 1, 2, 3] and back.top1[3][0].shape == (2, 2, 2 * 16)
+    r = LoadedRun(back, "short").pixel_trace(1 + 8 * 10, 8, 8, layer=0, head=0)  # latent frame 11, the last
+    assert r["query"] == (11, 0, 0) and r["source_bf16"][0] in (0, 6, 7, 8, 9)

@@ -67,7 +67,8 @@ class _LayerView:
         self.adapter.cache.write(self.layer, key.unflatten(2, (self.heads, -1)), value.unflatten(2, (self.heads, -1)),
                                  self.adapter.next_chunk[self.layer])
         self.adapter.pending[self.layer] = key.shape[1]
-        self.stock.store_captured_post_rope(key[..., :0], value[..., :0])  # token count only, no bytes
+        marker = key.new_empty(*key.shape[:2], 0)  # token count only: no bytes, no hold on the block's K/V
+        self.stock.store_captured_post_rope(marker, marker)
 
     def get_history(self):
         """The last N committed tokens (N: the pipeline's history marker), decoded; older spans are evicted."""

@@ -18,8 +18,10 @@ block one cache object, and the block's attention calls, on every pass,
   chunk and starts the next (generation advanced). Any other start is refused with a message.
 * A committed span leaves the store when SGLang's window holds none of its tokens. A window that cuts inside
   a span hides the cut tokens at once; the span's bytes are freed when its last token leaves.
-* Ulysses / tensor-parallel head slices: the current chunk is staged for all cache heads and each call
-  writes its slice (`cache_head_start`); the view returns the same slice.
+* Head slices. Under Ulysses a rank's cache holds its H/n heads (`head_offset`: the first model head, for
+  queries that still carry every head and for calibration files). Under tensor parallelism the cache is
+  made for every head and a rank writes its slice (`cache_head_start`): the store then holds that slice only,
+  so bytes and bits are counted for what the rank keeps.
 * Queries: the contract passes none. The plugin's attention hook calls `stash_queries` with the rotated
   queries before the write; they enter S (QSAC/PSAC's statistics) with the write. `load_query_stats`
   seeds S from a calibration file instead.
@@ -30,8 +32,8 @@ block one cache object, and the block's attention calls, on every pass,
   Otherwise the view is decoded for the call, one layer at a time (as QVG's packed cache does), and
   SGLang's attention backend runs on it.
 
-Known limits: writes must be chunk-sequential (what every SGLang causal stage does); with head slices
-written by separate calls on one object, each slice's queries count once per call in S's normaliser.
+Known limits: writes must be chunk-sequential (what every SGLang causal stage does), and one cache object
+keeps one head slice (what every rank writes).
 """
 from __future__ import annotations
 
@@ -97,13 +99,16 @@ class QuantWMCausalKVCache:
     def __init__(self, *, config: CacheConfig, batch_size: int, cache_size: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, device, use_int_indices: bool = False, sink_tokens: int = 0,
                  global_sink_tokens: int = 0, attention_window_size: int | None = None,
-                 allow_growth: bool = False, layer: int = 0, query_stats: torch.Tensor | None = None):
+                 allow_growth: bool = False, layer: int = 0, query_stats: torch.Tensor | None = None,
+                 head_offset: int = 0):
         for name, value in (("batch_size", batch_size), ("cache_size", cache_size), ("num_heads", num_heads),
                             ("head_dim", head_dim)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         self.config = replace(config, layout="BLHD", rope="post", seed=config.seed + 7919 * layer)
         self.batch_size, self.num_heads, self.head_dim = batch_size, num_heads, head_dim
+        self.head_offset = int(head_offset)  # the model head of cache head 0 (Ulysses: rank * num_heads)
+        self._heads: slice | None = None     # the cache heads the store holds (a tensor-parallel rank's slice)
         self.dtype, self.device = dtype, torch.device(device)
         self._contract = load_contract()
         positions = torch.zeros(1, cache_size, 1, 1, dtype=torch.long)  # the window holds positions, not K/V
@@ -131,7 +136,6 @@ class QuantWMCausalKVCache:
         self._cur_start = None      # its first token position
         self._cur_tokens = 0
         self._end = 0               # one past the last token position written
-        self._stage_k = self._stage_v = None
 
     # ---- the fields SGLang's stages read ----------------------------------------------------------------
     @property
@@ -181,6 +185,11 @@ class QuantWMCausalKVCache:
         self._window.pin_current_chunk(current_num_tokens)
 
     # ---- queries ----------------------------------------------------------------------------------------
+    @property
+    def uses_queries(self) -> bool:
+        """Whether the method reads history-query statistics (QSAC / PSAC)."""
+        return self.store.k_method.uses_queries or self.store.v_method.uses_queries
+
     def stash_queries(self, q: torch.Tensor) -> None:
         """The rotated queries (B, Nq, Hq, D) of the attention call about to write; they enter S with it."""
         if q.dim() != 4 or q.shape[-1] != self.head_dim:
@@ -201,34 +210,34 @@ class QuantWMCausalKVCache:
         out, self._fused = self._fused[1], None
         return out
 
-    def _load_calibration(self, cache_head_start: int | None) -> None:
-        """Calibration S: the model's every head (Ulysses: this rank's slice from `cache_head_start`) or ours."""
+    def _model_heads(self, n: int) -> slice:
+        """The model heads of the store's n heads."""
+        first = self.head_offset + self._heads.start
+        return slice(first, first + n)
+
+    def _load_calibration(self) -> None:
+        """Calibration S for the store's heads: the file holds them, or every model head (sliced here)."""
         S, self._calibrate = self._calibration, False
-        if S.shape[0] != self.num_heads:
-            first = cache_head_start or 0
-            if first + self.num_heads > S.shape[0]:
-                raise ValueError(f"query statistics hold {S.shape[0]} heads; this cache's heads start at {first} "
-                                 f"and number {self.num_heads}")
-            S = S[first:first + self.num_heads]
+        n = self._heads.stop - self._heads.start
+        if S.shape[0] != n:
+            heads = self._model_heads(n)
+            if heads.stop > S.shape[0]:
+                raise ValueError(f"query statistics hold {S.shape[0]} heads; this cache keeps model heads "
+                                 f"[{heads.start}, {heads.stop})")
+            S = S[heads]
         self.store.load_query_stats(0, S)
 
-    def _observe(self, heads: slice, cache_head_start: int | None) -> None:
-        """Stashed queries into S, on the cache heads `heads` the call wrote."""
+    def _observe(self) -> None:
+        """Stashed queries into S, for the store's heads."""
         q, self._stash = self._stash, None
-        if q is None or not (self.store.k_method.uses_queries or self.store.v_method.uses_queries):
+        if q is None or not self.uses_queries:
             return  # bf16, rtn, kivi, qvg read no statistics
-        n = heads.stop - heads.start
-        if q.shape[2] > n:  # Ulysses: the queries still carry every head, the keys only this rank's slice
-            first = cache_head_start or 0
-            if first + n > q.shape[2]:
+        n = self._heads.stop - self._heads.start
+        if q.shape[2] != n:  # Ulysses: the queries still carry every model head
+            heads = self._model_heads(n)
+            if heads.stop > q.shape[2]:
                 return
-            q = q[:, :, first:first + n]
-        elif q.shape[2] < n:
-            return
-        if n < self.num_heads:  # a head slice of this cache: the other heads get no queries
-            full = q.new_zeros(q.shape[0], q.shape[1], self.num_heads, self.head_dim)
-            full[:, :, heads] = q
-            q = full
+            q = q[:, :, heads]
         self.store.observe(0, q)
 
     # ---- the contract -----------------------------------------------------------------------------------
@@ -258,10 +267,22 @@ class QuantWMCausalKVCache:
         """Write the chunk's K/V (B, N, H, D) at `current_chunk_start`; return the visible view (SGLang's
         `CausalAttentionKVView`: k, v (B, L, H, D) in key's dtype, and the dense cache's indices)."""
         heads = self._check(key, value, cache_head_start, debug_name)
+        if self._heads is None:
+            self._heads = heads
+        elif heads != self._heads:
+            raise ValueError(f"{debug_name}: this cache keeps heads [{self._heads.start}, {self._heads.stop}) (one "
+                             f"rank's slice); a write for heads [{heads.start}, {heads.stop}) needs its own cache")
         N, start = key.shape[1], int(current_chunk_start)
         advanced = start == self._end and start != self._cur_start
         if not advanced and start != self._cur_start:
-            where = "goes backwards" if start < (self._cur_start or 0) else "skips ahead"
+            if self._cur_start is None:
+                where = "must be 0 (the first write of a video)"
+            elif start < self._cur_start:
+                where = "goes backwards"
+            elif start < self._end:
+                where = "lies inside the current chunk"
+            else:
+                where = "skips ahead"
             raise ValueError(f"{debug_name}: chunk start {start} {where}: the current chunk starts at "
                              f"{self._cur_start} and the next must start at {self._end}")
         if not advanced and N != self._cur_tokens:
@@ -276,38 +297,27 @@ class QuantWMCausalKVCache:
             if self._cur_start is not None:
                 self.store.commit(0, self._chunk)
             self._chunk, self._cur_start, self._cur_tokens, self._end = self._chunk + 1, start, N, start + N
-            sliced = heads != slice(0, self.num_heads)
-            shape = (self.batch_size, N, self.num_heads, self.head_dim)
-            self._stage_k, self._stage_v = (key.new_zeros(shape), value.new_zeros(shape)) if sliced else (None, None)
             self._evict()
         if self._calibrate:
-            self._load_calibration(cache_head_start)
-        if self._stage_k is None:
-            if heads != slice(0, self.num_heads):
-                raise ValueError(f"{debug_name}: the chunk at {start} was written with every head; a pass over it "
-                                 "cannot write a head slice")
-            self.store.write(0, key, value, self._chunk)
-        else:  # head slices: the chunk is staged for every cache head, each call writes its slice
-            self._stage_k[:, :, heads] = key
-            self._stage_v[:, :, heads] = value
-            self.store.write(0, self._stage_k, self._stage_v, self._chunk)
+            self._load_calibration()
+        self.store.write(0, key, value, self._chunk)
         q, scale, self._fused_scale = self._stash, self._fused_scale, None
-        self._observe(heads, cache_head_start)
+        self._observe()
         visible = seen.k.view(-1)
-        out = self._attend_fused(q, scale, visible, heads) if scale is not None and q is not None else None
+        out = self._attend_fused(q, scale, visible) if scale is not None and q is not None else None
         if out is not None:  # placeholders: NaN, so a consumer other than the intercepted call cannot go unnoticed
-            k = v = key.new_full((1, 1, 1, 1), float("nan")).expand(self.batch_size, visible.numel(),
-                                                                       heads.stop - heads.start, self.head_dim)
+            k = v = key.new_full((1, 1, 1, 1), float("nan")).expand(self.batch_size, visible.numel(), key.shape[2],
+                                                                       self.head_dim)
             self._fused, self.fused_calls = (k, out), self.fused_calls + 1
         else:
-            k, v = self._gather(visible, heads, key.dtype)
+            k, v = self._gather(visible, key.dtype)
         return self._contract.CausalAttentionKVView(
             k=k, v=v, local_start_index=seen.local_start_index, local_end_index=seen.local_end_index,
             visible_local_end=seen.visible_local_end, visible_global_end=seen.visible_global_end)
 
-    def _attend_fused(self, q: torch.Tensor, scale: float, visible: torch.Tensor, heads: slice):
+    def _attend_fused(self, q: torch.Tensor, scale: float, visible: torch.Tensor):
         """Fused attention of q (B, Nq, H, D) over the store, if the view is exactly what it holds."""
-        if heads != slice(0, self.num_heads) or q.shape[2] != self.num_heads or not use_kernels(q):
+        if q.shape[2] != self._heads.stop - self._heads.start or not use_kernels(q):
             return None
         if not torch.equal(self.store.positions(0), visible):
             return None  # a window that hides stored tokens (partial eviction, recent-token window)
@@ -327,8 +337,8 @@ class QuantWMCausalKVCache:
             if not bool(((held >= a) & (held < b)).any()):
                 self.store.evict_span(0, span.index)
 
-    def _gather(self, positions: torch.Tensor, heads: slice, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        """The stored tokens at `positions` (in that order), decoded: (B, L, heads, D) each."""
+    def _gather(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """The stored tokens at `positions` (in that order), decoded: (B, L, H_kept, D) each."""
         held = self.store.positions(0)  # ascending: chunks are appended in order
         at = torch.searchsorted(held, positions)
         if bool((at >= held.numel()).any()) or not torch.equal(held[at.clamp(max=held.numel() - 1)], positions):
@@ -336,7 +346,7 @@ class QuantWMCausalKVCache:
         at = at.to(self.device)
         out = []
         for x in (self.store.keys(0), self.store.values(0)):  # (B, L_stored, H, D) float32
-            out.append(x.index_select(1, at)[:, :, heads].to(dtype))
+            out.append(x.index_select(1, at).to(dtype))
         return tuple(out)
 
     # ---- accounting -------------------------------------------------------------------------------------
@@ -345,9 +355,8 @@ class QuantWMCausalKVCache:
         return self.store.nbytes()
 
     def resident_nbytes(self) -> int:
-        """What QVG's cache reports under this name: the stored bytes plus the staged current chunk."""
-        staged = sum(t.numel() * t.element_size() for t in (self._stage_k, self._stage_v) if t is not None)
-        return self.nbytes() + staged  # staging exists only for head slices
+        """What QVG's cache reports under this name (the store holds everything: nbytes)."""
+        return self.nbytes()
 
     def bits_per_element(self) -> float:
         """Bits per element of the quantized spans, counted from their stored bytes (nan before any)."""

@@ -32,6 +32,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from ..core.backend import use_kernels
 from ..core.cache import CacheConfig
 from ..core.methods import get_method
 from .sglang_cache import QuantWMCausalKVCache
@@ -66,7 +67,13 @@ class PluginConfig:
     query_stats: str | None = None
 
     def __post_init__(self):
-        self.cache_config()  # every check CacheConfig makes (method, bits, target, chunk counts)
+        config = self.cache_config()  # every check CacheConfig makes (method, bits, target, chunk counts)
+        if get_method(self.method).pre_rope:
+            raise ValueError(f"{self.method} quantizes keys before RoPE; SGLang's contract hands the cache post-RoPE "
+                             "keys (choose a post-RoPE method)")
+        if config.jensen:
+            raise ValueError(f"{self.method} adds a logit bias that SGLang's attention backends do not apply; use "
+                             f"{self.method.removesuffix('+jensen')}")
         if self.query_stats is not None and not os.path.isfile(self.query_stats):
             raise ValueError(f"query_stats file not found: {self.query_stats}")
 
@@ -180,15 +187,21 @@ def _once(key: str, message: str, level: int = logging.WARNING) -> None:
 def make_caches(config: PluginConfig, n_blocks: int, *, batch_size: int, kv_cache_size: int,
                 num_attention_heads: int, attention_head_dim: int, dtype, device, use_int_indices: bool = False,
                 sink_tokens: int = 0, global_sink_tokens: int = 0, attention_window_size: int | None = None,
-                allow_growth: bool = False, query_stats: dict | None = None) -> list[QuantWMCausalKVCache]:
+                allow_growth: bool = False, query_stats: dict | None = None,
+                head_offset: int = 0) -> list[QuantWMCausalKVCache]:
     """One QuantWM cache per transformer block, with the arguments SGLang gives its dense cache."""
     stats = query_stats or {}
+    if stats:
+        bad = [b for b in range(n_blocks) if b not in stats or stats[b].shape[-1] != attention_head_dim]
+        if bad:
+            raise ValueError(f"the query statistics file lacks block {bad[0]} or has another head dim than "
+                             f"{attention_head_dim} (it needs L0.S .. L{n_blocks - 1}.S)")
     return [QuantWMCausalKVCache(
         config=config.cache_config(), batch_size=batch_size, cache_size=kv_cache_size,
         num_heads=num_attention_heads, head_dim=attention_head_dim, dtype=dtype, device=device,
         use_int_indices=use_int_indices, sink_tokens=sink_tokens, global_sink_tokens=global_sink_tokens,
         attention_window_size=attention_window_size, allow_growth=allow_growth, layer=block,
-        query_stats=stats.get(block)) for block in range(n_blocks)]
+        query_stats=stats.get(block), head_offset=head_offset) for block in range(n_blocks)]
 
 
 def allocation_hook(original, stage, *args, **kwargs):
@@ -207,9 +220,20 @@ def allocation_hook(original, stage, *args, **kwargs):
     if config.needs_queries and _state["stats"] is None and not all(_query_hook_applied(t) for t in QUERY_HOOKS):
         _once("queries", f"quantwm: {config.method} needs history queries, but the attention hook is not "
                               f"applied and no {ENV_PREFIX}QUERY_STATS file is given: S stays the identity")
-    caches = make_caches(config, stage.num_transformer_blocks, query_stats=_state["stats"], **kwargs)
+    caches = make_caches(config, stage.num_transformer_blocks, query_stats=_state["stats"],
+                         head_offset=_head_offset(stage, kwargs["num_attention_heads"]), **kwargs)
     _once("allocated", f"quantwm: {name} uses the QuantWM KV cache ({config.describe()})", logging.INFO)
     return caches
+
+
+def _head_offset(stage, cache_heads: int) -> int:
+    """The first model head a rank's cache holds: Ulysses gives each rank num_heads / n of them."""
+    total = getattr(getattr(stage, "transformer", None), "num_attention_heads", None)
+    if not isinstance(total, int) or cache_heads >= total:
+        return 0
+    from sglang.multimodal_gen.runtime.distributed.parallel_state import get_ulysses_parallel_rank
+
+    return get_ulysses_parallel_rank() * cache_heads
 
 
 def _query_hook_applied(target: str) -> bool:
@@ -253,12 +277,15 @@ def query_hook(original, attn, *args, **kwargs):
     cache = call.get("kv_cache")
     if not isinstance(cache, QuantWMCausalKVCache) or call.get("update_cache_only", False):
         return original(attn, *args, **kwargs)
+    inner = getattr(attn, "attn", None)
+    fused = isinstance(inner, torch.nn.Module) and use_kernels(call["q"]) and \
+        not _sequence_sharded(original.__globals__)
+    if not (fused or cache.uses_queries):
+        return original(attn, *args, **kwargs)  # rtn, kivi, qvg and bf16 need no queries
     rotate = original.__globals__.get("_apply_rotary_emb")  # the model module's own RoPE
     cos, sin = call["freqs_cis"][:2]
     q = call["q"]
     cache.stash_queries(rotate(q, cos, sin, is_neox_style=False).type_as(call["v"]))
-    inner = getattr(attn, "attn", None)
-    fused = isinstance(inner, torch.nn.Module) and not _sequence_sharded(original.__globals__)
     if fused:
         scale = getattr(inner, "softmax_scale", None) or q.shape[-1] ** -0.5
         cache.request_fused(scale)

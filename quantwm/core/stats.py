@@ -30,7 +30,9 @@ class QueryStats:
         n = q.shape[0] * q.shape[2]
         if n == 0:
             return
-        qd = q.detach().to(self.second.device, torch.float64)
+        if self.second.device != q.device:  # S lives where the queries are (a GPU: no host copy per call)
+            self.second = self.second.to(q.device)
+        qd = q.detach().to(torch.float64)
         batch = torch.einsum("bhnd,bhne->hde", qd, qd) / n  # (H, D, D) mean over this call's queries
         if self.count == 0:
             self.second = batch
@@ -47,10 +49,11 @@ class QueryStats:
         if self.count == 0:
             self.second, self.count = other.second.clone(), other.count
             return
+        other_second = other.second.to(self.second.device)
         if self.decay is None:
-            self.second += (other.second - self.second) * (other.count / (self.count + other.count))
+            self.second += (other_second - self.second) * (other.count / (self.count + other.count))
         else:
-            self.second = self.decay * self.second + (1 - self.decay) * other.second
+            self.second = self.decay * self.second + (1 - self.decay) * other_second
         self.count += other.count
 
     def load(self, second: torch.Tensor, count: int = 1) -> None:

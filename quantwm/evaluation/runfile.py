@@ -147,8 +147,8 @@ def read_run(path: str | Path) -> Run:
         facts = RunFacts(**{**asdict(facts), "latent_grid": tuple(int(v) for v in facts.latent_grid)})
         ints = [facts.layers, facts.heads, facts.head_dim, *facts.latent_grid, facts.chunk_frames, facts.vae_spatial,
                 facts.patch, facts.vae_temporal]
-        if any(not isinstance(v, int) or v < 1 for v in ints) or any(
-                not isinstance(v, int) or v < 0 for v in (facts.context_frames, facts.chunk_start)):
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in ints) or any(
+                isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in (facts.context_frames, facts.chunk_start)):
             raise _invalid(path, "model facts must be positive integers (context_frames, chunk_start >= 0)")
     except (KeyError, TypeError, json.JSONDecodeError) as e:
         raise _invalid(path, f"bad metadata ({e})") from None
@@ -168,20 +168,28 @@ def read_run(path: str | Path) -> Run:
     L, H, D = facts.layers, facts.heads, facts.head_dim
     if tuple(stats.shape) != (L, H, D, D) or not torch.isfinite(stats).all():
         raise _invalid(path, f"stats must be finite ({L}, {H}, {D}, {D}), got {tuple(stats.shape)}")
-    n = facts.chunk_frames * facts.tokens_per_frame
     latent = facts.latent_frame(bf16.shape[0] - 1) + 1
+    if facts.chunk_start >= latent:
+        raise _invalid(path, f"chunk_start {facts.chunk_start} leaves no chunk in {latent} latent frames")
+    strays = sorted({k.split(".")[1] for k in tensors if k.startswith("probe.")} -
+                    {str(c) for c in meta["probed_chunks"]})
+    if strays:
+        raise _invalid(path, f"probe tensors for chunk {strays[0]}, which probed_chunks does not list")
     top1, logits, positions = {}, {}, {}
     nl, nh = len(meta["logit_layers"]), len(meta["logit_heads"])
     first = -(-max(0, facts.context_frames - facts.chunk_start) // facts.chunk_frames)  # context chunks: no probes
     for c in meta["probed_chunks"]:
         if not isinstance(c, int) or not first <= c < -(-(latent - facts.chunk_start) // facts.chunk_frames):
             raise _invalid(path, f"probed chunk {c!r} is not a generated chunk of this run")
-        start = (facts.chunk_start + c * facts.chunk_frames) * facts.tokens_per_frame  # the chunk's first token
+        first_frame = facts.chunk_start + c * facts.chunk_frames
+        start = first_frame * facts.tokens_per_frame  # the chunk's first token
+        n = min(facts.chunk_frames, latent - first_frame) * facts.tokens_per_frame  # the last chunk may be short
         pos = tensors.get(f"probe.{c}.positions")
         if pos is not None:
-            if pos.dim() != 1 or pos.dtype != torch.int32 or not len(pos) or pos.min() < 0 or pos.max() >= start:
-                raise _invalid(path, f"probe.{c}.positions must be (n_cached,) int32 latent tokens before the chunk's "
-                                     f"first ({start})")
+            if pos.dim() != 1 or pos.dtype != torch.int32 or not len(pos) or pos.min() < 0 or pos.max() >= start \
+                    or (len(pos) > 1 and bool((pos[1:] <= pos[:-1]).any())):
+                raise _invalid(path, f"probe.{c}.positions must be (n_cached,) int32 latent tokens in increasing order, "
+                                     f"before the chunk's first ({start})")
             positions[c] = pos.long()
         cached = len(pos) if pos is not None else start
         pair = []
