@@ -23,8 +23,8 @@ block one cache object, and the block's attention calls, on every pass,
   made for every head and a rank writes its slice (`cache_head_start`): the store then holds that slice only,
   so bytes and bits are counted for what the rank keeps.
 * Queries: the contract passes none. The plugin's attention hook calls `stash_queries` with the rotated
-  queries before the write; they enter S (QSAC/PSAC's statistics) with the write. `load_query_stats`
-  seeds S from a calibration file instead.
+  queries before the write; they enter S (QSAC/PSAC's statistics) with the write. `query_stats` (a
+  calibration file's S, `quantwm query-stats`) seeds it instead or as well.
 * Attention: where the plugin's hook asked for it (`request_fused`: a single-device pass whose attention
   call it can intercept), the kernels are on (CUDA, or QUANTWM_KERNELS=triton) and the view is all the
   store holds, the queries attend to the stored spans with the fused kernels (`fused_output`), nothing
@@ -94,7 +94,9 @@ class QuantWMCausalKVCache:
     """One transformer block's cache, speaking SGLang's `CausalSelfAttentionKVCache` contract.
 
     config: the QuantWM method and its settings (layout and RoPE mode are set here: BLHD, post-RoPE);
-    the other arguments are those SGLang's stages pass to their dense cache."""
+    layer: the block index (seeds the method's randomness); query_stats: calibration S (H, D, D), H the cache's
+    heads or every model head; head_offset: the model head of cache head 0 (Ulysses: rank x heads per rank).
+    The other arguments are those SGLang's stages pass to their dense cache."""
 
     def __init__(self, *, config: CacheConfig, batch_size: int, cache_size: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, device, use_int_indices: bool = False, sink_tokens: int = 0,
