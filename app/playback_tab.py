@@ -124,30 +124,36 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     ev = go.click(on_generate, [seed, trajectory, method, target, bits, frames], gen_out, api_name="generate",
                   trigger_mode="multiple", concurrency_limit=1, concurrency_id="generate")
     ev.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name="show_frame", **view)
-    pickers = [jump_layer, jump_head, trace_layer, trace_head]
+    pickers = [jump_layer, jump_head, trace_layer, trace_head, px, py]
 
     def shown(r):
         if r.get("frames"):
             r["frame_slider"] = gr.Slider(minimum=0, maximum=r["frames"] - 1, value=r["frame"], step=1)
         return unpack(r, gen_names)
 
+    def pixel_boxes(h: int, w: int):
+        return (gr.Number(w // 2, label=f"x (0..{w - 1})"), gr.Number(h // 2, label=f"y (0..{h - 1})"))
+
     def controls_for(r):
-        """The layer/head pickers sized to an opened or live run (trace defaults: a layer and head with logits)."""
+        """The layer/head pickers and the pixel boxes sized to an opened or live run (trace defaults: a layer and
+        head with logits, the frame's centre)."""
         if not r.get("run_id"):
-            return (gr.skip(),) * 4
+            return (gr.skip(),) * 6
         L, H = r["layers"], r["heads"]
         return (gr.Dropdown(choices=["all", *map(str, range(L))], value="all"),
                 gr.Dropdown(choices=["all", *map(str, range(H))], value="all"),
                 gr.Dropdown(choices=list(range(L)), value=(r["logit_layers"] or [0])[0]),
-                gr.Dropdown(choices=list(range(H)), value=(r["logit_heads"] or [0])[0]))
+                gr.Dropdown(choices=list(range(H)), value=(r["logit_heads"] or [0])[0]), *pixel_boxes(*r["frame_hw"]))
 
     def builtin_pickers(run_id):
-        """Back to the built-in model's layers and heads after a generated run (if another run changed them)."""
+        """Back to the built-in model's layers, heads and frame size after a generated run (if another run
+        changed them)."""
         if not str(run_id or "").startswith("seed="):
-            return (gr.skip(),) * 4
+            return (gr.skip(),) * 6
         return (gr.Dropdown(choices=["all", *map(str, range(facts["layers"]))]),
                 gr.Dropdown(choices=["all", *map(str, range(facts["heads"]))]),
-                gr.Dropdown(choices=list(range(facts["layers"]))), gr.Dropdown(choices=list(range(facts["heads"]))))
+                gr.Dropdown(choices=list(range(facts["layers"]))), gr.Dropdown(choices=list(range(facts["heads"]))),
+                *pixel_boxes(size, size))
 
     if open_run is not None or live is not None:
         ev.then(builtin_pickers, [run_id], pickers, api_name=False, **view)

@@ -189,7 +189,7 @@ def open_run_handler(wb, path, files: bool = True) -> dict:
         return error(str(e))
     f = lr.facts
     shown_layers = {"layers": f.layers, "heads": f.heads, "logit_layers": lr.run.meta["logit_layers"],
-                    "logit_heads": lr.run.meta["logit_heads"]}
+                    "logit_heads": lr.run.meta["logit_heads"], "frame_hw": tuple(lr.run.bf16.shape[1:3])}
     origin = (f"opened: {f.model}, latent grid {f.latent_grid[0]}x{f.latent_grid[1]}, {f.pixels_per_token} pixels "
               f"per token, {f.vae_temporal} output frame(s) per latent frame")
     return {**_shown(cmp, run_id, lr.context_frames, origin), **shown_layers}

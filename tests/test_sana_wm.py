@@ -176,6 +176,7 @@ def test_the_apps_pixel_trace_handler_draws_a_sana_wm_run(recorded):
     root, _ = recorded
     wb = Workbench()
     rid = wb.open_run(str(root / "run.safetensors"))
+    assert wh.open_run_handler(wb, rid, files=False)["frame_hw"] == (128, 128)  # the page's pixel boxes follow it
     r = wh.trace_pixel_handler(wb, rid, 1 + 8 * 10, 40, 72, 1, 1)
     assert r["status"].startswith("Query frame 11, row 2, col 1") and r["figure"] is not None, r["status"]
     assert r["bf16_source"].shape == r["method_source"].shape  # thumbnails of the source frames
