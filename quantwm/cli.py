@@ -342,13 +342,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--logit-heads", default="0", help="heads whose attention logits the file keeps")
     s.add_argument("--weights", help="builtin: world-model weights (default: the built-in model)")
     s.add_argument("--checkpoint", help="self-forcing: the released generator checkpoint (.pt, original Wan names)")
-    s.add_argument("--base", help="self-forcing: a local diffusers Wan2.1 folder (transformer/config.json, vae/)")
+    s.add_argument("--base", help="self-forcing: a local diffusers Wan2.1 folder (transformer/config.json, vae/); "
+                                  "sana-wm: a SanaWMLTX2Refiner folder saved with its vae")
     s.add_argument("--embeddings", help="self-forcing: a safetensors file with the prompt's UMT5 prompt_embeds")
     s.add_argument("--latents", help="sana-wm: a safetensors file with the stage-1 `latents` (1, C, F, H, W)")
     s.add_argument("--kv-max-frames", type=int, default=11,
                    help="sana-wm: sink plus recent latent frames the refiner's window keeps (its default: 11)")
-    s.add_argument("--prompt", help="self-forcing: the prompt, encoded by the base model's UMT5 (base/tokenizer, "
-                                    "base/text_encoder; needs transformers)")
+    s.add_argument("--prompt", help="the prompt (self-forcing: encoded by the base model's UMT5, base/tokenizer and "
+                                    "base/text_encoder; sana-wm: by the refiner's Gemma-3; needs transformers)")
     s.add_argument("--latent-frames", type=int, default=21, help="self-forcing: latent frames (21: 81 video frames)")
     s.add_argument("--chunk-frames", type=int, default=3, help="self-forcing: latent frames per chunk")
     s.add_argument("--height", type=int, default=480)

@@ -161,6 +161,8 @@ def test_sana_wm_record_refuses_bad_input(recorded, tmp_path, capsys):
     root, _ = recorded
     with pytest.raises(ValueError, match="no latents in a safetensors file"):
         record_sana_wm(root / "refiner", tmp_path / "none.safetensors", PROMPT)
+    with pytest.raises(ValueError, match="must exceed the sink"):
+        record_sana_wm(root / "refiner", torch.zeros(1, 8, 13, 4, 4), PROMPT, kv_max_frames=1)
     with pytest.raises(ValueError, match="needs at least the sink"):
         record_sana_wm(root / "refiner", torch.zeros(1, 8, 4, 4, 4), PROMPT)
     with pytest.raises(ValueError, match="not a diffusers SanaWMLTX2Refiner folder"):

@@ -258,6 +258,9 @@ def record_sana_wm(base, latents, prompt: str, method: str = "quantwm", target: 
     if C != cfg.in_channels or H % cfg.patch_size or W % cfg.patch_size:
         raise ValueError(f"latents {tuple(z.shape)} do not fit the refiner ({cfg.in_channels} channels, patch "
                          f"{cfg.patch_size})")
+    if kv_max_frames <= sink_size:
+        raise ValueError(f"kv_max_frames ({kv_max_frames}) must exceed the sink ({sink_size}): the window holds the "
+                         "sink and recent frames")
     if F < sink_size + 2 * block_size:
         raise ValueError(f"{F} latent frames: the refiner needs at least the sink ({sink_size}) and two blocks of "
                          f"{block_size}")
