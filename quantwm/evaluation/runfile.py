@@ -33,8 +33,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
+
+from .trace import read_safetensors
 
 RUN_VERSION = "1"
 
@@ -127,15 +128,7 @@ META_KEYS = ("method", "target", "bits", "bits_per_element", "memory_mb", "logit
 
 def read_run(path: str | Path) -> Run:
     """Load and validate a run file; ValueError naming the first problem."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"{path}: no such run file")
-    try:
-        with safe_open(str(p), "pt") as f:
-            raw = f.metadata() or {}
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise _invalid(path, f"unreadable safetensors ({str(e).splitlines()[0][:100]})") from None
+    raw, tensors = read_safetensors(path, "run")
     if raw.get("quantwm_run_version") != RUN_VERSION:
         raise _invalid(path, f"quantwm_run_version is {raw.get('quantwm_run_version')!r}, expected {RUN_VERSION!r}")
     try:

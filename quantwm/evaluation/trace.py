@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 TRACE_VERSION = "1"
 REQUIRED_META = ("quantwm_trace_version", "tokens_per_frame", "frame_grid", "softmax_scale", "rope", "model")
@@ -104,19 +104,24 @@ def _check_layers(layers: dict[int, dict[str, torch.Tensor]], where) -> None:
                                       f"got {c.dtype} {tuple(c.shape)}")
 
 
+def read_safetensors(path: str | Path, kind: str) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(metadata, tensors) of a QuantWM safetensors file (`kind`: "trace", "run"), read once; ValueError naming
+    the problem for a missing or unreadable file."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"{path}: no such {kind} file")
+    try:
+        with safe_open(str(p), "pt") as f:
+            return dict(f.metadata() or {}), {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        raise ValueError(f"{path}: not a valid QuantWM {kind}: unreadable safetensors "
+                         f"({str(e).splitlines()[0][:120]})") from None
+
+
 def read_trace(path: str | Path) -> Trace:
     """Load and validate a trace file; any problem raises ValueError naming it."""
     path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"{path}: no such trace file")
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            meta = dict(f.metadata() or {})
-        tensors = load_file(str(path))
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        raise _invalid(path, f"cannot be read as safetensors ({str(e).splitlines()[0][:120]})") from None
+    meta, tensors = read_safetensors(path, "trace")
     _check_meta(meta, path)
     layers: dict[int, dict[str, torch.Tensor]] = {}
     frames = tensors.pop("frames", None)
