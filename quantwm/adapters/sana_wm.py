@@ -70,8 +70,14 @@ class _LayerView:
         marker = key.new_empty(*key.shape[:2], 0)  # token count only: no bytes, no hold on the block's K/V
         self.stock.store_captured_post_rope(marker, marker)
 
+    def history_tokens(self) -> int:
+        """N: the history tokens the pipeline keeps for this window (its zero-width marker's length)."""
+        marker = self.stock.get_history()
+        return 0 if marker is None else marker[0].shape[1]
+
     def get_history(self):
-        """The last N committed tokens (N: the pipeline's history marker), decoded; older spans are evicted."""
+        """The last N committed tokens (N: `history_tokens`), decoded in the captured keys' dtype; older spans
+        are evicted."""
         marker = self.stock.get_history()
         if marker is None:
             return None
@@ -165,8 +171,7 @@ class SanaWMCacheAdapter:
             k = rotate(sink[0].to(q.dtype), sink_rope).unflatten(2, (heads, -1))[0].transpose(0, 1).float()
             exact.append(k), stored.append(k), pos.append(torch.arange(k.shape[1]))
         sink_tokens = exact[0].shape[1] if exact else 0
-        marker = view.stock.get_history()
-        n = 0 if marker is None else marker[0].shape[1]
+        n = view.history_tokens()
         if n:
             exact.append(self.cache.keys(layer, exact=True)[0, -n:].transpose(0, 1).float())  # (H, n, D)
             stored.append(self.cache.keys(layer)[0, -n:].transpose(0, 1).float())
