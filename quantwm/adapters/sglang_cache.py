@@ -212,17 +212,21 @@ class QuantWMCausalKVCache:
         out, self._fused = self._fused[1], None
         return out
 
-    def _model_heads(self, n: int) -> slice:
-        """The model heads of the store's n heads."""
+    @property
+    def _kept(self) -> int:
+        """How many heads the store holds (this rank's slice)."""
+        return self._heads.stop - self._heads.start
+
+    def _model_heads(self) -> slice:
+        """The model heads of the store's heads."""
         first = self.head_offset + self._heads.start
-        return slice(first, first + n)
+        return slice(first, first + self._kept)
 
     def _load_calibration(self) -> None:
         """Calibration S for the store's heads: the file holds them, or every model head (sliced here)."""
         S, self._calibrate = self._calibration, False
-        n = self._heads.stop - self._heads.start
-        if S.shape[0] != n:
-            heads = self._model_heads(n)
+        if S.shape[0] != self._kept:
+            heads = self._model_heads()
             if heads.stop > S.shape[0]:
                 raise ValueError(f"query statistics hold {S.shape[0]} heads; this cache keeps model heads "
                                  f"[{heads.start}, {heads.stop})")
@@ -234,9 +238,8 @@ class QuantWMCausalKVCache:
         q, self._stash = self._stash, None
         if q is None or not self.uses_queries:
             return  # bf16, rtn, kivi, qvg read no statistics
-        n = self._heads.stop - self._heads.start
-        if q.shape[2] != n:  # Ulysses: the queries still carry every model head
-            heads = self._model_heads(n)
+        if q.shape[2] != self._kept:  # Ulysses: the queries still carry every model head
+            heads = self._model_heads()
             if heads.stop > q.shape[2]:
                 return
             q = q[:, :, heads]
@@ -319,7 +322,7 @@ class QuantWMCausalKVCache:
 
     def _attend_fused(self, q: torch.Tensor, scale: float, visible: torch.Tensor):
         """Fused attention of q (B, Nq, H, D) over the store, if the view is exactly what it holds."""
-        if q.shape[2] != self._heads.stop - self._heads.start or not use_kernels(q):
+        if q.shape[2] != self._kept or not use_kernels(q):
             return None
         if not torch.equal(self.store.positions(0), visible):
             return None  # a window that hides stored tokens (partial eviction, recent-token window)
