@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 
 from ..core.cache import CacheConfig, KVCache
-from .self_forcing import ProbeCapture
+from .self_forcing import ProbeCapture, check_logit_picks
 
 ATTENDING_MODES = ("inject", "inject_and_capture_post_rope")
 
@@ -270,10 +270,7 @@ def record_sana_wm(base, latents, prompt: str, method: str = "quantwm", target: 
         raise ValueError(f"{F} latent frames: the refiner needs at least the sink ({sink_size}) and two blocks of "
                          f"{block_size}")
     layers, heads = cfg.num_layers, cfg.num_attention_heads
-    for name, vals, n in (("logit layer", logit_layers, layers), ("logit head", logit_heads, heads)):
-        bad = [v for v in vals if not 0 <= v < n]
-        if bad:
-            raise ValueError(f"{name} {bad[0]} out of range: the model has {n}")
+    check_logit_picks(layers, heads, logit_layers, logit_heads)
 
     def refine(config: CacheConfig, probe):
         cache = sana_wm_kv_cache(pipe.transformer, config)

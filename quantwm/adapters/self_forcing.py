@@ -151,6 +151,14 @@ def sigmas(steps=DENOISING_STEPS, shift: float = SHIFT) -> list[float]:
     return out
 
 
+def check_logit_picks(layers: int, heads: int, logit_layers, logit_heads) -> None:
+    """The layers and heads whose logits a run keeps must exist in the model (ValueError naming the first)."""
+    for name, vals, n in (("logit layer", logit_layers, layers), ("logit head", logit_heads, heads)):
+        bad = [v for v in vals if not 0 <= v < n]
+        if bad:
+            raise ValueError(f"{name} {bad[0]} out of range: the model has {n}")
+
+
 class ProbeCapture(TraceCapture):
     """Top-1 cached sources (exact vs stored keys) of every query on the last denoising pass of each chunk,
     and logits for `logit_layers` x `logit_heads`; chunk -> tensors in `top1` / `logits`."""
@@ -265,10 +273,7 @@ def record_self_forcing(checkpoint, base, embeddings, method: str = "quantwm", t
     text = load_prompt_embeddings(embeddings, cfg_t.text_dim) if not torch.is_tensor(embeddings) else embeddings
     lat_hw = (height // spatial, width // spatial)
     layers, heads = cfg_t.num_layers, cfg_t.num_attention_heads
-    for name, vals, n in (("logit layer", logit_layers, layers), ("logit head", logit_heads, heads)):
-        bad = [v for v in vals if not 0 <= v < n]
-        if bad:
-            raise ValueError(f"{name} {bad[0]} out of range: the model has {n}")
+    check_logit_picks(layers, heads, logit_layers, logit_heads)
     step = (lambda a, n: progress(a, 2 * n)) if progress else None
     ref_frames, _ = _rollout(model, vae, text, CacheConfig(layout="BLHD"), latent_frames, chunk_frames, lat_hw, seed,
                              None, step)
