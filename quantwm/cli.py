@@ -312,7 +312,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--training-photos", nargs="?", const="all", choices=("all", "matched"), default=None,
                    help="the same worlds' layouts, trajectories and noise with tiles from the training photographs "
                         "(each held-out world against its twin: the paired memorisation check); 'matched': one "
-                        "per held-out scene, so tiles repeat a photograph where the held-out world's repeat a scene")
+                        "per held-out scene, of the same kind (grey or colour), so tiles repeat a photograph where the "
+                        "held-out world's repeat a scene")
     s.add_argument("--world", choices=WORLDS, default="photo", help="world kind (procedural: the first models' world)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="method option for every method, e.g. --set qsac=false (repeatable)")

@@ -36,12 +36,16 @@ def test_matched_twins_repeat_a_training_photograph_where_the_held_out_world_rep
         held, names = scene.mosaic(seed, 64)
         twin, stand_ins = scene.mosaic(seed, 64, photos="training-matched")
         assert len(stand_ins) == len(names) and set(stand_ins) <= set(scene.TRAIN_PHOTOS)
+        assert set(names) <= set(scene.HELD_OUT_PHOTOS)
+        assert [scene.is_grey(n) for n in names] == [scene.is_grey(n) for n in stand_ins]  # grey for grey
         for i in range(len(names)):
             for j in range(len(names)):
                 assert (scene.scene_of(names[i]) == scene.scene_of(names[j])) == (stand_ins[i] == stand_ins[j])
         assert not torch.equal(held, twin) and torch.equal(twin, scene.make_world(seed, 64, photos="training-matched"))
         seen |= set(stand_ins)
     assert len(seen) > 5  # the stand-ins change with the seed
+    held_scenes = {scene.scene_of(n) for n in scene.HELD_OUT_PHOTOS}
+    assert held_scenes.isdisjoint(scene.scene_of(n) for n in scene.TRAIN_PHOTOS)  # a scene sits on one side
     with pytest.raises(ValueError, match="photos must be one of training, training-matched, held-out"):
         scene.make_world(0, photos="train")
 

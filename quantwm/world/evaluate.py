@@ -98,9 +98,9 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
 
     * `training_photos="all"`: the same seeds (so the same mosaic layouts, trajectories and noise), with
       the tiles cut from the training photographs: each held-out world against its own twin;
-      `"matched"`: one training photograph per held-out scene (a per-seed choice of 4), so a twin repeats a
-      photograph across tiles exactly where its held-out world repeats a scene (4 held-out scenes repeat
-      more often than 11 training photographs);
+      `"matched"`: one training photograph per held-out scene, grey for grey and colour for colour (a
+      per-seed choice), so a twin repeats a photograph across tiles exactly where its held-out world repeats
+      a scene (4 held-out scenes repeat more often than 12 training photographs) and is grey where it is;
     * `training_seeds=True`: the worlds of seeds + TRAIN_SEED_BASE, drawn as in training (other layouts
       and trajectories too, so the difference also holds the seeds' spread)."""
     if any(s >= TRAIN_SEED_BASE or s < 0 for s in seeds):
