@@ -17,9 +17,8 @@ import statistics
 import torch
 
 from quantwm.core.cache import CacheConfig
-from quantwm.evaluation import metrics as M
 from quantwm.world import scene
-from quantwm.world.generate import generate, load_world_model, revisited_frames
+from quantwm.world.generate import generate, load_world_model
 
 SEED_BASE = 300_000  # neither evaluation (< 100000) nor training (100000 + --worlds)
 
@@ -28,12 +27,8 @@ def photo_psnr(model, name: str, seeds: int) -> float:
     saved = scene.TRAIN_PHOTOS
     scene.TRAIN_PHOTOS = (name,)  # photo_world draws tiles for seeds >= TRAIN_SEED_BASE from this tuple
     try:
-        ps = []
-        for i in range(seeds):
-            r = generate(model, SEED_BASE + i, "loop", 32, CacheConfig(), probe=False)
-            rv = revisited_frames(r.poses, model.cfg.context_frames, model.cfg.view)
-            ps.append(float(M.psnr(r.frames[rv], r.ground_truth[rv]).mean()))
-        return statistics.fmean(ps)
+        return statistics.fmean(generate(model, SEED_BASE + i, "loop", 32, CacheConfig(), probe=False).revisit_psnr()
+                                for i in range(seeds))
     finally:
         scene.TRAIN_PHOTOS = saved
 

@@ -18,14 +18,11 @@ import statistics
 import torch
 
 from quantwm.core.cache import CacheConfig
-from quantwm.evaluation import metrics as M
-from quantwm.world.generate import generate, load_world_model, revisited_frames
+from quantwm.world.generate import generate, load_world_model
 
 
 def revisit_psnr(model, seed: int, photos: str) -> float:
-    run = generate(model, seed, "loop", 32, CacheConfig(), probe=False, photos=photos)
-    revisit = revisited_frames(run.poses, model.cfg.context_frames, model.cfg.view)
-    return float(M.psnr(run.frames[revisit], run.ground_truth[revisit]).mean())
+    return generate(model, seed, "loop", 32, CacheConfig(), probe=False, photos=photos).revisit_psnr()
 
 
 def main(argv=None) -> None:

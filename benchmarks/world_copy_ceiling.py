@@ -18,7 +18,7 @@ import torch
 
 from quantwm.core.cache import CacheConfig
 from quantwm.evaluation import metrics as M
-from quantwm.world.generate import generate, load_world_model, revisited_frames
+from quantwm.world.generate import generate, load_world_model
 from quantwm.world.scene import patchify
 
 SEEDS = (0, 1, 2, 3)
@@ -36,8 +36,8 @@ def main() -> None:
         ps, lows = [], []
         for s in SEEDS:
             r = generate(model, s, "loop", n, CacheConfig(), probe=False)
-            rv = revisited_frames(r.poses, ctx, cfg.view)
-            ps.append(float(M.psnr(r.frames[rv], r.ground_truth[rv]).mean()))
+            rv = r.revisited()
+            ps.append(r.revisit_psnr())
             err = (r.frames[rv] - r.ground_truth[rv]).permute(0, 3, 1, 2)
             lows.append(float(torch.nn.functional.avg_pool2d(err, cfg.patch).square().mean().sqrt()))
         print(f"loop of {n} frames: revisited views {sum(ps) / len(ps):.2f} dB; rms error of patch means "

@@ -23,7 +23,7 @@ import torch
 from ..core.cache import CacheConfig, KVCache
 from ..evaluation import diagnostics as D
 from ..evaluation import metrics as M
-from .generate import Rollout, generate, revisited_frames
+from .generate import Rollout, generate
 from .model import WorldModel
 from .scene import TRAIN_SEED_BASE
 
@@ -128,10 +128,10 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
     total, done, t0 = len(seeds) * (1 + len(methods)), 0, time.time()
     for seed in seeds:
         ref = generate(model, seed, trajectory_kind, n_frames, CacheConfig(), steps=steps, world=world, photos=photos)
-        revisit = revisited_frames(ref.poses, ctx, model.cfg.view)
+        revisit = ref.revisited()
         bf16["revisited_frames"].append(revisit)
         if revisit:
-            bf16["revisit_psnr_vs_gt"].append(float(M.psnr(ref.frames[revisit], ref.ground_truth[revisit]).mean()))
+            bf16["revisit_psnr_vs_gt"].append(ref.revisit_psnr())
         bf16["psnr_vs_gt"].append(M.psnr(ref.frames[ctx:], ref.ground_truth[ctx:]).tolist())
         flow = M.reference_flow(ref.frames[ctx - 1:])  # one flow per seed serves every method's warping error
         mem = memory_stats(ref)

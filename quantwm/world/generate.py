@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from ..core.cache import CacheConfig, KVCache
+from ..evaluation import metrics as M
 from .model import WorldConfig, WorldModel
 from .scene import make_world, patchify, render, token_world_coords, trajectory, unpatchify
 
@@ -121,6 +122,15 @@ class Rollout:
     probes: list[ChunkProbe]
     cache: KVCache
     config: WorldConfig
+
+    def revisited(self) -> list[int]:
+        """The generated frames whose view the context frames had fully seen (`revisited_frames`)."""
+        return revisited_frames(self.poses, self.config.context_frames, self.config.view)
+
+    def revisit_psnr(self) -> float:
+        """PSNR against ground truth on the revisited views, averaged over them (NaN when there are none)."""
+        rv = self.revisited()
+        return float(M.psnr(self.frames[rv], self.ground_truth[rv]).mean()) if rv else float("nan")
 
 
 def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n_frames: int = 32,
