@@ -30,41 +30,80 @@ def launch(trace: str, frames: int, workbench=None):
     return demo, url
 
 
+# Every wait below is on the page's state; the limits are generous upper bounds (a loaded machine is slow),
+# never a pause that hopes the page has caught up.
+WAIT = 300_000  # ms
+
+
 def run_id(page) -> str:
     return page.locator("#run-id textarea, #run-id input").first.input_value()
 
 
-def generate(page, timeout_ms: int = 120_000) -> None:
+RUN_ID = "(document.querySelector('#run-id textarea, #run-id input').value || '')"
+# The page at rest: no event pending on any component, the frames and source thumbnails decoded, both videos'
+# sizes known (a video that learns its size later moves the frames below it: a click measured before it would
+# land elsewhere).
+SETTLED = """() => [...document.querySelectorAll('[data-testid=status-tracker]')].every(e => e.classList.contains('hide'))
+    && [...document.querySelectorAll('#frame-bf16 img, #frame-method img, #trace-src-bf16 img, #trace-src-method img')]
+        .every(i => i.complete && i.naturalWidth > 0)
+    && [...document.querySelectorAll('#video-bf16 video, #video-method video')].every(v => v.readyState >= 1 || v.error)"""
+
+
+def settle(page) -> None:
+    page.wait_for_function(SETTLED, timeout=WAIT)
+
+
+def wait_text(page, selector: str, text: str) -> None:
+    """Until the element's text includes `text`."""
+    page.wait_for_function("([sel, t]) => (document.querySelector(sel)?.innerText || '').includes(t)",
+                           arg=[selector, text], timeout=WAIT)
+
+
+def generate(page) -> None:
+    """Press Generate and wait until a new run is shown and the page is at rest."""
+    before = run_id(page)
     page.locator("#generate-btn").click()
-    page.wait_for_function("(document.querySelector('#run-id textarea, #run-id input').value || '').includes('seed=')",
-                           timeout=timeout_ms)
-    page.wait_for_selector("#frame-method img", timeout=timeout_ms)
+    page.wait_for_function(f"(b) => {RUN_ID}.includes('seed=') && {RUN_ID} !== b", arg=before, timeout=WAIT)
+    page.wait_for_selector("#frame-method img", timeout=WAIT)
+    settle(page)
 
 
-IDLE = """(id) => [...document.querySelectorAll(id + ' [data-testid=status-tracker]')]
-                   .every(e => e.classList.contains('hide'))"""
+def check_overlay(page, name: str) -> None:
+    """Tick an overlay and wait until the quantized frame has been redrawn with it."""
+    settle(page)
+    before = page.locator("#frame-method img").get_attribute("src")
+    page.get_by_label(name).check()
+    page.wait_for_function("(b) => document.querySelector('#frame-method img').src !== b", arg=before, timeout=WAIT)
+    settle(page)
 
 
-def click_frame_pixel(page, x: int, y: int, factor: int = 4, tries: int = 3) -> None:
-    """Click frame pixel (x, y) of the quantized frame (shown enlarged `factor`x on the server) once the frame
-    is idle (no scrub pending over it), until the trace panel answers."""
-    for attempt in range(tries):
-        page.wait_for_function(IDLE, arg="#frame-method", timeout=30_000)
-        img = page.locator("#frame-method img")
-        img.scroll_into_view_if_needed()
-        box = img.bounding_box()
-        nw, nh = page.evaluate("(() => { const i = document.querySelector('#frame-method img');"
-                               " return [i.naturalWidth, i.naturalHeight]; })()")
-        scale = min(box["width"] / nw, box["height"] / nh)  # shown to fit its box, centred (object-fit: contain)
-        left, top = box["x"] + (box["width"] - nw * scale) / 2, box["y"] + (box["height"] - nh * scale) / 2
-        page.mouse.click(left + (x * factor + factor / 2) * scale, top + (y * factor + factor / 2) * scale)
-        try:
-            page.wait_for_function("document.querySelector('#trace-status').innerText.includes('source')",
-                                   timeout=15_000)
-            return
-        except Exception:  # noqa: BLE001 - the click landed while the frame was being replaced: click again
-            if attempt == tries - 1:
-                raise
+def click_frame_pixel(page, x: int, y: int, factor: int = 4) -> str:
+    """Click frame pixel (x, y) of the quantized frame (shown enlarged `factor`x on the server, then fitted to its
+    box by the page) once the page is at rest; returns the trace panel's text once it answers. Playwright clicks
+    at a position inside the element, measured at click time after waiting for the element to stop moving."""
+    settle(page)
+    status = page.locator("#trace-status").inner_text()
+    img = page.locator("#frame-method img")
+    w, h, nw, nh = page.evaluate("(() => { const i = document.querySelector('#frame-method img');"
+                                 " return [i.clientWidth, i.clientHeight, i.naturalWidth, i.naturalHeight]; })()")
+    scale = min(w / nw, h / nh)  # shown to fit its box, centred (object-fit: contain)
+    left, top = (w - nw * scale) / 2, (h - nh * scale) / 2
+    img.click(position={"x": left + (x * factor + factor / 2) * scale, "y": top + (y * factor + factor / 2) * scale},
+              timeout=WAIT)
+    page.wait_for_function("(b) => { const t = document.querySelector('#trace-status').innerText;"
+                           " return t !== b && (t.includes('source') || t.includes('Error')); }", arg=status, timeout=WAIT)
+    settle(page)
+    return page.locator("#trace-status").inner_text()
+
+
+def scrub_to(page, frame: int) -> None:
+    """Type a frame into the slider's box; wait until both frames and the info line show it."""
+    settle(page)
+    box = page.locator("#frame-slider input[type='number']")
+    box.fill(str(frame))
+    box.press("Enter")
+    wait_text(page, "#frame-info", f"Frame {frame}")
+    settle(page)
 
 
 def shrink_png(path: pathlib.Path, width: int = 1000) -> None:
@@ -89,16 +128,16 @@ def take_tab_screenshots(page, outdir: pathlib.Path) -> list[pathlib.Path]:
         if action:
             button, status, done = action
             page.locator(button).click()
-            page.wait_for_function("([sel, done]) => document.querySelector(sel).innerText.includes(done)",
-                                   arg=[status, done], timeout=600_000)
+            wait_text(page, status, done)
         elif slug == "trace":
             for button, status, done in (("#analyze-btn", "#analyze-status", "grid"),
                                          ("#trace-inspect-btn", "#trace-inspect-status", "source"),
                                          ("#trace-energy-btn", "#trace-energy-status", "top-8")):
                 page.locator(button).click()
-                page.wait_for_function("([sel, done]) => document.querySelector(sel).innerText.includes(done)",
-                                       arg=[status, done], timeout=120_000)
-        page.wait_for_timeout(800)  # let plotly finish drawing
+                wait_text(page, status, done)
+        settle(page)
+        page.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot')].every(p => p._fullLayout)",
+                               timeout=WAIT)  # every plot drawn
         path = outdir / f"app-{slug}.png"
         page.screenshot(path=str(path), full_page=True)
         shrink_png(path)
@@ -143,31 +182,20 @@ def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifa
     assert run_id(page) == f"seed=0 loop quantwm kv 2-bit {FRAMES}f"
     assert "PSNR vs BF16" in page.locator("#generate-status").inner_text()
     assert page.locator("#video-bf16 video").count() == 1 and page.locator("#video-method video").count() == 1
-    # scrub: type a frame into the slider's box; both frames and the info line follow
-    box = page.locator("#frame-slider input[type='number']")
-    box.fill(str(FRAMES - 2))
-    box.press("Enter")
-    page.wait_for_function(f"document.querySelector('#frame-info').innerText.includes('Frame {FRAMES - 2}')",
-                           timeout=30_000)
-    # the motion-compensated warping-error overlay tints the quantized frame
-    before = page.locator("#frame-method img").get_attribute("src")
-    page.get_by_label("warping error").check()
-    page.wait_for_function("(b) => document.querySelector('#frame-method img').src !== b", arg=before,
-                           timeout=30_000)
+    scrub_to(page, FRAMES - 2)  # type a frame into the slider's box; both frames and the info line follow
+    check_overlay(page, "warping error")  # the motion-compensated warping-error overlay tints the quantized frame
     assert "mean warping error" in page.locator("#frame-info").inner_text()
     # click a point of the per-frame plot: the slider jumps there
     page.locator("#frame-plot g.trace.scatter").first.locator("path.point").last.click(force=True)
-    page.wait_for_function(f"document.querySelector('#frame-info').innerText.includes('Frame {FRAMES - 1}')",
-                           timeout=30_000)
+    wait_text(page, "#frame-info", f"Frame {FRAMES - 1}")
     # click a pixel of the quantized frame: the trace panel names the query and both sources
     try:
-        click_frame_pixel(page, 21, 42)
+        text = click_frame_pixel(page, 21, 42)
     finally:
         page.screenshot(path=str(artifacts / "app-e2e-trace.png"), full_page=True)
-    text = page.locator("#trace-status").inner_text()
     assert f"Query frame {FRAMES - 1}, row 5, col 2" in text and "BF16 source: frame" in text
     assert page.locator("#trace-src-bf16 img").count() == 1 and page.locator("#trace-src-method img").count() == 1
-    page.wait_for_selector("#trace-heatmap .js-plotly-plot", timeout=30_000)
+    page.wait_for_selector("#trace-heatmap .js-plotly-plot", timeout=WAIT)
     assert page.locator("#trace-heatmap .js-plotly-plot g.hm image").count() == 3  # BF16, method, difference
     page.screenshot(path=str(artifacts / "app-e2e-trace.png"), full_page=True)
     assert (artifacts / "app-e2e-trace.png").stat().st_size > 10_000
@@ -175,29 +203,32 @@ def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifa
 
 def test_trace_outside_the_frame_shows_an_error_and_the_page_stays_usable(browser_page):
     page = browser_page
+    settle(page)
     page.locator("#trace-btn").scroll_into_view_if_needed()
     x_box = page.get_by_label("x (0..63)")
     x_box.fill("80")
     page.locator("#trace-btn").click()
-    page.wait_for_function("document.querySelector('#trace-status').innerText.includes('outside the 64x64 frame')",
-                           timeout=30_000)
+    wait_text(page, "#trace-status", "outside the 64x64 frame")
     assert page.locator("#trace-status").inner_text().startswith("Error:")
     x_box.fill("10")
     page.locator("#trace-btn").click()
-    page.wait_for_function("document.querySelector('#trace-status').innerText.startsWith('Query frame')",
-                           timeout=30_000)
+    page.wait_for_function("document.querySelector('#trace-status').innerText.startsWith('Query frame')", timeout=WAIT)
+
+
+def new_user(browser, url):
+    """A fresh browser context (a new user, its own session) on the app's page."""
+    page = browser.new_context(viewport={"width": 1400, "height": 1600}).new_page()
+    page.goto(url)
+    page.wait_for_selector("#generate-btn", timeout=WAIT)
+    return page
 
 
 def test_two_users_at_once_each_see_their_own_run(browser_and_url):
     """Two browser contexts (two users, separate sessions) press Generate at the same time: one waits in the
     queue, and each ends with its own run, frames and trace."""
-    browser, url = browser_and_url
     pages = []
     for seed in (7, 8):
-        ctx = browser.new_context(viewport={"width": 1400, "height": 1600})
-        page = ctx.new_page()
-        page.goto(url)
-        page.wait_for_selector("#generate-btn")
+        page = new_user(*browser_and_url)
         seed_box = page.get_by_label("World seed")
         seed_box.fill(str(seed))
         seed_box.press("Tab")
@@ -205,14 +236,13 @@ def test_two_users_at_once_each_see_their_own_run(browser_and_url):
     for _, page in pages:
         page.locator("#generate-btn").click()
     for seed, page in pages:
-        page.wait_for_function(f"(document.querySelector('#run-id textarea, #run-id input').value || '')"
-                               f".includes('seed={seed} ')", timeout=180_000)
-        page.wait_for_selector("#frame-method img", timeout=60_000)
+        page.wait_for_function(f"{RUN_ID}.includes('seed={seed} ')", timeout=WAIT)
+        page.wait_for_selector("#frame-method img", timeout=WAIT)
+        settle(page)
     srcs = []
     for seed, page in pages:
         assert run_id(page) == f"seed={seed} loop quantwm kv 2-bit {FRAMES}f"
         assert f"seed={seed} loop" in page.locator("#generate-status").inner_text()
-        page.wait_for_function(IDLE, arg="#frame-bf16", timeout=30_000)
         srcs.append(page.locator("#frame-bf16 img").get_attribute("src"))
     assert srcs[0] != srcs[1]  # different worlds on the two screens
     for _, page in pages:
@@ -220,16 +250,13 @@ def test_two_users_at_once_each_see_their_own_run(browser_and_url):
 
 
 def upload_run(browser, url, path):
-    """A fresh browser context (a new user) that uploads the run file at `path`; returns its page once the
-    run is shown."""
-    ctx = browser.new_context(viewport={"width": 1400, "height": 1600})
-    page = ctx.new_page()
-    page.goto(url)
-    page.wait_for_selector("#generate-btn")
+    """A new user who uploads the run file at `path`; returns its page once the run is shown and at rest."""
+    page = new_user(browser, url)
     page.get_by_text("Open a recorded run").click()
     page.locator("#run-upload input[type=file]").set_input_files(str(path))
-    page.wait_for_function("(n) => (document.querySelector('#run-id textarea, #run-id input').value || '')"
-                           ".startsWith('file=' + n)", arg=path.name, timeout=120_000)
+    page.wait_for_function(f"(n) => {RUN_ID}.startsWith('file=' + n)", arg=path.name, timeout=WAIT)
+    page.wait_for_selector("#frame-method img", timeout=WAIT)
+    settle(page)
     return page
 
 
@@ -242,9 +269,7 @@ def test_an_uploaded_run_file_plays_scrubs_and_traces_like_a_generated_run(brows
     page = upload_run(*browser_and_url, path)
     assert "opened" in page.locator("#generate-status").inner_text()
     assert page.locator("#video-bf16 video").count() == 1
-    page.wait_for_selector("#frame-method img", timeout=60_000)
-    click_frame_pixel(page, 21, 42)
-    text = page.locator("#trace-status").inner_text()
+    text = click_frame_pixel(page, 21, 42)
     assert "row 5, col 2" in text and "kivi source" in text
     page.context.close()
 
@@ -275,7 +300,8 @@ def serve_run(path, port: int):
     proc = subprocess.Popen([sys.executable, "-m", "quantwm.app", "--run", str(path), "--port", str(port)], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}/"
-    for _ in range(240):
+    deadline = time.time() + WAIT / 1000  # the app calibrates its speed at start: slow on a loaded machine
+    while time.time() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"the app exited: {proc.stderr.read()}")
         try:
@@ -284,30 +310,24 @@ def serve_run(path, port: int):
         except OSError:
             time.sleep(0.5)
     proc.kill()
-    raise RuntimeError("the app did not start")
+    raise RuntimeError(f"the app did not start within {WAIT // 1000} s")
 
 
 def show_run_and_trace(page, url, x: int, y: int, frame: int = 44) -> str:
     """Open the page, show the --run run, scrub to `frame` with both overlays, click frame pixel (x, y);
     returns the trace status."""
     page.goto(url)
-    page.wait_for_selector("#open-run-btn")
+    page.wait_for_selector("#open-run-btn", timeout=WAIT)
     page.locator("#open-run-btn").click()
-    page.wait_for_function("(document.querySelector('#run-id textarea, #run-id input').value || '')"
-                           ".startsWith('file=')", timeout=120_000)
-    box = page.locator("#frame-slider input[type='number']")
-    box.fill(str(frame))
-    box.press("Enter")
-    page.wait_for_function(f"document.querySelector('#frame-info').innerText.includes('Frame {frame}')",
-                           timeout=30_000)
+    page.wait_for_function(f"{RUN_ID}.startsWith('file=')", timeout=WAIT)
+    page.wait_for_selector("#frame-method img", timeout=WAIT)
+    scrub_to(page, frame)
     for name in ("flicker map", "warping error"):  # both overlays on (each re-renders the quantized frame)
-        page.get_by_label(name).check()
-        page.wait_for_timeout(300)
-        page.wait_for_function(IDLE, arg="#frame-method", timeout=30_000)
+        check_overlay(page, name)
     assert page.get_by_label("flicker map").is_checked() and page.get_by_label("warping error").is_checked()
-    click_frame_pixel(page, x, y)
-    page.wait_for_selector("#trace-heatmap .js-plotly-plot", timeout=30_000)
-    return page.locator("#trace-status").inner_text()
+    text = click_frame_pixel(page, x, y)
+    page.wait_for_selector("#trace-heatmap .js-plotly-plot", timeout=WAIT)
+    return text
 
 
 def test_a_recorded_tiny_wan_run_opened_with_run_plays_scrubs_and_traces(browser_and_url, tmp_path):
@@ -361,27 +381,10 @@ def test_clicks_on_a_large_latent_frame_map_to_its_latent_token(browser_and_url,
     path = tmp_path / "latent.safetensors"
     synthetic_latent_run(path)
     page = upload_run(*browser_and_url, path)
-    slider = page.locator("#frame-slider input[type='number']")  # output frame 8: latent frame 2, probed
-    slider.fill("8")
-    slider.press("Enter")
-    page.wait_for_function("document.querySelector('#frame-info').innerText.includes('Frame 8')", timeout=30_000)
-    page.wait_for_function(IDLE, arg="#frame-method", timeout=60_000)
-    img = page.locator("#frame-method img")
-    img.scroll_into_view_if_needed()
-    box = img.bounding_box()
+    scrub_to(page, 8)  # output frame 8: latent frame 2, probed
     natural = page.evaluate("document.querySelector('#frame-method img').naturalWidth")
     assert natural == 416
-    x, y = 400, 200  # frame pixel -> latent token row 12, col 25
-    scale = min(box["width"] / 416, box["height"] / 240)  # shown scaled down, centred in its box (contain)
-    left, top = box["x"] + (box["width"] - 416 * scale) / 2, box["y"] + (box["height"] - 240 * scale) / 2
-    page.mouse.click(left + (x + 0.5) * scale, top + (y + 0.5) * scale)
-    try:
-        page.wait_for_function("(t => t.includes('source') || t.includes('Error'))"
-                               "(document.querySelector('#trace-status').innerText)", timeout=30_000)
-    except Exception:  # noqa: BLE001
-        page.screenshot(path="/tmp/latent-click.png", full_page=True)
-        raise AssertionError(f"no trace after a click at {box}, natural width {natural}") from None
-    text = page.locator("#trace-status").inner_text()
+    text = click_frame_pixel(page, 400, 200, factor=1)  # frame pixel -> latent token row 12, col 25
     assert "Query frame 2, row 12, col 25" in text, text  # latent frame 2 (trace layer: the run's logit layer 0)
     page.context.close()
 

@@ -78,7 +78,7 @@ def test_app_serves_on_gradio_server_port(command):
     proc = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:
-        deadline = time.time() + 90
+        deadline = time.time() + 300  # the app calibrates its speed at start: slow on a loaded machine
         while time.time() < deadline:
             assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
             try:
@@ -87,7 +87,7 @@ def test_app_serves_on_gradio_server_port(command):
                     return
             except OSError:
                 time.sleep(0.5)
-        pytest.fail(f"nothing served on port {port} within 90 s")
+        pytest.fail(f"nothing served on port {port} within 300 s")
     finally:
         proc.terminate()
         proc.wait(timeout=30)
