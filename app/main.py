@@ -11,6 +11,12 @@ malformed GRADIO_SERVER_PORT); a bad option or file prints one line and exits 2.
 
 Every file the app writes (videos, exported figures, Gradio's copies of served files) lives under one
 temporary folder of this process, removed at shutdown.
+
+Memory stays flat over a long session: Gradio runs handlers on a pool of up to 40 worker threads, and two native
+allocators kept memory per thread that a finished generation had used (MKL's fast memory manager keeps buffers
+per calling thread; glibc gives threads malloc arenas of their own), so resident memory grew by a few MB for
+every worker thread that ever generated. Both read their settings when the process starts, so on Linux `main`
+re-executes the process once with `SERVER_ENV` set (variables the user set are kept).
 """
 from __future__ import annotations
 
@@ -19,6 +25,20 @@ import atexit
 import os
 import signal
 import sys
+
+# MKL: plain malloc/free instead of per-thread buffer pools; glibc: two malloc arenas shared by every thread.
+SERVER_ENV = {"MKL_DISABLE_FAST_MM": "1", "MALLOC_ARENA_MAX": "2"}
+
+
+def restart_with_server_env(env=os.environ) -> None:
+    """Re-execute this process with `SERVER_ENV` (see the module docstring) unless it already has it; returns
+    only when nothing needs to change (or not on Linux, where these allocators do not apply)."""
+    missing = {k: v for k, v in SERVER_ENV.items() if k not in env}
+    if not missing or not sys.platform.startswith("linux"):
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], {**env, **missing})
 
 
 def server_address(host: str | None, port: int | None, env=os.environ) -> tuple[str, int]:
@@ -83,8 +103,12 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, restart: bool = True) -> None:
+    """The app's process: `restart=False` skips the one re-execution that sets `SERVER_ENV` (for callers
+    that are not the process's own entry point)."""
     a = parser().parse_args(argv)
+    if restart:
+        restart_with_server_env()
     try:
         host, port = server_address(a.host, a.port)
         os.environ["GRADIO_SERVER_PORT"] = str(port)  # what gradio reads at import: now a valid integer

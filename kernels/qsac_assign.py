@@ -1,4 +1,4 @@
-"""Nearest centroid under QSAC's cost (SPEC.md §2.1): the twin of quantwm.core.qsac.qsac_assign_ref with
+"""Nearest centroid under QSAC's cost (docs/method.md §2.1): the twin of quantwm.core.qsac.qsac_assign_ref with
 candidates=None (the exact objective for every centroid; the reference's candidate pruning is a CPU
 economy the GPU does not need).
 

@@ -1,7 +1,7 @@
 """QuantWM: training-free 2-bit KV-cache quantization for autoregressive video world models.
 
 Public names: the cache (`KVCache`, `CacheConfig`), the method registry (`get_method`, `known_methods`),
-trace files (`TraceWriter`, `read_trace`). See README.md and SPEC.md.
+trace files (`TraceWriter`, `read_trace`). See README.md and docs/method.md.
 """
 from .core.cache import CacheConfig, KVCache
 from .core.methods import get_method, known_methods

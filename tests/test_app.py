@@ -38,3 +38,15 @@ def test_app_builds_with_an_api_name_on_every_event(trace_file):
     demo = build_app(trace_file)
     fns = list(demo.fns.values()) if isinstance(demo.fns, dict) else list(demo.fns)
     assert fns and all(getattr(f, "api_name", None) for f in fns)
+
+
+def test_the_app_process_keeps_an_environment_that_already_has_the_allocator_settings(monkeypatch):
+    from app import main as app_main
+
+    calls = []
+    monkeypatch.setattr(app_main.os, "execve", lambda *a: calls.append(a))
+    app_main.restart_with_server_env({**app_main.SERVER_ENV, "PATH": "/bin"})
+    assert calls == []  # nothing to change: no re-execution
+    app_main.restart_with_server_env({"MALLOC_ARENA_MAX": "4", "PATH": "/bin"})  # the user's own value is kept
+    (exe, argv, env), = calls
+    assert exe == app_main.sys.executable and env["MALLOC_ARENA_MAX"] == "4" and env["MKL_DISABLE_FAST_MM"] == "1"

@@ -1,4 +1,4 @@
-"""Tests for quantwm.core.cache: the chunked, quantized KV cache (contract in the module docstring, SPEC.md §2.4)."""
+"""Tests for quantwm.core.cache: the chunked, quantized KV cache (contract in the module docstring, docs/method.md §2.4)."""
 import math
 
 import pytest
@@ -419,7 +419,7 @@ def test_cache_query_stats_ema_with_stats_decay():
 
 
 def test_cache_query_stats_identity_before_any_query():
-    # contract (query_stats docstring, SPEC.md §2): S is the identity before any query
+    # contract (query_stats docstring, docs/method.md §2): S is the identity before any query
     cache = KVCache(CacheConfig(method="bf16"), n_layers=1)
     _, k, v = _kv(0)
     cache.write(0, k, v, chunk=0)

@@ -1,4 +1,4 @@
-"""Tests for quantwm/kmeans.py, quantwm/qsac.py (QSAC, SPEC §2.1) and quantwm/psac.py (PSAC, SPEC §2.2)."""
+"""Tests for quantwm/kmeans.py, quantwm/qsac.py (QSAC, docs/method.md §2.1) and quantwm/psac.py (PSAC, docs/method.md §2.2)."""
 import pytest
 import torch
 
@@ -163,7 +163,7 @@ def test_channel_sensitivity_of_zero_stats_is_uniform():
 
 
 def _j_brute(k, c, w, G, bits, lam):
-    """J(k, c) of SPEC §2.1, one pair at a time, in plain Python floats."""
+    """J(k, c) of docs/method.md §2.1, one pair at a time, in plain Python floats."""
     D = len(k)
     r = [k[i] - c[i] for i in range(D)]
     dist = sum(w[i] * r[i] ** 2 for i in range(D))

@@ -1,4 +1,4 @@
-"""PSAC: Principal Subspace Attention Compensation for Keys (SPEC.md §2.2).
+"""PSAC: Principal Subspace Attention Compensation for Keys (docs/method.md §2.2).
 
 History-Query energy sits in a few directions of S = E[q qᵀ]; only key error along them moves logits
 much (E[(q·e)^2] = eᵀ S e). PSAC stores, per stream, the top-R eigenvectors U of S (fp16) and

@@ -1,4 +1,4 @@
-"""QSAC: Quantization Sensitivity-Aware Clustering of Keys (SPEC.md §2.1).
+"""QSAC: Quantization Sensitivity-Aware Clustering of Keys (docs/method.md §2.1).
 
 QVG clusters a span's tokens with plain Euclidean k-means. QSAC assigns key k to the centroid c that
 minimises what the residual will do to the attention logits:

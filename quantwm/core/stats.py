@@ -1,6 +1,6 @@
 """Running history-Query statistics: S = E[q qᵀ] per (layer, head), the input of QSAC and PSAC.
 
-Before any query is seen S is the identity (SPEC.md §2). `decay=None` keeps the cumulative mean over all
+Before any query is seen S is the identity (docs/method.md §2). `decay=None` keeps the cumulative mean over all
 queries seen; a decay in (0, 1) keeps an exponential moving average over update calls instead. A
 calibration run can seed S with `load`.
 

@@ -1,4 +1,4 @@
-"""Trace analysis: how much each method moves attention, on the same cache state (SPEC.md §4).
+"""Trace analysis: how much each method moves attention, on the same cache state (docs/method.md §4).
 
 For every traced layer the cached K/V are written into a `KVCache` chunk by chunk and committed, exactly
 as during generation (sink and most recent chunk stay full precision unless configured otherwise). The

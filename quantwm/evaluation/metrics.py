@@ -1,4 +1,4 @@
-"""Every metric of SPEC.md §4, computed against the BF16 reference with the same inputs.
+"""Every metric of docs/method.md §4, computed against the BF16 reference with the same inputs.
 
 Attention (one layer, same cache state, exact vs quantized keys/values): top-1 shift rate, top-k overlap,
 KL(p_exact || p_quant), logit RMSE, attention mass on the current chunk, relative reconstruction errors
@@ -228,7 +228,7 @@ def warp_error_map(x, ref, flow: torch.Tensor | None = None) -> torch.Tensor:
 
 def warp_error(x, ref, flow: torch.Tensor | None = None) -> torch.Tensor:
     """Per-frame motion-compensated warping error (T-1,) for frames 1..T-1: the mean of `warp_error_map`
-    over the pixels the flow keeps inside the frame (SPEC.md §4)."""
+    over the pixels the flow keeps inside the frame (docs/method.md §4)."""
     diff, mask = _warp_terms(x, ref, flow)
     return diff.sum((1, 2)) / mask.sum((1, 2)).clamp_min(1)
 

@@ -1,4 +1,4 @@
-"""QuantWM: QSAC-clustered, PSAC-compensated 2-bit Keys; QVG-style Values (SPEC.md §2).
+"""QuantWM: QSAC-clustered, PSAC-compensated 2-bit Keys; QVG-style Values (docs/method.md §2).
 
 Keys: k-means whose assignment cost is QSAC's logit-aware J (quantwm.core.qsac), residual quantized in
 per-token groups, then PSAC stores the residual error's coordinates along the top-R eigen-directions of
@@ -12,7 +12,7 @@ so their rounding only widens the residual a little), fp8-e4m3 scales and zeros 
 bits go. λ = 16 and 8 pruning candidates were chosen on synthetic trace seed 1 (README: the λ ablation);
 reports use other seeds.
 
-`quantwm-paper` is the method as the QuantWM paper describes it (SPEC.md §2.5): QVG's storage (`qvg`:
+`quantwm-paper` is the method as the QuantWM paper describes it (docs/method.md §2.5): QVG's storage (`qvg`:
 256 BF16 centroids per span, fp8 scales, groups of 64, the symmetric grid); S updated strictly causally (a
 chunk's queries enter S only once that chunk is quantized; `causal_stats`); QSAC with diag(S) channel
 weights, a shortlist of 4 centroids by weighted distance, then the one minimising Σ_g W_g range_g² (no λ,
@@ -152,7 +152,7 @@ class QuantWMPSAC(QuantWM):
 @register("quantwm-paper")
 @dataclass(frozen=True)
 class QuantWMPaper(QuantWM):
-    """QuantWM as its paper describes it (module docstring; SPEC.md §2.5)."""
+    """QuantWM as its paper describes it (module docstring; docs/method.md §2.5)."""
 
     name = "quantwm-paper"
     # QVG's storage (the `qvg` preset)

@@ -5,7 +5,7 @@ Per stream (one (batch, head) of one layer) and span: cluster the tokens with Eu
 quantize what is left in per-token groups. Stored: one codebook and one uint8/int16 id per token per
 stage, plus the residual's codes and scales (and zeros on an asymmetric grid).
 
-Presets, each with its source (SPEC.md §3 reads the released code, svg-project/Quant-VideoGen at 0601468):
+Presets, each with its source (docs/method.md §3; the released code read is svg-project/Quant-VideoGen at 0601468):
 
 * `qvg`: as the paper and released code configure it: 256 centroids per (head, span) whatever the span's
   length (K = N when a span has fewer tokens), stored BF16; one stage; residual in groups of 64 channels on

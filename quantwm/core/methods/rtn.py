@@ -1,11 +1,11 @@
-"""Plain group quantizers: bf16 (the reference, no quantization), rtn and kivi (SPEC.md §3).
+"""Plain group quantizers: bf16 (the reference, no quantization), rtn and kivi (docs/method.md §3).
 
 * rtn: per-token groups of `group_size` channels, asymmetric min/max (or the symmetric grid), 2 bits.
 * kivi (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache"): Keys
   per-channel (groups of `group_size` tokens), Values per-token. KIVI's full-precision recent window is
   the cache's BF16 recent chunk. A span shorter than `group_size` tokens forms one shorter group.
 * kivi-pre: the same quantizer on keys stored *before* RoPE (rotated at read), the variant a third-party
-  reproduction found to beat QVG on LongCat-Video (SPEC.md / issue 12). It needs a cache with rope="pre" and
+  reproduction found to beat QVG on LongCat-Video (docs/method.md §3). It needs a cache with rope="pre" and
   the model's RoPE; `quantwm analyze` builds one for any trace (post-RoPE traces are un-rotated with the
   trace's 3-D RoPE). The built-in world model's RoPE runs over world coordinates the cache does not know, so
   it cannot run kivi-pre.
