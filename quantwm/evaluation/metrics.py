@@ -15,7 +15,6 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..core.quant import check_finite
 
