@@ -428,7 +428,7 @@ def cmd_figures(a) -> int:
 
 def cmd_frontier(a) -> int:
     from .evaluation.figures import check_formats
-    from .evaluation.frontier import GRID, QUICK_GRID, frontier_figure, make_tasks, summarise, sweep
+    from .evaluation.frontier import GRID, QUICK_GRID, describe_leads, frontier_figure, leads, make_tasks, summarise, sweep
 
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     check_formats(formats)
@@ -447,12 +447,11 @@ def cmd_frontier(a) -> int:
     summary = summarise({k: v for k, v in manifest.items() if v["task"] in tasks})
     _write_json(summary, str(Path(a.out_dir) / "frontier.json"))
     paths = frontier_figure(summary, Path(a.out_dir) / "frontier", formats)
-    for source, s in summary.items():
-        for m, best in s["best_ratio_vs_qvg_family"].items():
-            if best:
-                print(f"{source}: best {m} point {best['point']} at {best['bits']:.3f} bits: {s['shift_metric']} "
-                      f"{best['shift']:.4f} vs {best['reference_shift']:.4f} for {best['reference']} at "
-                      f"{best['reference_bits']:.3f} bits (ratio {best['ratio']:.2f})")
+    for source, s in summary.items():  # at each budget: quantwm's best against the best other method
+        metrics = [s["shift_metric"]] + (["psnr"] if source == "world" else [])
+        for metric in metrics:
+            for line in describe_leads(leads(s["envelope"], metric), metric):
+                print(f"{source}: {line}")
     print(f"wrote {Path(a.out_dir) / 'frontier.json'}, {', '.join(map(str, paths))} ({len(tasks)} points)")
     return 0
 

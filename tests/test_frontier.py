@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -32,14 +31,30 @@ def test_sweep_resumes_from_its_manifest(tmp_path, trace_source):
     assert set(on_disk) == {FR.task_key(t) for t in tasks}
 
 
-def test_summary_compares_at_equal_bits():
+def test_the_envelope_compares_every_method_at_each_budget():
     pts = {}
-    for method, bits, shift in (("qvg", 2.5, 0.4), ("qvg", 3.5, 0.2), ("quantwm", 3.0, 0.1)):
-        t = {"source": "trace:x", "method": method, "options": {}, "bits": 2, "target": "k"}
-        t["options"] = {"b": bits}
+    for method, bits, shift in (("qvg", 2.5, 0.4), ("qvg", 3.5, 0.2), ("quantwm", 3.0, 0.1), ("kivi", 2.4, 0.3)):
+        t = {"source": "trace:x", "method": method, "options": {"b": bits}, "bits": 2, "target": "k"}
         pts[FR.task_key(t)] = {"task": t, "result": {"bits_per_element": bits, "shift_rate": shift}}
-    best = FR.summarise(pts)["trace:x"]["best_ratio_vs_qvg_family"]["quantwm"]
-    assert best["reference_bits"] == 2.5 and best["ratio"] == pytest.approx(0.25)  # not the 3.5-bit qvg point
+    env = FR.summarise(pts, budgets=(2.5, 3.0, 4.0))["trace:x"]["envelope"]
+    assert set(env["2.5"]["shift_rate"]) == {"qvg", "kivi"}  # quantwm has no point within 2.5 bits
+    assert env["3"]["shift_rate"]["qvg"]["bits"] == 2.5  # not the 3.5-bit qvg point
+    assert env["4"]["shift_rate"]["qvg"]["value"] == 0.2
+    rows = FR.leads(env, "shift_rate")
+    assert rows[0]["ours"] is None and rows[0]["other"]["method"] == "kivi"
+    assert rows[1]["other"]["method"] == "kivi" and rows[1]["ratio"] == pytest.approx(0.1 / 0.3)
+    assert rows[2]["ratio"] == pytest.approx(0.5)
+    lines = FR.describe_leads(rows, "shift_rate")
+    assert "no quantwm point within the budget" in lines[0] and "ratio 0.50" in lines[2]
+
+
+def test_the_envelope_keeps_the_highest_psnr():
+    points = [{"method": "qvg", "label": f"qvg({b})", "bits_per_element": b, "psnr": p} for b, p in ((2.4, 30.0), (2.5, 28.0))]
+    points.append({"method": "quantwm", "label": "quantwm", "bits_per_element": 2.45, "psnr": 31.0})
+    env = FR.envelope(points, budgets=(2.5,))
+    assert env["2.5"]["psnr"]["qvg"]["value"] == 30.0
+    (row,) = FR.leads(env, "psnr")
+    assert row["difference"] == pytest.approx(1.0)
 
 
 def test_frontier_cli_writes_json_and_figure(tmp_path, trace_source, capsys):
@@ -49,9 +64,9 @@ def test_frontier_cli_writes_json_and_figure(tmp_path, trace_source, capsys):
     summary = json.loads((out / "frontier.json").read_text())
     (s,) = summary.values()
     assert {p["method"] for p in s["points"]} == {"rtn", "qvg", "quantwm"}
-    assert math.isfinite(s["best_ratio_vs_qvg_family"]["quantwm"]["ratio"])
+    assert set(s["envelope"]) == {f"{b:g}" for b in FR.BUDGETS}
     assert (out / "frontier.svg").stat().st_size > 1000
-    assert "ratio" in capsys.readouterr().out
+    assert "<= 2.5 bits, shift_rate:" in capsys.readouterr().out
     assert main(["frontier", "--sources", "trace:/nope.safetensors", "--out-dir", str(out)]) == 2
 
 

@@ -7,9 +7,11 @@ error). Points are independent tasks; the manifest (`manifest.json` in the outpu
 configuration, so an interrupted sweep resumes where it stopped. They run in a local process pool by default,
 or on a Ray cluster (`ray_address`, the optional `ray` extra) when a sweep outgrows one machine.
 
-`summarise` compares methods at equal bits: for every point of a method it finds the best point of the
-reference family (the QVG presets) that costs no more bits (the family's frontier at that budget) and
-reports the ratio of their shift rates; the figure draws every point and each method's Pareto front.
+`summarise` compares methods at equal budgets (docs/method.md §3.1): its `envelope` holds, for each budget B
+in `BUDGETS` and each metric, every method's best measured point with bits per element ≤ B (a method with no
+point within B is absent: it cannot fit that budget). `leads` reads one metric off it: quantwm's best against
+the best of every other method at each budget. The figure draws every point, each method's Pareto front and
+the budget lines.
 """
 from __future__ import annotations
 
@@ -36,6 +38,9 @@ GRID: dict[str, list[dict]] = {
 }
 QUICK_GRID: dict[str, list[dict]] = {"rtn": [{}], "qvg": [{"n_centroids": 6}], "quantwm": [{}]}
 SHIFT = {"world": "place_shift_rate", "trace": "shift_rate"}
+BUDGETS = (2.25, 2.5, 2.75, 3.0, 3.5, 4.0)  # bits per element (stored bytes) the envelope is read at
+HIGHER_IS_BETTER = ("psnr", "ssim")  # every other metric is an error: lower is better
+METRICS = ("shift_rate", "place_shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error", "attn_out_rel_err")
 
 
 def task_key(task: dict) -> str:
@@ -157,10 +162,9 @@ def _label(task: dict) -> str:
     return f"{task['method']}({opts})" if opts else task["method"]
 
 
-def summarise(manifest: dict, methods: tuple[str, ...] = ("quantwm", "quantwm-paper"),
-              reference_family: tuple[str, ...] = ("qvg", "qvg-asym", "qvg-pro", "qvg-budget")) -> dict:
-    """Per source: every point, and for each of `methods` the best ratio of its shift rate to the best point of
-    the QVG family that costs no more bits per element (the quantity the frontier target is stated in)."""
+def summarise(manifest: dict, budgets: tuple[float, ...] = BUDGETS) -> dict:
+    """Per source: the shift metric, every point (configurations the source cannot take are left out), and
+    the equal-budget `envelope` of those points."""
     by_source: dict[str, list[dict]] = {}
     for e in manifest.values():
         t, r = e["task"], e["result"]
@@ -168,23 +172,68 @@ def summarise(manifest: dict, methods: tuple[str, ...] = ("quantwm", "quantwm-pa
             continue
         by_source.setdefault(t["source"], []).append({**r, "label": _label(t), "method": t["method"],
                                                       "bits": t["bits"], "options": t["options"]})
+    return {source: {"shift_metric": SHIFT["world" if source == "world" else "trace"], "points": points,
+                     "envelope": envelope(points, budgets)}
+            for source, points in by_source.items()}
+
+
+def envelope(points: list[dict], budgets: tuple[float, ...] = BUDGETS) -> dict:
+    """{"B": {metric: {method: {"point", "bits", "value"}}}}: for each budget B and each metric the points
+    carry, every method's best point with bits per element ≤ B. A method with no point within B is absent."""
     out = {}
-    for source, points in by_source.items():
-        shift = SHIFT["world" if source == "world" else "trace"]
-        refs = [p for p in points if p["method"] in reference_family]
-        best = {}
-        for m in methods:
-            rows = []
-            for p in (p for p in points if p["method"] == m):
-                cheaper = [q for q in refs if q["bits_per_element"] <= p["bits_per_element"] + 1e-9]
-                if cheaper:
-                    q = min(cheaper, key=lambda q: q[shift])
-                    rows.append({"point": p["label"], "bits": p["bits_per_element"], "shift": p[shift],
-                                 "reference": q["label"], "reference_bits": q["bits_per_element"],
-                                 "reference_shift": q[shift], "ratio": p[shift] / q[shift] if q[shift] else math.inf})
-            best[m] = min(rows, key=lambda r: r["ratio"]) if rows else None
-        out[source] = {"shift_metric": shift, "points": points, "best_ratio_vs_qvg_family": best}
+    for b in budgets:
+        fits = [p for p in points if p["bits_per_element"] <= b + 1e-9]
+        table = {}
+        for metric in (m for m in METRICS if any(m in p for p in points)):
+            best = {}
+            for p in fits:
+                v = p.get(metric)
+                if v is None or not math.isfinite(v):
+                    continue
+                now = best.get(p["method"])
+                if now is None or (v > now["value"] if metric in HIGHER_IS_BETTER else v < now["value"]):
+                    best[p["method"]] = {"point": p["label"], "bits": p["bits_per_element"], "value": v}
+            table[metric] = best
+        out[f"{b:g}"] = table
     return out
+
+
+def leads(env: dict, metric: str, method: str = "quantwm") -> list[dict]:
+    """Per budget of an `envelope`: `method`'s best value against the best of every other method within the
+    same budget ({"budget", "ours", "other", "ratio" (error metrics), "difference" (higher-is-better ones)});
+    "ours" or "other" is None where no point fits."""
+    rows = []
+    for b, table in env.items():
+        best = table.get(metric, {})
+        ours = best.get(method)
+        others = [dict(v, method=m) for m, v in best.items() if m != method]
+        pick = max if metric in HIGHER_IS_BETTER else min
+        other = pick(others, key=lambda v: v["value"]) if others else None
+        row = {"budget": float(b), "ours": ours, "other": other}
+        if ours and other:
+            if metric in HIGHER_IS_BETTER:
+                row["difference"] = ours["value"] - other["value"]
+            else:
+                row["ratio"] = ours["value"] / other["value"] if other["value"] else math.inf
+        rows.append(row)
+    return rows
+
+
+def describe_leads(rows: list[dict], metric: str, method: str = "quantwm") -> list[str]:
+    """One printable line per budget of `leads`."""
+    lines = []
+    for r in rows:
+        head = f"<= {r['budget']:g} bits, {metric}: "
+        if r["ours"] is None:
+            lines.append(head + f"no {method} point within the budget"
+                         + (f" (best other: {r['other']['method']} {r['other']['value']:.4f})" if r["other"] else ""))
+        elif r["other"] is None:
+            lines.append(head + f"{method} {r['ours']['value']:.4f} ({r['ours']['point']}), no other method fits")
+        else:
+            cmp = (f"{r['difference']:+.2f}" if "difference" in r else f"ratio {r['ratio']:.2f}")
+            lines.append(head + f"{method} {r['ours']['value']:.4f} at {r['ours']['bits']:.2f} bits ({r['ours']['point']}) "
+                         f"vs {r['other']['value']:.4f} for {r['other']['point']} at {r['other']['bits']:.2f} bits: {cmp}")
+    return lines
 
 
 def frontier_figure(summary: dict, path_stem: str | Path, formats: list[str]) -> list[Path]:
@@ -207,6 +256,8 @@ def frontier_figure(summary: dict, path_stem: str | Path, formats: list[str]) ->
                     low = y
             line, = ax.plot([b for b, _ in front], [y for _, y in front], "-", lw=1.4, label=m)
             ax.plot([b for b, _ in pts], [y for _, y in pts], "o", ms=3, alpha=0.5, color=line.get_color())
+        for b in BUDGETS:
+            ax.axvline(b, color="0.6", lw=0.6, ls=":", zorder=0)
         ax.set_xscale("log", base=2)
         ax.set_xlabel("bits per element (stored bytes)", fontsize=8)
         ax.set_ylabel(shift.replace("_", " "), fontsize=8)
