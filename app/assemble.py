@@ -27,7 +27,7 @@ from .studies_tab import build_energy_tab, build_key_value_tab, build_methods_ta
 
 PAGE_JS = resources.files(__package__).joinpath("page.js").read_text()
 # The Key-vs-Value tab's default baseline: the one whose rows best show "smaller Key error, bigger damage" on
-# held-out worlds (README, "The Key-vs-Value experiment").
+# held-out worlds (docs/world-model.md, "The Key-vs-Value experiment").
 KV_BASELINE = "kivi"
 CSS = "#frame-bf16 img, #frame-method img { image-rendering: pixelated; }"
 

@@ -35,7 +35,7 @@ def build_key_value_tab(key_value: Callable, controls: dict, baselines: list[str
                 "trajectory, bits and frames of the Generate tab). The table puts the reconstruction error of K and "
                 "V beside the damage each causes: attention-output error on the same cache state, top-1 shift "
                 f"rate, and PSNR/SSIM/LPIPS/flicker vs BF16. The default baseline, {default_baseline}, is the one "
-                "whose rows show the paper's finding most clearly on held-out worlds (README).")
+                "whose rows show the paper's finding most clearly on held-out worlds (docs/world-model.md).")
     with gr.Row():
         baseline = gr.Dropdown(baselines, value=default_baseline, label="Baseline")
         go = gr.Button("Run Key-only vs Value-only", variant="primary", elem_id="kv-btn")

@@ -1,6 +1,6 @@
 """The built-in model's copy ceiling: how faithfully it reproduces places its cache has seen.
 
-(Written when the 192-wide model stopped at ~24 dB on revisited views; README "Results on the built-in
+(Written when the 192-wide model stopped at ~24 dB on revisited views; docs/world-model.md "Results on the built-in
 model" has today's figures.)
 
     python benchmarks/world_copy_ceiling.py

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The figures of README "Results on the built-in model", in one go (about 35 minutes on 2 CPU cores).
+# The figures of docs/world-model.md "Results on the built-in model", in one go (about 35 minutes on 2 CPU cores).
 # Held-out photographic worlds (seeds 0-3), 32 frames, loop trajectory, 2 bits. Outputs in out/final/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

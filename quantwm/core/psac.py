@@ -16,7 +16,7 @@ maximum rank and shared as above; the per-stream coefficients are stored at thei
 
 Coefficients are quantized per (stream, direction) over the span (one scale and zero per direction,
 `bits` levels) by default: per-token scales (`per_token=True`, the QuantWM paper's INT8 coefficients)
-cost 32 bits a token more, which a 2-bit budget barely carries (see README, "Where the bits go").
+cost 32 bits a token more, which a 2-bit budget barely carries (docs/results.md, "Where the bits go").
 """
 from __future__ import annotations
 

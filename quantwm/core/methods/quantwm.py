@@ -9,7 +9,7 @@ Ablations: quantwm-qsac (QSAC only), quantwm-psac (Euclidean k-means + PSAC).
 QVG (one per 64 tokens, at most 64) stored in fp8-e4m3 (the residual is taken against the stored centroids,
 so their rounding only widens the residual a little), fp8-e4m3 scales and zeros on the asymmetric grid,
 4-bit PSAC coefficients with one scale per direction and span. `python -m quantwm memory` prints where the
-bits go. λ = 16 and 8 pruning candidates were chosen on synthetic trace seed 1 (README: the λ ablation);
+bits go. λ = 16 and 8 pruning candidates were chosen on synthetic trace seed 1 (docs/results.md: the λ ablation);
 reports use other seeds.
 
 `quantwm-paper` is the method as the QuantWM paper describes it (docs/method.md §2.5): QVG's storage (`qvg`:
