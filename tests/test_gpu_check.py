@@ -1,0 +1,44 @@
+"""benchmarks/gpu_check.sh: the device check runs end to end on the CPU (--dry-run), and its budget skips steps."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_check  # noqa: E402
+
+
+def test_the_dry_run_runs_every_step_and_writes_one_json(tmp_path):
+    done = subprocess.run(["bash", "benchmarks/gpu_check.sh", "--dry-run", "--out", str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    steps = {s["name"]: s for s in report["steps"]}
+    assert list(steps) == ["cuda tests", "kernel bench", "real shapes", "live rollout"]
+    assert all(s["status"] == "ok" for s in steps.values()), {k: s["tail"][-500:] for k, s in steps.items()}
+    assert " passed" in steps["cuda tests"]["figures"]["summary"]
+    assert any(k.startswith("fused @ ") for k in steps["kernel bench"]["figures"])
+    assert steps["real shapes"]["figures"]["quantwm"]["quantized_bytes_per_latent_frame"] > 0
+    live = steps["live rollout"]["figures"]
+    assert live["frames"] == 45 and live["frame_hw"] == [32, 64] and live["bits_per_element"] > 2
+    assert "step" in done.stdout and "live rollout" in done.stdout.splitlines()[-2]  # the table, then the total
+
+
+def test_steps_past_the_budget_are_skipped_with_a_message(tmp_path, monkeypatch):
+    quick = [{"name": n, "limit": 60, "cmd": [sys.executable, "-c", "print('ran')"]} for n in ("a", "b")]
+    monkeypatch.setattr(gpu_check, "steps", lambda out, dry: quick)
+    rows = gpu_check.run_steps(tmp_path, True, budget=gpu_check.MIN_STEP_S - 1)
+    assert [r["status"] for r in rows] == ["skipped", "skipped"] and "budget" in rows[0]["note"]
+    rows = gpu_check.run_steps(tmp_path, True, budget=100)
+    assert [r["status"] for r in rows] == ["ok", "ok"] and "ran" in rows[0]["tail"]
+
+
+def test_a_step_that_fails_or_overruns_is_reported(tmp_path, monkeypatch):
+    bad = [{"name": "fails", "limit": 60, "cmd": [sys.executable, "-c", "raise SystemExit(3)"]},
+           {"name": "hangs", "limit": 3, "cmd": [sys.executable, "-c", "print('started', flush=True); import time; time.sleep(60)"]}]
+    monkeypatch.setattr(gpu_check, "steps", lambda out, dry: bad)
+    monkeypatch.setattr(gpu_check, "MIN_STEP_S", 1)
+    rows = gpu_check.run_steps(tmp_path, True, budget=100)
+    assert [(r["status"], r["rc"]) for r in rows] == [("failed", 3), ("timed out", None)]
+    assert "started" in rows[1]["tail"]
