@@ -35,6 +35,9 @@ GRID: dict[str, list[dict]] = {
     # beyond the paper: the rank follows each head's spectrum (at most 24), traded against the residual's groups
     + [{"psac_rank": 24, "psac_energy": e, "group_size": g} for e in (0.8, 0.9, 0.95) for g in (64, 128)],
     "quantwm-paper": [{"n_centroids": k} for k in (4, 16, 256)],
+    # deployed formats: their bits are fixed, so one point each whatever --bits says
+    "nvfp4": [{}],
+    "int8k-fp8v": [{}],
 }
 QUICK_GRID: dict[str, list[dict]] = {"rtn": [{}], "qvg": [{"n_centroids": 6}], "quantwm": [{}]}
 SHIFT = {"world": "place_shift_rate", "trace": "shift_rate"}
@@ -49,12 +52,16 @@ def task_key(task: dict) -> str:
 
 def make_tasks(sources: list[str], grid: dict[str, list[dict]], bits: list[int], target: str = "kv",
                seeds: list[int] = (0, 1), frames: int = 16) -> list[dict]:
-    """Every (source, method, options, bits) point; world points carry the held-out seeds and frames."""
+    """Every (source, method, options, bits) point; world points carry the held-out seeds and frames. A format
+    that fixes its own bits (nvfp4, int8k-fp8v) gets one point, labelled with the first of `bits`."""
+    from ..core.methods import REGISTRY, parse_method_name
+
     tasks = []
     for source in sources:
         for method, options in grid.items():
+            own_bits = not REGISTRY[parse_method_name(method)[0]].takes_bits
             for opts in options:
-                for b in bits:
+                for b in bits[:1] if own_bits else bits:
                     t = {"source": source, "method": method, "options": opts, "bits": b, "target": target}
                     if source == "world":
                         t.update(seeds=list(seeds), frames=frames)

@@ -67,6 +67,7 @@ class Method:
     quantized = True
     uses_queries = False  # True: encoding reads the history-query statistics S (QSAC / PSAC)
     pre_rope = False  # True: the method is defined on keys stored before RoPE (the cache must run rope="pre")
+    takes_bits = True  # False: the format fixes its own bits (bf16, nvfp4, int8k-fp8v); k_bits/v_bits do not apply
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
         raise NotImplementedError
@@ -132,6 +133,9 @@ def get_method(name: str, **overrides) -> Method:
 
 
 def make_method(name: str, bits: int, options: dict | None = None) -> Method:
-    """The method a cache runs: `name` at `bits` with extra options; bf16 stores as is and takes neither."""
+    """The method a cache runs: `name` at `bits` with extra options; a format that fixes its own bits (bf16,
+    nvfp4, int8k-fp8v) takes no `bits` (its bits per element are counted from its stored bytes as always)."""
     base, _ = parse_method_name(name)
-    return get_method(base) if base == "bf16" else get_method(base, bits=bits, **(options or {}))
+    if not REGISTRY[base].takes_bits:
+        return get_method(base, **({} if base == "bf16" else options or {}))
+    return get_method(base, bits=bits, **(options or {}))

@@ -25,6 +25,7 @@ from .base import Encoded, Method, SpanContext, register
 class BF16(Method):
     name = "bf16"
     quantized = False
+    takes_bits = False
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
         self.validate(x, kind)
