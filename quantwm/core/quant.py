@@ -48,9 +48,20 @@ def check_finite(x: torch.Tensor, what: str = "input") -> None:
 
 
 def pack_bits_ref(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer codes (..., n) in [0, 2^bits) into uint8 (..., ceil(n * bits / 8))."""
+    """Pack integer codes (..., n) in [0, 2^bits) into uint8 (..., ceil(n * bits / 8)): a little-endian bit
+    stream, code i at bits [i·bits, (i+1)·bits)."""
     check_bits(bits)
     *lead, n = codes.shape
+    if 8 % bits == 0:  # whole codes per byte: byte m = Σ_j code[m·per + j] << (j·bits)
+        per = 8 // bits
+        c = codes.to(torch.uint8)
+        if n % per:
+            c = torch.nn.functional.pad(c, (0, per - n % per))
+        c = c.reshape(*lead, -1, per)  # (..., n) -> (..., n/per, per)
+        packed = c[..., 0].clone()
+        for j in range(1, per):
+            packed |= c[..., j] << (j * bits)
+        return packed
     pad = (-n) % 8
     c = codes.to(torch.int32)
     if pad:
@@ -71,6 +82,11 @@ def unpack_bits_ref(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     *lead, nbytes = packed.shape
     if nbytes != (n * bits + 7) // 8:
         raise ValueError(f"packed row has {nbytes} bytes, expected {(n * bits + 7) // 8} for n={n}, bits={bits}")
+    if 8 % bits == 0:  # whole codes per byte
+        per, mask = 8 // bits, (1 << bits) - 1
+        p = packed.to(torch.uint8)
+        codes = torch.stack([(p >> (j * bits)) & mask for j in range(per)], dim=-1)  # (..., nbytes, per)
+        return codes.reshape(*lead, -1)[..., :n].to(torch.int64)
     full = ((n + 7) // 8) * bits
     p = packed.to(torch.int32)
     if full > nbytes:
