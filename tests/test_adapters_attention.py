@@ -23,7 +23,7 @@ def test_chunk_attention_attends_to_committed_history_plus_the_chunk():
     bhld = lambda x: x.transpose(1, 2)
     ref = F.scaled_dot_product_attention(bhld(q1), torch.cat([bhld(k0), bhld(k1)], 2), torch.cat([bhld(v0), bhld(v1)], 2))
     assert out.shape == q1.shape and torch.allclose(out, bhld(ref), atol=1e-6)
-    assert cache.layers[0].next_chunk == 2 and cache.layers[0].next_token == 16
+    assert cache.next_chunk(0) == 2 and cache.next_token(0) == 16
 
 
 def test_chunked_attention_position_is_set_inside_and_restored_after():
@@ -38,7 +38,7 @@ def test_chunked_attention_position_is_set_inside_and_restored_after():
             with attn.at(1):
                 pass
     assert (attn.chunk, attn.commit) == (None, False)
-    assert [st.next_chunk for st in cache.layers] == [1, 1]
+    assert [cache.next_chunk(layer) for layer in range(cache.n_layers)] == [1, 1]
     with pytest.raises(ValueError, match="no chunk position set"):
         attn(0, q, k, v)
 

@@ -884,3 +884,33 @@ def test_nothing_outside_the_cache_module_reaches_into_its_private_fields():
                     and "cache" in ast.unparse(node.value).lower() and ast.unparse(node.value) != "self"):
                 offenders.append(f"{path.relative_to(root)}:{node.lineno} {ast.unparse(node)}")
     assert not offenders, offenders
+
+
+def test_jensen_is_a_typed_field_and_the_suffix_spells_the_same_config():
+    assert CacheConfig("qvg", jensen=True) == CacheConfig("qvg+jensen")
+    cfg = CacheConfig("qvg", jensen=True)
+    assert cfg.jensen and cfg.method == "qvg+jensen" and cfg.base_method == "qvg"
+    assert not CacheConfig("qvg").jensen
+    with pytest.raises(ValueError, match="bf16"):
+        CacheConfig("bf16", jensen=True)
+
+
+def test_reset_next_chunk_next_token_and_memory_are_the_public_contract():
+    cache = KVCache(CacheConfig("quantwm"), 2)
+    g = torch.Generator().manual_seed(0)
+    for i in range(4):
+        for layer in range(2):
+            assert cache.next_chunk(layer) == i and cache.next_token(layer) == 16 * i
+            k, v, q = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(3))
+            cache.attend(layer, q, k, v, chunk=i, commit=True)
+    m = cache.memory()
+    assert m.stored_bytes == cache.nbytes() and m.by_component == cache.bytes_by_component()
+    assert m.bf16_bytes == 2 * 2 * (2 * 4 * 16 * 64) * 2  # K and V, 2 layers, 4 chunks of 2 heads x 16 x 64
+    assert m.bits_per_element == cache.bits_per_element() and m.compression == pytest.approx(16 / m.bits_per_element)
+    assert m.runtime_bytes == cache.runtime_bytes() and m.stored_mb == m.stored_bytes / 2 ** 20
+    cache.reset()
+    assert cache.next_chunk(0) == 0 and cache.next_token(1) == 0 and cache.seq_len(0) == 0 and cache.nbytes() == 0
+    empty = cache.memory()
+    assert empty.stored_bytes == 0 and empty.compression == 1.0 and empty.bits_per_element != empty.bits_per_element
+    with pytest.raises(ValueError, match="layer 2 out of range"):
+        cache.next_token(2)

@@ -174,7 +174,7 @@ class WanCacheAdapter:
                              f"{cache.rope.grid[0]}x{cache.rope.grid[1]}")
         if capture is not None and capture.frame_grid is None:
             capture.frame_grid = (h, w)
-        start = cache.layers[0].next_token
+        start = cache.next_token(0)
         if start % (h * w):
             raise ValueError(f"the cache holds {start} tokens, not whole frames of {h}x{w} tokens")
         return wan_rope_at(module, hidden_states, start // (h * w))

@@ -65,7 +65,7 @@ class _LayerView:
         """A refined block's K/V (B, N, H·D): the QuantWM cache's current chunk (committed when the next block
         starts, after the pipeline has appended it to its history); a marker for the pipeline."""
         self.adapter.cache.write(self.layer, key.unflatten(2, (self.heads, -1)), value.unflatten(2, (self.heads, -1)),
-                                 self.adapter.next_chunk[self.layer])
+                                 self.adapter.cache.next_chunk(self.layer))
         self.adapter.pending[self.layer] = key.shape[1]
         marker = key.new_empty(*key.shape[:2], 0)  # token count only: no bytes, no hold on the block's K/V
         self.stock.store_captured_post_rope(marker, marker)
@@ -109,7 +109,7 @@ class QuantWMRefinerAttnProcessor:
         if kv_cache_mode == "capture_pre_rope" and (self.adapter.pending[self.layer] or
                                                     self.adapter.cache.seq_len(self.layer)):
             raise ValueError("this QuantWM cache already holds a refinement: one pipeline call per cache "
-                             "(adapter.reset() empties it; the new one is adapter.cache)")
+                             "(adapter.reset() empties it)")
         self.adapter.commit_pending(self.layer)  # the block captured last time is history now
         view = _LayerView(kv_cache, self.adapter, self.layer, attn.heads)
         hook = None
@@ -151,7 +151,6 @@ class SanaWMCacheAdapter:
             raise ValueError("probes compare exact and stored keys: the cache needs CacheConfig(keep_exact=True)")
         self.transformer, self.cache, self.probe = transformer, cache, probe
         self.positions: dict[int, torch.Tensor] = {}  # block -> latent token of each key its queries attend to
-        self.next_chunk = [0] * len(blocks)
         self.pending = [0] * len(blocks)  # tokens of the captured, not yet committed block, per layer
         self._saved: list | None = None
         module = __import__(type(transformer).__module__, fromlist=["_"])
@@ -164,7 +163,7 @@ class SanaWMCacheAdapter:
 
     def probe_pass(self, layer: int, q: torch.Tensor, view: _LayerView, sink_rope, rotate) -> None:
         """Top-1 keys of a denoising pass's queries q (B, N, H, D) over [sink, history], exact vs stored."""
-        chunk, heads = self.next_chunk[layer], q.shape[2]
+        chunk, heads = self.cache.next_chunk(layer), q.shape[2]
         exact, stored, pos = [], [], []
         sink = view.get_sink()
         if sink is not None:  # the stock processor re-RoPEs the sink for this window; so do the probes
@@ -188,14 +187,12 @@ class SanaWMCacheAdapter:
 
     def commit_pending(self, layer: int) -> None:
         if self.pending[layer]:
-            self.cache.commit(layer, self.next_chunk[layer])
-            self.next_chunk[layer] += 1
+            self.cache.commit(layer, self.cache.next_chunk(layer))
             self.pending[layer] = 0
 
     def reset(self) -> None:
         """An empty cache for the next pipeline call."""
-        self.cache = KVCache(self.cache.config, self.cache.n_layers)
-        self.next_chunk = [0] * self.cache.n_layers
+        self.cache.reset()
         self.pending = [0] * self.cache.n_layers
         self.positions = {}
 

@@ -44,7 +44,12 @@ this module touches the cache's private fields:
     cache.positions(layer)               # absolute token position of every held token, in cache order
     cache.keys(layer) / values(layer)    # what attention reads (exact=True: the unquantized copy)
     cache.query_stats(layer); cache.key_steps(layer)
+    cache.next_chunk(layer); cache.next_token(layer)    # where the next chunk goes (chunk index, token position)
+    cache.reset()                        # empty every layer for a new video
+    cache.memory()                       # `CacheMemory`: stored and BF16 bytes, bits per element, compression
     cache.nbytes(); bytes_by_component(); runtime_bytes(); bits_per_element()
+
+`CacheConfig(method="qvg", jensen=True)` and `CacheConfig(method="qvg+jensen")` are the same configuration.
 """
 from __future__ import annotations
 
@@ -90,9 +95,15 @@ class CacheConfig:
     seed: int = 0
     method_options: tuple = ()
     span_chunks: int = 1
+    jensen: bool = False  # the +jensen read-path correction (docs/method.md §3); "qvg+jensen" is the same config
 
     def __post_init__(self):
-        parse_method_name(self.method)
+        base, suffix = parse_method_name(self.method)
+        if base == "bf16" and self.jensen:
+            raise ValueError("jensen=True corrects quantized keys' logits; bf16 stores keys exactly, so it does not apply")
+        # one config however it is spelled: CacheConfig("qvg+jensen") == CacheConfig("qvg", jensen=True)
+        object.__setattr__(self, "jensen", bool(self.jensen or suffix))
+        object.__setattr__(self, "method", base + ("+jensen" if self.jensen else ""))
         check_bits(self.k_bits), check_bits(self.v_bits)
         for name, value, allowed in (("target", self.target, TARGETS), ("layout", self.layout, LAYOUTS),
                                      ("rope", self.rope, ROPE_MODES)):
@@ -106,8 +117,9 @@ class CacheConfig:
             raise ValueError(f"span_chunks must be >= 1, got {self.span_chunks}")
 
     @property
-    def jensen(self) -> bool:
-        return parse_method_name(self.method)[1]
+    def base_method(self) -> str:
+        """The registry name without the +jensen modifier."""
+        return parse_method_name(self.method)[0]
 
 
 @dataclass
@@ -141,6 +153,36 @@ class LayerState:
     stats: QueryStats | None = None
     method_state: dict = field(default_factory=dict)
     pending: dict[int, QueryStats] = field(default_factory=dict)  # causal_stats: queries not yet in S, by fold point
+
+
+@dataclass(frozen=True)
+class CacheMemory:
+    """What a cache holds, counted from its stored tensors (`KVCache.memory()`; docs/method.md §3.1).
+
+    stored_bytes:   every stored tensor (quantized spans with all their metadata, full-precision chunks)
+    bf16_bytes:     the same tokens' K and V at 2 bytes per element
+    by_component:   stored bytes by component ("k.full", "k.codes", "v.scales", ...)
+    bits_per_element: of the quantized spans alone (nan when nothing is quantized yet)
+    compression:    16 / bits_per_element (1.0 when nothing is quantized)
+    cache_bits_per_element: of the whole cache, full-precision chunks included
+    runtime_bytes:  state kept beside the cache, in none of the above (running S, warm-start centroids)
+    """
+
+    stored_bytes: int
+    bf16_bytes: int
+    by_component: dict
+    bits_per_element: float
+    compression: float
+    cache_bits_per_element: float
+    runtime_bytes: dict
+
+    @property
+    def stored_mb(self) -> float:
+        return self.stored_bytes / 2 ** 20
+
+    @property
+    def bf16_mb(self) -> float:
+        return self.bf16_bytes / 2 ** 20
 
 
 class KVCache:
@@ -264,6 +306,18 @@ class KVCache:
     # ---- reading --------------------------------------------------------------------------------
     def _chunks(self, st: LayerState) -> list[Chunk]:
         return st.chunks + ([st.current] if st.current is not None else [])
+
+    def reset(self) -> None:
+        """Empty every layer (chunks, running S, method state) for a new video; the config stays."""
+        self.layers = [LayerState() for _ in self.layers]
+
+    def next_chunk(self, layer: int) -> int:
+        """The chunk index the layer expects to be written next (its committed chunks are 0..next-1)."""
+        return self._layer(layer).next_chunk
+
+    def next_token(self, layer: int) -> int:
+        """The absolute position of the next chunk's first token (tokens committed so far, evicted ones included)."""
+        return self._layer(layer).next_token
 
     @property
     def n_layers(self) -> int:
@@ -456,6 +510,13 @@ class KVCache:
         """Bits per element of the quantized storage (codes plus all their metadata); nan if none."""
         nbytes, elems = self._quantized_totals()
         return 8 * nbytes / elems if elems else float("nan")
+
+    def memory(self) -> CacheMemory:
+        """The typed memory report every caller uses (see `CacheMemory`)."""
+        elems = sum(2 * c.n_tokens * c.bhd[0] * c.bhd[1] * c.bhd[2] for st in self.layers for c in self._chunks(st))
+        bpe = self.bits_per_element()
+        return CacheMemory(self.nbytes(), 2 * elems, self.bytes_by_component(), bpe,
+                           16 / bpe if bpe == bpe else 1.0, self.cache_bits_per_element(), self.runtime_bytes())
 
     def cache_bits_per_element(self) -> float:
         """Bits per element of the whole cache: quantized and full-precision chunks together."""

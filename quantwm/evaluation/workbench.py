@@ -116,13 +116,11 @@ class Record:
 def cache_memory_mb(cache) -> dict:
     """{"bf16": MB the cache's K and V would take in BF16, "stored": MB as stored}, full-precision chunks
     (sink, recent) counted at 2 bytes per element, every quantized byte (codes, scales, codebooks, PSAC)."""
-    elems = sum(2 * span.bhd[0] * span.bhd[1] * span.n_tokens * span.bhd[2]
-                for l in range(cache.n_layers) for span in cache.spans(l))
-    bpe = cache.bits_per_element()
-    full = sum(n for name, n in cache.bytes_by_component().items() if name.endswith(".full"))
-    qbytes = cache.nbytes() - full
-    qelems = 8 * qbytes / bpe if bpe == bpe else 0
-    return {"bf16": 2 * elems / MiB, "stored": (qbytes + 2 * (elems - qelems)) / MiB}
+    m = cache.memory()
+    full = sum(n for name, n in m.by_component.items() if name.endswith(".full"))
+    qbytes = m.stored_bytes - full
+    qelems = 8 * qbytes / m.bits_per_element if m.bits_per_element == m.bits_per_element else 0
+    return {"bf16": m.bf16_mb, "stored": (qbytes + m.bf16_bytes - 2 * qelems) / MiB}
 
 
 def release_memory() -> None:
