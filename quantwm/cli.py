@@ -91,6 +91,27 @@ def _options(pairs: list[str]) -> tuple:
     return tuple(out)
 
 
+def _add_budget(s) -> None:
+    """--budget / --budget-k / --budget-v: bits per element (docs/method.md §3.1)."""
+    s.add_argument("--budget", type=float, help="bits per element (stored bytes) for Keys and Values: every method "
+                                                "configures itself within it by its own rule, or is left out")
+    s.add_argument("--budget-k", type=float, help="the Keys' budget apart (default: --budget)")
+    s.add_argument("--budget-v", type=float, help="the Values' budget apart (default: --budget)")
+
+
+def _budget(a) -> tuple:
+    return (a.budget_k if a.budget_k is not None else a.budget, a.budget_v if a.budget_v is not None else a.budget)
+
+
+def _report_budget(config: dict) -> None:
+    """The methods a budget left out (one line each) and what the others chose."""
+    for why in config.get("left_out", {}).values():
+        print(f"left out: {why}")
+    for m, chosen in config.get("configuration", {}).items():
+        if chosen and any(b is not None for b in config.get("budget", {}).values()):
+            print(f"{m}: " + "; ".join(f"{k}: {v}" for k, v in chosen.items()))
+
+
 def cmd_analyze(a) -> int:
     from .evaluation.analyze import analyze_trace
     from .evaluation.trace import read_trace
@@ -98,12 +119,15 @@ def cmd_analyze(a) -> int:
     methods = _methods(a.methods)
     trace = read_trace(a.trace)
     report = analyze_trace(trace, methods, a.target, a.bits, a.chunk_frames, a.sink_chunks, a.recent_chunks,
-                           progress=_progress("analyze"), method_options=_options(a.set))
+                           progress=_progress("analyze"), method_options=_options(a.set), budget=_budget(a))
     _write_json(report, a.json)
     keys = ("shift_rate", "topk_overlap", "attn_kl", "logit_rmse", "k_rel_err", "v_rel_err", "out_rel_err",
             "bits_per_element")
     rows = [["method", *keys]] + [[m, *(_fmt(e["mean"][k]) for k in keys)] for m, e in report["methods"].items()]
-    print(f"trace {a.trace} ({trace.meta['model']}), target={a.target}, bits={a.bits}")
+    print(f"trace {a.trace} ({trace.meta['model']}), target={a.target}, "
+          + (f"budget K {_budget(a)[0]} / V {_budget(a)[1]} bits per element" if any(b is not None for b in _budget(a))
+             else f"bits={a.bits}"))
+    _report_budget(report["config"])
     print(_table(rows))
     return 0
 
@@ -113,13 +137,15 @@ def cmd_memory(a) -> int:
 
     parse_method_name(a.method)
     r = memory_report(a.preset, a.latent_frames, a.method, a.target, a.bits, a.sample_layers,
-                      progress=_progress("memory"), span_chunks=a.span_chunks, queries=a.queries)
+                      progress=_progress("memory"), span_chunks=a.span_chunks, queries=a.queries, budget=_budget(a))
     _write_json(r, a.json)
     print(f"{a.method} on {a.preset}, {a.latent_frames} latent frames, spans of {a.span_chunks} chunk(s), "
           f"queries {a.queries} ({r['layers_quantized']} layer(s) quantized); grid: {r['grid']}")
     print(f"  bits/element {r['bits_per_element']:.3f}  compression {r['compression']:.3f}x  "
           f"whole cache {r['cache_compression']:.3f}x  ({r['total_bytes'] / 2**30:.3f} GiB vs "
           f"{r['bf16_bytes'] / 2**30:.3f} GiB BF16)")
+    if any(b is not None for b in _budget(a)):
+        print("  configuration: " + "; ".join(f"{k}: {v}" for k, v in r["configuration"].items()))
     rt = r["runtime_bytes"]
     print(f"  runtime state (not in the cache figures): running S {rt['query_stats'] / 2**20:.1f} MiB, warm-start "
           f"centroids {rt['warm_start_centroids'] / 2**20:.1f} MiB")
@@ -171,7 +197,8 @@ def cmd_eval(a) -> int:
     methods = _methods(a.methods)
     report = evaluate(_world_model(a.weights), methods, a.target, _ints(a.seeds, "--seeds"), a.frames, a.bits,
                       a.trajectory, a.steps, progress=_progress("eval"), training_seeds=a.training_seeds,
-                      world=a.world, method_options=_options(a.set), training_photos=a.training_photos)
+                      world=a.world, method_options=_options(a.set), training_photos=a.training_photos,
+                      budget=_budget(a))
     _write_json(report, a.json)
     keys = ("psnr", "ssim", "lpips", "tdiff", "warp_error", "shift_rate", "place_shift_rate", "k_rel_err",
             "v_rel_err", "bits_per_element", "compression")
@@ -180,6 +207,7 @@ def cmd_eval(a) -> int:
           f"{report['config']['seconds']:.0f} s")
     if report["config"].get("lpips_note"):
         print(report["config"]["lpips_note"])
+    _report_budget(report["config"])
     print(_table([["method", *keys]] + [[m, *(_fmt(e["mean"][k]) for k in keys)]
                                           for m, e in report["methods"].items()]))
     b = report["bf16"]
@@ -276,6 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--recent-chunks", type=int, default=1)
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="method option for every method, e.g. --set lam=4 (repeatable)")
+    _add_budget(s)
     s.add_argument("--json")
     s.set_defaults(fn=cmd_analyze)
     s = sub.add_parser("memory", help="stored bytes of the cache at a real model's shapes")
@@ -288,6 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--span-chunks", type=int, default=1, help="chunks quantized together as one span (QVG: 8)")
     s.add_argument("--queries", choices=("drift", "none"), default="drift",
                    help="drift: a synthetic query stream whose subspace moves (as deployed); none: S stays identity")
+    _add_budget(s)
     s.add_argument("--json")
     s.set_defaults(fn=cmd_memory)
     s = sub.add_parser("synth-trace", help="write the synthetic world-memory trace")
@@ -318,6 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--set", action="append", metavar="KEY=VALUE",
                    help="method option for every method, e.g. --set qsac=false (repeatable)")
     s.add_argument("--weights", help="world-model weights (default: the built-in model, shipped with the package)")
+    _add_budget(s)
     s.add_argument("--json")
     s.set_defaults(fn=cmd_eval)
     s = sub.add_parser("trace", help="write a trace file from the built-in world model")

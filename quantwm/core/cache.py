@@ -50,6 +50,9 @@ this module touches the cache's private fields:
     cache.nbytes(); bytes_by_component(); runtime_bytes(); bits_per_element()
 
 `CacheConfig(method="qvg", jensen=True)` and `CacheConfig(method="qvg+jensen")` are the same configuration.
+`CacheConfig(method="kivi", budget=2.5)` lets the method choose its configuration from the budget (bits per
+element from stored bytes; `budget_k`/`budget_v` apart) at the first quantized span, by its rule in
+quantwm.core.budget; `cache.configuration` says what it chose, and a method that cannot fit raises ValueError.
 """
 from __future__ import annotations
 
@@ -96,6 +99,9 @@ class CacheConfig:
     method_options: tuple = ()
     span_chunks: int = 1
     jensen: bool = False  # the +jensen read-path correction (docs/method.md §3); "qvg+jensen" is the same config
+    budget: float | None = None  # bits per element for Keys and Values: the method configures itself (core/budget.py)
+    budget_k: float | None = None  # the Keys' and the Values' budgets apart (each defaults to `budget`)
+    budget_v: float | None = None
 
     def __post_init__(self):
         base, suffix = parse_method_name(self.method)
@@ -104,6 +110,15 @@ class CacheConfig:
         # one config however it is spelled: CacheConfig("qvg+jensen") == CacheConfig("qvg", jensen=True)
         object.__setattr__(self, "jensen", bool(self.jensen or suffix))
         object.__setattr__(self, "method", base + ("+jensen" if self.jensen else ""))
+        for name in ("budget_k", "budget_v"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.budget)
+        for name in ("budget", "budget_k", "budget_v"):
+            b = getattr(self, name)
+            if b is not None and not (isinstance(b, int | float) and 0 < b < float("inf")):
+                raise ValueError(f"{name} must be a positive number of bits per element, got {b!r}")
+        if base == "bf16" and any(b is not None and b < 16 for b in (self.budget_k, self.budget_v)):
+            raise ValueError("bf16 stores 16 bits per element: it cannot fit a budget below 16")
         check_bits(self.k_bits), check_bits(self.v_bits)
         for name, value, allowed in (("target", self.target, TARGETS), ("layout", self.layout, LAYOUTS),
                                      ("rope", self.rope, ROPE_MODES)):
@@ -202,6 +217,33 @@ class KVCache:
             raise ValueError(f"{config.method} quantizes keys before RoPE: it needs CacheConfig(rope='pre') and the "
                              "model's rope function (the built-in world model stores post-RoPE keys only)")
         self.layers = [LayerState() for _ in range(n_layers)]
+        self._chosen: dict[str, str] = {}  # kind -> the configuration a budget chose (at the first span)
+
+    @property
+    def configuration(self) -> dict[str, str]:
+        """{"k": ..., "v": ...}: each half's method and configuration as run (a budget's choice once the first
+        span is quantized; docs/method.md §3.1)."""
+        out = {}
+        for kind, method, on in (("k", self.k_method, self.quantize_k), ("v", self.v_method, self.quantize_v)):
+            out[kind] = self._chosen.get(kind) or (f"{self.config.method}: {method.grid()}" if on else "bf16 (not quantized)")
+        return out
+
+    def _budgeted(self, kind: str, D: int, N: int) -> None:
+        """Configure `kind`'s method from its budget at the first span (the shapes are known then)."""
+        budget = self.config.budget_k if kind == "k" else self.config.budget_v
+        if budget is None or kind in self._chosen:
+            return
+        from .budget import configure, describe
+
+        opts, bits = configure(self.config.base_method, budget, D, N, kind)
+        rest = {k: v for k, v in opts.items() if k != "bits"}
+        method = make_method(self.config.method, opts.get("bits", 2), {**dict(self.config.method_options), **rest})
+        if kind == "k":
+            self.k_method = method
+        else:
+            self.v_method = method
+        self._chosen[kind] = (f"{self.config.method} at {budget:g} bits: {describe(opts)} "
+                              f"({bits:.3f} bits per element on a span of {N} tokens x {D})")
 
     # ---- layout ---------------------------------------------------------------------------------
     def _in(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -292,9 +334,11 @@ class KVCache:
         seed = self.config.seed + 7919 * layer + c.index
         ctx = SpanContext(stats=stats.repeat(B, 1, 1), state=st.method_state, seed=seed, history=st.stats.count)
         if self.quantize_k:
+            self._budgeted("k", D, N)
             c.exact_k = c.k if self.config.keep_exact else None  # diagnostics only, not counted in nbytes
             c.k_enc, c.k = self.k_method.encode(c.k.reshape(B * H, N, D), "k", ctx), None
         if self.quantize_v:
+            self._budgeted("v", D, N)
             c.exact_v = c.v if self.config.keep_exact else None
             c.v_enc, c.v = self.v_method.encode(c.v.reshape(B * H, N, D), "v", ctx), None
 

@@ -18,6 +18,7 @@ from dataclasses import replace
 
 import torch
 
+from ..core.budget import configure, describe, fit_methods
 from ..core.cache import CacheConfig, KVCache
 from ..core.methods import make_method, parse_method_name
 from ..core.rope import Rope3D
@@ -87,8 +88,10 @@ def analyze_layer(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: i
 
 def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int = 2, chunk_frames: int | None = None,
                   sink_chunks: int = 1, recent_chunks: int = 1, progress: Callable | None = None,
-                  method_options: tuple = ()) -> dict:
-    """The `quantwm analyze` report: {"methods": {name: {"mean", "layers"}}, "query_energy_top8", "trace"}."""
+                  method_options: tuple = (), budget: tuple = (None, None)) -> dict:
+    """The `quantwm analyze` report: {"methods": {name: {"mean", "layers"}}, "query_energy_top8", "trace"}.
+    `budget`: (Keys, Values) bits per element: each method configures itself within it (docs/method.md §3.1);
+    one that cannot is left out, with its reason in report["config"]["left_out"]."""
     for m in methods:
         parse_method_name(m)
     if chunk_frames is None:
@@ -96,15 +99,19 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
     if chunk_frames < 1:
         raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
     chunk_tokens = chunk_frames * trace.tokens_per_frame
+    head_dim = next(iter(trace.layers.values()))["k"].shape[-1]
+    methods, left_out = fit_methods(methods, *budget, head_dim, chunk_tokens, target)
     report: dict = {"methods": {}, "trace": dict(trace.meta),
                     "config": {"target": target, "bits": bits, "chunk_frames": chunk_frames,
                                "stats": STATS_SOURCES.get(stats_source(trace), "mixed: differs by layer"),
                                "sink_chunks": sink_chunks, "recent_chunks": recent_chunks,
-                               "method_options": dict(method_options), "grid": {}}}
+                               "method_options": dict(method_options), "grid": {},
+                               "budget": {"k": budget[0], "v": budget[1]}, "left_out": left_out, "configuration": {}}}
     steps = [(m, l) for m in methods for l in trace.layers]
     for i, (m, layer) in enumerate(steps):
         config = CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits, sink_chunks=sink_chunks,
-                             recent_chunks=recent_chunks, method_options=method_options)
+                             recent_chunks=recent_chunks, method_options=method_options, budget_k=budget[0],
+                             budget_v=budget[1])
         entry = report["methods"].setdefault(m, {"mean": {}, "layers": []})
         entry["layers"].append(analyze_layer(trace, layer, config, chunk_tokens))
         if progress:
@@ -112,6 +119,10 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
     for m, entry in report["methods"].items():
         entry["mean"] = {key: sum(r[key] for r in entry["layers"]) / len(entry["layers"]) for key in MEAN_KEYS}
         report["config"]["grid"][m] = make_method(m, bits, dict(method_options)).grid()
+        if any(b is not None for b in budget):
+            report["config"]["configuration"][m] = {
+                kind: describe(configure(m, b, head_dim, chunk_tokens, kind)[0])
+                for kind, b in zip("kv", budget) if b is not None and kind in target and parse_method_name(m)[0] != "bf16"}
     energy = []
     for t in trace.layers.values():
         _, frac = query_energy(second_moment(t.get("q_hist", t["q"]).float()), rank=8)

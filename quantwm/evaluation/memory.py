@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.budget import fit_methods
 from ..core.cache import CacheConfig, KVCache
 
 
@@ -53,8 +54,9 @@ def drifting_queries(g: torch.Generator, basis: torch.Tensor, n: int, drift: flo
 
 def memory_report(preset: str, latent_frames: int, method: str, target: str = "kv", bits: int = 2,
                   sample_layers: int | None = None, seed: int = 0, progress: Callable | None = None,
-                  span_chunks: int = 1, queries: str = "drift") -> dict:
-    """Bytes per stored component, bits per element and compression for `method` at a preset's shapes."""
+                  span_chunks: int = 1, queries: str = "drift", budget: tuple = (None, None)) -> dict:
+    """Bytes per stored component, bits per element and compression for `method` at a preset's shapes;
+    `budget` (Keys, Values): the method configures itself within it (ValueError when it cannot)."""
     if queries not in QUERY_STREAMS:
         raise ValueError(f"unknown query stream {queries!r}; known: {', '.join(QUERY_STREAMS)}")
     if preset not in PRESETS:
@@ -63,7 +65,11 @@ def memory_report(preset: str, latent_frames: int, method: str, target: str = "k
     if latent_frames < 1:
         raise ValueError(f"latent_frames must be >= 1, got {latent_frames}")
     n_layers = p.layers if sample_layers is None else min(max(1, sample_layers), p.layers)
-    config = CacheConfig(method=method, target=target, k_bits=bits, v_bits=bits, seed=seed, span_chunks=span_chunks)
+    config = CacheConfig(method=method, target=target, k_bits=bits, v_bits=bits, seed=seed, span_chunks=span_chunks,
+                         budget_k=budget[0], budget_v=budget[1])
+    _, left_out = fit_methods([method], *budget, p.head_dim, span_chunks * p.chunk_frames * p.tokens_per_frame, target)
+    if left_out:
+        raise ValueError(left_out[method])
     # A video too short to complete one span has nothing quantized yet: the quantized chunks' figures then come
     # from the shortest video that quantizes one span, the whole-cache figures from the requested length.
     chunks = -(-latent_frames // p.chunk_frames)  # the last one is the current chunk
@@ -83,6 +89,7 @@ def memory_report(preset: str, latent_frames: int, method: str, target: str = "k
     total = sum(comp.values())
     return {"preset": p.__dict__, "method": method, "target": target, "bits": bits, "latent_frames": latent_frames,
             "span_chunks": span_chunks, "queries": queries, "grid": cache.k_method.grid(), "runtime_bytes": runtime,
+            "budget": {"k": budget[0], "v": budget[1]}, "configuration": cache.configuration,
             "quantized_figures_from_latent_frames": run_frames,
             "chunks": chunks, "layers_quantized": n_layers, "bytes": comp,
             "total_bytes": total, "bf16_bytes": bf16, "bits_per_element": bpe,

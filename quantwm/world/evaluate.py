@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..core.budget import fit_methods
 from ..core.cache import CacheConfig, KVCache
 from ..evaluation import diagnostics as D
 from ..evaluation import metrics as M
@@ -92,7 +93,7 @@ def memory_stats(run: Rollout) -> dict:
 def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: list[int] = (0, 1), n_frames: int = 32,
              bits: int = 2, trajectory_kind: str = "loop", steps: int = 4, progress: Callable | None = None,
              training_seeds: bool = False, world: str = "photo", method_options: tuple = (),
-             training_photos: str | None = None) -> dict:
+             training_photos: str | None = None, budget: tuple = (None, None)) -> dict:
     """The `quantwm eval` report (see the module docstring). `world` is the world kind (`scene.WORLDS`).
     Two ways to compare with the training photographs (the memorisation check):
 
@@ -102,7 +103,10 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
       per-seed choice), so a twin repeats a photograph across tiles exactly where its held-out world repeats
       a scene (4 held-out scenes repeat more often than 12 training photographs) and is grey where it is;
     * `training_seeds=True`: the worlds of seeds + TRAIN_SEED_BASE, drawn as in training (other layouts
-      and trajectories too, so the difference also holds the seeds' spread)."""
+      and trajectories too, so the difference also holds the seeds' spread).
+
+    `budget`: (Keys, Values) bits per element: each method configures itself within it (docs/method.md §3.1);
+    one that cannot is left out, with its reason in report["config"]["left_out"]."""
     if any(s >= TRAIN_SEED_BASE or s < 0 for s in seeds):
         raise ValueError(f"evaluation world seeds must lie in [0, {TRAIN_SEED_BASE}) (training uses the rest)")
     if training_seeds:
@@ -114,8 +118,10 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
     if training_photos and (training_seeds or world != "photo"):
         raise ValueError("training_photos applies to the photographic world, without training_seeds")
     photos = {None: None, "all": "training", "matched": "training-matched"}[training_photos]
-    configs = {m: CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits, method_options=method_options)
-               for m in methods}  # validates names
+    mc = model.cfg
+    methods, left_out = fit_methods(methods, *budget, mc.head_dim, mc.chunk_frames * mc.tokens_per_frame, target)
+    configs = {m: CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits, method_options=method_options,
+                              budget_k=budget[0], budget_v=budget[1]) for m in methods}  # validates names
     for c in configs.values():
         KVCache(c, 1)  # validates the options for every method before any work
     ctx = model.cfg.context_frames
@@ -124,6 +130,7 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
     scalars: dict = {m: {k: [] for k in ("shift_rate", "place_shift_rate", "bits_per_element", "k_rel_err",
                                          "v_rel_err", "attn_out_rel_err")} for m in methods}
     place_layers: dict = {m: [] for m in methods}
+    configuration: dict = {}
     bf16: dict = {"revisit_psnr_vs_gt": [], "psnr_vs_gt": [], "same_place_mass": [], "top1_prob": [], "revisited_frames": []}
     total, done, t0 = len(seeds) * (1 + len(methods)), 0, time.time()
     for seed in seeds:
@@ -147,6 +154,7 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
             per[m]["lpips"].append([math.nan] * len(x) if lpips_note else M.lpips(x, r).tolist())
             per[m]["tdiff"].append(M.tdiff(run.frames[ctx - 1:], ref.frames[ctx - 1:]).tolist())
             per[m]["warp_error"].append(M.warp_error(run.frames[ctx - 1:], ref.frames[ctx - 1:], flow).tolist())
+            configuration[m] = run.cache.configuration
             ke, ve = rel_errors(run)
             place, per_layer = place_shift_rate(run)
             place_layers[m].append(per_layer)
@@ -161,7 +169,8 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
     out: dict = {"methods": {}, "bf16": {}, "config": {
         "target": target, "bits": bits, "seeds": list(seeds), "frames": n_frames, "trajectory": trajectory_kind,
         "world": world, "photos": photos or "by seed", "method_options": dict(method_options), "steps": steps, "context_frames": ctx,
-        "lpips_note": lpips_note, "model": model.config_dict(),
+        "lpips_note": lpips_note, "model": model.config_dict(), "budget": {"k": budget[0], "v": budget[1]},
+        "left_out": left_out, "configuration": configuration,
         "seconds": time.time() - t0}}
     for m in methods:
         frame_means = {k: [sum(col) / len(col) for col in zip(*v)] for k, v in per[m].items()}

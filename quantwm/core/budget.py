@@ -1,0 +1,121 @@
+"""Methods at a budget: each method's configuration chosen from a bits-per-element budget and the span's shape
+by the method's own rule, never by the evaluated quality (docs/method.md §3.1).
+
+    options, bits = configure("kivi", budget=2.5, head_dim=128, span_tokens=4680, kind="k")
+
+A rule is an ordered list of candidate configurations, richest first, in the order the method's source turns
+its knobs; the first whose stored bits per element fit the budget is chosen:
+
+* `rtn`: bits 8, 4, 3, 2, each with groups of 32, 64, 128 channels (more bits before finer groups).
+* `kivi`, `kivi-pre`: KIVI's 4 and 2 bits, each with groups of 32, 64, 128 (KIVI's group-size knob).
+* `qvg`, `qvg-asym`: residual bits 4, 3, 2 (the grid), each with 256, 64, 16, 6, 2 centroids per span.
+* `qvg-pro`: bits 4, 2, each with 256, 64, 16 centroids (4 stages, groups of 16, as QVG-Pro).
+* `qvg-budget`: bits 4, 3, 2.
+* `quantwm`: residual bits 4, 3, 2; within each, PSAC rank 16, 8, 4, 2 with 8- then 4-bit coefficients, then
+  PSAC off (QSAC alone); groups of 64, then 128 channels where the head allows. (A stated order, not yet the
+  logit-error allocator.)
+* `quantwm-paper`: bits 4, 3, 2, each with 256, 16, 4 centroids.
+* `nvfp4` (4.5 bits), `int8k-fp8v` (about 8), `bf16` (16): their one configuration, when it fits.
+
+Bits per element are measured, not estimated: each candidate encodes one seeded Gaussian span of the given
+shape, and its stored bytes (codes and every piece of metadata, a PSAC basis counted in full) are counted.
+A method none of whose candidates fits raises `ValueError` naming its cheapest configuration.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from .methods import REGISTRY, SpanContext, get_method, parse_method_name
+
+GROUPS = (32, 64, 128)
+PSAC_STEPS = ((16, 8), (16, 4), (8, 8), (8, 4), (4, 8), (4, 4), (2, 4))
+
+
+def candidates(method: str, head_dim: int, kind: str = "k") -> list[dict]:
+    """The rule's configurations for `method`, richest first (options for `get_method`); quantwm's Values have
+    no PSAC, so their candidates turn the residual's knobs only."""
+    base = parse_method_name(method)[0]
+    groups = [g for g in GROUPS if head_dim % g == 0]
+    if base == "rtn":
+        return [{"bits": b, "group_size": g} for b in (8, 4, 3, 2) for g in groups]
+    if base in ("kivi", "kivi-pre"):
+        return [{"bits": b, "group_size": g} for b in (4, 2) for g in GROUPS]
+    if base in ("qvg", "qvg-asym"):
+        return [{"bits": b, "n_centroids": k} for b in (4, 3, 2) for k in (256, 64, 16, 6, 2)]
+    if base == "qvg-pro":
+        return [{"bits": b, "n_centroids": k} for b in (4, 2) for k in (256, 64, 16)]
+    if base == "qvg-budget":
+        return [{"bits": b} for b in (4, 3, 2)]
+    if base == "quantwm-paper":
+        return [{"bits": b, "n_centroids": k} for b in (4, 3, 2) for k in (256, 16, 4)]
+    if base in ("quantwm", "quantwm-qsac", "quantwm-psac"):
+        wide = [g for g in (64, 128) if head_dim % g == 0]
+        if kind == "v":
+            return [{"bits": b, "group_size": g} for b in (4, 3, 2) for g in wide]
+        psac = [{"psac_rank": r, "psac_bits": pb} for r, pb in PSAC_STEPS if r <= head_dim] if base != "quantwm-qsac" else []
+        off = [{"psac": False}] if base == "quantwm" else [] if base == "quantwm-psac" else [{}]
+        return [{"bits": b, "group_size": g, **p} for b in (4, 3, 2) for g in wide for p in psac + off]
+    if base in REGISTRY and not REGISTRY[base].takes_bits:
+        return [{}]
+    raise ValueError(f"no budget rule for method {method!r}")
+
+
+@functools.lru_cache(maxsize=4096)
+def measured_bits(method: str, options: tuple, head_dim: int, span_tokens: int, kind: str) -> float:
+    """Stored bits per element of one span of (span_tokens, head_dim) under `method` with `options`."""
+    base = parse_method_name(method)[0]
+    m = get_method(base, **dict(options))
+    if any(f.name == "iters" for f in dataclasses.fields(m)):  # bytes do not depend on the k-means iterations
+        m = dataclasses.replace(m, iters=1)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, span_tokens, head_dim, generator=g)
+    stats = torch.eye(head_dim)[None] + 0.1 * torch.ones(1, head_dim, head_dim)  # a history: PSAC stores a basis
+    enc = m.encode(x, kind, SpanContext(stats=stats, history=1))
+    return 8 * enc.nbytes() / x.numel()
+
+
+def configure(method: str, budget: float, head_dim: int, span_tokens: int, kind: str) -> tuple[dict, float]:
+    """(options, measured bits per element) of the richest configuration of `method` within `budget`."""
+    if not budget > 0:
+        raise ValueError(f"a budget is a positive number of bits per element, got {budget}")
+    if head_dim < 1 or span_tokens < 1:
+        raise ValueError(f"a span needs a positive head dim and token count, got {head_dim} and {span_tokens}")
+    cheapest = None
+    for opts in candidates(method, head_dim, kind):
+        try:
+            bits = measured_bits(method, tuple(sorted(opts.items())), head_dim, span_tokens, kind)
+        except ValueError:  # a configuration this shape cannot take (a group larger than the span, ...)
+            continue
+        if bits <= budget + 1e-9:
+            return opts, bits
+        cheapest = min(cheapest or (bits, opts), (bits, opts), key=lambda t: t[0])
+    where = f"at head dim {head_dim} and spans of {span_tokens} tokens ({'Keys' if kind == 'k' else 'Values'})"
+    least = (f"its cheapest configuration stores {cheapest[0]:.3f} ({describe(cheapest[1])})" if cheapest
+             else "no configuration fits the shape")
+    raise ValueError(f"{method} cannot fit {budget:g} bits per element {where}: {least}")
+
+
+def describe(options: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in sorted(options.items())) or "its fixed format"
+
+
+def fit_methods(methods: list[str], budget_k: float | None, budget_v: float | None, head_dim: int, span_tokens: int,
+                target: str = "kv") -> tuple[list[str], dict[str, str]]:
+    """(the methods that fit their budgets, {left-out method: the one-line reason}) for spans of this shape;
+    only the halves `target` quantizes are held to a budget."""
+    kept, left_out = [], {}
+    for m in methods:
+        if parse_method_name(m)[0] == "bf16":
+            kept.append(m)
+            continue
+        try:
+            for kind, budget in (("k", budget_k), ("v", budget_v)):
+                if budget is not None and kind in target:
+                    configure(m, budget, head_dim, span_tokens, kind)
+            kept.append(m)
+        except ValueError as e:
+            left_out[m] = str(e)
+    return kept, left_out
