@@ -41,6 +41,8 @@ def test_a_budgeted_cache_stores_within_its_budget(method):
         cache.attend(0, q, k, v, chunk=i, commit=True)
     assert cache.bits_per_element() <= budget + 1e-9
     assert all(f"at {budget:g} bits" in cache.configuration[kind] for kind in ("k", "v"))
+    cache.reset()  # a new video: the budget chooses again at its first span
+    assert not any(f"at {budget:g} bits" in cache.configuration[kind] for kind in ("k", "v"))
 
 
 def test_budgets_apart_and_bad_budgets():

@@ -207,9 +207,7 @@ class KVCache:
         if config.rope == "pre" and rope is None:
             raise ValueError("rope='pre' stores keys before RoPE: pass the rope function to apply at read")
         self.config, self.rope = config, rope
-        opts = dict(config.method_options)
-        self.k_method = make_method(config.method, config.k_bits, opts)
-        self.v_method = make_method(config.method, config.v_bits, opts)
+        self._make_methods()
         self.quantize_k = self.k_method.quantized and config.target in ("k", "kv")
         self.quantize_v = self.v_method.quantized and config.target in ("v", "kv")
         self.causal_stats = bool(getattr(self.k_method, "causal_stats", False))
@@ -217,6 +215,12 @@ class KVCache:
             raise ValueError(f"{config.method} quantizes keys before RoPE: it needs CacheConfig(rope='pre') and the "
                              "model's rope function (the built-in world model stores post-RoPE keys only)")
         self.layers = [LayerState() for _ in range(n_layers)]
+
+    def _make_methods(self) -> None:
+        """The Keys' and Values' methods from the config (a budget replaces them at the first span)."""
+        opts = dict(self.config.method_options)
+        self.k_method = make_method(self.config.method, self.config.k_bits, opts)
+        self.v_method = make_method(self.config.method, self.config.v_bits, opts)
         self._chosen: dict[str, str] = {}  # kind -> the configuration a budget chose (at the first span)
 
     @property
@@ -352,8 +356,10 @@ class KVCache:
         return st.chunks + ([st.current] if st.current is not None else [])
 
     def reset(self) -> None:
-        """Empty every layer (chunks, running S, method state) for a new video; the config stays."""
+        """Empty every layer (chunks, running S, method state) for a new video; the config stays, and a budget
+        chooses again at the next first span (its shapes may differ)."""
         self.layers = [LayerState() for _ in self.layers]
+        self._make_methods()
 
     def next_chunk(self, layer: int) -> int:
         """The chunk index the layer expects to be written next (its committed chunks are 0..next-1)."""
