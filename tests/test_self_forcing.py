@@ -164,13 +164,16 @@ def save_tiny_umt5(base, text_dim: int = 16) -> None:
 
 
 def test_a_prompt_is_encoded_by_the_base_models_umt5_as_wans_pipeline_does(released, tmp_path, capsys):
+    import shutil
+
     from safetensors.torch import save_file
     from transformers import UMT5EncoderModel
 
     from quantwm.adapters.self_forcing import encode_prompt
     from quantwm.cli import main
 
-    ckpt, base, _, _ = released
+    ckpt, shared, _, _ = released  # a copy without the text encoder another test may have saved into it
+    base = shutil.copytree(shared, tmp_path / "base", ignore=shutil.ignore_patterns("tokenizer", "text_encoder"))
     with pytest.raises(ValueError, match="no tokenizer/ folder"):
         encode_prompt(base, "a red car")
     save_tiny_umt5(base)
