@@ -155,8 +155,12 @@ def cmd_memory(a) -> int:
 def cmd_synth(a) -> int:
     from .evaluation.synthetic import make_synthetic_trace
 
-    make_synthetic_trace(a.seed, n_layers=a.layers, n_heads=a.heads, head_dim=a.head_dim,
-                         content_dim=a.query_dims).save(a.out)
+    try:
+        h, w = (int(v) for v in a.grid.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--grid takes ROWSxCOLS tokens per frame (e.g. 24x24), got {a.grid!r}") from None
+    make_synthetic_trace(a.seed, n_layers=a.layers, n_heads=a.heads, head_dim=a.head_dim, grid=(h, w),
+                         cached_frames=a.cached_frames, chunk_frames=a.chunk_frames, content_dim=a.query_dims).save(a.out)
     print(f"wrote {a.out}")
     return 0
 
@@ -175,6 +179,17 @@ def _ints(text: str, what: str) -> list[int]:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+
+
+def _floats(text: str, what: str) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated numbers, got {text!r}") from None
+    bad = [v for v in values if not 0 < v <= 16]
+    if bad or not values:
+        raise ValueError(f"{what} takes bits per element in (0, 16], got {text!r}")
+    return values
 
 
 def _world_model(weights: str | None):
@@ -327,6 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--head-dim", type=int, default=128)
     s.add_argument("--query-dims", type=int, default=8,
                    help="dimension of the query subspace: 8 / 12 / 22 give ~97%% / ~71%% / ~45%% top-8 energy")
+    s.add_argument("--grid", default="12x16", help="tokens per frame as ROWSxCOLS (Wan-1.3B at 480p: 30x52)")
+    s.add_argument("--chunk-frames", type=int, default=3, help="frames per chunk: a span holds grid x this many tokens")
+    s.add_argument("--cached-frames", type=int, default=24, help="frames in the cache (a multiple of --chunk-frames)")
     s.add_argument("--out", required=True)
     s.set_defaults(fn=cmd_synth)
     s = sub.add_parser("eval", help="BF16 vs methods on the built-in world model")
@@ -414,6 +432,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seeds", default="0,1", help="held-out world seeds of the world source")
     s.add_argument("--frames", type=int, default=16)
     s.add_argument("--quick", action="store_true", help="one point per method (a smoke test)")
+    s.add_argument("--budget", default="", help="comma-separated bits per element: one point per method and budget, "
+                                                "each configured by its budget rule (instead of the sweep)")
     s.add_argument("--workers", type=int, default=1, help="local worker processes")
     s.add_argument("--ray", default=None, metavar="ADDRESS", help="run the points on a Ray cluster ('local': start one)")
     s.add_argument("--formats", default="png,svg")
@@ -473,7 +493,8 @@ def cmd_frontier(a) -> int:
         if unknown:
             raise ValueError(f"no sweep defined for {unknown[0]!r}; sweepable: {', '.join(GRID)}")
         grid = {m: grid.get(m, GRID[m]) for m in _methods(a.methods)}
-    tasks = make_tasks(sources, grid, _ints(a.bits, "--bits"), a.target, _ints(a.seeds, "--seeds"), a.frames)
+    budgets = _floats(a.budget, "--budget") if a.budget else None
+    tasks = make_tasks(sources, grid, _ints(a.bits, "--bits"), a.target, _ints(a.seeds, "--seeds"), a.frames, budgets)
     manifest = sweep(tasks, a.out_dir, a.workers, a.ray, progress=_progress("frontier"))
     summary = summarise({k: v for k, v in manifest.items() if v["task"] in tasks})
     _write_json(summary, str(Path(a.out_dir) / "frontier.json"))

@@ -77,10 +77,18 @@ def test_unpack_bits_rejects_wrong_row_length():
         unpack_bits_ref(packed, 2, 20)
 
 
-@pytest.mark.parametrize("bits", [1, 5, 16])
+@pytest.mark.parametrize("bits", [0, 9, 16])
 def test_pack_bits_rejects_unsupported_bits(bits):
-    with pytest.raises(ValueError, match="2, 3, 4, 8"):
+    with pytest.raises(ValueError, match="1 to 8 bits"):
         pack_bits_ref(torch.zeros(4, dtype=torch.long), bits)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_pack_bits_round_trips_every_width_the_allocator_uses(bits):
+    codes = torch.randint(0, 2 ** bits, (3, 37), generator=torch.Generator().manual_seed(bits))
+    packed = pack_bits_ref(codes, bits)
+    assert packed.shape == (3, (37 * bits + 7) // 8)
+    assert torch.equal(unpack_bits_ref(packed, bits, 37), codes)
 
 
 # --- quantize / dequantize -----------------------------------------------------------------------

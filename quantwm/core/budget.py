@@ -11,7 +11,9 @@ its knobs; the first whose stored bits per element fit the budget is chosen:
 * `qvg`, `qvg-asym`: residual bits 4, 3, 2 (the grid), each with 256, 64, 16, 6, 2 centroids per span.
 * `qvg-pro`: bits 4, 2, each with 256, 64, 16 centroids (4 stages, groups of 16, as QVG-Pro).
 * `qvg-budget`: bits 4, 3, 2.
-* `quantwm`: residual bits 4, 3, 2; within each, PSAC rank 16, 8, 4, 2 with 8- then 4-bit coefficients, then
+* `quantwm`: its allocator at the budget itself (core/allocate.py: per channel 0-8 bits by the predicted logit
+  error, for Keys and Values); where its tables cannot fit (tiny spans at tiny budgets), the stated order:
+  residual bits 4, 3, 2; within each, PSAC rank 16, 8, 4, 2 with 8- then 4-bit coefficients, then
   PSAC off (QSAC alone); groups of 64, then 128 channels where the head allows. (A stated order, not yet the
   logit-error allocator.)
 * `quantwm-paper`: bits 4, 3, 2, each with 256, 16, 4 centroids.
@@ -84,7 +86,7 @@ def configure(method: str, budget: float, head_dim: int, span_tokens: int, kind:
     if head_dim < 1 or span_tokens < 1:
         raise ValueError(f"a span needs a positive head dim and token count, got {head_dim} and {span_tokens}")
     cheapest = None
-    for opts in candidates(method, head_dim, kind):
+    for opts in ([{"budget": budget}] if parse_method_name(method)[0] == "quantwm" else []) + candidates(method, head_dim, kind):
         try:
             bits = measured_bits(method, tuple(sorted(opts.items())), head_dim, span_tokens, kind)
         except ValueError:  # a configuration this shape cannot take (a group larger than the span, ...)

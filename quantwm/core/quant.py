@@ -28,6 +28,7 @@ import torch
 from .backend import kernel, use_kernels
 
 SUPPORTED_BITS = (2, 3, 4, 8)
+PACK_BITS = tuple(range(1, 9))
 SCALE_DTYPES = {"fp16": torch.float16, "fp8": torch.float8_e4m3fn, "bf16": torch.bfloat16}
 ROUNDINGS = ("up", "nearest")  # how a step is rounded to its storage dtype (QVG's released code: nearest)
 AXES = ("channel", "token")
@@ -36,6 +37,13 @@ AXES = ("channel", "token")
 def check_bits(bits: int) -> int:
     if bits not in SUPPORTED_BITS:
         raise ValueError(f"unsupported bits={bits!r}; allowed: {', '.join(map(str, SUPPORTED_BITS))}")
+    return bits
+
+
+def check_pack_bits(bits: int) -> int:
+    """Packing takes any width from 1 to 8 bits (the allocator's mixed channels); quantizers take SUPPORTED_BITS."""
+    if bits not in PACK_BITS:
+        raise ValueError(f"cannot pack {bits!r}-bit codes; allowed: 1 to 8 bits")
     return bits
 
 
@@ -50,7 +58,7 @@ def check_finite(x: torch.Tensor, what: str = "input") -> None:
 def pack_bits_ref(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """Pack integer codes (..., n) in [0, 2^bits) into uint8 (..., ceil(n * bits / 8)): a little-endian bit
     stream, code i at bits [i·bits, (i+1)·bits)."""
-    check_bits(bits)
+    check_pack_bits(bits)
     *lead, n = codes.shape
     if 8 % bits == 0:  # whole codes per byte: byte m = Σ_j code[m·per + j] << (j·bits)
         per = 8 // bits
@@ -78,7 +86,7 @@ def pack_bits_ref(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack_bits_ref(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     """Inverse of `pack_bits_ref`: uint8 (..., ceil(n*bits/8)) -> int64 codes (..., n)."""
-    check_bits(bits)
+    check_pack_bits(bits)
     *lead, nbytes = packed.shape
     if nbytes != (n * bits + 7) // 8:
         raise ValueError(f"packed row has {nbytes} bytes, expected {(n * bits + 7) // 8} for n={n}, bits={bits}")

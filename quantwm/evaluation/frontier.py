@@ -31,15 +31,14 @@ GRID: dict[str, list[dict]] = {
     "qvg": [{"n_centroids": k} for k in (2, 6, 16, 64, 256)],
     "qvg-asym": [{"n_centroids": k} for k in (2, 6, 16, 64, 256)],
     "qvg-budget": [{}],
-    "quantwm": [{"psac_rank": r, "psac_bits": b} for r in (4, 8, 16) for b in (4, 8)]
-    # beyond the paper: the rank follows each head's spectrum (at most 24), traded against the residual's groups
-    + [{"psac_rank": 24, "psac_energy": e, "group_size": g} for e in (0.8, 0.9, 0.95) for g in (64, 128)],
+    # the allocator at each budget the envelope is read at (its bits are the budget, whatever --bits says)
+    "quantwm": [{"budget": b} for b in (2.25, 2.5, 2.75, 3.0, 3.5, 4.0)],
     "quantwm-paper": [{"n_centroids": k} for k in (4, 16, 256)],
     # deployed formats: their bits are fixed, so one point each whatever --bits says
     "nvfp4": [{}],
     "int8k-fp8v": [{}],
 }
-QUICK_GRID: dict[str, list[dict]] = {"rtn": [{}], "qvg": [{"n_centroids": 6}], "quantwm": [{}]}
+QUICK_GRID: dict[str, list[dict]] = {"rtn": [{}], "qvg": [{"n_centroids": 6}], "quantwm": [{"budget": 2.5}]}
 SHIFT = {"world": "place_shift_rate", "trace": "shift_rate"}
 BUDGETS = (2.25, 2.5, 2.75, 3.0, 3.5, 4.0)  # bits per element (stored bytes) the envelope is read at
 HIGHER_IS_BETTER = ("psnr", "ssim")  # every other metric is an error: lower is better
@@ -51,21 +50,24 @@ def task_key(task: dict) -> str:
 
 
 def make_tasks(sources: list[str], grid: dict[str, list[dict]], bits: list[int], target: str = "kv",
-               seeds: list[int] = (0, 1), frames: int = 16) -> list[dict]:
+               seeds: list[int] = (0, 1), frames: int = 16, budgets: list[float] | None = None) -> list[dict]:
     """Every (source, method, options, bits) point; world points carry the held-out seeds and frames. A format
-    that fixes its own bits (nvfp4, int8k-fp8v) gets one point, labelled with the first of `bits`."""
+    that fixes its own bits (nvfp4, int8k-fp8v) or a point that names its own budget gets one point, labelled
+    with the first of `bits`. With `budgets`, each method of `grid` gets one point per budget instead, its
+    configuration chosen by its budget rule (quantwm.core.budget) for the source's shapes."""
     from ..core.methods import REGISTRY, parse_method_name
 
     tasks = []
     for source in sources:
         for method, options in grid.items():
             own_bits = not REGISTRY[parse_method_name(method)[0]].takes_bits
-            for opts in options:
-                for b in bits[:1] if own_bits else bits:
-                    t = {"source": source, "method": method, "options": opts, "bits": b, "target": target}
-                    if source == "world":
-                        t.update(seeds=list(seeds), frames=frames)
-                    tasks.append(t)
+            points = ([({}, bits[0], {"budget": float(B)}) for B in budgets] if budgets else
+                      [(o, b, {}) for o in options for b in (bits[:1] if own_bits or "budget" in o else bits)])
+            for opts, b, extra in points:
+                t = {"source": source, "method": method, "options": opts, "bits": b, "target": target, **extra}
+                if source == "world":
+                    t.update(seeds=list(seeds), frames=frames)
+                tasks.append(t)
     return tasks
 
 
@@ -83,13 +85,16 @@ def _measure(task: dict) -> dict:
 
     torch.set_num_threads(1)
     opts = tuple(sorted(task["options"].items()))
+    budget = (task["budget"],) * 2 if "budget" in task else (None, None)
     if task["source"] == "world":
         from ..world.evaluate import evaluate
         from ..world.generate import load_world_model
 
         r = evaluate(load_world_model(), [task["method"]], task["target"], task["seeds"], task["frames"],
-                     task["bits"], method_options=opts)
-        m = r["methods"][task["method"]]["mean"]
+                     task["bits"], method_options=opts, budget=budget)
+        m = _result(r, task)
+        if "error" in m:
+            return m
         keys = ("bits_per_element", "shift_rate", "place_shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error",
                 "attn_out_rel_err")
         return {k: m[k] for k in keys}
@@ -97,9 +102,24 @@ def _measure(task: dict) -> dict:
     from .trace import read_trace
 
     path = task["source"].removeprefix("trace:")
-    r = analyze_trace(read_trace(path), [task["method"]], task["target"], task["bits"], method_options=opts)
-    m = r["methods"][task["method"]]["mean"]
+    r = analyze_trace(read_trace(path), [task["method"]], task["target"], task["bits"], method_options=opts,
+                      budget=budget)
+    m = _result(r, task)
+    if "error" in m:
+        return m
     return {k: m[k] for k in ("bits_per_element", "shift_rate", "topk_overlap", "out_rel_err", "k_rel_err")}
+
+
+def _result(report: dict, task: dict) -> dict:
+    """The task's method's mean metrics, or {"error"} when a budget left it out, plus the configuration chosen."""
+    config = report.get("config", {})
+    if task["method"] in config.get("left_out", {}):
+        return {"error": config["left_out"][task["method"]]}
+    m = dict(report["methods"][task["method"]]["mean"])
+    chosen = config.get("configuration", {}).get(task["method"])
+    if chosen:
+        m["configuration"] = chosen
+    return m
 
 
 def _run_ray(todo: list[dict], address: str, done: Callable, workers: int, temp_dir: Path) -> None:
@@ -165,7 +185,8 @@ def sweep(tasks: list[dict], out_dir: str | Path, workers: int = 1, ray_address:
 
 
 def _label(task: dict) -> str:
-    opts = ",".join(f"{k}={v}" for k, v in sorted(task["options"].items()))
+    opts = ",".join(f"{k}={v}" for k, v in sorted({**task["options"], **({"budget": task["budget"]}
+                                                                         if "budget" in task else {})}.items()))
     return f"{task['method']}({opts})" if opts else task["method"]
 
 

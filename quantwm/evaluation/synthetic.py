@@ -43,8 +43,13 @@ QUERY_DIMS_FOR_TOP8 = {"97%": 8, "71%": 12, "45%": 22}  # query-subspace dims ->
 
 def make_synthetic_trace(seed: int = 0, n_layers: int = 4, n_heads: int = 8, head_dim: int = 128,
                          grid: tuple[int, int] = (12, 16), cached_frames: int = 24, chunk_frames: int = 3,
-                         world: tuple[int, int] = (30, 48), content_dim: int = 8) -> TraceWriter:
-    """Build the trace in memory; `.save(path)` writes it. Cached chunks are `chunk_frames` frames."""
+                         world: tuple[int, int] | None = None, content_dim: int = 8) -> TraceWriter:
+    """Build the trace in memory; `.save(path)` writes it. A frame is `grid` tokens, a cached chunk (a span of
+    the cache) `chunk_frames` frames; the world defaults to 2.5 x 3 frames (30 x 48 for the default grid)."""
+    if min(grid) < 1 or cached_frames < chunk_frames or chunk_frames < 1 or cached_frames % chunk_frames:
+        raise ValueError(f"need a positive grid and cached frames a multiple of chunk frames, got grid {grid}, "
+                         f"{cached_frames} cached frames, {chunk_frames} per chunk")
+    world = world or (math.ceil(2.5 * grid[0]), 3 * grid[1])
     rope = Rope3D(head_dim, grid)
     n_slow = 3 * 4 * 2  # 4 slow rotary pairs in each of the t/row/col groups carry content
     if not 1 <= content_dim <= n_slow:

@@ -26,11 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
+from ..allocate import channel_bytes, decode_channels, encode_channels, error_tables, allocate, side_bytes
+from ..kmeans import weighted_sqdist
 from ..psac import psac_basis, psac_correction, psac_correction_ranked, psac_encode, psac_encode_ranked, spectrum_ranks
 from ..qsac import channel_sensitivity, qsac_assign
-from ..quant import SCALE_DTYPES, check_bits, dequantize_groups
+from ..quant import SCALE_DTYPES, check_bits, dequantize_groups, to_storage
 from .base import Encoded, SpanContext, register
-from .qvg import QVGBudget
+from .qvg import QVGBudget, gather_rows
 
 
 @register("quantwm")
@@ -53,9 +55,12 @@ class QuantWM(QVGBudget):
     history_only: bool = False  # spans quantized before any history query: uniform weights, no PSAC (paper)
     causal_stats: bool = False  # a chunk's queries enter S only once that chunk is quantized (the cache does it)
     psac_energy: float | None = None  # adaptive rank: per stream the fewest directions holding this share of S
+    budget: float | None = None  # bits per element: the allocator codes the residual (core/allocate.py)
 
     def __post_init__(self):
         super().__post_init__()
+        if self.budget is not None and not (isinstance(self.budget, (int, float)) and 0 < self.budget <= 16):
+            raise ValueError(f"budget must be a number of bits per element in (0, 16], got {self.budget!r}")
         check_bits(self.psac_bits)
         if self.psac_basis_dtype not in ("fp16", "bf16"):
             raise ValueError(f"psac_basis_dtype must be 'fp16' or 'bf16', got {self.psac_basis_dtype!r}")
@@ -67,6 +72,10 @@ class QuantWM(QVGBudget):
             raise ValueError("psac_rank must be >= 1, lam >= 0 and candidates >= 1 or None")
 
     def grid(self) -> str:
+        if self.budget is not None:
+            return (f"allocator at {self.budget:g} bits per element: 0-8 bits per channel by the predicted "
+                    f"{'logit' if self.qsac else 'Euclidean'} error, k-means (≤ {self.n_centroids} {self.codebook_dtype} "
+                    f"centroids, one per {self.min_tokens_per_centroid} tokens) or one mean per span")
         parts = [super().grid()]
         if self.qsac:
             parts.append(f"QSAC lambda={self.lam}")
@@ -80,6 +89,8 @@ class QuantWM(QVGBudget):
         return "; ".join(parts)
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
+        if self.budget is not None:
+            return self.encode_budget(x, kind, ctx)
         if kind != "k":
             return super().encode(x, kind, ctx)
         S, N, D = x.shape
@@ -107,9 +118,47 @@ class QuantWM(QVGBudget):
                                           self.psac_scale_dtype))
         return Encoded(stored, tuple(x.shape), {"axis": q.axis}, shared)
 
+    def encode_budget(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
+        """The allocator's span (core/allocate.py): centroids, then each channel of the residual on its own grid
+        with the bits that minimise the predicted error within `budget` bits per element. Two smoothings are
+        priced, k-means centroids and one mean per span (a grouped RTN in effect), and the one with the lower
+        predicted error is kept."""
+        self.validate(x, kind)
+        S, N, D = x.shape
+        if kind == "k" and self.qsac and ctx.history:
+            w = channel_sensitivity(ctx.stats_or_identity(S, D, x.device))  # λ_i = S_ii (normalised)
+        else:
+            w = torch.ones(S, D, device=x.device)
+        cost = torch.tensor([8.0 * channel_bytes(N, b) for b in range(9)])
+        best = None
+        for K in dict.fromkeys((self.n_clusters(N), 1)):
+            if K > 1:
+                r, stored = self.smooth(x, kind, ctx, assign=lambda xs, c: weighted_sqdist(xs, c, w).argmin(-1))
+            else:
+                stored = {"codebook0": to_storage(x.float().mean(1, keepdim=True), SCALE_DTYPES[self.codebook_dtype])}
+                r = x.float() - stored["codebook0"].float()
+            fixed = sum(t.numel() * t.element_size() for t in stored.values()) + side_bytes(S, D)
+            available = torch.full((S,), self.budget * N * D - 8 * fixed / S)
+            if bool((available < 0).any()):
+                continue
+            E, alpha = error_tables(r)
+            weighted = w.cpu()[:, :, None] * E
+            levels = allocate(weighted, cost, available)
+            predicted = float(torch.gather(weighted, 2, levels[..., None]).sum())
+            if best is None or predicted < best[0]:
+                best = (predicted, r, stored, levels, torch.gather(alpha, 2, levels[..., None])[..., 0])
+        if best is None:
+            raise ValueError(f"quantwm cannot fit {self.budget:g} bits per element on spans of {N} tokens at head "
+                             f"dim {D}: its centroids and per-channel tables alone take more")
+        _, r, stored, levels, alpha = best
+        stored.update(encode_channels(r, levels, alpha))
+        return Encoded(stored, tuple(x.shape), {"axis": "allocated"})
+
     def fused_format(self, enc: Encoded, head_dim: int) -> dict | None:
         """QVG's side; Key spans with PSAC add "psac": q -> (Uᵀq) scaled per direction, the zero term, codes.
         Per-token coefficient scales (quantwm-paper) are not fused: the reference path reads them."""
+        if "alloc_bits" in enc.tensors:
+            return None  # the allocator's mixed-width channels: the reference path reads them
         side = super().fused_format(enc, head_dim)
         U = enc.shared.get("psac_basis")
         if side is None or U is None:
@@ -125,7 +174,15 @@ class QuantWM(QVGBudget):
                     "bits": self.psac_bits}
         return {**side, "psac": psac}
 
+    def step(self, enc: Encoded) -> torch.Tensor | None:
+        return None if "alloc_bits" in enc.tensors else super().step(enc)
+
     def decode(self, enc: Encoded) -> torch.Tensor:
+        t = enc.tensors
+        if "alloc_bits" in t:
+            c = t["codebook0"].float()
+            c = gather_rows(c, t["centroid_ids0"].long()) if "centroid_ids0" in t else c.expand(enc.shape)
+            return decode_channels(t, enc.shape) + c
         x = super().decode(enc)
         if "psac_basis" in enc.shared and "psac_ranks" in enc.tensors:
             x = x + psac_correction_ranked(enc.tensors, enc.shared["psac_basis"], enc.shape[1], self.psac_bits)
