@@ -37,6 +37,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
         method = gr.Dropdown(methods, value="quantwm", label="Method")
         target = gr.Radio(TARGET_CHOICES, value="kv", label="Quantize")
         bits = gr.Dropdown([2, 3, 4, 8], value=2, label="Bits")
+        budget = gr.Number(None, label="Or a budget (bits per element; empty: Bits)", step=0.25, elem_id="budget")
         frames = gr.Number(default_frames, label=f"Frames (at most {max_frames})" if max_frames else "Frames",
                            precision=0, step=facts["chunk_frames"])
     with gr.Row():
@@ -104,8 +105,8 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     gen_names = ["status", "run_id", "bf16_video", "method_video", "figure", "frame_slider"]
 
     # Every event's function names its parameters as an API user would guess them (gradio_client shows them).
-    def on_generate(seed, trajectory, method, target, bits, frames, progress=gr.Progress()):
-        r = generate(seed, trajectory, method, target, bits, frames,
+    def on_generate(seed, trajectory, method, target, bits, frames, budget=None, progress=gr.Progress()):
+        r = generate(seed, trajectory, method, target, bits, frames, budget,
                      progress=progress_callback(progress, "generating BF16 and the method"))
         if r.get("frames"):
             r["frame_slider"] = gr.Slider(minimum=0, maximum=r["frames"] - 1, value=r["frame"], step=1)
@@ -121,7 +122,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     view = dict(concurrency_limit=4, concurrency_id="view")
 
     gen_out = [status, run_id, bf16_video, method_video, plot, frame]
-    ev = go.click(on_generate, [seed, trajectory, method, target, bits, frames], gen_out, api_name="generate",
+    ev = go.click(on_generate, [seed, trajectory, method, target, bits, frames, budget], gen_out, api_name="generate",
                   trigger_mode="multiple", concurrency_limit=1, concurrency_id="generate")
     ev.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name="show_frame", **view)
     pickers = [jump_layer, jump_head, trace_layer, trace_head, px, py]

@@ -6,7 +6,7 @@ from collections.abc import Callable
 import gradio as gr
 
 from .ui import progress_callback, table, unpack
-from .world_handlers import KV_COLUMNS, METHOD_COLUMNS
+from .world_handlers import DEFAULT_BUDGET, KV_COLUMNS, METHOD_COLUMNS
 
 
 def build_energy_tab(energy: Callable, controls: dict, layers: int) -> None:
@@ -55,23 +55,27 @@ def build_key_value_tab(key_value: Callable, controls: dict, baselines: list[str
 
 def build_methods_tab(methods_table: Callable, export: Callable, methods: list[str], controls: dict,
                       figure_formats: tuple) -> None:
-    """methods_table(seed, trajectory, target, bits, frames, methods, progress) -> {status, header, rows};
-    export(..., methods, formats, progress) -> {status, files}: the comparison as a print figure."""
-    gr.Markdown("Every chosen method on the current world (seed, trajectory, target, bits and frames of the "
-                "Generate tab): compression, cache memory in MB (BF16 vs stored), top-1 shift rate, PSNR, SSIM, "
-                "LPIPS and flicker against BF16. Runs are cached, so methods already generated are instant.")
+    """methods_table(seed, trajectory, target, frames, methods, budget, progress) -> {status, header, rows};
+    export(..., methods, budget, formats, progress) -> {status, files}: the comparison as a print figure."""
+    gr.Markdown("Every chosen method on the current world (seed, trajectory, target and frames of the Generate "
+                "tab) at one budget: each method configures itself within the bits per element you pick, by its "
+                "own rule (the configuration column says what it chose; a method that cannot fit is named and left "
+                "out). Rows come in order of measured bits per element: compression, cache memory in MB (BF16 vs "
+                "stored), top-1 shift rate, PSNR, SSIM, LPIPS and flicker against BF16. Runs are cached.")
     base = [m for m in methods if m != "bf16" and "+" not in m]
-    chosen = gr.CheckboxGroup([m for m in methods if m != "bf16"], value=base, label="Methods")
+    with gr.Row():
+        chosen = gr.CheckboxGroup([m for m in methods if m != "bf16"], value=base, label="Methods", scale=4)
+        budget = gr.Number(DEFAULT_BUDGET, label="Budget (bits per element, Keys and Values)", step=0.25, elem_id="methods-budget", scale=1)
     go = gr.Button("Compare methods", variant="primary", elem_id="methods-btn")
     status = gr.Markdown(elem_id="methods-status")
     rows = gr.Dataframe(label="Methods", headers=list(METHOD_COLUMNS), interactive=False, elem_id="methods-table")
 
-    def run(seed, trajectory, target, bits, frames, methods, progress=gr.Progress()):
-        r = methods_table(seed, trajectory, target, bits, frames, methods, progress=progress_callback(progress, "methods"))
+    def run(seed, trajectory, target, frames, methods, budget, progress=gr.Progress()):
+        r = methods_table(seed, trajectory, target, frames, methods, budget, progress=progress_callback(progress, "methods"))
         return unpack(r, ["status"])[0], table(r)
 
     c = controls
-    inputs = [c["seed"], c["trajectory"], c["target"], c["bits"], c["frames"], chosen]
+    inputs = [c["seed"], c["trajectory"], c["target"], c["frames"], chosen, budget]
     go.click(run, inputs, [status, rows], api_name="methods_table", concurrency_limit=1, concurrency_id="generate",
              trigger_mode="multiple")
     with gr.Row():
@@ -80,8 +84,8 @@ def build_methods_tab(methods_table: Callable, export: Callable, methods: list[s
     export_status = gr.Markdown(elem_id="methods-export-status")
     files = gr.File(label="Figure", file_count="multiple", interactive=False)
 
-    def do_export(seed, trajectory, target, bits, frames, methods, formats, progress=gr.Progress()):
-        r = export(seed, trajectory, target, bits, frames, methods, formats,
+    def do_export(seed, trajectory, target, frames, methods, budget, formats, progress=gr.Progress()):
+        r = export(seed, trajectory, target, frames, methods, budget, formats,
                    progress=progress_callback(progress, "methods"))
         return r["status"], r.get("files")
 

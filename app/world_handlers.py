@@ -93,16 +93,24 @@ def _fmt(x, digits=4):
     return None if x is None else round(float(x), digits)
 
 
-def generate_handler(wb, seed, trajectory, method, target, bits, frames, progress: Callable | None = None) -> dict:
-    """Generate (or fetch) BF16 and the method: videos, per-frame figure, summary, the worst frame."""
+def generate_handler(wb, seed, trajectory, method, target, bits, frames, budget=None,
+                     progress: Callable | None = None) -> dict:
+    """Generate (or fetch) BF16 and the method: videos, per-frame figure, summary, the worst frame. With a
+    budget (bits per element), the method configures itself within it instead of running at `bits`."""
+    from dataclasses import replace
+
     try:
         key = _key(seed, trajectory, method, target, bits, frames)
+        if budget is not None and str(budget).strip() != "":
+            key = replace(key, budget=budget_value(budget))
         wb.check_frames(key.frames)
         cached = wb.cached(key) and wb.cached(key.reference())
         cmp = wb.compare(key, progress)
     except ValueError as e:
         return error(str(e))
     origin = "from the cache" if cached else f"generated in {cmp['seconds']:.1f} s"
+    if key.budget is not None:
+        origin += f"; configuration within {key.budget:g} bits: {wb.configuration(key)}"
     return _shown(cmp, key.id, wb.model_facts()["context_frames"], origin)
 
 
@@ -334,21 +342,45 @@ def key_value_handler(wb, seed, trajectory, baseline, bits, frames, progress: Ca
                                         "Keys only (k) vs Values only (v)")}
 
 
-METHOD_COLUMNS = ("method", "compression", "bits_per_element", "memory_bf16_mb", "memory_mb", "shift_rate", "psnr",
-                  "ssim", "lpips", "tdiff")
+METHOD_COLUMNS = ("method", "bits_per_element", "fits", "configuration", "compression", "memory_bf16_mb", "memory_mb",
+                  "shift_rate", "psnr", "ssim", "lpips", "tdiff")
+DEFAULT_BUDGET = 2.5  # bits per element the Methods tab compares at
 
 
-def methods_handler(wb, seed, trajectory, target, bits, frames, methods, progress: Callable | None = None) -> dict:
-    """Every chosen method on one world: compression, memory (MB), shift rate and frame metrics vs BF16."""
+def budget_value(value) -> float:
+    """A budget from the page or the API: a number of bits per element in (0, 16]."""
     try:
-        key = _key(seed, trajectory, "bf16", target, bits, frames)
-        rows = wb.methods_table(key, list(methods or []), progress)
+        b = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"budget must be a number of bits per element in (0, 16], got {value!r}") from None
+    if not 0 < b <= 16:
+        raise ValueError(f"budget must be a number of bits per element in (0, 16], got {value!r}")
+    return b
+
+
+def methods_handler(wb, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET,
+                    progress: Callable | None = None) -> dict:
+    """Every chosen method on one world at one budget: each configured within it by its own rule (the
+    configuration column), in order of measured bits per element; compression, memory (MB), shift rate and
+    frame metrics vs BF16. A method that cannot fit the budget is named with its reason, not run."""
+    from dataclasses import replace
+
+    try:
+        b = budget_value(budget)
+        key = replace(_key(seed, trajectory, "bf16", target, 2, frames), budget=b)
+        left_out: dict = {}
+        rows = wb.methods_table(key, list(methods or []), progress, left_out)
     except ValueError as e:
         return error(str(e))
-    table = [[r["method"], *[_fmt(r[c]) for c in METHOD_COLUMNS[1:]]] for r in rows]
-    return {"status": f"seed {seed}, {trajectory}, target {target}, {bits}-bit, {frames} frames; memory counts "
-                      "full-precision chunks (sink, recent) as BF16 and every quantized byte (codes, scales, "
-                      "codebooks, PSAC).", "header": list(METHOD_COLUMNS), "rows": table}
+    for r in rows:  # measured from stored bytes; the rule keeps every method within the budget
+        r["fits"] = "yes" if r["bits_per_element"] <= b + 1e-9 and r["memory_mb"] < r["memory_bf16_mb"] else "OVER"
+    table = [[r["method"], *[r[c] if c in ("fits", "configuration") else _fmt(r[c]) for c in METHOD_COLUMNS[1:]]]
+             for r in rows]
+    out = "".join(f" Left out: {m} ({why})." for m, why in left_out.items())
+    return {"status": f"**At most {b:g} bits per element** (Keys and Values each, counted from stored bytes), seed "
+                      f"{seed}, {trajectory}, target {target}, {frames} frames; memory counts full-precision chunks "
+                      f"(sink, recent) as BF16 and every quantized byte (codes, scales, codebooks, tables).{out}",
+            "header": list(METHOD_COLUMNS), "rows": table}
 
 
 def _exported(paths) -> dict:
@@ -378,15 +410,17 @@ def export_handler(wb, run_id, frame, x, y, layer=0, head=0, formats=("pdf",)) -
     return _exported(paths)
 
 
-def export_methods_handler(wb, seed, trajectory, target, bits, frames, methods, formats=("pdf",),
+def export_methods_handler(wb, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET, formats=("pdf",),
                            progress: Callable | None = None) -> dict:
-    """The method comparison on one world as a print figure."""
+    """The method comparison at one budget on one world as a print figure, named after the comparison."""
+    from dataclasses import replace
+
     from quantwm.evaluation.figures import run_figures
 
     try:
         if not methods:
             raise ValueError("choose at least one method")
-        key = _key(seed, trajectory, list(methods)[0], target, bits, frames)
+        key = replace(_key(seed, trajectory, list(methods)[0], target, 2, frames), budget=budget_value(budget))
         wb.check_frames(key.frames)
         wb.limits.check_methods(len(methods), key.frames)
         paths = run_figures(wb, key, app_files().export_dir("methods"), ["methods"], list(formats or []),

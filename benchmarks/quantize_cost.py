@@ -2,7 +2,9 @@
 
 A chunk of 3 latent frames = 4680 tokens x 12 heads x 128, Keys and Values, with history-Query
 statistics whose energy sits in a few directions. Prints seconds per chunk (median of --repeats runs)
-and the ratio to qvg. Usage: python benchmarks/quantize_cost.py [--tokens 4680] [--repeats 3]
+and the ratio to qvg and to quantwm's fixed configuration. A method written NAME@B is configured at B bits
+per element by its budget rule (quantwm.core.budget; for quantwm, its allocator).
+Usage: python benchmarks/quantize_cost.py [--tokens 4680] [--repeats 3] [--methods qvg,quantwm,quantwm@2.5]
 """
 from __future__ import annotations
 
@@ -12,7 +14,16 @@ import time
 
 import torch
 
+from quantwm.core.budget import configure
 from quantwm.core.methods import SpanContext, get_method
+
+
+def build(spec: str, D: int, N: int) -> tuple:
+    """(Keys' method, Values' method) for NAME or NAME@BUDGET."""
+    name, _, budget = spec.partition("@")
+    if not budget:
+        return get_method(name), get_method(name)
+    return tuple(get_method(name, **configure(name, float(budget), D, N, kind)[0]) for kind in "kv")
 
 
 def main() -> None:
@@ -21,7 +32,7 @@ def main() -> None:
     ap.add_argument("--heads", type=int, default=12)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--methods", default="qvg,quantwm,quantwm-qsac,quantwm-psac,rtn,kivi")
+    ap.add_argument("--methods", default="qvg,quantwm,quantwm@2.5,quantwm-qsac,quantwm-psac,rtn,kivi,kivi@2.5")
     a = ap.parse_args()
     g = torch.Generator().manual_seed(0)
     S, N, D = a.heads, a.tokens, a.head_dim
@@ -33,16 +44,16 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; chunk {N} tokens x {S} heads x {D}, K+V")
     times = {}
     for name in a.methods.split(","):
-        m = get_method(name)
+        mk, mv = build(name, D, N)
         runs = []
         for r in range(a.repeats + 1):  # the first run warms up
-            ctx = SpanContext(stats=stats, seed=r)
+            ctx = SpanContext(stats=stats, seed=r, history=q.shape[1])
             t0 = time.perf_counter()
-            m.encode(k, "k", ctx), m.encode(v, "v", ctx)
+            mk.encode(k, "k", ctx), mv.encode(v, "v", ctx)
             runs.append(time.perf_counter() - t0)
         times[name] = statistics.median(runs[1:])
     for name, t in times.items():
-        ratio = f"{t / times['qvg']:.2f}x qvg" if "qvg" in times else ""
+        ratio = "  ".join(f"{t / times[ref]:.2f}x {ref}" for ref in ("qvg", "quantwm") if ref in times)
         print(f"{name:14s} {t:7.3f} s/chunk  {ratio}")
 
 

@@ -24,9 +24,10 @@ for M in rtn kivi qvg qvg-asym qvg-pro qvg-budget quantwm quantwm-paper; do
   for SP in 1 8; do q memory --preset wan-1.3b --latent-frames 21 --method $M --span-chunks $SP --sample-layers 1 --json $O/mem_${M}_$SP.json > $O/mem_${M}_$SP.txt; done
 done
 q memory --preset wan-1.3b --latent-frames 21 --method quantwm --queries none --sample-layers 1 --json $O/mem_quantwm_1_none.json > $O/mem_quantwm_1_none.txt
-# the frontier: the built-in model (held-out seeds) and the three synthetic concentrations (traces of 2 layers
-# x 4 heads, to keep the sweep within minutes on 2 cores)
-q frontier --sources world --bits 2,3 --seeds 0,1 --frames 16 --workers 2 --out-dir $O/frontier_world > $O/frontier_world.txt
-for D in 8 12 22; do q synth-trace --seed 0 --layers 2 --heads 4 --query-dims $D --out $O/fr_q$D.safetensors; done
-q frontier --sources trace:$O/fr_q8.safetensors,trace:$O/fr_q12.safetensors,trace:$O/fr_q22.safetensors --bits 2,3 --target k --workers 2 --out-dir $O/frontier_traces > $O/frontier_traces.txt
+# the frontier: the built-in model (held-out seeds 0 and 1) and synthetic traces at realistic spans (24x24 tokens
+# per frame, 3 frames per chunk: 1728-token spans at head dim 128; 2 layers x 4 heads) with 8-, 16- and
+# 24-dimensional query subspaces, seed 0 (the allocator was developed on seed 7)
+q frontier --sources world --bits 2,3 --max-bits 4 --seeds 0,1 --frames 16 --workers 2 --out-dir $O/frontier_world > $O/frontier_world.txt
+for D in 8 16 24; do q synth-trace --seed 0 --layers 2 --heads 4 --grid 24x24 --query-dims $D --out $O/fr_q$D.safetensors; done
+q frontier --sources trace:$O/fr_q8.safetensors,trace:$O/fr_q16.safetensors,trace:$O/fr_q24.safetensors --bits 2,3 --max-bits 4 --target k --workers 2 --out-dir $O/frontier_traces > $O/frontier_traces.txt
 echo done

@@ -434,6 +434,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--quick", action="store_true", help="one point per method (a smoke test)")
     s.add_argument("--budget", default="", help="comma-separated bits per element: one point per method and budget, "
                                                 "each configured by its budget rule (instead of the sweep)")
+    s.add_argument("--max-bits", type=float, default=None,
+                   help="skip sweep points that store more bits per element than this (they cannot enter an "
+                        "envelope up to it); e.g. 4")
     s.add_argument("--workers", type=int, default=1, help="local worker processes")
     s.add_argument("--ray", default=None, metavar="ADDRESS", help="run the points on a Ray cluster ('local': start one)")
     s.add_argument("--formats", default="png,svg")
@@ -479,7 +482,8 @@ def cmd_figures(a) -> int:
 
 def cmd_frontier(a) -> int:
     from .evaluation.figures import check_formats
-    from .evaluation.frontier import GRID, QUICK_GRID, describe_leads, frontier_figure, leads, make_tasks, summarise, sweep
+    from .evaluation.frontier import (GRID, QUICK_GRID, describe_leads, frontier_figure, leads, make_tasks, summarise,
+                                      sweep, within)
 
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     check_formats(formats)
@@ -495,6 +499,9 @@ def cmd_frontier(a) -> int:
         grid = {m: grid.get(m, GRID[m]) for m in _methods(a.methods)}
     budgets = _floats(a.budget, "--budget") if a.budget else None
     tasks = make_tasks(sources, grid, _ints(a.bits, "--bits"), a.target, _ints(a.seeds, "--seeds"), a.frames, budgets)
+    if a.max_bits is not None:
+        tasks, dropped = within(tasks, a.max_bits)
+        print(f"{dropped} sweep point(s) store more than {a.max_bits:g} bits per element on their source: not run")
     manifest = sweep(tasks, a.out_dir, a.workers, a.ray, progress=_progress("frontier"))
     summary = summarise({k: v for k, v in manifest.items() if v["task"] in tasks})
     _write_json(summary, str(Path(a.out_dir) / "frontier.json"))

@@ -39,7 +39,7 @@ def generated(client):
 
 
 API_PARAMETERS = {
-    "/generate": ["seed", "trajectory", "method", "target", "bits", "frames"],
+    "/generate": ["seed", "trajectory", "method", "target", "bits", "frames", "budget"],
     "/open_run": ["run"],
     "/upload_run": ["path"],
     "/show_frame": ["run_id", "frame", "overlays", "layer", "head"],
@@ -50,8 +50,8 @@ API_PARAMETERS = {
     "/export_figures": ["run_id", "frame", "x", "y", "layer", "head", "formats"],
     "/energy": ["run_id", "layer"],
     "/key_vs_value": ["seed", "trajectory", "baseline", "bits", "frames"],
-    "/methods_table": ["seed", "trajectory", "target", "bits", "frames", "methods"],
-    "/export_methods_figure": ["seed", "trajectory", "target", "bits", "frames", "methods", "formats"],
+    "/methods_table": ["seed", "trajectory", "target", "frames", "methods", "budget"],
+    "/export_methods_figure": ["seed", "trajectory", "target", "frames", "methods", "budget", "formats"],
     "/analyze": ["path", "methods", "target", "bits"],
     "/trace_inspect": ["path", "method", "target", "bits", "layer", "head", "query"],
     "/trace_click_query": ["path", "method", "target", "bits", "layer", "head", "query"],
@@ -106,18 +106,32 @@ def test_pixel_trace_bad_pixel_is_a_message(client, generated):
     assert status.startswith("**Error:**") and "outside the 64x64 frame" in status
 
 
+def test_generate_at_a_budget_names_its_configuration(client):
+    status, run_id = client.predict(4, "loop", "kivi", "kv", 2, FRAMES, 2.5, api_name="/generate")[:2]
+    assert "budget=2.5" in run_id and "configuration within 2.5 bits: k: bits=2" in status
+    bad = client.predict(4, "loop", "kivi", "kv", 2, FRAMES, 99, api_name="/generate")[0]
+    assert bad.startswith("**Error:**") and "budget must be a number of bits per element in (0, 16], got 99" in bad
+
+
 def test_methods_table(client):
-    status, table = client.predict(4, "loop", "kv", 2, FRAMES, ["rtn", "quantwm"], api_name="/methods_table")
+    status, table = client.predict(4, "loop", "kv", FRAMES, ["rtn", "quantwm", "nvfp4"], 2.5, api_name="/methods_table")
     header, rows = table["headers"], table["data"]
-    assert [r[0] for r in rows] == ["rtn", "quantwm"] and header[:2] == ["method", "compression"]
+    assert sorted(r[0] for r in rows) == ["quantwm", "rtn"] and header[:4] == ["method", "bits_per_element", "fits",
+                                                                             "configuration"]
+    bits = [r[1] for r in rows]
+    assert bits == sorted(bits) and all(0 < b <= 2.5 for b in bits) and all(r[2] == "yes" for r in rows)
+    assert any("budget=2.5" in r[3] for r in rows) and any("bits=2" in r[3] for r in rows)  # what each chose
     mb, bf16 = header.index("memory_mb"), header.index("memory_bf16_mb")
-    assert all(0 < r[mb] < r[bf16] for r in rows) and "memory" in status
+    assert all(0 < r[mb] < r[bf16] for r in rows) and "memory" in status and "At most 2.5 bits" in status
+    assert "Left out: nvfp4 (nvfp4 cannot fit 2.5 bits per element" in status
     from gradio_client.exceptions import AppError
 
     with pytest.raises(AppError, match="'nope'.* is not in the list of choices"):  # the UI offers known names only
-        client.predict(4, "loop", "kv", 2, FRAMES, ["nope"], api_name="/methods_table")
-    empty = client.predict(4, "loop", "kv", 2, FRAMES, [], api_name="/methods_table")[0]
+        client.predict(4, "loop", "kv", FRAMES, ["nope"], 2.5, api_name="/methods_table")
+    empty = client.predict(4, "loop", "kv", FRAMES, [], 2.5, api_name="/methods_table")[0]
     assert empty.startswith("**Error:**") and "at least one method" in empty
+    bad = client.predict(4, "loop", "kv", FRAMES, ["rtn"], 0, api_name="/methods_table")[0]
+    assert bad.startswith("**Error:**") and "budget must be a number of bits per element in (0, 16], got 0" in bad
 
 
 def test_frame_out_of_range_is_refused_with_a_message(client, generated):

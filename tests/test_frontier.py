@@ -93,3 +93,27 @@ def test_a_configuration_the_source_cannot_take_is_recorded_not_fatal(tmp_path, 
     assert "does not divide" in bad["error"]
     (s,) = FR.summarise(manifest).values()
     assert len(s["points"]) == 1
+
+
+def test_budget_mode_configures_each_method_within_each_budget(tmp_path, trace_source, capsys):
+    out = tmp_path / "fb"
+    assert main(["frontier", "--sources", trace_source, "--methods", "kivi,quantwm,nvfp4", "--budget", "2.5,3",
+                 "--target", "k", "--formats", "svg", "--out-dir", str(out)]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    results = {(e["task"]["method"], e["task"]["budget"]): e["result"] for e in manifest.values()}
+    assert len(results) == 6
+    for (method, budget), r in results.items():
+        if method == "nvfp4":  # 4.5 bits: cannot fit, says so, is left out
+            assert "nvfp4 cannot fit" in r["error"]
+        else:
+            assert r["bits_per_element"] <= budget + 1e-9 and r["configuration"]["k"]
+    assert "quantwm(budget=2.5)" in capsys.readouterr().out
+    assert main(["frontier", "--sources", trace_source, "--budget", "0,3", "--out-dir", str(out)]) == 2
+    assert "--budget takes bits per element in (0, 16]" in capsys.readouterr().err
+
+
+def test_points_over_the_largest_budget_are_not_run(trace_source):
+    tasks = FR.make_tasks([trace_source], {"qvg": [{"n_centroids": 2}, {"n_centroids": 256}], "quantwm": [{"budget": 3.0}]},
+                          [2], "k")
+    kept, dropped = FR.within(tasks, 4.0)
+    assert dropped == 1 and [t["options"] for t in kept] == [{"n_centroids": 2}, {"budget": 3.0}]

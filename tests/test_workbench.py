@@ -109,6 +109,22 @@ def test_methods_table_rows_and_unknown_method(wb, key):
         wb.methods_table(key, [])
 
 
+def test_methods_table_at_a_budget_configures_sorts_and_leaves_out(wb, key):
+    from dataclasses import replace
+
+    from quantwm.evaluation.workbench import RunKey
+
+    at = replace(key, budget=2.5)
+    assert RunKey.parse(at.id) == at and "budget=2.5" in at.id and at.reference().budget is None
+    left_out = {}
+    rows = wb.methods_table(at, ["quantwm", "kivi", "nvfp4"], left_out=left_out)
+    assert [r["method"] for r in rows] == sorted(["quantwm", "kivi"], key=lambda m: next(
+        r["bits_per_element"] for r in rows if r["method"] == m))
+    assert all(r["bits_per_element"] <= 2.5 + 1e-9 for r in rows)
+    assert "budget=2.5" in next(r["configuration"] for r in rows if r["method"] == "quantwm")
+    assert list(left_out) == ["nvfp4"] and "cannot fit 2.5" in left_out["nvfp4"]
+
+
 def test_trace_views(small_trace_path):
     r = trace_query_view(str(small_trace_path), "qvg", "k", 2, 0, 1, 5)
     assert r["logits_bf16"].shape == (12, 64) and r["query_coords"] == (12, 0, 5)

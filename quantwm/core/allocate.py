@@ -1,5 +1,5 @@
 """QuantWM's allocator: a mixed-precision, per-channel residual coder that spends a bits-per-element budget
-where the attention logits (Keys) or the output (Values) feel it (docs/method.md §2.4).
+where the attention logits (Keys) or the output (Values) feel it (docs/method.md §2.6).
 
 After the span's centroids are subtracted, each channel i of a stream's residual r (N tokens) is coded on
 its own uniform grid over the span with b_i bits (0 to 8; 0 stores nothing and decodes to the centroid). The

@@ -189,7 +189,8 @@ def run_figures(wb, key, out_dir: str | Path, kinds: list[str], formats: list[st
     t = frame if frame is not None else (worst[0] if worst else ctx)
     size = facts["frame_size"]
     x, y = pixel if pixel is not None else (size // 2, size // 2)
-    tag = f"seed{key.seed}-{key.trajectory}-{key.method}-{key.target}-{key.bits}bit"
+    amount = f"{key.bits}bit" if key.budget is None else f"budget{key.budget:g}"
+    tag = f"seed{key.seed}-{key.trajectory}-{key.method}-{key.target}-{amount}"
     out, paths = Path(out_dir), []
     for kind in kinds:
         if kind == "frames":
@@ -207,7 +208,11 @@ def run_figures(wb, key, out_dir: str | Path, kinds: list[str], formats: list[st
             if not methods:
                 continue
             rows = wb.methods_table(key, list(methods))
+            at = f"{key.bits}-bit" if key.budget is None else f"within {key.budget:g} bits per element"
             fig = bars_figure(rows, "method", ["psnr", "shift_rate", "warp_error", "bits_per_element"],
-                              f"seed {key.seed}, {key.trajectory}, target {key.target}, {key.bits}-bit")
+                              f"{len(rows)} methods {at}: seed {key.seed}, {key.trajectory}, target {key.target}")
+            name = f"methods-{'-'.join(r['method'] for r in rows)}-seed{key.seed}-{key.trajectory}-{key.target}-{amount}"
+            paths += save_figure(fig, out / name, formats)
+            continue
         paths += save_figure(fig, out / f"{kind}-{tag}", formats)
     return paths

@@ -26,8 +26,8 @@ from pathlib import Path
 # the knob that sets the budget; every point is labelled with its options.
 GRID: dict[str, list[dict]] = {
     "rtn": [{"group_size": g} for g in (32, 64, 128)],
-    "kivi": [{"group_size": g} for g in (32, 64)],
-    "kivi-pre": [{"group_size": g} for g in (32, 64)],  # traces only: the built-in model cannot run pre-RoPE keys
+    "kivi": [{"group_size": g} for g in (32, 64, 128)],
+    "kivi-pre": [{"group_size": g} for g in (32, 64, 128)],  # traces only: the built-in model cannot run pre-RoPE keys
     "qvg": [{"n_centroids": k} for k in (2, 6, 16, 64, 256)],
     "qvg-asym": [{"n_centroids": k} for k in (2, 6, 16, 64, 256)],
     "qvg-budget": [{}],
@@ -71,6 +71,47 @@ def make_tasks(sources: list[str], grid: dict[str, list[dict]], bits: list[int],
     return tasks
 
 
+def source_shape(source: str) -> tuple[int, int]:
+    """(head dim, span tokens) of a source's quantized spans: the built-in model's or the trace's."""
+    if source == "world":
+        from ..world.generate import load_world_model
+
+        c = load_world_model().cfg
+        return c.head_dim, c.chunk_frames * c.tokens_per_frame
+    from .trace import read_trace
+
+    trace = read_trace(source.removeprefix("trace:"))
+    k = next(iter(trace.layers.values()))["k"]
+    return k.shape[-1], int(trace.meta.get("chunk_frames", 1)) * trace.tokens_per_frame
+
+
+def within(tasks: list[dict], max_bits: float) -> tuple[list[dict], int]:
+    """(the tasks whose configuration can store at most `max_bits` per element on their source's spans, how many
+    were dropped). Bits are measured by a dry encode of one span of the source's shape (quantwm.core.budget), so
+    a point that could never enter an envelope up to `max_bits` is not run; a configuration the shape cannot take
+    is kept (its task reports why)."""
+    from ..core.budget import measured_bits
+    from ..core.methods import REGISTRY, parse_method_name
+
+    shapes: dict[str, tuple[int, int]] = {}
+    kept = []
+    for t in tasks:
+        base = parse_method_name(t["method"])[0]
+        if "budget" in t or "budget" in t["options"] or base == "bf16":
+            kept.append(t)
+            continue
+        D, N = shapes.setdefault(t["source"], source_shape(t["source"]))
+        opts = {**t["options"], **({"bits": t["bits"]} if REGISTRY[base].takes_bits else {})}
+        try:
+            bits = [measured_bits(t["method"], tuple(sorted(opts.items())), D, N, kind) for kind in "kv" if kind in t["target"]]
+        except ValueError:
+            kept.append(t)
+            continue
+        if min(bits) <= max_bits + 1e-9:
+            kept.append(t)
+    return kept, len(tasks) - len(kept)
+
+
 def run_task(task: dict) -> dict:
     """Measure one point (runs in a worker: imports here, one torch thread). A configuration the source
     cannot take (e.g. a group size that does not divide its head dim) gives {"error": message}."""
@@ -97,7 +138,7 @@ def _measure(task: dict) -> dict:
             return m
         keys = ("bits_per_element", "shift_rate", "place_shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error",
                 "attn_out_rel_err")
-        return {k: m[k] for k in keys}
+        return {k: m[k] for k in keys + ("configuration",) if k in m}
     from .analyze import analyze_trace
     from .trace import read_trace
 
@@ -107,7 +148,8 @@ def _measure(task: dict) -> dict:
     m = _result(r, task)
     if "error" in m:
         return m
-    return {k: m[k] for k in ("bits_per_element", "shift_rate", "topk_overlap", "out_rel_err", "k_rel_err")}
+    keys = ("bits_per_element", "shift_rate", "topk_overlap", "out_rel_err", "k_rel_err", "configuration")
+    return {k: m[k] for k in keys if k in m}
 
 
 def _result(report: dict, task: dict) -> dict:

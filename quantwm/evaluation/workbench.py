@@ -53,6 +53,7 @@ class RunKey:
     target: str = "kv"
     bits: int = 2
     frames: int = 32
+    budget: float | None = None  # bits per element: the method configures itself within it (replaces `bits`)
 
     def __post_init__(self):
         if self.trajectory not in TRAJECTORIES:
@@ -63,26 +64,30 @@ class RunKey:
         self.cache_config()  # validates method, target and bits with the cache's own messages
 
     def cache_config(self) -> CacheConfig:
-        return CacheConfig(method=self.method, target=self.target, k_bits=self.bits, v_bits=self.bits)
+        return CacheConfig(method=self.method, target=self.target, k_bits=self.bits, v_bits=self.bits,
+                           budget=None if self.method == "bf16" else self.budget)
 
     @property
     def id(self) -> str:
-        return f"seed={self.seed} {self.trajectory} {self.method} {self.target} {self.bits}-bit {self.frames}f"
+        size = f"{self.bits}-bit" if self.budget is None else f"budget={self.budget:g}"
+        return f"seed={self.seed} {self.trajectory} {self.method} {self.target} {size} {self.frames}f"
 
     @classmethod
     def parse(cls, text: str) -> RunKey:
         """Inverse of `id`; ValueError for anything else."""
         try:
-            seed, traj, method, target, bits, frames = str(text).split()
-            if not (seed.startswith("seed=") and bits.endswith("-bit") and frames.endswith("f")):
+            seed, traj, method, target, size, frames = str(text).split()
+            if not (seed.startswith("seed=") and (size.endswith("-bit") or size.startswith("budget="))
+                    and frames.endswith("f")):
                 raise ValueError
-            return cls(int(seed[5:]), traj, method, target, int(bits[:-4]), int(frames[:-1]))
+            bits, budget = (int(size[:-4]), None) if size.endswith("-bit") else (2, float(size[7:]))
+            return cls(int(seed[5:]), traj, method, target, bits, int(frames[:-1]), budget)
         except (ValueError, TypeError) as e:
             why = f": {e}" if str(e) else ""
             raise ValueError(f"not a run id: {text!r}{why} (generate first)") from None
 
     def reference(self) -> RunKey:
-        return replace(self, method="bf16", target="kv", bits=2)
+        return replace(self, method="bf16", target="kv", bits=2, budget=None)
 
 
 @dataclass
@@ -506,18 +511,40 @@ class Workbench:
                          **self.summary(ref, rec)})
         return rows
 
-    def methods_table(self, key: RunKey, methods: list[str], progress: Callable | None = None) -> list[dict]:
-        """Every method in `methods` on key's world, trajectory, target and bits."""
+    def methods_table(self, key: RunKey, methods: list[str], progress: Callable | None = None,
+                      left_out: dict | None = None) -> list[dict]:
+        """Every method in `methods` on key's world, trajectory, target and bits, or, when the key carries a
+        budget, each method configured within it (its "configuration" column says how; a method that cannot
+        fit is skipped and its one-line reason put in `left_out`). Rows come in order of bits per element."""
         if not methods:
             raise ValueError("choose at least one method")
         keys = [replace(key, method=m) for m in methods]  # validates every name before any work
         self.check_frames(key.frames)
+        if key.budget is not None:
+            from ..core.budget import fit_methods
+
+            span = self.cfg.chunk_frames * self.cfg.tokens_per_frame
+            fitting, out = fit_methods(list(methods), key.budget, key.budget, self.cfg.head_dim, span, key.target)
+            (left_out if left_out is not None else {}).update(out)
+            keys = [k for k in keys if k.method in fitting]
         self.limits.check_methods(len(keys), key.frames)
         rows = []
         for i, k in enumerate(keys):
             ref, rec = self.pair(k, (lambda a, n, i=i: progress(i * n + a, len(keys) * n)) if progress else None)
-            rows.append({"method": k.method, **self.summary(ref, rec)})
-        return rows
+            rows.append({"method": k.method, **self.summary(ref, rec), "configuration": self.configuration(k)})
+        return sorted(rows, key=lambda r: r["bits_per_element"]) if key.budget is not None else rows
+
+    def configuration(self, key: RunKey) -> str:
+        """What the key's method runs as: its grid at `bits`, or what its budget rule chose for each half."""
+        if key.method == "bf16":
+            return "bf16"
+        if key.budget is None:
+            return f"{key.bits}-bit"
+        from ..core.budget import configure, describe
+
+        span = self.cfg.chunk_frames * self.cfg.tokens_per_frame
+        return "; ".join(f"{kind}: {describe(configure(key.method, key.budget, self.cfg.head_dim, span, kind)[0])}"
+                         for kind in "kv" if kind in key.target)
 
 
 # ---- trace files ------------------------------------------------------------------------------------

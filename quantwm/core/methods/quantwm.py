@@ -12,6 +12,10 @@ so their rounding only widens the residual a little), fp8-e4m3 scales and zeros 
 bits go. λ = 16 and 8 pruning candidates were chosen on synthetic trace seed 1 (docs/results.md: the λ ablation);
 reports use other seeds.
 
+With `budget=B` (bits per element; `CacheConfig(budget=B)` sets it) QuantWM runs its allocator instead, for Keys
+and Values: centroids, then each residual channel on its own grid with 0-8 bits chosen to minimise the predicted
+logit (Keys, weights S_ii) or output (Values) error within B (quantwm.core.allocate, docs/method.md §2.6).
+
 `quantwm-paper` is the method as the QuantWM paper describes it (docs/method.md §2.5): QVG's storage (`qvg`:
 256 BF16 centroids per span, fp8 scales, groups of 64, the symmetric grid); S updated strictly causally (a
 chunk's queries enter S only once that chunk is quantized; `causal_stats`); QSAC with diag(S) channel
@@ -175,7 +179,13 @@ class QuantWM(QVGBudget):
         return {**side, "psac": psac}
 
     def step(self, enc: Encoded) -> torch.Tensor | None:
-        return None if "alloc_bits" in enc.tensors else super().step(enc)
+        """The allocator's spans: each coded channel's grid step for every token; 0-bit channels, which have no
+        grid, count as exact (+jensen adds no bias for them)."""
+        t = enc.tensors
+        if "alloc_bits" not in t:
+            return super().step(enc)
+        step = torch.where(t["alloc_bits"] > 0, t["alloc_step"].float(), torch.zeros(()))
+        return step[:, None, :].expand(enc.shape).contiguous()
 
     def decode(self, enc: Encoded) -> torch.Tensor:
         t = enc.tensors
