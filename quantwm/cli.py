@@ -482,8 +482,7 @@ def cmd_figures(a) -> int:
 
 def cmd_frontier(a) -> int:
     from .evaluation.figures import check_formats
-    from .evaluation.frontier import (GRID, QUICK_GRID, describe_leads, frontier_figure, leads, make_tasks, summarise,
-                                      sweep, within)
+    from .evaluation.frontier import GRID, QUICK_GRID, describe_leads, frontier_figure, leads, make_tasks, summarise, sweep, within
 
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     check_formats(formats)

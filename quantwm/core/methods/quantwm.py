@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..allocate import channel_bytes, decode_channels, encode_channels, error_tables, allocate, side_bytes
+from ..allocate import allocate, channel_bytes, decode_channels, encode_channels, error_tables, side_bytes
 from ..kmeans import weighted_sqdist
 from ..psac import psac_basis, psac_correction, psac_correction_ranked, psac_encode, psac_encode_ranked, spectrum_ranks
 from ..qsac import channel_sensitivity, qsac_assign
