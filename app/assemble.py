@@ -57,10 +57,10 @@ def _bind(fn, *args, **kwargs):
 
 
 def build_app(trace: str | None = None, workbench: Workbench | None = None, frames: int = 32,
-              delete_cache: tuple[int, int] = (300, 1800), live: dict | None = None) -> gr.Blocks:
+              delete_cache: tuple[int, int] = (300, 1800), live=None) -> gr.Blocks:
     """The app. `delete_cache` (every, age) in seconds: Gradio's copies of served files (videos, frames)
     older than `age` are deleted every `every` seconds, and all of them when the server stops. `live`: a
-    real model for generating on demand ({"kind", "models", "device", "height", "width"}; app/main.py
+    real model's backend for generating on demand (`adapters.self_forcing.SelfForcingLive`; app/main.py
     `--model self-forcing`)."""
     trace_path = default_trace(trace, wh.app_files().root)
     wb = workbench or Workbench()
@@ -81,7 +81,8 @@ def build_app(trace: str | None = None, workbench: Workbench | None = None, fram
                                           min(frames, wb.limits.max_frames), wb.limits.max_frames,
                                           _bind(wh.open_run_handler, wb), wb.opened_runs(),
                                           None if live is None else {
-                                              "kind": live["kind"], "device": live["device"],
+                                              "kind": live.kind, "device": live.device_name,
+                                              "latent_frames": live.LATENT_FRAMES,
                                               "generate": _bind(wh.live_generate_handler, wb, live)})
         with gr.Tab("Query energy"):
             build_energy_tab(_bind(wh.energy_handler, wb), controls, facts["layers"])

@@ -41,7 +41,7 @@ def trace_inspect_handler(trace_path: str | None, method: str, target: str, bits
                           check_upload=None) -> dict:
     """One traced query: its top-1 source under exact and `method`'s keys, the logit heatmaps, and the
     layer's top-1 jump map drawn on the query frame when the trace holds frames."""
-    from quantwm.evaluation.workbench import trace_query_view
+    from quantwm.evaluation.diagnostics import trace_query_view
 
     from . import media, plots
 
@@ -79,7 +79,7 @@ def trace_click_handler(trace_path: str | None, method: str, target: str, bits: 
                         check_upload=None) -> dict:
     """A click at `index` = (x, y) on the shown query frame (`trace_inspect_handler`'s jump image): inspect the
     query of that frame at the clicked token instead; the result carries its index as "query_index"."""
-    from quantwm.evaluation.workbench import trace_query_view
+    from quantwm.evaluation.diagnostics import trace_query_view
 
     try:
         if not index or len(index) != 2:
@@ -118,7 +118,7 @@ def _query_frame_geometry(r: dict) -> tuple[int, int, int] | None:
 
 def trace_energy_handler(trace_path: str | None, layer_index=0, check_upload=None) -> dict:
     """Query-energy spectra of a trace's layers (from q_hist when present)."""
-    from quantwm.evaluation.workbench import trace_energy
+    from quantwm.evaluation.diagnostics import trace_energy
 
     from . import plots
 

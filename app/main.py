@@ -55,7 +55,7 @@ def server_address(host: str | None, port: int | None, env=os.environ) -> tuple[
     return host, port
 
 
-def live_model(a, cuda_available=None) -> dict:
+def live_model(a, cuda_available=None):
     """The live backend's model (`--model self-forcing`), loaded on the GPU; ValueError without CUDA or with
     missing or bad files."""
     import torch
@@ -66,11 +66,10 @@ def live_model(a, cuda_available=None) -> dict:
     if not (torch.cuda.is_available() if cuda_available is None else cuda_available):
         raise ValueError(f"--model {a.model} generates live on a CUDA GPU, and this machine has none; record a run "
                          "elsewhere (quantwm record --model self-forcing --device cuda) and open it with --run FILE")
-    from quantwm.adapters.self_forcing import load_self_forcing
+    from quantwm.adapters.self_forcing import SelfForcingLive, load_self_forcing
 
     models = load_self_forcing(a.checkpoint, a.base, "cuda", torch.bfloat16)
-    return {"kind": "Self-Forcing", "models": models, "device": f"CUDA ({torch.cuda.get_device_name(0)})",
-            "height": a.height, "width": a.width, "base": a.base}
+    return SelfForcingLive(models, "cuda", a.height, a.width, a.base, f"CUDA ({torch.cuda.get_device_name(0)})")
 
 
 def parser() -> argparse.ArgumentParser:

@@ -10,7 +10,7 @@ from quantwm.core.cache import TARGETS
 from quantwm.world.scene import TRAJECTORIES
 
 from .ui import progress_callback, unpack
-from .world_handlers import FACTOR, LIVE_LATENT_FRAMES, OVERLAYS
+from .world_handlers import FACTOR, OVERLAYS
 
 TARGET_CHOICES = [("Keys and Values", "kv"), ("Keys only", "k"), ("Values only", "v")]
 assert {v for _, v in TARGET_CHOICES} == set(TARGETS)
@@ -25,7 +25,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     export(run_id, frame, x, y, layer, head, formats) -> {status, files}: print figures of the run;
     open_run(path or opened run id) -> the same outputs as generate, for a run file (`quantwm record`);
     `opened`: the ids of run files opened at start-up (`--run`);
-    live: {"kind", "device", "generate"(embeddings, seed, method, target, bits, latent_frames, prompt, progress)}: a real
+    live: {"kind", "device", "latent_frames", "generate"(embeddings, seed, method, target, bits, latent_frames, prompt, progress)}: a real
     model loaded for generating on demand (`python app.py --model self-forcing`), or None."""
     size = facts["frame_size"]
     gr.Markdown("Pick a world and a quantization method, press **Generate**: the BF16 reference and the "
@@ -60,7 +60,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
                 live_embeddings = gr.File(label="or prompt embeddings (.safetensors with prompt_embeds)",
                                           type="filepath", file_types=[".safetensors"], elem_id="live-embeddings")
                 live_seed = gr.Number(0, label="Noise seed", precision=0, minimum=0)
-                live_frames = gr.Dropdown(list(LIVE_LATENT_FRAMES), value=LIVE_LATENT_FRAMES[-1],
+                live_frames = gr.Dropdown(list(live["latent_frames"]), value=live["latent_frames"][-1],
                                           label="Latent frames (21: 81 video frames)")
                 live_btn = gr.Button("Generate live", variant="primary", elem_id="live-btn")
     status = gr.Markdown(elem_id="generate-status")

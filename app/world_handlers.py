@@ -130,46 +130,22 @@ def _shown(cmp: dict, run_id: str, ctx: int, origin: str) -> dict:
             "worst_frames": worst_frames, "summary": {k: _fmt(v) for k, v in s.items()}}
 
 
-LIVE_LATENT_FRAMES = (6, 9, 12, 15, 18, 21)  # the live backend's choices (21 latent frames: Self-Forcing's 81 frames)
-
-
-def live_generate_handler(wb, live: dict, embeddings, seed, method, target, bits, latent_frames, prompt=None,
+def live_generate_handler(wb, live, embeddings, seed, method, target, bits, latent_frames, prompt=None,
                           progress: Callable | None = None) -> dict:
-    """Generate BF16 and `method` live with a loaded real model (`live`: {"kind", "models", "device", "height",
-    "width", and "base" for prompts}) from a prompt (the base model's UMT5 encodes it; loaded at the first
-    prompt) or a prompt-embeddings file, and show the pair like an opened run."""
-    from quantwm.adapters.self_forcing import encode_prompt, load_text_encoder, record_self_forcing
-
+    """Generate BF16 and `method` live with a real model's backend (`live`, e.g. adapters.self_forcing.
+    SelfForcingLive) from a prompt or a prompt-embeddings file, and show the pair like an opened run."""
     try:
         prompt = prompt.strip() if isinstance(prompt, str) else ""
-        if prompt and embeddings:
-            raise ValueError("give a prompt or a prompt embeddings file, not both")
-        if not prompt and not embeddings:
-            raise ValueError("no prompt and no prompt embeddings file given (a safetensors file with prompt_embeds)")
         seed, bits, n = integer(seed, "noise seed"), integer(bits, "bits"), integer(latent_frames, "latent frames")
-        if n not in LIVE_LATENT_FRAMES:
-            raise ValueError(f"latent frames must be one of {', '.join(map(str, LIVE_LATENT_FRAMES))}, got {n}")
-        if seed < 0:
-            raise ValueError(f"noise seed must be >= 0, got {seed}")
+        method, target = name(method, "method"), name(target, "target")
+        live.check(seed, method, target, bits, n, prompt, embeddings)
         if embeddings:
             embeddings = readable_file(embeddings, "prompt embeddings file", wb.limits.check_upload)
-        elif not live.get("base"):
-            raise ValueError("this backend was started without a base folder: give a prompt embeddings file")
-        from quantwm.core.cache import CacheConfig
-        CacheConfig(method=name(method, "method"), target=name(target, "target"), k_bits=bits,
-                    v_bits=bits)  # validates with the cache's messages
         with wb.generation():  # one generation at a time, shared with the built-in model's
-            if prompt:
-                if live.get("text_encoder") is None:  # the UMT5 encoder, loaded once, beside the model
-                    param = next(live["models"][0].parameters())
-                    live["text_encoder"] = load_text_encoder(live["base"], param.device, param.dtype)
-                embeddings = encode_prompt(None, prompt, text_encoder=live["text_encoder"])
-            run = record_self_forcing(None, None, embeddings, method, target, bits, n, 3, live["height"],
-                                      live["width"], seed, [1], [0], live["device"], progress=progress,
-                                      models=live["models"])
+            run = live.generate(seed, method, target, bits, n, prompt, embeddings, progress=progress)
     except ValueError as e:
         return error(str(e))
-    run_id = f"live={live['kind']} seed={seed} {method} {target} {bits}-bit {n}lf"
+    run_id = live.run_id(seed, method, target, bits, n)
     wb.add_run(run, run_id)
     r = open_run_handler(wb, run_id, files=False)
     if r.get("run_id"):

@@ -99,7 +99,7 @@ def worker(a) -> dict:
     comp = cache.bytes_by_component()
     full = sum(n for k, n in comp.items() if k.endswith(".full"))
     quant = sum(comp.values()) - full
-    frames = lambda quantized: sum(c.n_tokens for c in cache.spans(0) if c.quantized == quantized) // tpf
+    frames = lambda quantized: sum(c.n_tokens for c in cache.inspect(0) if c.quantized == quantized) // tpf
     total_frames = a.chunks * a.chunk_frames
     if a.latents_out:
         torch.save(torch.cat(latents, 2), a.latents_out)

@@ -6,7 +6,6 @@ Long work shows a progress bar on stderr. Bad arguments or files print one line 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -14,19 +13,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from .cli_parser import build_parser
+from .cli_parser import fail as _fail
 from .core.methods import known_methods, parse_method_name
-from .evaluation.figures import FIGURE_KINDS
-from .world.scene import WORLDS
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, no usage dump
-        raise SystemExit(_fail(f"{self.prog}: {message}"))
-
-
-def _fail(message: str) -> int:
-    print(f"quantwm: error: {message}", file=sys.stderr)
-    return 2
 
 
 def _methods(text: str) -> list[str]:
@@ -89,14 +78,6 @@ def _options(pairs: list[str]) -> tuple:
                     pass
         out.append((key, value))
     return tuple(out)
-
-
-def _add_budget(s) -> None:
-    """--budget / --budget-k / --budget-v: bits per element (docs/method.md §3.1)."""
-    s.add_argument("--budget", type=float, help="bits per element (stored bytes) for Keys and Values: every method "
-                                                "configures itself within it by its own rule, or is left out")
-    s.add_argument("--budget-k", type=float, help="the Keys' budget apart (default: --budget)")
-    s.add_argument("--budget-v", type=float, help="the Values' budget apart (default: --budget)")
 
 
 def _budget(a) -> tuple:
@@ -251,6 +232,7 @@ def cmd_record(a) -> int:
 
     from .evaluation.limits import Limits
     from .evaluation.runfile import write_run
+    from .evaluation.runs import make_run
     from .evaluation.workbench import RunKey, Workbench
 
     layers = _ints(a.logit_layers, "--logit-layers") if a.logit_layers else []
@@ -294,7 +276,7 @@ def cmd_record(a) -> int:
     wb = Workbench(model=model, limits=Limits.from_machine(model.cfg, 1))
     key = RunKey(a.seed, a.trajectory, a.method, a.target, a.bits, a.frames)
     wb.check_frames(key.frames)
-    run = wb.make_run(key, layers, heads, {"command": "quantwm record --model builtin"}, progress=_progress("record"))
+    run = make_run(wb, key, layers, heads, {"command": "quantwm record --model builtin"}, progress=_progress("record"))
     write_run(a.out, run)
     print(f"wrote {a.out} ({os.path.getsize(a.out) / 2 ** 20:.1f} MB): {key.id} against BF16; open it with "
           f"python app.py --run {a.out}")
@@ -304,153 +286,6 @@ def cmd_record(a) -> int:
 def cmd_methods(a) -> int:
     print("\n".join(known_methods()))
     return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="quantwm", description="2-bit KV-cache quantization for video world models")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    s = sub.add_parser("analyze", help="attention fidelity of methods on a trace file")
-    s.add_argument("--trace", required=True)
-    s.add_argument("--methods", default="rtn,kivi,qvg,quantwm")
-    s.add_argument("--target", choices=("k", "v", "kv"), default="k")
-    s.add_argument("--bits", type=int, default=2)
-    s.add_argument("--chunk-frames", type=int, default=None, help="frames per chunk (default: the trace's, else 1)")
-    s.add_argument("--sink-chunks", type=int, default=1)
-    s.add_argument("--recent-chunks", type=int, default=1)
-    s.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="method option for every method, e.g. --set lam=4 (repeatable)")
-    _add_budget(s)
-    s.add_argument("--json")
-    s.set_defaults(fn=cmd_analyze)
-    s = sub.add_parser("memory", help="stored bytes of the cache at a real model's shapes")
-    s.add_argument("--preset", default="wan-1.3b")
-    s.add_argument("--latent-frames", type=int, default=21)
-    s.add_argument("--method", default="quantwm")
-    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
-    s.add_argument("--bits", type=int, default=2)
-    s.add_argument("--sample-layers", type=int, default=None, help="quantize this many layers and scale")
-    s.add_argument("--span-chunks", type=int, default=1, help="chunks quantized together as one span (QVG: 8)")
-    s.add_argument("--queries", choices=("drift", "none"), default="drift",
-                   help="drift: a synthetic query stream whose subspace moves (as deployed); none: S stays identity")
-    _add_budget(s)
-    s.add_argument("--json")
-    s.set_defaults(fn=cmd_memory)
-    s = sub.add_parser("synth-trace", help="write the synthetic world-memory trace")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--layers", type=int, default=4)
-    s.add_argument("--heads", type=int, default=8)
-    s.add_argument("--head-dim", type=int, default=128)
-    s.add_argument("--query-dims", type=int, default=8,
-                   help="dimension of the query subspace: 8 / 12 / 22 give ~97%% / ~71%% / ~45%% top-8 energy")
-    s.add_argument("--grid", default="12x16", help="tokens per frame as ROWSxCOLS (Wan-1.3B at 480p: 30x52)")
-    s.add_argument("--chunk-frames", type=int, default=3, help="frames per chunk: a span holds grid x this many tokens")
-    s.add_argument("--cached-frames", type=int, default=24, help="frames in the cache (a multiple of --chunk-frames)")
-    s.add_argument("--out", required=True)
-    s.set_defaults(fn=cmd_synth)
-    s = sub.add_parser("eval", help="BF16 vs methods on the built-in world model")
-    s.add_argument("--methods", default="rtn,kivi,qvg,quantwm")
-    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
-    s.add_argument("--seeds", default="0,1,2,3")
-    s.add_argument("--frames", type=int, default=32)
-    s.add_argument("--bits", type=int, default=2)
-    s.add_argument("--trajectory", default="loop")
-    s.add_argument("--steps", type=int, default=4, help="flow-matching steps per chunk")
-    s.add_argument("--training-seeds", action="store_true",
-                   help="use training worlds (seed + 100000) instead of held-out ones, to check memorisation")
-    s.add_argument("--training-photos", nargs="?", const="all", choices=("all", "matched"), default=None,
-                   help="the same worlds' layouts, trajectories and noise with tiles from the training photographs "
-                        "(each held-out world against its twin: the paired memorisation check); 'matched': one "
-                        "per held-out scene, of the same kind (grey or colour), so tiles repeat a photograph where the "
-                        "held-out world's repeat a scene")
-    s.add_argument("--world", choices=WORLDS, default="photo", help="world kind (procedural: the first models' world)")
-    s.add_argument("--set", action="append", metavar="KEY=VALUE",
-                   help="method option for every method, e.g. --set qsac=false (repeatable)")
-    s.add_argument("--weights", help="world-model weights (default: the built-in model, shipped with the package)")
-    _add_budget(s)
-    s.add_argument("--json")
-    s.set_defaults(fn=cmd_eval)
-    s = sub.add_parser("trace", help="write a trace file from the built-in world model")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--frames", type=int, default=32)
-    s.add_argument("--trajectory", default="loop")
-    s.add_argument("--world", choices=WORLDS, default="photo")
-    s.add_argument("--weights", help="world-model weights (default: the built-in model)")
-    s.add_argument("--out", required=True)
-    s.set_defaults(fn=cmd_trace)
-    s = sub.add_parser("record", help="write a run file (BF16 and a method from the same noise) for the app")
-    s.add_argument("--model", choices=("builtin", "self-forcing", "sana-wm"), default="builtin",
-                   help="builtin: the built-in world model; self-forcing: Self-Forcing's causal Wan2.1 generator "
-                        "(--checkpoint, --base, --embeddings or --prompt); sana-wm: SANA-WM's stage-2 refiner, "
-                        "diffusers' SanaWMLTX2Refiner (--base, --latents, --prompt)")
-    s.add_argument("--seed", type=int, default=0, help="world seed (builtin: 0..99999) or noise seed")
-    s.add_argument("--trajectory", default="loop")
-    s.add_argument("--method", default="quantwm")
-    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
-    s.add_argument("--bits", type=int, default=2)
-    s.add_argument("--frames", type=int, default=32)
-    s.add_argument("--logit-layers", default="1", help="layers whose attention logits the file keeps (size bound)")
-    s.add_argument("--logit-heads", default="0", help="heads whose attention logits the file keeps")
-    s.add_argument("--weights", help="builtin: world-model weights (default: the built-in model)")
-    s.add_argument("--checkpoint", help="self-forcing: the released generator checkpoint (.pt, original Wan names)")
-    s.add_argument("--base", help="self-forcing: a local diffusers Wan2.1 folder (transformer/config.json, vae/); "
-                                  "sana-wm: a SanaWMLTX2Refiner folder saved with its vae")
-    s.add_argument("--embeddings", help="self-forcing: a safetensors file with the prompt's UMT5 prompt_embeds")
-    s.add_argument("--latents", help="sana-wm: a safetensors file with the stage-1 `latents` (1, C, F, H, W)")
-    s.add_argument("--kv-max-frames", type=int, default=11,
-                   help="sana-wm: sink plus recent latent frames the refiner's window keeps (its default: 11)")
-    s.add_argument("--prompt", help="the prompt (self-forcing: encoded by the base model's UMT5, base/tokenizer and "
-                                    "base/text_encoder; sana-wm: by the refiner's Gemma-3; needs transformers)")
-    s.add_argument("--latent-frames", type=int, default=21, help="self-forcing: latent frames (21: 81 video frames)")
-    s.add_argument("--chunk-frames", type=int, default=3, help="self-forcing: latent frames per chunk")
-    s.add_argument("--height", type=int, default=480)
-    s.add_argument("--width", type=int, default=832)
-    s.add_argument("--device", default="cpu", help="self-forcing: cpu or cuda (cuda uses the fused kernels)")
-    s.add_argument("--out", required=True)
-    s.set_defaults(fn=cmd_record)
-    s = sub.add_parser("figures", help="print figures (PNG/PDF/SVG, matplotlib) of a built-in-model run")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--trajectory", default="loop")
-    s.add_argument("--method", default="quantwm")
-    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
-    s.add_argument("--bits", type=int, default=2)
-    s.add_argument("--frames", type=int, default=32)
-    s.add_argument("--frame", type=int, default=None, help="frame of the maps and the pixel trace (default: the worst)")
-    s.add_argument("--pixel", default=None, help="x,y of the traced pixel in frame pixels (default: the centre)")
-    s.add_argument("--layer", type=int, default=1)
-    s.add_argument("--head", type=int, default=0)
-    s.add_argument("--methods", default="rtn,kivi,qvg,quantwm", help="methods of the comparison figure ('' = none)")
-    s.add_argument("--kinds", default=",".join(FIGURE_KINDS), help=f"which figures ({', '.join(FIGURE_KINDS)})")
-    s.add_argument("--formats", default="png,pdf,svg")
-    s.add_argument("--weights", help="world-model weights (default: the built-in model)")
-    s.add_argument("--out-dir", required=True)
-    s.set_defaults(fn=cmd_figures)
-    s = sub.add_parser("frontier", help="quality vs bits per element for every method (resumable sweep)")
-    s.add_argument("--sources", default="world", help="comma-separated: world and/or trace:FILE")
-    s.add_argument("--methods", default="", help="methods to sweep (default: all with a sweep)")
-    s.add_argument("--bits", default="2,3,4")
-    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
-    s.add_argument("--seeds", default="0,1", help="held-out world seeds of the world source")
-    s.add_argument("--frames", type=int, default=16)
-    s.add_argument("--quick", action="store_true", help="one point per method (a smoke test)")
-    s.add_argument("--budget", default="", help="comma-separated bits per element: one point per method and budget, "
-                                                "each configured by its budget rule (instead of the sweep)")
-    s.add_argument("--max-bits", type=float, default=None,
-                   help="skip sweep points that store more bits per element than this (they cannot enter an "
-                        "envelope up to it); e.g. 4")
-    s.add_argument("--workers", type=int, default=1, help="local worker processes")
-    s.add_argument("--ray", default=None, metavar="ADDRESS", help="run the points on a Ray cluster ('local': start one)")
-    s.add_argument("--formats", default="png,svg")
-    s.add_argument("--out-dir", required=True)
-    s.set_defaults(fn=cmd_frontier)
-    s = sub.add_parser("query-stats", help="a calibration file of query statistics (S per layer) from a trace, for "
-                                           "the SGLang plugin's QUANTWM_KV_QUERY_STATS")
-    s.add_argument("--trace", required=True)
-    s.add_argument("--out", required=True)
-    s.set_defaults(fn=cmd_query_stats)
-    s = sub.add_parser("methods", help="list the registered methods")
-    s.set_defaults(fn=cmd_methods)
-    sub.add_parser("app", help="start the diagnostics app (options: quantwm app --help)", add_help=False)
-    return p
 
 
 def cmd_app(argv: list[str]) -> int:
@@ -514,13 +349,18 @@ def cmd_frontier(a) -> int:
     return 0
 
 
+COMMANDS = {"analyze": cmd_analyze, "memory": cmd_memory, "synth-trace": cmd_synth, "eval": cmd_eval,
+            "trace": cmd_trace, "record": cmd_record, "figures": cmd_figures, "frontier": cmd_frontier,
+            "query-stats": cmd_query_stats, "methods": cmd_methods}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["app"]:
         return cmd_app(argv[1:])
     args = build_parser().parse_args(argv)
     try:
-        return args.fn(args)
+        return COMMANDS[args.command](args)
     except (ValueError, FileNotFoundError, PermissionError, IsADirectoryError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
 

@@ -266,10 +266,11 @@ def upload_run(browser, url, path):
 
 def test_an_uploaded_run_file_plays_scrubs_and_traces_like_a_generated_run(browser_and_url, tmp_path):
     from quantwm.evaluation.runfile import write_run
+    from quantwm.evaluation.runs import make_run
     from quantwm.evaluation.workbench import RunKey, Workbench
 
     path = tmp_path / "recorded.safetensors"
-    write_run(path, Workbench().make_run(RunKey(seed=9, method="kivi", frames=FRAMES)))
+    write_run(path, make_run(Workbench(), RunKey(seed=9, method="kivi", frames=FRAMES)))
     page = upload_run(*browser_and_url, path)
     assert "opened" in page.locator("#generate-status").inner_text()
     assert page.locator("#video-bf16 video").count() == 1

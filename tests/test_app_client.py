@@ -188,10 +188,11 @@ def test_a_recorded_run_opens_over_the_api_and_every_view_answers(client, tmp_pa
     from gradio_client import handle_file
 
     from quantwm.evaluation.runfile import write_run
+    from quantwm.evaluation.runs import make_run
     from quantwm.evaluation.workbench import RunKey, Workbench
 
     path = tmp_path / "rec.safetensors"
-    write_run(path, Workbench().make_run(RunKey(seed=8, method="rtn", frames=FRAMES)))
+    write_run(path, make_run(Workbench(), RunKey(seed=8, method="rtn", frames=FRAMES)))
     out = client.predict(handle_file(str(path)), api_name="/upload_run")
     run_id, video = out[1], out[2] if isinstance(out[2], str) else out[2]["video"]
     assert run_id == "file=rec.safetensors rtn kv 2-bit" and "opened" in out[0] and pathlib.Path(video).is_file()

@@ -11,6 +11,7 @@ from safetensors.torch import load_file, save_file
 
 from app import world_handlers as wh
 from quantwm.evaluation.runfile import RunFacts, read_run, write_run
+from quantwm.evaluation.runs import make_run
 from quantwm.evaluation.workbench import RunKey, Workbench
 
 FRAMES = 10
@@ -25,7 +26,7 @@ def wb():
 def recorded(wb, tmp_path_factory):
     key = RunKey(seed=6, method="qvg", frames=FRAMES)
     path = tmp_path_factory.mktemp("run") / "qvg.safetensors"
-    write_run(path, wb.make_run(key, logit_layers=[1, 2], logit_heads=[0]))
+    write_run(path, make_run(wb, key, logit_layers=[1, 2], logit_heads=[0]))
     return key, path
 
 

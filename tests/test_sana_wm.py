@@ -49,7 +49,7 @@ def test_bf16_through_quantwm_equals_the_stock_refiner(refiner, stage1):
     assert out.dtype == torch.bfloat16 and torch.equal(out, reference)
     # The window holds 4 frames (64 tokens) of history: blocks 2 and 3 (the trim cut block 2) plus block 4, the
     # last captured, not yet committed; block 1 was evicted.
-    assert [s.index for s in cache.spans(0)] == [1, 2, 3] and cache.seq_len(0) == 3 * 48
+    assert [s.index for s in cache.inspect(0)] == [1, 2, 3] and cache.seq_len(0) == 3 * 48
     assert not torch.allclose(cache.query_stats(0).float(), torch.eye(64).expand(2, 64, 64))  # queries observed
 
 
@@ -61,7 +61,7 @@ def test_quantwm_refines_close_to_bf16_in_fewer_bytes(refiner, stage1):
     out = refine(refiner, stage1, cache)
     err = ((out.float() - reference.float()).norm() / reference.float().norm()).item()
     assert 0 < err < 0.1
-    assert any(s.quantized for s in cache.spans(0)) and cache.nbytes() < bf16.nbytes()
+    assert any(s.quantized for s in cache.inspect(0)) and cache.nbytes() < bf16.nbytes()
     assert torch.equal(out[:, :, :4], reference[:, :, :4])  # the sink and block 1 see no quantized history
 
 
@@ -137,7 +137,7 @@ def test_a_sana_wm_run_records_both_refinements_with_probes_and_key_positions(re
 def test_the_app_views_of_a_sana_wm_run_map_sources_to_their_latent_frames(recorded):
     import numpy as np
 
-    from quantwm.evaluation.workbench import LoadedRun
+    from quantwm.evaluation.loaded import LoadedRun
 
     _, run = recorded
     view = LoadedRun(run, "sana")
@@ -187,8 +187,8 @@ def test_the_apps_pixel_trace_handler_draws_a_sana_wm_run(recorded):
 
 def test_a_short_last_block_is_recorded_and_read_back(recorded, tmp_path):
     from quantwm.adapters.sana_wm import record_sana_wm
+    from quantwm.evaluation.loaded import LoadedRun
     from quantwm.evaluation.runfile import read_run, write_run
-    from quantwm.evaluation.workbench import LoadedRun
 
     root, _ = recorded
     z = torch.randn(1, 8, 12, 4, 4, generator=torch.Generator().manual_seed(3))  # sink + 3 blocks of 3 + one of 2

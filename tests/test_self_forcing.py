@@ -9,7 +9,7 @@ import torch
 
 diffusers = pytest.importorskip("diffusers")
 
-from quantwm.adapters.self_forcing import load_self_forcing, record_self_forcing, sigmas  # noqa: E402
+from quantwm.adapters.self_forcing import SelfForcingLive, load_self_forcing, record_self_forcing, sigmas  # noqa: E402
 from quantwm.evaluation.runfile import read_run, write_run  # noqa: E402
 from quantwm.evaluation.workbench import Workbench  # noqa: E402
 
@@ -207,8 +207,7 @@ def test_the_live_backend_generates_on_demand_and_shows_the_run(released):
     from app.main import live_model
 
     ckpt, base, emb, _ = released
-    live = {"kind": "Self-Forcing", "models": load_self_forcing(ckpt, base), "device": "cpu", "height": HEIGHT,
-            "width": WIDTH}
+    live = SelfForcingLive(load_self_forcing(ckpt, base), "cpu", HEIGHT, WIDTH)
     wb = Workbench()
     r = wh.live_generate_handler(wb, live, str(emb), 3, "quantwm", "kv", 2, 6)
     assert r["run_id"] == "live=Self-Forcing seed=3 quantwm kv 2-bit 6lf" and "generated live" in r["status"]
@@ -225,9 +224,9 @@ def test_the_live_backend_generates_on_demand_and_shows_the_run(released):
         assert needle in wh.live_generate_handler(wb, live, *args)["status"]
     if not (base / "tokenizer").is_dir():
         save_tiny_umt5(base)
-    live["base"] = base  # a prompt: the base model's UMT5 encodes it (loaded at the first prompt)
+    live.base = base  # a prompt: the base model's UMT5 encodes it (loaded at the first prompt)
     r = wh.live_generate_handler(wb, live, None, 3, "quantwm", "kv", 2, 6, "a red car")
-    assert r["run_id"] == "live=Self-Forcing seed=3 quantwm kv 2-bit 6lf" and live["text_encoder"] is not None
+    assert r["run_id"] == "live=Self-Forcing seed=3 quantwm kv 2-bit 6lf" and live.text_encoder is not None
     from app.assemble import build_app
 
     demo = build_app(None, wb, live=live)  # the page grows the live controls and their endpoint

@@ -3,7 +3,8 @@ import time
 
 import pytest
 
-from quantwm.evaluation.workbench import RunKey, Workbench, trace_energy, trace_query_view
+from quantwm.evaluation.diagnostics import trace_energy, trace_query_view
+from quantwm.evaluation.workbench import RunKey, Workbench
 
 FRAMES = 10
 

@@ -158,8 +158,8 @@ class WanCacheAdapter:
         _check_wan(model)
         if not isinstance(cache, KVCache):
             raise ValueError(f"cache must be a quantwm KVCache, got {type(cache).__name__}")
-        if len(cache.layers) != len(model.blocks):
-            raise ValueError(f"the cache has {len(cache.layers)} layers, the model {len(model.blocks)} blocks "
+        if cache.n_layers != len(model.blocks):
+            raise ValueError(f"the cache has {cache.n_layers} layers, the model {len(model.blocks)} blocks "
                              "(build it with wan_kv_cache(model, config))")
         self.model, self.attention = model, ChunkedAttention(cache, capture)
         self.grid: tuple[int, int, int] | None = None  # (frames, h, w) tokens of the last pass

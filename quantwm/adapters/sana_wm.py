@@ -83,7 +83,7 @@ class _LayerView:
             return None
         n, pending = marker[0].shape[1], self.adapter.pending[self.layer]
         cache = self.adapter.cache
-        committed = cache.spans(self.layer)[:-1] if pending else cache.spans(self.layer)
+        committed = cache.inspect(self.layer)[:-1] if pending else cache.inspect(self.layer)
         end = committed[-1].start + committed[-1].n_tokens
         for span in committed:  # the pipeline trimmed its history to the last n tokens: older spans go
             if span.start + span.n_tokens <= end - n:
@@ -241,7 +241,7 @@ def record_sana_wm(base, latents, prompt: str, method: str = "quantwm", target: 
     """The run file contents (`runfile.Run`) of SANA-WM's refiner with `method`'s cache against BF16, from the
     same stage-1 latents and noise. `base`: a `SanaWMLTX2Refiner` folder with a vae; `pipe`: one already loaded."""
     from ..evaluation.runfile import Run, RunFacts
-    from ..evaluation.workbench import cache_memory_mb
+    from ..evaluation.runs import cache_memory_mb
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device on this machine")

@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from ..core.cache import CacheConfig
+from ..evaluation.metrics import probe_logits
 from .capture import TraceCapture
 from .diffusers_wan import WanCacheAdapter, wan_kv_cache
 
@@ -187,10 +188,7 @@ class ProbeCapture(TraceCapture):
         tops_e, tops_q = [], []
         for h0 in range(0, qh.shape[0], self.head_block):  # bounded memory: a few heads' logits at a time
             hs = slice(h0, h0 + self.head_block)
-            le = scale * qh[hs] @ k_exact[hs].transpose(-1, -2)
-            lq = scale * qh[hs] @ k_stored[hs].transpose(-1, -2)
-            if bias is not None:
-                lq = lq + bias[hs].float()
+            le, lq = probe_logits(qh[hs], k_exact[hs], k_stored[hs], scale, None if bias is None else bias[hs])
             tops_e.append(le.argmax(-1)), tops_q.append(lq.argmax(-1))
             if layer in self.logit_layers:
                 for h in range(h0, min(h0 + self.head_block, qh.shape[0])):
@@ -255,7 +253,7 @@ def record_self_forcing(checkpoint, base, embeddings, method: str = "quantwm", t
     """The run file contents (`runfile.Run`) of Self-Forcing with `method`'s cache against BF16.
     `models`: an already loaded (transformer, vae) pair instead of checkpoint/base."""
     from ..evaluation.runfile import Run, RunFacts
-    from ..evaluation.workbench import cache_memory_mb
+    from ..evaluation.runs import cache_memory_mb
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device on this machine")
@@ -291,3 +289,52 @@ def record_self_forcing(checkpoint, base, embeddings, method: str = "quantwm", t
             "source": {"checkpoint": str(checkpoint), "base": str(base), "seed": seed, "latent_frames": latent_frames,
                        "steps": list(DENOISING_STEPS), "shift": SHIFT}}
     return Run(facts, meta, ref_frames, frames, stats, probe.top1(), probe.logits())
+
+
+class SelfForcingLive:
+    """A loaded Self-Forcing generator that makes BF16-vs-method run files on demand: the app's live backend
+    (`python app.py --model self-forcing`). Prompts are encoded by the base folder's UMT5, loaded at the first
+    prompt and kept beside the generator; a prompt-embeddings file needs no base folder.
+
+        live = SelfForcingLive(load_self_forcing(ckpt, base, "cuda", torch.bfloat16), "cuda", 480, 832, base)
+        run = live.generate(seed=3, method="quantwm", target="kv", bits=2, latent_frames=6, prompt="a red car")
+    """
+
+    kind = "Self-Forcing"
+    LATENT_FRAMES = (6, 9, 12, 15, 18, 21)  # 21 latent frames: Self-Forcing's 81 video frames
+
+    def __init__(self, models, device: str, height: int = 480, width: int = 832, base: str | Path | None = None,
+                 device_name: str | None = None):
+        self.models, self.device, self.height, self.width, self.base = models, device, height, width, base
+        self.device_name = device_name or device
+        self.text_encoder = None
+
+    def check(self, seed: int, method: str, target: str, bits: int, latent_frames: int, prompt: str = "",
+              embeddings=None) -> None:
+        """Every request's settings, before any work (ValueError naming what is wrong)."""
+        if prompt and embeddings:
+            raise ValueError("give a prompt or a prompt embeddings file, not both")
+        if not prompt and not embeddings:
+            raise ValueError("no prompt and no prompt embeddings file given (a safetensors file with prompt_embeds)")
+        if latent_frames not in self.LATENT_FRAMES:
+            raise ValueError(f"latent frames must be one of {', '.join(map(str, self.LATENT_FRAMES))}, got {latent_frames}")
+        if seed < 0:
+            raise ValueError(f"noise seed must be >= 0, got {seed}")
+        if prompt and not self.base:
+            raise ValueError("this backend was started without a base folder: give a prompt embeddings file")
+        CacheConfig(method=method, target=target, k_bits=bits, v_bits=bits)  # validates with the cache's messages
+
+    def run_id(self, seed: int, method: str, target: str, bits: int, latent_frames: int) -> str:
+        return f"live={self.kind} seed={seed} {method} {target} {bits}-bit {latent_frames}lf"
+
+    def generate(self, seed: int, method: str, target: str, bits: int, latent_frames: int, prompt: str = "",
+                 embeddings=None, progress: Callable | None = None):
+        """The run file contents (`runfile.Run`) of BF16 and `method` from the same noise."""
+        self.check(seed, method, target, bits, latent_frames, prompt, embeddings)
+        if prompt:
+            if self.text_encoder is None:
+                param = next(self.models[0].parameters())
+                self.text_encoder = load_text_encoder(self.base, param.device, param.dtype)
+            embeddings = encode_prompt(None, prompt, text_encoder=self.text_encoder)
+        return record_self_forcing(None, None, embeddings, method, target, bits, latent_frames, 3, self.height,
+                                   self.width, seed, [1], [0], self.device, progress=progress, models=self.models)

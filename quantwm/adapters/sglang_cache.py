@@ -190,7 +190,7 @@ class QuantWMCausalKVCache:
     @property
     def uses_queries(self) -> bool:
         """Whether the method reads history-query statistics (QSAC / PSAC)."""
-        return self.store.k_method.uses_queries or self.store.v_method.uses_queries
+        return self.store.uses_queries
 
     def stash_queries(self, q: torch.Tensor) -> None:
         """The rotated queries (B, Nq, Hq, D) of the attention call about to write; they enter S with it."""
@@ -337,7 +337,7 @@ class QuantWMCausalKVCache:
     def _evict(self) -> None:
         """Drop committed spans of which SGLang's window holds no token (before the new chunk is written)."""
         held = self._held()
-        for span in self.store.spans(0):  # committed spans only: the new chunk is not written yet
+        for span in self.store.inspect(0):  # committed spans only: the new chunk is not written yet
             a, b = span.start, span.start + span.n_tokens
             if not bool(((held >= a) & (held < b)).any()):
                 self.store.evict_span(0, span.index)

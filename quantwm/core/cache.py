@@ -33,14 +33,15 @@ commits it. So, per layer:
 The public surface a model author (and every adapter and diagnostic in this package) uses; nothing outside
 this module touches the cache's private fields:
 
-    cache.n_layers                       # layers the cache was made for
+    cache.n_layers; cache.config; cache.rope     # layers, configuration, the RoPE applied at read (or None)
+    cache.quantize_k; cache.quantize_v; cache.uses_queries   # which halves are quantized; whether S is read
     cache.attend(layer, q, k, v, chunk, commit=False)    # write + attend (+ commit), the usual call
     cache.write(layer, k, v, chunk); cache.commit(layer, chunk)   # the same in steps
     cache.evict_span(layer, index)       # drop a committed span (a host that runs its own window)
     cache.observe(layer, q)              # feed queries into S without attending (e.g. from a hook)
     cache.load_query_stats(layer, second, count)         # or load S from a calibration file
     cache.seq_len(layer)                 # tokens the layer holds (committed spans and the current chunk)
-    cache.spans(layer)                   # those spans, oldest first (read-only `Chunk` views)
+    cache.inspect(layer)                 # those spans, oldest first, as frozen `SpanView`s
     cache.positions(layer)               # absolute token position of every held token, in cache order
     cache.keys(layer) / values(layer)    # what attention reads (exact=True: the unquantized copy)
     cache.query_stats(layer); cache.key_steps(layer)
@@ -53,24 +54,32 @@ this module touches the cache's private fields:
 `CacheConfig(method="kivi", budget=2.5)` lets the method choose its configuration from the budget (bits per
 element from stored bytes; `budget_k`/`budget_v` apart) at the first quantized span, by its rule in
 quantwm.core.budget; `cache.configuration` says what it chose, and a method that cannot fit raises ValueError.
+Inputs are checked at the boundary: shapes and dtypes always, NaN/Inf once per call (one host sync);
+`CacheConfig(check_inputs=False)` drops that check, so a pass over a warm cache never waits on the device
+(CUDA graphs, torch.compile). Quantizing a span at commit still validates what it encodes.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from .attention import fused_attention
 from .backend import use_kernels
-from .methods import Encoded, SpanContext, make_method, parse_method_name
-from .quant import check_bits, check_finite
+from .cache_types import LAYOUTS, ROPE_MODES, TARGETS, CacheConfig, CacheMemory, Chunk, LayerState, SpanView
+from .methods import SpanContext, make_method
+from .quant import check_finite
 from .stats import QueryStats, rope_conjugate
 
-LAYOUTS = ("BHLD", "BLHD")
-TARGETS = ("k", "v", "kv")
-ROPE_MODES = ("post", "pre")
+__all__ = ["CacheConfig", "CacheMemory", "Chunk", "KVCache", "LAYOUTS", "PUBLIC", "ROPE_MODES", "SpanView", "TARGETS",
+           "jensen_bias"]
+# The contract: every name code outside quantwm/core may use on a KVCache (tests/test_cache.py checks the uses).
+PUBLIC = ("n_layers", "config", "rope", "quantize_k", "quantize_v", "uses_queries", "configuration", "attend", "write",
+          "commit", "evict_span", "observe", "load_query_stats", "seq_len", "inspect", "positions", "keys", "values",
+          "query_stats", "key_steps", "logit_bias", "next_chunk", "next_token", "reset", "memory", "nbytes",
+          "bytes_by_component", "runtime_bytes", "bits_per_element", "cache_bits_per_element")
+
 RopeFn = Callable[..., torch.Tensor]
 
 
@@ -79,125 +88,6 @@ def jensen_bias(q: torch.Tensor, steps: torch.Tensor | None, scale: float) -> to
     if steps is None:
         return None
     return -(scale ** 2 / 24) * (q.float().square() @ steps.float().square().transpose(-1, -2))
-
-
-@dataclass(frozen=True)
-class CacheConfig:
-    method: str = "bf16"
-    target: str = "kv"
-    k_bits: int = 2
-    v_bits: int = 2
-    sink_chunks: int = 1
-    recent_chunks: int = 1
-    max_chunks: int | None = None
-    layout: str = "BHLD"
-    rope: str = "post"
-    stats_decay: float | None = None
-    keep_exact: bool = False
-    memo_decoded: bool = False
-    seed: int = 0
-    method_options: tuple = ()
-    span_chunks: int = 1
-    jensen: bool = False  # the +jensen read-path correction (docs/method.md §3); "qvg+jensen" is the same config
-    budget: float | None = None  # bits per element for Keys and Values: the method configures itself (core/budget.py)
-    budget_k: float | None = None  # the Keys' and the Values' budgets apart (each defaults to `budget`)
-    budget_v: float | None = None
-
-    def __post_init__(self):
-        base, suffix = parse_method_name(self.method)
-        if base == "bf16" and self.jensen:
-            raise ValueError("jensen=True corrects quantized keys' logits; bf16 stores keys exactly, so it does not apply")
-        # one config however it is spelled: CacheConfig("qvg+jensen") == CacheConfig("qvg", jensen=True)
-        object.__setattr__(self, "jensen", bool(self.jensen or suffix))
-        object.__setattr__(self, "method", base + ("+jensen" if self.jensen else ""))
-        for name in ("budget_k", "budget_v"):
-            if getattr(self, name) is None:
-                object.__setattr__(self, name, self.budget)
-        for name in ("budget", "budget_k", "budget_v"):
-            b = getattr(self, name)
-            if b is not None and not (isinstance(b, int | float) and 0 < b < float("inf")):
-                raise ValueError(f"{name} must be a positive number of bits per element, got {b!r}")
-        if base == "bf16" and any(b is not None and b < 16 for b in (self.budget_k, self.budget_v)):
-            raise ValueError("bf16 stores 16 bits per element: it cannot fit a budget below 16")
-        check_bits(self.k_bits), check_bits(self.v_bits)
-        for name, value, allowed in (("target", self.target, TARGETS), ("layout", self.layout, LAYOUTS),
-                                     ("rope", self.rope, ROPE_MODES)):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
-        if self.sink_chunks < 0 or self.recent_chunks < 0:
-            raise ValueError("sink_chunks and recent_chunks must be >= 0")
-        if self.max_chunks is not None and self.max_chunks <= self.sink_chunks:
-            raise ValueError(f"max_chunks ({self.max_chunks}) must exceed sink_chunks ({self.sink_chunks})")
-        if self.span_chunks < 1:
-            raise ValueError(f"span_chunks must be >= 1, got {self.span_chunks}")
-
-    @property
-    def base_method(self) -> str:
-        """The registry name without the +jensen modifier."""
-        return parse_method_name(self.method)[0]
-
-
-@dataclass
-class Chunk:
-    """One chunk of one layer. `k`/`v` hold full-precision tensors (B, H, N, D) until quantized."""
-
-    index: int
-    start: int
-    n_tokens: int
-    bhd: tuple[int, int, int]
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    k_enc: Encoded | None = None
-    v_enc: Encoded | None = None
-    exact_k: torch.Tensor | None = None
-    exact_v: torch.Tensor | None = None
-    n_chunks: int = 1  # > 1 for a span of several committed chunks quantized together (span_chunks)
-    decoded: dict = field(default_factory=dict)
-
-    @property
-    def quantized(self) -> bool:
-        return self.k_enc is not None or self.v_enc is not None
-
-
-@dataclass
-class LayerState:
-    chunks: list[Chunk] = field(default_factory=list)
-    current: Chunk | None = None
-    next_chunk: int = 0
-    next_token: int = 0
-    stats: QueryStats | None = None
-    method_state: dict = field(default_factory=dict)
-    pending: dict[int, QueryStats] = field(default_factory=dict)  # causal_stats: queries not yet in S, by fold point
-
-
-@dataclass(frozen=True)
-class CacheMemory:
-    """What a cache holds, counted from its stored tensors (`KVCache.memory()`; docs/method.md §3.1).
-
-    stored_bytes:   every stored tensor (quantized spans with all their metadata, full-precision chunks)
-    bf16_bytes:     the same tokens' K and V at 2 bytes per element
-    by_component:   stored bytes by component ("k.full", "k.codes", "v.scales", ...)
-    bits_per_element: of the quantized spans alone (nan when nothing is quantized yet)
-    compression:    16 / bits_per_element (1.0 when nothing is quantized)
-    cache_bits_per_element: of the whole cache, full-precision chunks included
-    runtime_bytes:  state kept beside the cache, in none of the above (running S, warm-start centroids)
-    """
-
-    stored_bytes: int
-    bf16_bytes: int
-    by_component: dict
-    bits_per_element: float
-    compression: float
-    cache_bits_per_element: float
-    runtime_bytes: dict
-
-    @property
-    def stored_mb(self) -> float:
-        return self.stored_bytes / 2 ** 20
-
-    @property
-    def bf16_mb(self) -> float:
-        return self.bf16_bytes / 2 ** 20
 
 
 class KVCache:
@@ -251,10 +141,20 @@ class KVCache:
 
     # ---- layout ---------------------------------------------------------------------------------
     def _in(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """The internal (B, H, L, D) view of a caller's tensor; shapes and dtypes are checked (no host sync)."""
         if x.dim() != 4:
             raise ValueError(f"{name} must be 4-D in layout {self.config.layout}, got shape {tuple(x.shape)}")
-        check_finite(x, name)
+        if not torch.is_floating_point(x):
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
         return x.transpose(1, 2) if self.config.layout == "BLHD" else x
+
+    def _check(self, **tensors: torch.Tensor) -> None:
+        """The boundary's NaN/Inf check: one host sync for all of a call's tensors (none with check_inputs=False)."""
+        if not self.config.check_inputs:
+            return
+        if not bool(torch.stack([torch.isfinite(t).all() for t in tensors.values()]).all()):
+            for name, t in tensors.items():
+                check_finite(t, name)  # names the first bad tensor and counts its bad values
 
     def _out(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2) if self.config.layout == "BLHD" else x
@@ -267,8 +167,13 @@ class KVCache:
     # ---- writing --------------------------------------------------------------------------------
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, chunk: int) -> None:
         """Write (overwrite) the current chunk's K/V (layout of the config) at chunk position `chunk`."""
+        self._write(layer, k, v, chunk, check=True)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, chunk: int, check: bool) -> None:
         st = self._layer(layer)
         k, v = self._in(k, "k"), self._in(v, "v")
+        if check:
+            self._check(k=k, v=v)
         if k.shape != v.shape or k.shape[2] == 0:
             raise ValueError(f"k and v must have the same non-empty shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         if chunk < st.next_chunk:
@@ -373,12 +278,24 @@ class KVCache:
     def n_layers(self) -> int:
         return len(self.layers)
 
-    def spans(self, layer: int) -> list[Chunk]:
+    def inspect(self, layer: int) -> tuple[SpanView, ...]:
         """The spans `layer` holds, oldest first: committed spans (a quantized span may cover `n_chunks`
-        chunks), then the current chunk if one is written. Each is a `Chunk`: `index` (first chunk), `start`
-        (first token position), `n_tokens`, `n_chunks`, `bhd`, `quantized`, and either the full-precision
-        `k`/`v` (B, H, n_tokens, D) or the method's encodings `k_enc`/`v_enc`. Read them, never modify them."""
+        chunks), then the current chunk if one is written, as frozen `SpanView`s."""
+        def size(c: Chunk) -> int:
+            parts = [c.k, c.v] + [t for e in (c.k_enc, c.v_enc) if e is not None for t in {**e.tensors, **e.shared}.values()]
+            return sum(t.numel() * t.element_size() for t in parts if t is not None)
+        return tuple(SpanView(c.index, c.start, c.n_tokens, c.n_chunks, c.bhd, c.quantized, size(c))
+                     for c in self._chunks(self._layer(layer)))
+
+    def spans(self, layer: int) -> list[Chunk]:
+        """The live `Chunk`s `layer` holds, for the read path inside quantwm/core (attention.py); everything
+        else uses `inspect`."""
         return list(self._chunks(self._layer(layer)))
+
+    @property
+    def uses_queries(self) -> bool:
+        """Whether a quantizing half's method reads the history-Query statistics S (QSAC, PSAC, the allocator)."""
+        return (self.quantize_k and self.k_method.uses_queries) or (self.quantize_v and self.v_method.uses_queries)
 
     def seq_len(self, layer: int) -> int:
         """Tokens `layer` holds (what its attention reads): committed spans and the current chunk."""
@@ -468,11 +385,12 @@ class KVCache:
         qb, kb = self._in(q, "q"), self._in(k, "k")
         if qb.shape[:2] != kb.shape[:2] or qb.shape[3] != kb.shape[3]:
             raise ValueError(f"q shape {tuple(q.shape)} does not match k {tuple(k.shape)} on (B, H, D)")
-        self.write(layer, k, v, chunk)
+        self._check(q=q, k=k, v=v)  # once per call, at the boundary
+        self._write(layer, k, v, chunk, check=False)
         D = qb.shape[-1]
         scale = D ** -0.5 if scale is None else float(scale)
         if observe:
-            self.observe(layer, q)
+            self._observe(layer, qb)
         out = None
         if self.config.rope == "post" and use_kernels(qb):
             out = fused_attention(self, layer, qb, scale)  # None when a span's format has no fused kernel
@@ -488,8 +406,12 @@ class KVCache:
     def observe(self, layer: int, q: torch.Tensor) -> None:
         """Add queries (caller's layout, post-RoPE) to layer's history statistics S (kept post-RoPE; pre-RoPE
         spans get S rotated into their keys' space when they are quantized, `stats.rope_conjugate`)."""
-        st = self._layer(layer)
         qb = self._in(q, "q")
+        self._check(q=q)
+        self._observe(layer, qb)
+
+    def _observe(self, layer: int, qb: torch.Tensor) -> None:
+        st = self._layer(layer)
         H, D = qb.shape[1], qb.shape[3]
         stats = self._stats(st, H, D)
         if self.causal_stats:  # held back until the chunks before it are quantized, grouped by when that happens

@@ -232,6 +232,45 @@ def trace_keys(trace, layer: int, method: str, target: str = "k", bits: int = 2)
     k_hat = cache.keys(0)[0]
     bias = cache.logit_bias(0, q[None], 1.0)  # q carries the softmax scale already
     bias = None if bias is None else bias[0]
-    quant = q @ k_hat.transpose(1, 2) + (0 if bias is None else bias)
-    return {"q": q, "k": k, "k_hat": k_hat, "bias": bias, "top1_exact": (q @ k.transpose(1, 2)).argmax(-1),
-            "top1_quant": quant.argmax(-1)}
+    exact, quant = M.probe_logits(q, k, k_hat, 1.0, bias)
+    return {"q": q, "k": k, "k_hat": k_hat, "bias": bias, "top1_exact": exact.argmax(-1), "top1_quant": quant.argmax(-1)}
+
+
+# ---- trace files ------------------------------------------------------------------------------------
+
+def trace_query_view(path: str, method: str, target: str, bits: int, layer: int, head: int, query: int) -> dict:
+    """One traced query under exact and `method`'s stored keys: logits (frames x positions), top-1 sources,
+    the jump map of every query of the layer, and the trace's frames (uint8) when it holds them."""
+    from .trace import read_trace
+
+    trace = read_trace(path)
+    r = trace_keys(trace, int(layer), method, target, int(bits))
+    H, Nq, _ = r["q"].shape
+    if not 0 <= head < H:
+        raise ValueError(f"head {head} out of range: the trace has {H} heads")
+    if not 0 <= query < Nq:
+        raise ValueError(f"query {query} out of range: layer {layer} has {Nq} queries")
+    tpf, grid = trace.tokens_per_frame, trace.frame_grid
+    whole = r["k"].shape[1] % tpf == 0
+    exact, stored = query_logits(r["q"][head, query], r["k"][head], r["k_hat"][head],
+                                   tokens_per_frame=tpf if whole else None,
+                                   bias=None if r["bias"] is None else r["bias"][head, query])
+    if not whole:
+        exact, stored = exact[None], stored[None]
+    moved = (r["top1_exact"] != r["top1_quant"]).float()  # (H, Nq)
+    e, q = int(r["top1_exact"][head, query]), int(r["top1_quant"][head, query])
+    return {"logits_bf16": exact.numpy(), "logits_method": stored.numpy(),
+            "source_bf16": token_coords(e, grid), "source_method": token_coords(q, grid), "jumped": e != q,
+            "query_coords": token_coords(r["k"].shape[1] + query, grid),
+            "jumps": moved.mean(0).numpy(), "shift_rate": float(moved.mean()), "heads": H, "queries": Nq,
+            "layers": list(trace.layers), "grid": grid, "tokens_per_frame": tpf,
+            "frames": None if trace.frames is None else trace.frames.numpy()}
+
+
+def trace_energy(path: str, rank: int = 8) -> list[dict]:
+    """Per traced layer: the spectrum of S from its history queries (q_hist, else q)."""
+    from .trace import read_trace
+
+    trace = read_trace(path)
+    return [{k: v.numpy() for k, v in energy_spectrum(M.second_moment(t.get("q_hist", t["q"]).float()), rank).items()}
+            for t in trace.layers.values()]

@@ -88,7 +88,8 @@ def memory_report(preset: str, latent_frames: int, method: str, target: str = "k
         comp = {"k.full": bf16 // 2, "v.full": bf16 // 2}
     total = sum(comp.values())
     return {"preset": p.__dict__, "method": method, "target": target, "bits": bits, "latent_frames": latent_frames,
-            "span_chunks": span_chunks, "queries": queries, "grid": cache.k_method.grid(), "runtime_bytes": runtime,
+            "span_chunks": span_chunks, "queries": queries, "grid": cache.configuration["k" if cache.quantize_k else "v"],
+            "runtime_bytes": runtime,
             "budget": {"k": budget[0], "v": budget[1]}, "configuration": cache.configuration,
             "quantized_figures_from_latent_frames": run_frames,
             "chunks": chunks, "layers_quantized": n_layers, "bytes": comp,

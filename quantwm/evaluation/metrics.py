@@ -28,6 +28,18 @@ def rel_err(x_hat: torch.Tensor, x: torch.Tensor) -> float:
     return num / den if den > 0 else (0.0 if num == 0 else float("inf"))
 
 
+def probe_logits(q: torch.Tensor, k_exact: torch.Tensor, k_stored: torch.Tensor, scale: float = 1.0,
+                 bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-1 probe, the one definition every recorder, analysis and view uses (docs/method.md §4): the
+    logits of queries q (..., Nq, D) over the cached keys, exact (..., Nk, D) and as stored, in float32,
+    scaled by `scale`; `bias` (..., Nq, Nk), the +jensen term, is added to the stored logits, since those are
+    the logits the method attends with. Their argmax over the last axis is each query's top-1 source."""
+    q = q.float() * scale
+    exact = q @ k_exact.float().transpose(-1, -2)
+    stored = q @ k_stored.float().transpose(-1, -2)
+    return exact, stored if bias is None else stored + bias.float()
+
+
 def attention_metrics(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor, scale: float,
                       bias: torch.Tensor | None = None, topk: int = 8, current: slice | None = None,
                       block: int = 1024) -> dict[str, torch.Tensor]:
@@ -47,11 +59,7 @@ def attention_metrics(q: torch.Tensor, k: torch.Tensor, k_hat: torch.Tensor, sca
     kk = min(topk, k.shape[1])
     sums = {n: torch.zeros(H, dtype=torch.float64) for n in ("shift", "overlap", "kl", "sq", "mass")}
     for s in range(0, Nq, block):
-        qs = q[:, s:s + block].float()
-        a = torch.bmm(qs, k.float().transpose(1, 2)) * scale
-        b = torch.bmm(qs, k_hat.float().transpose(1, 2)) * scale
-        if bias is not None:
-            b = b + bias[:, s:s + block]
+        a, b = probe_logits(q[:, s:s + block], k, k_hat, scale, None if bias is None else bias[:, s:s + block])
         sums["shift"] += (a.argmax(-1) != b.argmax(-1)).double().sum(-1).cpu()
         ta, tb = a.topk(kk, -1).indices, b.topk(kk, -1).indices
         sums["overlap"] += ((ta[..., :, None] == tb[..., None, :]).any(-1).double().sum(-1) / kk).sum(-1).cpu()

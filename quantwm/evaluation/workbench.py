@@ -26,7 +26,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -35,97 +35,15 @@ from ..core.cache import CacheConfig, jensen_bias
 from ..core.methods import get_method, known_methods
 from ..world.evaluate import shift_rate
 from ..world.generate import generate, load_world_model
-from ..world.scene import TRAIN_SEED_BASE, TRAJECTORIES
+from ..world.scene import TRAIN_SEED_BASE
 from . import diagnostics as D
 from . import metrics as M
 from .limits import Limits, fit_chunk_seconds, generated_chunk_tokens
+from .loaded import LoadedRun
+from .runs import MiB, Record, RunKey, cache_memory_mb
 
-MiB = 2 ** 20
+__all__ = ["LoadedRun", "Record", "RunKey", "Workbench", "release_memory"]
 
-
-@dataclass(frozen=True)
-class RunKey:
-    """The settings that determine a rollout; `id` is its printable, parseable name."""
-
-    seed: int = 0
-    trajectory: str = "loop"
-    method: str = "quantwm"
-    target: str = "kv"
-    bits: int = 2
-    frames: int = 32
-    budget: float | None = None  # bits per element: the method configures itself within it (replaces `bits`)
-
-    def __post_init__(self):
-        if self.trajectory not in TRAJECTORIES:
-            raise ValueError(f"unknown trajectory {self.trajectory!r}; known: {', '.join(TRAJECTORIES)}")
-        if not 0 <= self.seed < TRAIN_SEED_BASE:
-            raise ValueError(f"world seed must lie in [0, {TRAIN_SEED_BASE}) (the evaluation worlds, of held-out "
-                             f"photographs; training worlds use the seeds above), got {self.seed}")
-        self.cache_config()  # validates method, target and bits with the cache's own messages
-
-    def cache_config(self) -> CacheConfig:
-        return CacheConfig(method=self.method, target=self.target, k_bits=self.bits, v_bits=self.bits,
-                           budget=None if self.method == "bf16" else self.budget)
-
-    @property
-    def id(self) -> str:
-        size = f"{self.bits}-bit" if self.budget is None else f"budget={self.budget:g}"
-        return f"seed={self.seed} {self.trajectory} {self.method} {self.target} {size} {self.frames}f"
-
-    @classmethod
-    def parse(cls, text: str) -> RunKey:
-        """Inverse of `id`; ValueError for anything else."""
-        try:
-            seed, traj, method, target, size, frames = str(text).split()
-            if not (seed.startswith("seed=") and (size.endswith("-bit") or size.startswith("budget="))
-                    and frames.endswith("f")):
-                raise ValueError
-            bits, budget = (int(size[:-4]), None) if size.endswith("-bit") else (2, float(size[7:]))
-            return cls(int(seed[5:]), traj, method, target, bits, int(frames[:-1]), budget)
-        except (ValueError, TypeError) as e:
-            why = f": {e}" if str(e) else ""
-            raise ValueError(f"not a run id: {text!r}{why} (generate first)") from None
-
-    def reference(self) -> RunKey:
-        return replace(self, method="bf16", target="kv", bits=2, budget=None)
-
-
-@dataclass
-class Record:
-    """One rollout, compact: what the app shows and recomputes from."""
-
-    key: RunKey
-    frames: torch.Tensor  # (T, H, W, 3) float in [0, 1]
-    probes: list
-    k_exact: list  # per layer (H, L, D)
-    k_stored: list
-    v_exact: list
-    v_stored: list
-    stats: list  # per layer S (H, D, D)
-    k_steps: list | None  # per layer Δ of the stored keys (H, L, D) for +jensen methods (its logit bias), else None
-    bits_per_element: float
-    memory_mb: dict  # {"bf16": ..., "stored": ...}, full-precision chunks counted at 2 bytes per element
-    seconds: float
-    flow: torch.Tensor | None = None  # BF16 records: the optical flow every warping error against it uses
-
-    def nbytes(self) -> int:
-        """Bytes of every tensor the record holds (what it costs the results cache)."""
-        tensors = [self.frames, *self.k_exact, *self.k_stored, *self.v_exact, *self.v_stored, *self.stats,
-                   *(self.k_steps or []), *([self.flow] if self.flow is not None else [])]
-        for p in self.probes:
-            for name in ("top1_exact", "top1_quant", "q", "same_place_mass", "top1_prob"):
-                tensors += getattr(p, name)
-        return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def cache_memory_mb(cache) -> dict:
-    """{"bf16": MB the cache's K and V would take in BF16, "stored": MB as stored}, full-precision chunks
-    (sink, recent) counted at 2 bytes per element, every quantized byte (codes, scales, codebooks, PSAC)."""
-    m = cache.memory()
-    full = sum(n for name, n in m.by_component.items() if name.endswith(".full"))
-    qbytes = m.stored_bytes - full
-    qelems = 8 * qbytes / m.bits_per_element if m.bits_per_element == m.bits_per_element else 0
-    return {"bf16": m.bf16_mb, "stored": (qbytes + m.bf16_bytes - 2 * qelems) / MiB}
 
 
 def release_memory() -> None:
@@ -417,9 +335,7 @@ class Workbench:
             steps = D.seen_by_chunk(torch.zeros_like(rec.k_steps[layer]), rec.k_steps[layer], probe.chunk,
                                     chunk_tokens, 1)
             bias = jensen_bias(q, steps[head], 1.0)
-        exact = q @ rec.k_exact[layer][head, :k_seen.shape[1]].float().T
-        stored = q @ k_seen[head].float().T
-        return exact, stored if bias is None else stored + bias
+        return M.probe_logits(q, rec.k_exact[layer][head, :k_seen.shape[1]], k_seen[head], 1.0, bias)
 
     def energy(self, run_id: str, rank: int = 8) -> list[dict]:
         """Per layer: the history-Query spectrum the method's cache accumulated (energy_spectrum as numpy)."""
@@ -429,33 +345,6 @@ class Workbench:
         return [{k: v.numpy() for k, v in D.energy_spectrum(S, rank).items()} for S in rec.stats]
 
     # ---- run files ----------------------------------------------------------------------------
-    def make_run(self, key: RunKey, logit_layers=(1,), logit_heads=(0,), source: dict | None = None,
-                 progress: Callable | None = None):
-        """The run file contents (`runfile.Run`) of `key` against BF16, from the same rollouts the app shows."""
-        from .runfile import Run, RunFacts
-
-        c = self.cfg
-        for name, vals, n in (("logit layer", logit_layers, c.layers), ("logit head", logit_heads, c.heads)):
-            bad = [v for v in vals if not 0 <= v < n]
-            if bad:
-                raise ValueError(f"{name} {bad[0]} out of range: the model has {n}")
-        ref, rec = self.pair(key, progress)
-        shown = self.compare(key)  # the numbers the app shows for this run, from the float frames
-        facts = RunFacts("quantwm built-in world model", c.layers, c.heads, c.head_dim, (c.view, c.view),
-                         c.chunk_frames, c.context_frames, vae_spatial=1, patch=c.patch, vae_temporal=1)
-        top1, logits = {}, {}
-        for p in rec.probes:
-            top1[p.chunk] = (torch.stack(p.top1_exact).int(), torch.stack(p.top1_quant).int())
-            if logit_layers and logit_heads:
-                pairs = [[self.probe_logits(rec, p, l, h) for h in logit_heads] for l in logit_layers]
-                logits[p.chunk] = tuple(torch.stack([torch.stack([hh[i] for hh in row]) for row in pairs]) for i in (0, 1))
-        meta = {"method": key.method, "target": key.target, "bits": key.bits, "bits_per_element": rec.bits_per_element,
-                "memory_mb": rec.memory_mb, "logit_layers": list(logit_layers), "logit_heads": list(logit_heads),
-                "summary": shown["summary"], "series": shown["series"],
-                "source": {"seed": key.seed, "trajectory": key.trajectory, "frames": key.frames, **(source or {})}}
-        return Run(facts, meta, torch.from_numpy(self.frames_uint8(ref)), torch.from_numpy(self.frames_uint8(rec)),
-                   torch.stack(rec.stats).float(), top1, logits)
-
     def open_run(self, path: str) -> str:
         """Open a run file (validated by `runfile.read_run`); returns the run id its views answer to."""
         import os
@@ -545,153 +434,3 @@ class Workbench:
         span = self.cfg.chunk_frames * self.cfg.tokens_per_frame
         return "; ".join(f"{kind}: {describe(configure(key.method, key.budget, self.cfg.head_dim, span, kind)[0])}"
                          for kind in "kv" if kind in key.target)
-
-
-# ---- trace files ------------------------------------------------------------------------------------
-
-def trace_query_view(path: str, method: str, target: str, bits: int, layer: int, head: int, query: int) -> dict:
-    """One traced query under exact and `method`'s stored keys: logits (frames x positions), top-1 sources,
-    the jump map of every query of the layer, and the trace's frames (uint8) when it holds them."""
-    from .trace import read_trace
-
-    trace = read_trace(path)
-    r = D.trace_keys(trace, int(layer), method, target, int(bits))
-    H, Nq, _ = r["q"].shape
-    if not 0 <= head < H:
-        raise ValueError(f"head {head} out of range: the trace has {H} heads")
-    if not 0 <= query < Nq:
-        raise ValueError(f"query {query} out of range: layer {layer} has {Nq} queries")
-    tpf, grid = trace.tokens_per_frame, trace.frame_grid
-    whole = r["k"].shape[1] % tpf == 0
-    exact, stored = D.query_logits(r["q"][head, query], r["k"][head], r["k_hat"][head],
-                                   tokens_per_frame=tpf if whole else None,
-                                   bias=None if r["bias"] is None else r["bias"][head, query])
-    if not whole:
-        exact, stored = exact[None], stored[None]
-    moved = (r["top1_exact"] != r["top1_quant"]).float()  # (H, Nq)
-    e, q = int(r["top1_exact"][head, query]), int(r["top1_quant"][head, query])
-    return {"logits_bf16": exact.numpy(), "logits_method": stored.numpy(),
-            "source_bf16": D.token_coords(e, grid), "source_method": D.token_coords(q, grid), "jumped": e != q,
-            "query_coords": D.token_coords(r["k"].shape[1] + query, grid),
-            "jumps": moved.mean(0).numpy(), "shift_rate": float(moved.mean()), "heads": H, "queries": Nq,
-            "layers": list(trace.layers), "grid": grid, "tokens_per_frame": tpf,
-            "frames": None if trace.frames is None else trace.frames.numpy()}
-
-
-def trace_energy(path: str, rank: int = 8) -> list[dict]:
-    """Per traced layer: the spectrum of S from its history queries (q_hist, else q)."""
-    from .trace import read_trace
-
-    trace = read_trace(path)
-    return [{k: v.numpy() for k, v in D.energy_spectrum(M.second_moment(t.get("q_hist", t["q"]).float()), rank).items()}
-            for t in trace.layers.values()]
-
-
-# ---- run files: any model's generation, opened in the app ---------------------------------------------
-
-class LoadedRun:
-    """The app's views (compare, frame_view, pixel_trace, energy) of a run file (`runfile.Run`), with the
-    same return values as the Workbench's for a built-in run. Frames are output frames; probes, sources and
-    logits live on latent frames (`RunFacts` maps between them)."""
-
-    def __init__(self, run, run_id: str):
-        from ..world.generate import ChunkProbe
-
-        self.run, self.id, f = run, run_id, run.facts
-        self.facts = f
-        self.frames_bf16 = run.bf16.float() / 255
-        self.frames_method = run.method.float() / 255
-        self.probes = [ChunkProbe(c, top1_exact=list(e), top1_quant=list(q)) for c, (e, q) in sorted(run.top1.items())]
-        self.flow = M.reference_flow(self.frames_bf16)
-        self.context_frames = f.first_output_frame(f.context_frames) if f.context_frames else 0
-
-    def model_facts(self) -> dict:
-        f = self.facts
-        return {"layers": f.layers, "heads": f.heads, "head_dim": f.head_dim, "frame_size": self.run.bf16.shape[1],
-                "grid": f.latent_grid, "chunk_frames": f.chunk_frames, "context_frames": self.context_frames}
-
-    def _latent_jumps(self, t: int, layer, head):
-        f = self.facts
-        lat = f.latent_frame(t)
-        if f.chunk_of(lat) is None:
-            return None  # a sink frame: never generated
-        return D.frame_jumps(self.probes, lat - f.chunk_start, f.chunk_frames, f.tokens_per_frame, layer, head)
-
-    def _cached(self, chunk: int, logits: torch.Tensor, src: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """One query's logits over the cache as (cached frames, tokens per frame), and a source's (frame, row,
-        col). A cache with positions (a sink plus a window) is laid out by latent frame, NaN where it held none."""
-        f = self.facts
-        pos = self.run.positions.get(chunk)
-        if pos is None:
-            return logits.reshape(-1, f.tokens_per_frame), D.token_coords(src, f.latent_grid)
-        grid = torch.full(((int(pos.max()) // f.tokens_per_frame + 1) * f.tokens_per_frame,), float("nan"))
-        grid[pos] = logits.float()
-        return grid.reshape(-1, f.tokens_per_frame), D.token_coords(int(pos[src]), f.latent_grid)
-
-    def compare(self) -> dict:
-        """The Generate tab's numbers: as recorded when the file carries them (`summary`, `series`: computed
-        from the frames before they were stored as uint8, so they match the app's own run), else from the
-        stored frames."""
-        ctx, T = self.context_frames, self.run.bf16.shape[0]
-        meta = self.run.meta
-        if isinstance(meta.get("summary"), dict) and isinstance(meta.get("series"), dict) and all(
-                isinstance(v, list) and len(v) == T for v in meta["series"].values()):
-            series, summary = meta["series"], meta["summary"]
-        else:
-            series = D.frame_series(self.frames_method, self.frames_bf16, ctx, self.flow)
-            series["shift_rate"] = [None if (j := self._latent_jumps(t, None, None)) is None else float(j.mean())
-                                    for t in range(T)]
-            moved = [(e != q).float().mean() for e, q in self.run.top1.values()]
-            bpe, mem = meta["bits_per_element"], meta["memory_mb"]
-            summary = {**D.clip_metrics(self.frames_method, self.frames_bf16, ctx, self.flow),
-                       "shift_rate": float(torch.stack(moved).mean()) if moved else float("nan"),
-                       "bits_per_element": bpe, "compression": 16 / bpe if bpe == bpe and bpe else 1.0,
-                       "memory_bf16_mb": mem["bf16"], "memory_mb": mem["stored"]}
-        return {"key": self.id, "bf16": self.run.bf16.numpy(), "method": self.run.method.numpy(), "series": series,
-                "summary": summary, "worst": D.worst_frames(series["tdiff"][ctx:], 3), "seconds": 0.0}
-
-    def check_frame(self, frame: int) -> int:
-        T = self.run.bf16.shape[0]
-        if not 0 <= int(frame) < T:
-            raise ValueError(f"frame {frame} out of range: the run has frames 0..{T - 1}")
-        return int(frame)
-
-    def frame_view(self, frame: int, layer: int | None = None, head: int | None = None) -> dict:
-        t = self.check_frame(frame)
-        flick, warp = D.frame_maps(self.frames_method, self.frames_bf16, self.flow, t)
-        jumps = self._latent_jumps(t, layer, head)
-        return {"frame": t, "bf16": self.run.bf16[t].numpy(), "method": self.run.method[t].numpy(),
-                "flicker": flick.numpy(), "warp": warp.numpy(),
-                "jumps": None if jumps is None else jumps.reshape(*self.facts.latent_grid).numpy(),
-                "context": t < self.context_frames}
-
-    def pixel_trace(self, frame: int, x: int, y: int, layer: int = 0, head: int = 0) -> dict:
-        f, meta = self.facts, self.run.meta
-        t = self.check_frame(frame)
-        if not 0 <= layer < f.layers or not 0 <= head < f.heads:
-            raise ValueError(f"layer/head ({layer}, {head}) out of range: {f.layers} layers, {f.heads} heads")
-        row, col = f.pixel_to_token(int(x), int(y))
-        lat = f.latent_frame(t)
-        chunk = f.chunk_of(lat)
-        if chunk not in self.run.top1:
-            raise ValueError(f"frame {t} (latent frame {lat}) was not generated with probes (context or unprobed); "
-                             f"probed chunks: {sorted(self.run.top1)}")
-        if layer not in meta["logit_layers"] or head not in meta["logit_heads"]:
-            raise ValueError(f"the run holds attention logits for layers {meta['logit_layers']} and heads "
-                             f"{meta['logit_heads']} only (record with --logit-layers / --logit-heads)")
-        qi = (lat - f.chunk_start - chunk * f.chunk_frames) * f.tokens_per_frame + row * f.latent_grid[1] + col
-        e, q = self.run.top1[chunk]
-        le, lq = self.run.logits[chunk]
-        li, hi = meta["logit_layers"].index(layer), meta["logit_heads"].index(head)
-        src_e, src_q = int(e[layer, head, qi]), int(q[layer, head, qi])
-        exact, source_e = self._cached(chunk, le[li, hi, qi], src_e)
-        stored, source_q = self._cached(chunk, lq[li, hi, qi], src_q)
-        n_lat = f.latent_frame(self.run.method.shape[0] - 1) + 1
-        thumbs = self.run.method[[f.first_output_frame(i) for i in range(n_lat)]].numpy()
-        return {"query": (lat, row, col), "layer": layer, "head": head, "method": meta["method"],
-                "source_bf16": source_e, "source_method": source_q,
-                "jumped": src_e != src_q, "logits_bf16": exact.numpy(), "logits_method": stored.numpy(),
-                "frames": thumbs, "grid": f.latent_grid}
-
-    def energy(self, rank: int = 8) -> list[dict]:
-        return [{k: v.numpy() for k, v in D.energy_spectrum(S, rank).items()} for S in self.run.stats]

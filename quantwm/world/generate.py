@@ -97,11 +97,10 @@ class ProbingCache:
         k_q = self.cache.keys(layer)[0, :, :-n_cur]
         k_all = self.cache.keys(layer, exact=True)[0]  # (H, L, D): cached tokens, then the chunk itself
         qq = q[0].float() * scale
-        full = qq @ k_all.transpose(1, 2)
-        le, lq = full[..., :-n_cur], qq @ k_q.transpose(1, 2)
         bias = self.cache.logit_bias(layer, q.float(), scale)
-        if bias is not None:
-            lq = lq + bias[0, :, :, :-n_cur]
+        # exact logits over the chunk itself too (the attention mass below needs them)
+        full, lq = M.probe_logits(qq, k_all, k_q, 1.0, None if bias is None else bias[0, :, :, :-n_cur])
+        le = full[..., :-n_cur]
         prob = full.softmax(-1)[..., :-n_cur]
         pos = self.cache.positions(layer)
         cached_places, query_places = self.places[pos[:-n_cur]], self.places[pos[-n_cur:]]

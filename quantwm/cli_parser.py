@@ -1,0 +1,163 @@
+"""The `quantwm` command line's parser: every sub-command and its flags (the commands are in quantwm.cli).
+
+Flags several sub-commands share are defined once, as argparse parents: the budget (`--budget`, `--budget-k`,
+`--budget-v`), `--json`, `--weights` and `--set`.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .evaluation.figures import FIGURE_KINDS
+from .world.scene import WORLDS
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, no usage dump
+        raise SystemExit(fail(f"{self.prog}: {message}"))
+
+
+def fail(message: str) -> int:
+    print(f"quantwm: error: {message}", file=sys.stderr)
+    return 2
+
+
+def add_budget(s) -> None:
+    """--budget / --budget-k / --budget-v: bits per element (docs/method.md §3.1)."""
+    s.add_argument("--budget", type=float, help="bits per element (stored bytes) for Keys and Values: every method "
+                                                "configures itself within it by its own rule, or is left out")
+    s.add_argument("--budget-k", type=float, help="the Keys' budget apart (default: --budget)")
+    s.add_argument("--budget-v", type=float, help="the Values' budget apart (default: --budget)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="quantwm", description="2-bit KV-cache quantization for video world models")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    budget, json_out, weights, options = (argparse.ArgumentParser(add_help=False) for _ in range(4))
+    add_budget(budget)
+    json_out.add_argument("--json", help="also write the report as JSON here")
+    weights.add_argument("--weights", help="world-model weights (default: the built-in model, shipped with the package)")
+    options.add_argument("--set", action="append", metavar="KEY=VALUE",
+                         help="method option for every method, e.g. --set lam=4 or --set qsac=false (repeatable)")
+    s = sub.add_parser("analyze", help="attention fidelity of methods on a trace file",
+                       parents=[options, budget, json_out])
+    s.add_argument("--trace", required=True)
+    s.add_argument("--methods", default="rtn,kivi,qvg,quantwm")
+    s.add_argument("--target", choices=("k", "v", "kv"), default="k")
+    s.add_argument("--bits", type=int, default=2)
+    s.add_argument("--chunk-frames", type=int, default=None, help="frames per chunk (default: the trace's, else 1)")
+    s.add_argument("--sink-chunks", type=int, default=1)
+    s.add_argument("--recent-chunks", type=int, default=1)
+    s = sub.add_parser("memory", help="stored bytes of the cache at a real model's shapes", parents=[budget, json_out])
+    s.add_argument("--preset", default="wan-1.3b")
+    s.add_argument("--latent-frames", type=int, default=21)
+    s.add_argument("--method", default="quantwm")
+    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
+    s.add_argument("--bits", type=int, default=2)
+    s.add_argument("--sample-layers", type=int, default=None, help="quantize this many layers and scale")
+    s.add_argument("--span-chunks", type=int, default=1, help="chunks quantized together as one span (QVG: 8)")
+    s.add_argument("--queries", choices=("drift", "none"), default="drift",
+                   help="drift: a synthetic query stream whose subspace moves (as deployed); none: S stays identity")
+    s = sub.add_parser("synth-trace", help="write the synthetic world-memory trace")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--layers", type=int, default=4)
+    s.add_argument("--heads", type=int, default=8)
+    s.add_argument("--head-dim", type=int, default=128)
+    s.add_argument("--query-dims", type=int, default=8,
+                   help="dimension of the query subspace: 8 / 12 / 22 give ~97%% / ~71%% / ~45%% top-8 energy")
+    s.add_argument("--grid", default="12x16", help="tokens per frame as ROWSxCOLS (Wan-1.3B at 480p: 30x52)")
+    s.add_argument("--chunk-frames", type=int, default=3, help="frames per chunk: a span holds grid x this many tokens")
+    s.add_argument("--cached-frames", type=int, default=24, help="frames in the cache (a multiple of --chunk-frames)")
+    s.add_argument("--out", required=True)
+    s = sub.add_parser("eval", help="BF16 vs methods on the built-in world model",
+                       parents=[options, weights, budget, json_out])
+    s.add_argument("--methods", default="rtn,kivi,qvg,quantwm")
+    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
+    s.add_argument("--seeds", default="0,1,2,3")
+    s.add_argument("--frames", type=int, default=32)
+    s.add_argument("--bits", type=int, default=2)
+    s.add_argument("--trajectory", default="loop")
+    s.add_argument("--steps", type=int, default=4, help="flow-matching steps per chunk")
+    s.add_argument("--training-seeds", action="store_true",
+                   help="use training worlds (seed + 100000) instead of held-out ones, to check memorisation")
+    s.add_argument("--training-photos", nargs="?", const="all", choices=("all", "matched"), default=None,
+                   help="the same worlds' layouts, trajectories and noise with tiles from the training photographs "
+                        "(each held-out world against its twin: the paired memorisation check); 'matched': one "
+                        "per held-out scene, of the same kind (grey or colour), so tiles repeat a photograph where the "
+                        "held-out world's repeat a scene")
+    s.add_argument("--world", choices=WORLDS, default="photo", help="world kind (procedural: the first models' world)")
+    s = sub.add_parser("trace", help="write a trace file from the built-in world model", parents=[weights])
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--frames", type=int, default=32)
+    s.add_argument("--trajectory", default="loop")
+    s.add_argument("--world", choices=WORLDS, default="photo")
+    s.add_argument("--out", required=True)
+    s = sub.add_parser("record", help="write a run file (BF16 and a method from the same noise) for the app")
+    s.add_argument("--model", choices=("builtin", "self-forcing", "sana-wm"), default="builtin",
+                   help="builtin: the built-in world model; self-forcing: Self-Forcing's causal Wan2.1 generator "
+                        "(--checkpoint, --base, --embeddings or --prompt); sana-wm: SANA-WM's stage-2 refiner, "
+                        "diffusers' SanaWMLTX2Refiner (--base, --latents, --prompt)")
+    s.add_argument("--seed", type=int, default=0, help="world seed (builtin: 0..99999) or noise seed")
+    s.add_argument("--trajectory", default="loop")
+    s.add_argument("--method", default="quantwm")
+    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
+    s.add_argument("--bits", type=int, default=2)
+    s.add_argument("--frames", type=int, default=32)
+    s.add_argument("--logit-layers", default="1", help="layers whose attention logits the file keeps (size bound)")
+    s.add_argument("--logit-heads", default="0", help="heads whose attention logits the file keeps")
+    s.add_argument("--weights", help="builtin: world-model weights (default: the built-in model)")
+    s.add_argument("--checkpoint", help="self-forcing: the released generator checkpoint (.pt, original Wan names)")
+    s.add_argument("--base", help="self-forcing: a local diffusers Wan2.1 folder (transformer/config.json, vae/); "
+                                  "sana-wm: a SanaWMLTX2Refiner folder saved with its vae")
+    s.add_argument("--embeddings", help="self-forcing: a safetensors file with the prompt's UMT5 prompt_embeds")
+    s.add_argument("--latents", help="sana-wm: a safetensors file with the stage-1 `latents` (1, C, F, H, W)")
+    s.add_argument("--kv-max-frames", type=int, default=11,
+                   help="sana-wm: sink plus recent latent frames the refiner's window keeps (its default: 11)")
+    s.add_argument("--prompt", help="the prompt (self-forcing: encoded by the base model's UMT5, base/tokenizer and "
+                                    "base/text_encoder; sana-wm: by the refiner's Gemma-3; needs transformers)")
+    s.add_argument("--latent-frames", type=int, default=21, help="self-forcing: latent frames (21: 81 video frames)")
+    s.add_argument("--chunk-frames", type=int, default=3, help="self-forcing: latent frames per chunk")
+    s.add_argument("--height", type=int, default=480)
+    s.add_argument("--width", type=int, default=832)
+    s.add_argument("--device", default="cpu", help="self-forcing: cpu or cuda (cuda uses the fused kernels)")
+    s.add_argument("--out", required=True)
+    s = sub.add_parser("figures", help="print figures (PNG/PDF/SVG, matplotlib) of a built-in-model run",
+                       parents=[weights])
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--trajectory", default="loop")
+    s.add_argument("--method", default="quantwm")
+    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
+    s.add_argument("--bits", type=int, default=2)
+    s.add_argument("--frames", type=int, default=32)
+    s.add_argument("--frame", type=int, default=None, help="frame of the maps and the pixel trace (default: the worst)")
+    s.add_argument("--pixel", default=None, help="x,y of the traced pixel in frame pixels (default: the centre)")
+    s.add_argument("--layer", type=int, default=1)
+    s.add_argument("--head", type=int, default=0)
+    s.add_argument("--methods", default="rtn,kivi,qvg,quantwm", help="methods of the comparison figure ('' = none)")
+    s.add_argument("--kinds", default=",".join(FIGURE_KINDS), help=f"which figures ({', '.join(FIGURE_KINDS)})")
+    s.add_argument("--formats", default="png,pdf,svg")
+    s.add_argument("--out-dir", required=True)
+    s = sub.add_parser("frontier", help="quality vs bits per element for every method (resumable sweep)")
+    s.add_argument("--sources", default="world", help="comma-separated: world and/or trace:FILE")
+    s.add_argument("--methods", default="", help="methods to sweep (default: all with a sweep)")
+    s.add_argument("--bits", default="2,3,4")
+    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
+    s.add_argument("--seeds", default="0,1", help="held-out world seeds of the world source")
+    s.add_argument("--frames", type=int, default=16)
+    s.add_argument("--quick", action="store_true", help="one point per method (a smoke test)")
+    s.add_argument("--budget", default="", help="comma-separated bits per element: one point per method and budget, "
+                                                "each configured by its budget rule (instead of the sweep)")
+    s.add_argument("--max-bits", type=float, default=None,
+                   help="skip sweep points that store more bits per element than this (they cannot enter an "
+                        "envelope up to it); e.g. 4")
+    s.add_argument("--workers", type=int, default=1, help="local worker processes")
+    s.add_argument("--ray", default=None, metavar="ADDRESS", help="run the points on a Ray cluster ('local': start one)")
+    s.add_argument("--formats", default="png,svg")
+    s.add_argument("--out-dir", required=True)
+    s = sub.add_parser("query-stats", help="a calibration file of query statistics (S per layer) from a trace, for "
+                                           "the SGLang plugin's QUANTWM_KV_QUERY_STATS")
+    s.add_argument("--trace", required=True)
+    s.add_argument("--out", required=True)
+    s = sub.add_parser("methods", help="list the registered methods")
+    sub.add_parser("app", help="start the diagnostics app (options: quantwm app --help)", add_help=False)
+    return p

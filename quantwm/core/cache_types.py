@@ -1,0 +1,150 @@
+"""The cache's data types: its configuration (`CacheConfig`), its memory report (`CacheMemory`) and the chunk
+and per-layer records `KVCache` keeps (quantwm.core.cache has the contract)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .methods import Encoded, parse_method_name
+from .quant import check_bits
+from .stats import QueryStats
+
+LAYOUTS = ("BHLD", "BLHD")
+TARGETS = ("k", "v", "kv")
+ROPE_MODES = ("post", "pre")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    method: str = "bf16"
+    target: str = "kv"
+    k_bits: int = 2
+    v_bits: int = 2
+    sink_chunks: int = 1
+    recent_chunks: int = 1
+    max_chunks: int | None = None
+    layout: str = "BHLD"
+    rope: str = "post"
+    stats_decay: float | None = None
+    keep_exact: bool = False
+    check_inputs: bool = True  # one NaN/Inf check of q, k, v per call (one host sync); False: none (CUDA graphs)
+    memo_decoded: bool = False
+    seed: int = 0
+    method_options: tuple = ()
+    span_chunks: int = 1
+    jensen: bool = False  # the +jensen read-path correction (docs/method.md §3); "qvg+jensen" is the same config
+    budget: float | None = None  # bits per element for Keys and Values: the method configures itself (core/budget.py)
+    budget_k: float | None = None  # the Keys' and the Values' budgets apart (each defaults to `budget`)
+    budget_v: float | None = None
+
+    def __post_init__(self):
+        base, suffix = parse_method_name(self.method)
+        if base == "bf16" and self.jensen:
+            raise ValueError("jensen=True corrects quantized keys' logits; bf16 stores keys exactly, so it does not apply")
+        # one config however it is spelled: CacheConfig("qvg+jensen") == CacheConfig("qvg", jensen=True)
+        object.__setattr__(self, "jensen", bool(self.jensen or suffix))
+        object.__setattr__(self, "method", base + ("+jensen" if self.jensen else ""))
+        for name in ("budget_k", "budget_v"):
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, self.budget)
+        for name in ("budget", "budget_k", "budget_v"):
+            b = getattr(self, name)
+            if b is not None and not (isinstance(b, int | float) and 0 < b < float("inf")):
+                raise ValueError(f"{name} must be a positive number of bits per element, got {b!r}")
+        if base == "bf16" and any(b is not None and b < 16 for b in (self.budget_k, self.budget_v)):
+            raise ValueError("bf16 stores 16 bits per element: it cannot fit a budget below 16")
+        check_bits(self.k_bits), check_bits(self.v_bits)
+        for name, value, allowed in (("target", self.target, TARGETS), ("layout", self.layout, LAYOUTS),
+                                     ("rope", self.rope, ROPE_MODES)):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.sink_chunks < 0 or self.recent_chunks < 0:
+            raise ValueError("sink_chunks and recent_chunks must be >= 0")
+        if self.max_chunks is not None and self.max_chunks <= self.sink_chunks:
+            raise ValueError(f"max_chunks ({self.max_chunks}) must exceed sink_chunks ({self.sink_chunks})")
+        if self.span_chunks < 1:
+            raise ValueError(f"span_chunks must be >= 1, got {self.span_chunks}")
+
+    @property
+    def base_method(self) -> str:
+        """The registry name without the +jensen modifier."""
+        return parse_method_name(self.method)[0]
+
+
+@dataclass
+class Chunk:
+    """One chunk of one layer. `k`/`v` hold full-precision tensors (B, H, N, D) until quantized."""
+
+    index: int
+    start: int
+    n_tokens: int
+    bhd: tuple[int, int, int]
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    k_enc: Encoded | None = None
+    v_enc: Encoded | None = None
+    exact_k: torch.Tensor | None = None
+    exact_v: torch.Tensor | None = None
+    n_chunks: int = 1  # > 1 for a span of several committed chunks quantized together (span_chunks)
+    decoded: dict = field(default_factory=dict)
+
+    @property
+    def quantized(self) -> bool:
+        return self.k_enc is not None or self.v_enc is not None
+
+
+@dataclass
+class LayerState:
+    chunks: list[Chunk] = field(default_factory=list)
+    current: Chunk | None = None
+    next_chunk: int = 0
+    next_token: int = 0
+    stats: QueryStats | None = None
+    method_state: dict = field(default_factory=dict)
+    pending: dict[int, QueryStats] = field(default_factory=dict)  # causal_stats: queries not yet in S, by fold point
+
+
+@dataclass(frozen=True)
+class CacheMemory:
+    """What a cache holds, counted from its stored tensors (`KVCache.memory()`; docs/method.md §3.1).
+
+    stored_bytes:   every stored tensor (quantized spans with all their metadata, full-precision chunks)
+    bf16_bytes:     the same tokens' K and V at 2 bytes per element
+    by_component:   stored bytes by component ("k.full", "k.codes", "v.scales", ...)
+    bits_per_element: of the quantized spans alone (nan when nothing is quantized yet)
+    compression:    16 / bits_per_element (1.0 when nothing is quantized)
+    cache_bits_per_element: of the whole cache, full-precision chunks included
+    runtime_bytes:  state kept beside the cache, in none of the above (running S, warm-start centroids)
+    """
+
+    stored_bytes: int
+    bf16_bytes: int
+    by_component: dict
+    bits_per_element: float
+    compression: float
+    cache_bits_per_element: float
+    runtime_bytes: dict
+
+    @property
+    def stored_mb(self) -> float:
+        return self.stored_bytes / 2 ** 20
+
+    @property
+    def bf16_mb(self) -> float:
+        return self.bf16_bytes / 2 ** 20
+
+
+@dataclass(frozen=True)
+class SpanView:
+    """A frozen look at one span a layer holds (`KVCache.inspect`): chunk index and first token position, its
+    size, whether it is quantized and the bytes it stores (Keys and Values, every tensor counted)."""
+
+    index: int
+    start: int
+    n_tokens: int
+    n_chunks: int
+    bhd: tuple[int, int, int]
+    quantized: bool
+    nbytes: int
+
