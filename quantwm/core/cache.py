@@ -65,6 +65,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from .accounting import MemoryAccounting
 from .attention import fused_attention
 from .backend import use_kernels
 from .cache_types import LAYOUTS, ROPE_MODES, TARGETS, CacheConfig, CacheMemory, Chunk, LayerState, SpanView
@@ -90,7 +91,7 @@ def jensen_bias(q: torch.Tensor, steps: torch.Tensor | None, scale: float) -> to
     return -(scale ** 2 / 24) * (q.float().square() @ steps.float().square().transpose(-1, -2))
 
 
-class KVCache:
+class KVCache(MemoryAccounting):
     """Chunk-granular KV cache for `n_layers` layers; see the module docstring for the contract."""
 
     def __init__(self, config: CacheConfig, n_layers: int, rope: RopeFn | None = None):
@@ -434,63 +435,3 @@ class KVCache:
             _, H, D = cs[0].bhd
             return self._stats(st, H, D).matrix()
         return st.stats.matrix()
-
-    # ---- accounting -----------------------------------------------------------------------------
-    def _stored(self):
-        """Yield (component, bytes, quantized) for every stored tensor once (shared tensors once in all)."""
-        seen: set[int] = set()
-        for st in self.layers:
-            for c in self._chunks(st):
-                for which, enc, full in (("k", c.k_enc, c.k), ("v", c.v_enc, c.v)):
-                    if full is not None:
-                        yield f"{which}.full", full.numel() * full.element_size(), False
-                        continue
-                    for name, t in enc.tensors.items():
-                        yield f"{which}.{name}", t.numel() * t.element_size(), True
-                    for name, t in enc.shared.items():
-                        if id(t) not in seen:
-                            seen.add(id(t))
-                            yield f"{which}.{name}", t.numel() * t.element_size(), True
-
-    def bytes_by_component(self) -> dict[str, int]:
-        """Bytes of every stored tensor, by component ('full' for unquantized chunks)."""
-        out: dict[str, int] = {}
-        for key, n, _ in self._stored():
-            out[key] = out.get(key, 0) + n
-        return out
-
-    def runtime_bytes(self) -> dict[str, int]:
-        """Working state a deployment keeps beside the stored cache (not in nbytes): the running S per layer
-        (float64, pending per-chunk statistics included) and warm-start centroids (k-means state)."""
-        stats = sum(x.second.numel() * x.second.element_size()
-                    for st in self.layers for x in ([st.stats] if st.stats else []) + list(st.pending.values()))
-        warm = sum(t.numel() * t.element_size() for st in self.layers for k, t in st.method_state.items()
-                   if ".centroids" in k)
-        return {"query_stats": stats, "warm_start_centroids": warm}
-
-    def nbytes(self) -> int:
-        return sum(n for _, n, _ in self._stored())
-
-    def _quantized_totals(self) -> tuple[int, int]:
-        """(bytes, elements) of the quantized halves of the committed chunks."""
-        nbytes = sum(n for _, n, quantized in self._stored() if quantized)
-        elems = sum(e.shape[0] * e.shape[1] * e.shape[2] for st in self.layers for c in st.chunks
-                    for e in (c.k_enc, c.v_enc) if e is not None)
-        return nbytes, elems
-
-    def bits_per_element(self) -> float:
-        """Bits per element of the quantized storage (codes plus all their metadata); nan if none."""
-        nbytes, elems = self._quantized_totals()
-        return 8 * nbytes / elems if elems else float("nan")
-
-    def memory(self) -> CacheMemory:
-        """The typed memory report every caller uses (see `CacheMemory`)."""
-        elems = sum(2 * c.n_tokens * c.bhd[0] * c.bhd[1] * c.bhd[2] for st in self.layers for c in self._chunks(st))
-        bpe = self.bits_per_element()
-        return CacheMemory(self.nbytes(), 2 * elems, self.bytes_by_component(), bpe,
-                           16 / bpe if bpe == bpe else 1.0, self.cache_bits_per_element(), self.runtime_bytes())
-
-    def cache_bits_per_element(self) -> float:
-        """Bits per element of the whole cache: quantized and full-precision chunks together."""
-        elems = sum(2 * c.n_tokens * c.bhd[0] * c.bhd[1] * c.bhd[2] for st in self.layers for c in self._chunks(st))
-        return 8 * self.nbytes() / elems if elems else float("nan")

@@ -1,0 +1,70 @@
+"""What a cache stores, counted from its tensors (docs/method.md §3.1): the accounting half of `KVCache`.
+
+`MemoryAccounting` is mixed into `KVCache`; it reads the layers' chunks (`self.layers`, `self._chunks`) and
+nothing else. Every memory figure of the project (the CLI, the app, the adapters, the benchmarks) comes from
+`KVCache.memory()` and the methods below.
+"""
+from __future__ import annotations
+
+from .cache_types import CacheMemory
+
+
+class MemoryAccounting:
+    def _stored(self):
+        """Yield (component, bytes, quantized) for every stored tensor once (shared tensors once in all)."""
+        seen: set[int] = set()
+        for st in self.layers:
+            for c in self._chunks(st):
+                for which, enc, full in (("k", c.k_enc, c.k), ("v", c.v_enc, c.v)):
+                    if full is not None:
+                        yield f"{which}.full", full.numel() * full.element_size(), False
+                        continue
+                    for name, t in enc.tensors.items():
+                        yield f"{which}.{name}", t.numel() * t.element_size(), True
+                    for name, t in enc.shared.items():
+                        if id(t) not in seen:
+                            seen.add(id(t))
+                            yield f"{which}.{name}", t.numel() * t.element_size(), True
+
+    def bytes_by_component(self) -> dict[str, int]:
+        """Bytes of every stored tensor, by component ('full' for unquantized chunks)."""
+        out: dict[str, int] = {}
+        for key, n, _ in self._stored():
+            out[key] = out.get(key, 0) + n
+        return out
+
+    def runtime_bytes(self) -> dict[str, int]:
+        """Working state a deployment keeps beside the stored cache (not in nbytes): the running S per layer
+        (float64, pending per-chunk statistics included) and warm-start centroids (k-means state)."""
+        stats = sum(x.second.numel() * x.second.element_size()
+                    for st in self.layers for x in ([st.stats] if st.stats else []) + list(st.pending.values()))
+        warm = sum(t.numel() * t.element_size() for st in self.layers for k, t in st.method_state.items()
+                   if ".centroids" in k)
+        return {"query_stats": stats, "warm_start_centroids": warm}
+
+    def nbytes(self) -> int:
+        return sum(n for _, n, _ in self._stored())
+
+    def _quantized_totals(self) -> tuple[int, int]:
+        """(bytes, elements) of the quantized halves of the committed chunks."""
+        nbytes = sum(n for _, n, quantized in self._stored() if quantized)
+        elems = sum(e.shape[0] * e.shape[1] * e.shape[2] for st in self.layers for c in st.chunks
+                    for e in (c.k_enc, c.v_enc) if e is not None)
+        return nbytes, elems
+
+    def bits_per_element(self) -> float:
+        """Bits per element of the quantized storage (codes plus all their metadata); nan if none."""
+        nbytes, elems = self._quantized_totals()
+        return 8 * nbytes / elems if elems else float("nan")
+
+    def memory(self) -> CacheMemory:
+        """The typed memory report every caller uses (see `CacheMemory`)."""
+        elems = sum(2 * c.n_tokens * c.bhd[0] * c.bhd[1] * c.bhd[2] for st in self.layers for c in self._chunks(st))
+        bpe = self.bits_per_element()
+        return CacheMemory(self.nbytes(), 2 * elems, self.bytes_by_component(), bpe,
+                           16 / bpe if bpe == bpe else 1.0, self.cache_bits_per_element(), self.runtime_bytes())
+
+    def cache_bits_per_element(self) -> float:
+        """Bits per element of the whole cache: quantized and full-precision chunks together."""
+        elems = sum(2 * c.n_tokens * c.bhd[0] * c.bhd[1] * c.bhd[2] for st in self.layers for c in self._chunks(st))
+        return 8 * self.nbytes() / elems if elems else float("nan")
