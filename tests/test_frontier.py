@@ -117,3 +117,5 @@ def test_points_over_the_largest_budget_are_not_run(trace_source):
                           [2], "k")
     kept, dropped = FR.within(tasks, 4.0)
     assert dropped == 1 and [t["options"] for t in kept] == [{"n_centroids": 2}, {"budget": 3.0}]
+    own = FR.make_tasks([trace_source], {"nvfp4": [{}], "int8k-fp8v": [{}]}, [2], "k")
+    assert FR.within(own, 4.0) == (own, 0)  # deployed formats: one point each, always on the frontier

@@ -89,7 +89,8 @@ def within(tasks: list[dict], max_bits: float) -> tuple[list[dict], int]:
     """(the tasks whose configuration can store at most `max_bits` per element on their source's spans, how many
     were dropped). Bits are measured by a dry encode of one span of the source's shape (quantwm.core.budget), so
     a point that could never enter an envelope up to `max_bits` is not run; a configuration the shape cannot take
-    is kept (its task reports why)."""
+    is kept (its task reports why), and so is a deployed format that fixes its own bits (one point each, on
+    every frontier)."""
     from ..core.budget import measured_bits
     from ..core.methods import REGISTRY, parse_method_name
 
@@ -97,7 +98,7 @@ def within(tasks: list[dict], max_bits: float) -> tuple[list[dict], int]:
     kept = []
     for t in tasks:
         base = parse_method_name(t["method"])[0]
-        if "budget" in t or "budget" in t["options"] or base == "bf16":
+        if "budget" in t or "budget" in t["options"] or not REGISTRY[base].takes_bits:  # one point each: kept
             kept.append(t)
             continue
         D, N = shapes.setdefault(t["source"], source_shape(t["source"]))
@@ -308,6 +309,8 @@ def describe_leads(rows: list[dict], metric: str, method: str = "quantwm") -> li
 
 def frontier_figure(summary: dict, path_stem: str | Path, formats: list[str]) -> list[Path]:
     """One panel per source: shift rate against bits per element, every point, each method's Pareto front."""
+    from matplotlib.ticker import NullLocator
+
     from .figures import _figure, save_figure
 
     sources = list(summary)
@@ -329,6 +332,10 @@ def frontier_figure(summary: dict, path_stem: str | Path, formats: list[str]) ->
         for b in BUDGETS:
             ax.axvline(b, color="0.6", lw=0.6, ls=":", zorder=0)
         ax.set_xscale("log", base=2)
+        lo, hi = ax.get_xlim()
+        ticks = [b for b in (2, 2.5, 3, 4, 5, 6, 8, 12, 16) if lo <= b <= hi]
+        ax.set_xticks(ticks, [f"{b:g}" for b in ticks], fontsize=7)
+        ax.xaxis.set_minor_locator(NullLocator())
         ax.set_xlabel("bits per element (stored bytes)", fontsize=8)
         ax.set_ylabel(shift.replace("_", " "), fontsize=8)
         ax.set_title(source if source == "world" else Path(source.removeprefix("trace:")).stem, fontsize=9)
