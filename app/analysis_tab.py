@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from .ui import unpack
+from .ui import Number, unpack
 
 TARGETS = [("Keys only", "k"), ("Values only", "v"), ("Keys and Values", "kv")]
 
@@ -43,9 +43,9 @@ def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str
     gr.Markdown("### One Query: top-1 source and logits under exact vs quantized keys")
     with gr.Row():
         method = gr.Dropdown([m for m in methods if m != "bf16"], value="qvg", label="Method")
-        layer = gr.Number(0, label="Layer", precision=0)
-        head = gr.Number(0, label="Head", precision=0)
-        query = gr.Number(0, label="Query index", precision=0)
+        layer = Number(0, label="Layer")
+        head = Number(0, label="Head")
+        query = Number(0, label="Query index")
         go = gr.Button("Inspect query", elem_id="trace-inspect-btn")
     q_status = gr.Markdown(elem_id="trace-inspect-status")
     with gr.Row():
@@ -70,7 +70,7 @@ def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str
                         [q_status, heat, jump_img, result, query], api_name="trace_click_query")
     gr.Markdown("### Query energy of the trace (from q_hist when present)")
     with gr.Row():
-        e_layer = gr.Number(0, label="Layer index (order in the file)", precision=0)
+        e_layer = Number(0, label="Layer index (order in the file)")
         e_go = gr.Button("Show spectra", elem_id="trace-energy-btn")
     e_status = gr.Markdown(elem_id="trace-energy-status")
     e_plot = gr.Plot(label="Query energy")

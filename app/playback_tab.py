@@ -9,7 +9,7 @@ import gradio as gr
 from quantwm.core.cache import TARGETS
 from quantwm.world.scene import TRAJECTORIES
 
-from .ui import progress_callback, unpack
+from .ui import Number, Slider, progress_callback, unpack
 from .world_handlers import FACTOR, OVERLAYS
 
 TARGET_CHOICES = [("Keys and Values", "kv"), ("Keys only", "k"), ("Values only", "v")]
@@ -32,14 +32,14 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
                 "quantized run use the same world, trajectory and noise, so they differ only by the KV cache. "
                 "Click a pixel of either frame to trace its Query to the cached token it attends to most.")
     with gr.Row():
-        seed = gr.Number(0, label="World seed (0..99999, held-out photographs)", precision=0, minimum=0)
+        seed = Number(0, label="World seed (0..99999, held-out photographs)", elem_id="seed")
         trajectory = gr.Dropdown(list(TRAJECTORIES), value="loop", label="Trajectory")
         method = gr.Dropdown(methods, value="quantwm", label="Method")
         target = gr.Radio(TARGET_CHOICES, value="kv", label="Quantize")
         bits = gr.Dropdown([2, 3, 4, 8], value=2, label="Bits")
-        budget = gr.Number(None, label="Or a budget (bits per element; empty: Bits)", step=0.25, elem_id="budget")
-        frames = gr.Number(default_frames, label=f"Frames (at most {max_frames})" if max_frames else "Frames",
-                           precision=0, step=facts["chunk_frames"])
+        budget = Number(None, label="Or a budget (bits per element; empty: Bits)", step=0.25, elem_id="budget")
+        frames = Number(default_frames, label=f"Frames (at most {max_frames})" if max_frames else "Frames",
+                        step=facts["chunk_frames"], elem_id="frames")
     with gr.Row():
         go = gr.Button("Generate", variant="primary", elem_id="generate-btn")
         run_id = gr.Textbox(label="Current run", interactive=False, elem_id="run-id")
@@ -59,7 +59,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
                                          lines=2)
                 live_embeddings = gr.File(label="or prompt embeddings (.safetensors with prompt_embeds)",
                                           type="filepath", file_types=[".safetensors"], elem_id="live-embeddings")
-                live_seed = gr.Number(0, label="Noise seed", precision=0, minimum=0)
+                live_seed = Number(0, label="Noise seed")
                 live_frames = gr.Dropdown(list(live["latent_frames"]), value=live["latent_frames"][-1],
                                           label="Latent frames (21: 81 video frames)")
                 live_btn = gr.Button("Generate live", variant="primary", elem_id="live-btn")
@@ -69,7 +69,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
         bf16_video = gr.Video(label="BF16 (reference)", elem_id="video-bf16", autoplay=False, loop=True, height=300)
         method_video = gr.Video(label="Quantized", elem_id="video-method", autoplay=False, loop=True, height=300)
         plot = gr.Plot(label="Per-frame flicker, PSNR and shift rate (click a point to jump)", elem_id="frame-plot")
-    frame = gr.Slider(0, default_frames - 1, value=0, step=1, label="Frame (scrubs both)", elem_id="frame-slider")
+    frame = Slider(0, default_frames - 1, value=0, step=1, label="Frame (scrubs both)", elem_id="frame-slider")
     with gr.Row():
         overlays = gr.CheckboxGroup(list(OVERLAYS), value=[], label="Overlays on the quantized frame (red: flicker "
                                     "vs BF16; orange: warping error, motion-compensated; cyan: tokens whose top-1 "
@@ -85,8 +85,8 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
         with gr.Row():
             trace_layer = gr.Dropdown(list(range(facts["layers"])), value=1, label="Trace layer")
             trace_head = gr.Dropdown(list(range(facts["heads"])), value=0, label="Trace head")
-            px = gr.Number(size // 2, label=f"x (0..{size - 1})", precision=0)
-            py = gr.Number(size // 2, label=f"y (0..{size - 1})", precision=0)
+            px = Number(size // 2, label=f"x (0..{size - 1})")
+            py = Number(size // 2, label=f"y (0..{size - 1})")
             trace_btn = gr.Button("Trace pixel", elem_id="trace-btn")
         trace_status = gr.Markdown(elem_id="trace-status")
         with gr.Row():
@@ -201,11 +201,11 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
 
     trace_btn.click(do_trace, [run_id, frame, px, py, trace_layer, trace_head], trace_out, api_name="trace_pixel", **view)
 
-    def do_export(run_id, frame, x, y, layer, head, formats):
-        r = export(run_id, frame, x, y, layer, head, formats)
+    def do_export(run_id, frame, x, y, layer, head, formats, traced=None):
+        r = export(run_id, frame, x, y, layer, head, formats, traced)
         return r["status"], r.get("files")
 
-    export_btn.click(do_export, [run_id, frame, px, py, trace_layer, trace_head, export_formats],
+    export_btn.click(do_export, [run_id, frame, px, py, trace_layer, trace_head, export_formats, result],
                      [export_status, export_files], api_name="export_figures", **view)
     return {"seed": seed, "trajectory": trajectory, "method": method, "target": target, "bits": bits,
             "frames": frames, "run_id": run_id}

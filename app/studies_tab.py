@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from .ui import progress_callback, table, unpack
+from .ui import Number, progress_callback, table, unpack
 from .world_handlers import DEFAULT_BUDGET, KV_COLUMNS, METHOD_COLUMNS
 
 
@@ -65,7 +65,7 @@ def build_methods_tab(methods_table: Callable, export: Callable, methods: list[s
     base = [m for m in methods if m != "bf16" and "+" not in m]
     with gr.Row():
         chosen = gr.CheckboxGroup([m for m in methods if m != "bf16"], value=base, label="Methods", scale=4)
-        budget = gr.Number(DEFAULT_BUDGET, label="Budget (bits per element, Keys and Values)", step=0.25, elem_id="methods-budget", scale=1)
+        budget = Number(DEFAULT_BUDGET, label="Budget (bits per element, Keys and Values)", step=0.25, elem_id="methods-budget", scale=1)
     go = gr.Button("Compare methods", variant="primary", elem_id="methods-btn")
     status = gr.Markdown(elem_id="methods-status")
     rows = gr.Dataframe(label="Methods", headers=list(METHOD_COLUMNS), interactive=False, elem_id="methods-table")

@@ -231,13 +231,19 @@ def trace_pixel_handler(wb, run_id, frame, x, y, layer=0, head=0) -> dict:
         return media.draw_box(media.enlarge(r["frames"][f], THUMB), rr, cc, cell * THUMB, color, 2)
 
     verdict = "**jumped**: quantized keys fetch a different token" if r["jumped"] else "same source: no jump"
+    from quantwm.evaluation.diagnostics import trace_margins
+
+    mg = trace_margins(r["logits_bf16"], r["logits_method"], eb, r["grid"])
     status = (f"Query frame {t}, row {row}, col {col} (layer {layer}, head {head}) — BF16 source: frame {eb[0]}, "
-              f"row {eb[1]}, col {eb[2]}; {key_method} source: frame {em[0]}, row {em[1]}, col {em[2]} — {verdict}.")
+              f"row {eb[1]}, col {eb[2]}; {key_method} source: frame {em[0]}, row {em[1]}, col {em[2]} — {verdict}. "
+              f"Logit margin (top-1 minus runner-up): BF16 {mg['margin_bf16']:.3f}, {key_method} "
+              f"{mg['margin_method']:.3f}; the BF16 source ranks {mg['bf16_source_rank']} under {key_method}'s keys.")
     return {"status": status, "query_image": thumb(r["query"], media.YELLOW),
             "bf16_source": thumb(eb, media.YELLOW), "method_source": thumb(em, media.RED),
             "figure": plots.logit_heatmaps_figure(r["logits_bf16"], r["logits_method"], eb, em, key_method, grid),
-            "result": {"query": list(r["query"]), "layer": int(layer), "head": int(head),
-                       "source_bf16": list(eb), "source_method": list(em), "jumped": bool(r["jumped"])}}
+            "result": {"run": str(run_id), "frame": integer(frame, "frame"), "pixel": [integer(x, "x"), integer(y, "y")],
+                       "query": list(r["query"]), "layer": int(layer), "head": int(head),
+                       "source_bf16": list(eb), "source_method": list(em), "jumped": bool(r["jumped"]), **mg}}
 
 
 def click_pixel_handler(wb, run_id, frame, index, layer=0, head=0) -> dict:
@@ -364,19 +370,24 @@ def _exported(paths) -> dict:
             "files": [str(p) for p in paths]}
 
 
-def export_handler(wb, run_id, frame, x, y, layer=0, head=0, formats=("pdf",)) -> dict:
-    """Print figures (matplotlib) of the current run: per-frame plot, maps and pixel trace at `frame`, energy."""
+def export_handler(wb, run_id, frame, x, y, layer=0, head=0, formats=("pdf",), traced=None) -> dict:
+    """Print figures (matplotlib) of the current run, built-in or opened: per-frame plot, maps, energy and the
+    pixel trace. `traced` (the trace panel's result) wins over the frame, pixel, layer and head given: the
+    export shows what the trace panel shows."""
     from quantwm.evaluation.figures import run_figures
     from quantwm.evaluation.workbench import RunKey
 
     try:
-        if wb.loaded(str(run_id)) is not None:
-            raise ValueError("print figures are made from built-in runs (quantwm figures); an opened run file "
-                             "has every view in the page but no export yet")
-        key = RunKey.parse(str(run_id or ""))
-        wb.record(key.id)  # generated (not evicted)?
+        if isinstance(traced, dict) and traced.get("frame") is not None and traced.get("run") == str(run_id or ""):
+            frame, (x, y), layer, head = traced["frame"], traced["pixel"], traced["layer"], traced["head"]
+        run_id = str(run_id or "")
+        opened = wb.loaded(run_id) is not None
+        key = run_id if opened else RunKey.parse(run_id)
+        if not opened:
+            wb.record(key.id)  # generated (not evicted)?
         t = integer(frame, "frame") if frame is not None else None
-        generated = t is not None and t >= wb.model_facts()["context_frames"]  # context frames have no probes
+        ctx = (wb.loaded(run_id) if opened else wb).model_facts()["context_frames"]
+        generated = t is not None and t >= ctx  # context frames have no probes
         kinds = ["frames", "maps", "energy"] + (["trace"] if generated else [])
         paths = run_figures(wb, key, app_files().export_dir("run"), kinds, list(formats or []), frame=t,
                             pixel=[integer(x, "x"), integer(y, "y")], layer=integer(layer, "layer"),

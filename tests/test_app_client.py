@@ -47,7 +47,7 @@ API_PARAMETERS = {
     "/click_pixel": ["run_id", "frame", "layer", "head"],
     "/click_pixel_bf16": ["run_id", "frame", "layer", "head"],
     "/trace_pixel": ["run_id", "frame", "x", "y", "layer", "head"],
-    "/export_figures": ["run_id", "frame", "x", "y", "layer", "head", "formats"],
+    "/export_figures": ["run_id", "frame", "x", "y", "layer", "head", "formats", "traced"],
     "/energy": ["run_id", "layer"],
     "/key_vs_value": ["seed", "trajectory", "baseline", "bits", "frames"],
     "/methods_table": ["seed", "trajectory", "target", "frames", "methods", "budget"],

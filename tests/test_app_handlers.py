@@ -76,7 +76,7 @@ def test_scrub_enlarges_both_frames_and_overlays_change_only_the_method_frame(wb
     ("{rid}", -1, [], "out of range"),
     ("{rid}", None, [], "no frame given"),
     ("{rid}", 5, ["sparkles"], "unknown overlay"),
-    ("", 5, [], "not a run id"),
+    ("", 5, [], "Generate a run first"),
     ("seed=1 loop rtn kv 2-bit 10f", 5, [], "press Generate"),
 ])
 def test_scrub_bad_input_is_a_message(wb, generated, run_id, frame, overlays, needle):
@@ -154,12 +154,27 @@ def test_kv_finding_is_computed_from_the_numbers():
 
 
 def test_methods_handler(wb):
-    r = wh.methods_handler(wb, 3, "pan-return", "k", 2, FRAMES, ["qvg-budget", "rtn"])
-    assert [row[0] for row in r["rows"]] == ["qvg-budget", "rtn"] and r["header"] == list(wh.METHOD_COLUMNS)
+    r = wh.methods_handler(wb, 3, "pan-return", "k", FRAMES, ["qvg-budget", "rtn"], 2.5)
+    assert sorted(row[0] for row in r["rows"]) == ["qvg-budget", "rtn"] and r["header"] == list(wh.METHOD_COLUMNS)
     bf16_mb, mb = r["header"].index("memory_bf16_mb"), r["header"].index("memory_mb")
-    assert all(row[mb] < row[bf16_mb] for row in r["rows"])
-    assert "unknown method" in wh.methods_handler(wb, 3, "loop", "k", 2, FRAMES, ["zzz"])["status"]
-    assert "at least one method" in wh.methods_handler(wb, 3, "loop", "k", 2, FRAMES, [])["status"]
+    assert all(row[mb] < row[bf16_mb] for row in r["rows"]) and all(row[2] == "yes" for row in r["rows"])
+    assert "unknown method" in wh.methods_handler(wb, 3, "loop", "k", FRAMES, ["zzz"], 2.5)["status"]
+    assert "at least one method" in wh.methods_handler(wb, 3, "loop", "k", FRAMES, [], 2.5)["status"]
+    for bad in (0, -1, 17, "x", None):
+        assert "budget must be a number of bits per element in (0, 16]" in wh.methods_handler(
+            wb, 3, "loop", "k", FRAMES, ["rtn"], bad)["status"]
+
+
+def test_a_row_over_the_budget_or_over_bf16_is_flagged(wb, monkeypatch):
+    real = wb.methods_table
+
+    def inflated(key, methods, progress=None, left_out=None):  # as if a method overran what it measured
+        rows = real(key, methods, progress, left_out)
+        return [{**r, "bits_per_element": r["bits_per_element"] + 1} for r in rows]
+
+    monkeypatch.setattr(wb, "methods_table", inflated)
+    r = wh.methods_handler(wb, 3, "pan-return", "k", FRAMES, ["rtn"], 2.5)
+    assert [row[2] for row in r["rows"]] == ["OVER"]
 
 
 def test_trace_inspect_and_energy_handlers(small_trace_path, tmp_path):
@@ -202,6 +217,18 @@ def test_export_handlers_write_print_figures_and_refuse_bad_input(wb, generated)
     assert sorted(f.rsplit("/", 1)[-1].split("-")[0] for f in ctx["files"]) == ["energy", "frames", "maps"]
     assert wh.export_handler(wb, rid, FRAMES - 1, 10, 20, 1, 0, ["gif"])["status"].startswith("**Error:** unknown figure format")
     assert wh.export_handler(wb, "not a run", 5, 1, 1)["status"].startswith("**Error:** not a run id")
-    m = wh.export_methods_handler(wb, 3, "pan-return", "k", 2, FRAMES, ["qvg-budget", "rtn"], ["pdf"])
-    assert len(m["files"]) == 1 and m["files"][0].endswith(".pdf")
-    assert wh.export_methods_handler(wb, 3, "pan-return", "k", 2, FRAMES, [], ["pdf"])["status"].startswith("**Error:** choose")
+    m = wh.export_methods_handler(wb, 3, "pan-return", "k", FRAMES, ["qvg-budget", "rtn"], 2.5, ["pdf"])
+    assert len(m["files"]) == 1 and m["files"][0].endswith("-budget2.5.pdf") and "methods-" in m["files"][0]
+    assert wh.export_methods_handler(wb, 3, "pan-return", "k", FRAMES, [], 2.5, ["pdf"])["status"].startswith("**Error:** choose")
+
+
+def test_export_shows_what_the_trace_panel_shows(wb, generated):
+    rid = generated[0]["run_id"]
+    traced = wh.trace_pixel_handler(wb, rid, FRAMES - 2, 12, 40, 1, 1)["result"]
+    r = wh.export_handler(wb, rid, FRAMES - 1, 10, 20, 0, 0, ["svg"], traced)  # the slider moved on since
+    trace = next(f for f in r["files"] if f.rsplit("/", 1)[-1].startswith("trace-"))
+    assert trace.endswith(f"-frame{FRAMES - 2}-x12-y40-layer1-head1.svg")
+    assert any(f.rsplit("/", 1)[-1].startswith("maps-") and f.endswith(f"-frame{FRAMES - 2}.svg") for f in r["files"])
+    stale = {**traced, "run": "seed=9 loop rtn kv 2-bit 10f"}  # a trace of another run is not this run's
+    r = wh.export_handler(wb, rid, FRAMES - 1, 10, 20, 0, 0, ["svg"], stale)
+    assert any(f.endswith(f"-frame{FRAMES - 1}-x10-y20-layer0-head0.svg") for f in r["files"])

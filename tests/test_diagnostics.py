@@ -118,3 +118,14 @@ def test_trace_keys_shift_rate_matches_analyze(small_trace_path, method):
     assert (r["bias"] is None) == (method == "qvg")
     with pytest.raises(ValueError, match="layer 7"):
         D.trace_keys(trace, 7, "qvg")
+
+
+def test_trace_margins_read_the_margins_and_where_the_bf16_source_falls():
+    from quantwm.evaluation.diagnostics import trace_margins
+
+    exact = torch.tensor([[0.0, 5.0, 1.0], [2.0, float("nan"), 4.5]])  # 2 cached frames of 3 tokens (1 x 3 grid)
+    stored = torch.tensor([[0.0, 4.0, 1.0], [2.0, float("nan"), 4.6]])  # the method prefers frame 1, col 2
+    m = trace_margins(exact, stored, (0, 0, 1), (1, 3))
+    assert m == pytest.approx({"margin_bf16": 0.5, "margin_method": 0.6, "bf16_source_rank": 2})
+    with pytest.raises(ValueError, match="at least two cached tokens"):
+        trace_margins(torch.tensor([[1.0]]), torch.tensor([[1.0]]), (0, 0, 0), (1, 1))

@@ -53,7 +53,7 @@ def test_figures_cli_writes_the_chosen_kinds(tmp_path, capsys):
     assert main(["figures", "--frames", str(FRAMES), "--kinds", "frames,energy", "--formats", "svg",
                  "--out-dir", str(tmp_path)]) == 0
     written = sorted(p.name for p in tmp_path.iterdir())
-    assert written == ["energy-seed0-loop-quantwm-kv-2bit.svg", "frames-seed0-loop-quantwm-kv-2bit.svg"]
+    assert written == [f"energy-seed0-loop-quantwm-kv-2bit-{FRAMES}f-layer1.svg", f"frames-seed0-loop-quantwm-kv-2bit-{FRAMES}f.svg"]
     assert "wrote" in capsys.readouterr().out
     assert main(["figures", "--formats", "gif", "--out-dir", str(tmp_path)]) == 2
     assert "unknown figure format 'gif'" in capsys.readouterr().err

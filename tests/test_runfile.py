@@ -71,7 +71,10 @@ def test_the_handlers_show_an_opened_run_like_a_generated_one(wb, recorded):
     tr = wh.click_pixel_handler(wb, r["run_id"], FRAMES - 1, [4 * 20, 4 * 50], 1, 0)
     assert tr["status"].startswith(f"Query frame {FRAMES - 1}, row 6, col 2") and "qvg source" in tr["status"]
     assert "top 8" in wh.energy_handler(wb, r["run_id"], 0)["status"]
-    assert "no export yet" in wh.export_handler(wb, r["run_id"], FRAMES - 1, 1, 1)["status"]
+    ex = wh.export_handler(wb, r["run_id"], FRAMES - 1, 20, 50, 1, 0, ["svg"])  # a recorded run exports too
+    assert sorted(f.rsplit("/", 1)[-1].split("-")[0] for f in ex["files"]) == ["energy", "frames", "maps", "trace"]
+    assert any(f.endswith(f"-frame{FRAMES - 1}-x20-y50-layer1-head0.svg") for f in ex["files"])
+    assert "holds attention logits for layers [1, 2]" in wh.export_handler(wb, r["run_id"], FRAMES - 1, 1, 1)["status"]
     for bad, needle in ((None, "no run file"), ("/nope.safetensors", "does not exist")):
         assert needle in wh.open_run_handler(wb, bad)["status"]
 

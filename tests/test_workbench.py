@@ -22,9 +22,12 @@ def key():
 def test_run_key_id_roundtrip_and_validation(key):
     assert RunKey.parse(key.id) == key
     assert key.reference() == RunKey(2, "loop", "bf16", "kv", 2, FRAMES)
-    for bad in ("", "seed=x loop rtn kv 2-bit 10f", "hello"):
+    for bad in ("seed=x loop rtn kv 2-bit 10f", "hello", "seed=1 loop rtn kv budget=x 10f"):
         with pytest.raises(ValueError, match="not a run id"):
             RunKey.parse(bad)
+    for empty in ("", "  ", None):  # a view asked for before any run
+        with pytest.raises(ValueError, match="Generate a run first"):
+            RunKey.parse(empty)
     with pytest.raises(ValueError, match="unknown method 'nope'"):
         RunKey(method="nope")
     with pytest.raises(ValueError, match="unknown trajectory"):

@@ -208,6 +208,27 @@ def energy_spectrum(stats: torch.Tensor, rank: int = 8) -> dict[str, torch.Tenso
     return {"eigenvalues": ev, "cumulative": ev.cumsum(-1) / total, "top_fraction": frac}
 
 
+def trace_margins(logits_bf16, logits_method, source_bf16: tuple, grid: tuple[int, int]) -> dict:
+    """How firmly one traced Query picks its source: the logit margin (top-1 minus runner-up) under exact keys
+    and under the method's stored keys, and the rank the BF16 source takes under the stored keys (1: still the
+    top-1). Logits are (cached frames, tokens per frame) arrays, NaN where the cache held no token; the source is
+    (frame, row, col) on a `grid` (rows, cols) of tokens."""
+    e = torch.as_tensor(logits_bf16, dtype=torch.float64).flatten()
+    m = torch.as_tensor(logits_method, dtype=torch.float64).flatten()
+    held = torch.isfinite(e) & torch.isfinite(m)
+    if int(held.sum()) < 2:
+        raise ValueError("a margin needs at least two cached tokens")
+
+    def margin(x: torch.Tensor) -> float:
+        top = x[held].topk(2).values
+        return float(top[0] - top[1])
+
+    f, r, c = source_bf16
+    src = (f * grid[0] + r) * grid[1] + c
+    rank = int((m[held] > m[src]).sum()) + 1
+    return {"margin_bf16": margin(e), "margin_method": margin(m), "bf16_source_rank": rank}
+
+
 # ---- trace files --------------------------------------------------------------------------------
 
 def trace_keys(trace, layer: int, method: str, target: str = "k", bits: int = 2) -> dict[str, torch.Tensor]:

@@ -177,42 +177,55 @@ def save_figure(fig, stem: str | Path, formats: list[str]) -> list[Path]:
 def run_figures(wb, key, out_dir: str | Path, kinds: list[str], formats: list[str], frame: int | None = None,
                 pixel: list[int] | None = None, layer: int = 1, head: int = 0, methods: list[str] = (),
                 progress: Callable | None = None) -> list[Path]:
-    """Generate (or reuse) `key`'s run with the Workbench and write the chosen figure kinds."""
+    """Write the chosen figure kinds of a run: `key` a RunKey (generated, or reused, with the Workbench) or the
+    id of a run opened in it (a recorded run: every kind but "methods"). File names say what is drawn: the
+    run, and for maps and traces the frame, pixel, layer and head."""
     unknown = [k for k in kinds if k not in FIGURE_KINDS]
     if unknown or not kinds:
         raise ValueError(f"unknown figure kind {(unknown or ['(none)'])[0]!r}; choose from {', '.join(FIGURE_KINDS)}")
     check_formats(formats)  # before any work
-    facts = wb.model_facts()
-    cmp = wb.compare(key, progress)
+    opened = wb.loaded(key) if isinstance(key, str) else None
+    if isinstance(key, str) and opened is None:
+        raise ValueError(f"no opened run {key!r}")
+    facts = (opened or wb).model_facts()
+    cmp = opened.compare() if opened else wb.compare(key, progress)
+    run_id = key if opened else key.id
     ctx = facts["context_frames"]
     worst = [t + ctx for t in cmp["worst"]]
     t = frame if frame is not None else (worst[0] if worst else ctx)
     size = facts["frame_size"]
     x, y = pixel if pixel is not None else (size // 2, size // 2)
-    amount = f"{key.bits}bit" if key.budget is None else f"budget{key.budget:g}"
-    tag = f"seed{key.seed}-{key.trajectory}-{key.method}-{key.target}-{amount}"
+    tag = _file_tag(run_id)
+    method = opened.run.meta["method"] if opened else key.method
     out, paths = Path(out_dir), []
     for kind in kinds:
+        name = f"{kind}-{tag}"
         if kind == "frames":
-            fig = frame_series_figure(cmp["series"], worst, ctx, f"{key.id}")
+            fig = frame_series_figure(cmp["series"], worst, ctx, run_id)
         elif kind == "maps":
-            fig = maps_figure(wb.frame_view(key.id, t), f"{key.id}, frame {t}")
+            fig, name = maps_figure(wb.frame_view(run_id, t), f"{run_id}, frame {t}"), f"{name}-frame{t}"
         elif kind == "trace":
-            r = wb.pixel_trace(key.id, t, x, y, layer, head)
+            r = wb.pixel_trace(run_id, t, x, y, layer, head)
             fig = logit_heatmaps_figure(r["logits_bf16"], r["logits_method"], r["source_bf16"], r["source_method"],
-                                        key.method, facts["grid"][1],
+                                        method, facts["grid"][1],
                                         f"query frame {t}, pixel ({x}, {y}), layer {layer}, head {head}")
+            name = f"{name}-frame{t}-x{x}-y{y}-layer{layer}-head{head}"
         elif kind == "energy":
-            fig = energy_figure(wb.energy(key.id), layer, title=key.id)
+            fig, name = energy_figure(wb.energy(run_id), layer, title=run_id), f"{name}-layer{layer}"
         else:
-            if not methods:
+            if not methods or opened:
                 continue
             rows = wb.methods_table(key, list(methods))
             at = f"{key.bits}-bit" if key.budget is None else f"within {key.budget:g} bits per element"
+            amount = f"{key.bits}bit" if key.budget is None else f"budget{key.budget:g}"
             fig = bars_figure(rows, "method", ["psnr", "shift_rate", "warp_error", "bits_per_element"],
                               f"{len(rows)} methods {at}: seed {key.seed}, {key.trajectory}, target {key.target}")
             name = f"methods-{'-'.join(r['method'] for r in rows)}-seed{key.seed}-{key.trajectory}-{key.target}-{amount}"
-            paths += save_figure(fig, out / name, formats)
-            continue
-        paths += save_figure(fig, out / f"{kind}-{tag}", formats)
+        paths += save_figure(fig, out / name, formats)
     return paths
+
+
+def _file_tag(run_id: str) -> str:
+    """A run id as a file-name part: "seed=3 loop kivi kv 2-bit 32f" -> "seed3-loop-kivi-kv-2bit-32f"."""
+    keep = "".join(ch if ch.isalnum() or ch in ".+-" else "-" for ch in run_id.replace("=", "").replace("-bit", "bit"))
+    return "-".join(part for part in keep.split("-") if part)

@@ -46,6 +46,8 @@ class RunKey:
     @classmethod
     def parse(cls, text: str) -> RunKey:
         """Inverse of `id`; ValueError for anything else."""
+        if not str(text or "").strip():
+            raise ValueError("Generate a run first (or open a recorded one): no run is shown yet")
         try:
             seed, traj, method, target, size, frames = str(text).split()
             if not (seed.startswith("seed=") and (size.endswith("-bit") or size.startswith("budget="))
