@@ -37,7 +37,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
         method = gr.Dropdown(methods, value="quantwm", label="Method")
         target = gr.Radio(TARGET_CHOICES, value="kv", label="Quantize")
         bits = gr.Dropdown([2, 3, 4, 8], value=2, label="Bits")
-        budget = Number(None, label="Or a budget (bits per element; empty: Bits)", step=0.25, elem_id="budget")
+        budget = Number(0, label="Or a budget (bits per element; 0: use Bits)", step=0.25, elem_id="budget")
         frames = Number(default_frames, label=f"Frames (at most {max_frames})" if max_frames else "Frames",
                         step=facts["chunk_frames"], elem_id="frames")
     with gr.Row():
@@ -108,9 +108,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     def on_generate(seed, trajectory, method, target, bits, frames, budget=None, progress=gr.Progress()):
         r = generate(seed, trajectory, method, target, bits, frames, budget,
                      progress=progress_callback(progress, "generating BF16 and the method"))
-        if r.get("frames"):
-            r["frame_slider"] = gr.Slider(minimum=0, maximum=r["frames"] - 1, value=r["frame"], step=1)
-        return unpack(r, gen_names)
+        return shown(r)
 
     scrub_names = ["status", "bf16", "method"]
     trace_names = ["status", "query_image", "bf16_source", "method_source", "figure", "result"]
@@ -128,9 +126,19 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     pickers = [jump_layer, jump_head, trace_layer, trace_head, px, py]
 
     def shown(r):
+        """A comparison on the page: the slider sized to it, the quantized panel labelled with what it shows."""
         if r.get("frames"):
             r["frame_slider"] = gr.Slider(minimum=0, maximum=r["frames"] - 1, value=r["frame"], step=1)
+        if r.get("method_video") and r.get("method_label"):
+            r["method_video"] = gr.Video(value=r["method_video"], label=r["method_label"])
         return unpack(r, gen_names)
+
+    settings = [seed, trajectory, method, target, bits, frames]
+
+    def settings_for(r):
+        """An opened run sets the controls to the settings it was made with (what it holds of them)."""
+        c = r.get("controls") or {}
+        return tuple(c.get(n, gr.skip()) for n in ("seed", "trajectory", "method", "target", "bits", "frames"))
 
     def pixel_boxes(h: int, w: int):
         return (gr.Number(w // 2, label=f"x (0..{w - 1})"), gr.Number(h // 2, label=f"y (0..{h - 1})"))
@@ -163,18 +171,18 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
 
         def on_open(run):
             r = open_run(run, files=False)
-            return (*shown(r), *controls_for(r))
+            return (*shown(r), *controls_for(r), *settings_for(r))
 
         def on_upload(path):
             r = open_run(path)
             if r.get("run_id") and r["run_id"] not in known:
                 known.append(r["run_id"])
             pick = gr.Dropdown(choices=known, value=r["run_id"]) if r.get("run_id") else gr.skip()
-            return (*shown(r), *controls_for(r), pick)
+            return (*shown(r), *controls_for(r), *settings_for(r), pick)
 
-        for e in (open_btn.click(on_open, [run_choice], [*gen_out, *pickers], api_name="open_run", **view),
-                  run_upload.upload(on_upload, [run_upload], [*gen_out, *pickers, run_choice], api_name="upload_run",
-                                    **view)):
+        for e in (open_btn.click(on_open, [run_choice], [*gen_out, *pickers, *settings], api_name="open_run", **view),
+                  run_upload.upload(on_upload, [run_upload], [*gen_out, *pickers, *settings, run_choice],
+                                    api_name="upload_run", **view)):
             e.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name=False, **view)
     if live is not None:
         def on_live(embeddings, seed, method, target, bits, latent_frames, prompt, progress=gr.Progress()):

@@ -5,19 +5,20 @@ import gradio as gr
 import pandas as pd
 
 
-class Slider(gr.Slider):
-    """A slider whose value reaches the handler as sent: no rounding and no range check here, so a bad value
-    (from the page or the API) gets the handler's one **Error:** line naming the field and its range."""
+def unchecked(component):
+    """The component with its value passed to the handler as sent: no rounding, no range check in Gradio, so a
+    bad value (from the page or the API) gets the handler's one **Error:** line naming the field and its
+    range. (An instance attribute: a subclass would make Gradio write a stub file beside this module.)"""
+    component.preprocess = lambda payload: payload
+    return component
 
-    def preprocess(self, payload):
-        return payload
+
+def Slider(*args, **kwargs) -> gr.Slider:  # noqa: N802 (a component constructor)
+    return unchecked(gr.Slider(*args, **kwargs))
 
 
-class Number(gr.Number):
-    """A number box that passes what was typed to the handler unrounded and unchecked (see `Slider`)."""
-
-    def preprocess(self, payload):
-        return payload
+def Number(*args, **kwargs) -> gr.Number:  # noqa: N802
+    return unchecked(gr.Number(*args, **kwargs))
 
 
 def unpack(result: dict, names: list[str]) -> tuple:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable
 
@@ -96,26 +97,31 @@ def _fmt(x, digits=4):
 def generate_handler(wb, seed, trajectory, method, target, bits, frames, budget=None,
                      progress: Callable | None = None) -> dict:
     """Generate (or fetch) BF16 and the method: videos, per-frame figure, summary, the worst frame. With a
-    budget (bits per element), the method configures itself within it instead of running at `bits`."""
+    budget (bits per element; 0 or empty: none), the method configures itself within it instead of running at
+    `bits`."""
     from dataclasses import replace
 
     try:
         key = _key(seed, trajectory, method, target, bits, frames)
-        if budget is not None and str(budget).strip() != "":
+        if budget is not None and str(budget).strip() not in ("", "0", "0.0"):  # 0 or empty: run at `bits`
             key = replace(key, budget=budget_value(budget))
         wb.check_frames(key.frames)
         cached = wb.cached(key) and wb.cached(key.reference())
+        start = time.perf_counter()
         cmp = wb.compare(key, progress)
+        seconds = time.perf_counter() - start  # this request's wall time, waits and both rollouts included
     except ValueError as e:
         return error(str(e))
-    origin = "from the cache" if cached else f"generated in {cmp['seconds']:.1f} s"
+    origin = "from the cache" if cached else f"generated in {seconds:.1f} s"
+    size = f"{key.bits}-bit" if key.budget is None else f"within {key.budget:g} bits"
     if key.budget is not None:
         origin += f"; configuration within {key.budget:g} bits: {wb.configuration(key)}"
-    return _shown(cmp, key.id, wb.model_facts()["context_frames"], origin)
+    return _shown(cmp, key.id, wb.model_facts()["context_frames"], origin, f"{key.method} {size}")
 
 
-def _shown(cmp: dict, run_id: str, ctx: int, origin: str) -> dict:
-    """The Generate tab's outputs for a comparison (`Workbench.compare` or a loaded run's)."""
+def _shown(cmp: dict, run_id: str, ctx: int, origin: str, method: str) -> dict:
+    """The Generate tab's outputs for a comparison (`Workbench.compare` or a loaded run's); `method` names the
+    quantized side ("kivi 3-bit") for its panel's label, which adds the measured bits per element."""
     s = cmp["summary"]
     worst = cmp["worst"][0] + ctx if cmp["worst"] else ctx
     worst_frames = [t + ctx for t in cmp["worst"]]
@@ -125,6 +131,7 @@ def _shown(cmp: dict, run_id: str, ctx: int, origin: str) -> dict:
               f"({s['compression']:.2f}x), cache {s['memory_mb']:.2f} MB vs {s['memory_bf16_mb']:.2f} MB BF16. "
               f"Worst flicker frames: {', '.join(map(str, worst_frames)) or 'none'}.")
     return {"status": status, "run_id": run_id, "bf16_video": _video(run_id, "bf16", cmp["bf16"]),
+            "method_label": f"{method}, {s['bits_per_element']:.2f} bits/element",
             "method_video": _video(run_id, "method", cmp["method"]), "frames": len(cmp["bf16"]),
             "figure": plots.frame_series_figure(cmp["series"], worst_frames, ctx), "frame": worst,
             "worst_frames": worst_frames, "summary": {k: _fmt(v) for k, v in s.items()}}
@@ -176,7 +183,13 @@ def open_run_handler(wb, path, files: bool = True) -> dict:
                     "logit_heads": lr.run.meta["logit_heads"], "frame_hw": tuple(lr.run.bf16.shape[1:3])}
     origin = (f"opened: {f.model}, latent grid {f.latent_grid[0]}x{f.latent_grid[1]}, {f.pixels_per_token} pixels "
               f"per token, {f.vae_temporal} output frame(s) per latent frame")
-    return {**_shown(cmp, run_id, lr.context_frames, origin), **shown_layers}
+    meta = lr.run.meta
+    controls = {"method": meta["method"], "target": meta["target"], "bits": meta["bits"]}
+    if f.model == "quantwm built-in world model":  # the same world can be generated again from these
+        controls.update(seed=meta["source"]["seed"], trajectory=meta["source"]["trajectory"],
+                        frames=meta["source"]["frames"])
+    return {**_shown(cmp, run_id, lr.context_frames, origin, f"{meta['method']} {meta['bits']}-bit"),
+            **shown_layers, "controls": controls}
 
 
 def scrub_handler(wb, run_id, frame, overlays=(), layer="all", head="all") -> dict:

@@ -134,11 +134,15 @@ def test_methods_table(client):
     assert bad.startswith("**Error:**") and "budget must be a number of bits per element in (0, 16], got 0" in bad
 
 
-def test_frame_out_of_range_is_refused_with_a_message(client, generated):
-    from gradio_client.exceptions import AppError
-
-    with pytest.raises(AppError, match="greater than maximum"):
-        client.predict(generated[1], FRAMES + 3, [], "all", "all", api_name="/scrub")
+def test_bad_numbers_get_the_pages_error_line_from_the_api_too(client, generated):
+    """One kind of error: what the API sends reaches the handler unrounded and unchecked by Gradio, and comes
+    back as the page's **Error:** line naming the field and the allowed range."""
+    frame = client.predict(generated[1], FRAMES + 3, [], "all", "all", api_name="/scrub")[0]
+    assert frame.startswith("**Error:**") and f"frame {FRAMES + 3} out of range" in frame
+    seed = client.predict(-5, "loop", "quantwm", "kv", 2, FRAMES, api_name="/generate")[0]
+    assert seed.startswith("**Error:**") and "world seed must lie in [0, 100000)" in seed
+    rounded = client.predict(3.7, "loop", "quantwm", "kv", 2, FRAMES, api_name="/generate")[0]
+    assert rounded.startswith("**Error:**") and "world seed must be an integer, got 3.7" in rounded
 
 
 def test_a_second_generation_waits_in_the_queue_while_views_stay_served(server, client, generated, workbench):
