@@ -5,20 +5,20 @@ import gradio as gr
 import pandas as pd
 
 
-def unchecked(component):
-    """The component with its value passed to the handler as sent: no rounding, no range check in Gradio, so a
-    bad value (from the page or the API) gets the handler's one **Error:** line naming the field and its
-    range. (An instance attribute: a subclass would make Gradio write a stub file beside this module.)"""
-    component.preprocess = lambda payload: payload
-    return component
+def _unchecked(base: type) -> type:
+    """`base` with its value passed to the handler as sent: no rounding and no range check in Gradio, so a bad
+    value (from the page or the API) gets the handler's one **Error:** line naming the field and its range.
+
+    A subclass, so that it survives Gradio's re-instantiation of a component whose props an event updates (a
+    slider's new maximum). It keeps the base's name (the page picks its widget by the class name) and is made
+    with `type.__new__`, which skips Gradio's component metaclass hook: that hook writes a .pyi stub beside
+    the module defining a component class."""
+    return type.__new__(type(base), base.__name__, (base,), {
+        "__module__": __name__, "__doc__": _unchecked.__doc__, "preprocess": lambda self, payload: payload})
 
 
-def Slider(*args, **kwargs) -> gr.Slider:  # noqa: N802 (a component constructor)
-    return unchecked(gr.Slider(*args, **kwargs))
-
-
-def Number(*args, **kwargs) -> gr.Number:  # noqa: N802
-    return unchecked(gr.Number(*args, **kwargs))
+Slider = _unchecked(gr.Slider)
+Number = _unchecked(gr.Number)
 
 
 def unpack(result: dict, names: list[str]) -> tuple:

@@ -78,7 +78,9 @@ def test_export_figures_endpoint_writes_print_files(client, generated):
 def test_generate_returns_run_id_videos_plot_and_slider(generated):
     status, run_id, bf16_video, method_video, plot, slider = generated
     assert run_id == f"seed=4 loop quantwm kv 2-bit {FRAMES}f" and "PSNR vs BF16" in status
+    assert method_video.get("label", "").startswith("quantwm 2-bit, ") and "bits/element" in method_video["label"]
     for video in (bf16_video, method_video):
+        video = video.get("value", video) if isinstance(video, dict) else video  # an update carries its value
         path = video["video"] if isinstance(video, dict) else video
         assert next(imageio_ffmpeg.read_frames(path))["codec"] == "h264"
     assert plot["type"] == "plotly" and '"tdiff"' in plot["plot"]
