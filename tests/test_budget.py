@@ -101,3 +101,21 @@ def test_eval_and_memory_at_a_budget(capsys, tmp_path):
     assert "configuration: k: kivi at 2.5 bits" in capsys.readouterr().out
     assert main(["memory", "--preset", "tiny", "--latent-frames", "16", "--method", "nvfp4", "--budget", "2.5"]) == 2
     assert "nvfp4 cannot fit 2.5 bits per element" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["qvg", "qvg-budget", "quantwm-qsac", "rtn", "quantwm"])
+def test_the_budget_holds_on_data_that_widens_a_configurations_scales(method):
+    """A configuration that fits on a Gaussian span can overrun on real data (fp8 scales or codebooks that the
+    values push to fp16); the cache checks the rule's choice on its first span and passes over it then, to a
+    cheaper one, or says in one line that the method cannot fit: never silently over the budget."""
+    cache = KVCache(CacheConfig(method, budget=2.5), 1)
+    g = torch.Generator().manual_seed(0)
+    try:
+        for i in range(5):
+            k, v, q = (torch.randn(1, 2, 128, 64, generator=g) * 2000 for _ in range(3))  # past fp8's 448
+            cache.attend(0, q, k, v, chunk=i, commit=True)
+    except ValueError as e:
+        assert f"{method} cannot fit 2.5 bits per element" in str(e) and "\n" not in str(e)
+        assert method not in ("rtn", "quantwm")  # fp16 scales and the allocator's own accounting always fit
+        return
+    assert cache.bits_per_element() <= 2.5 + 1e-9, cache.configuration

@@ -79,8 +79,18 @@ def measured_bits(method: str, options: tuple, head_dim: int, span_tokens: int, 
     return 8 * enc.nbytes() / x.numel()
 
 
-def configure(method: str, budget: float, head_dim: int, span_tokens: int, kind: str) -> tuple[dict, float]:
-    """(options, measured bits per element) of the richest configuration of `method` within `budget`."""
+def on_span(method: str, options: dict, span: torch.Tensor, kind: str) -> float:
+    """Stored bits per element of the real span (S, N, D) under `method` with `options` (its scales and codebooks
+    may need a wider dtype than a Gaussian span's, which the stored bytes count)."""
+    m = get_method(parse_method_name(method)[0], **options)
+    return 8 * m.encode(span, kind, SpanContext()).nbytes() / span.numel()
+
+
+def configure(method: str, budget: float, head_dim: int, span_tokens: int, kind: str,
+              span: torch.Tensor | None = None) -> tuple[dict, float]:
+    """(options, measured bits per element) of the richest configuration of `method` within `budget`. With the
+    real `span` (S, N, D) (the cache passes its first quantized span), a configuration must also fit on it: one
+    whose scales or codebook the data widens past the budget is passed over for the next."""
     if not budget > 0:
         raise ValueError(f"a budget is a positive number of bits per element, got {budget}")
     if head_dim < 1 or span_tokens < 1:
@@ -91,6 +101,8 @@ def configure(method: str, budget: float, head_dim: int, span_tokens: int, kind:
             bits = measured_bits(method, tuple(sorted(opts.items())), head_dim, span_tokens, kind)
         except ValueError:  # a configuration this shape cannot take (a group larger than the span, ...)
             continue
+        if bits <= budget + 1e-9 and span is not None and "budget" not in opts:
+            bits = on_span(method, opts, span, kind)
         if bits <= budget + 1e-9:
             return opts, bits
         cheapest = min(cheapest or (bits, opts), (bits, opts), key=lambda t: t[0])

@@ -123,14 +123,16 @@ class KVCache(MemoryAccounting):
             out[kind] = self._chosen.get(kind) or (f"{self.config.method}: {method.grid()}" if on else "bf16 (not quantized)")
         return out
 
-    def _budgeted(self, kind: str, D: int, N: int) -> None:
-        """Configure `kind`'s method from its budget at the first span (the shapes are known then)."""
+    def _budgeted(self, kind: str, span: torch.Tensor) -> None:
+        """Configure `kind`'s method from its budget at the first span (S, N, D): its shape, and its data, which
+        the chosen configuration must fit too (quantwm.core.budget.configure)."""
         budget = self.config.budget_k if kind == "k" else self.config.budget_v
         if budget is None or kind in self._chosen:
             return
         from .budget import configure, describe
 
-        opts, bits = configure(self.config.base_method, budget, D, N, kind)
+        N, D = span.shape[1:]
+        opts, bits = configure(self.config.base_method, budget, D, N, kind, span)
         rest = {k: v for k, v in opts.items() if k != "bits"}
         method = make_method(self.config.method, opts.get("bits", 2), {**dict(self.config.method_options), **rest})
         if kind == "k":
@@ -244,11 +246,11 @@ class KVCache(MemoryAccounting):
         seed = self.config.seed + 7919 * layer + c.index
         ctx = SpanContext(stats=stats.repeat(B, 1, 1), state=st.method_state, seed=seed, history=st.stats.count)
         if self.quantize_k:
-            self._budgeted("k", D, N)
+            self._budgeted("k", c.k.reshape(B * H, N, D))
             c.exact_k = c.k if self.config.keep_exact else None  # diagnostics only, not counted in nbytes
             c.k_enc, c.k = self.k_method.encode(c.k.reshape(B * H, N, D), "k", ctx), None
         if self.quantize_v:
-            self._budgeted("v", D, N)
+            self._budgeted("v", c.v.reshape(B * H, N, D))
             c.exact_v = c.v if self.config.keep_exact else None
             c.v_enc, c.v = self.v_method.encode(c.v.reshape(B * H, N, D), "v", ctx), None
 

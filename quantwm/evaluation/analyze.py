@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import torch
 
-from ..core.budget import configure, describe, fit_methods
+from ..core.budget import fit_methods
 from ..core.cache import CacheConfig, KVCache
 from ..core.methods import make_method, parse_method_name
 from ..core.rope import Rope3D
@@ -83,6 +83,7 @@ def analyze_layer(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: i
     row.update(k_rel_err=rel_err(k_hat, k), v_rel_err=rel_err(v_hat, v), out_rel_err=rel_err(out_hat, out),
                bits_per_element=cache.bits_per_element())
     row["heads"] = {name: [float(a) for a in x] for name, x in heads.items()}
+    row["configuration"] = dict(cache.configuration)
     return {"layer": layer, **row}
 
 
@@ -109,19 +110,29 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
                                "budget": {"k": budget[0], "v": budget[1]}, "left_out": left_out, "configuration": {}}}
     steps = [(m, l) for m in methods for l in trace.layers]
     for i, (m, layer) in enumerate(steps):
+        if m in left_out:
+            continue
         config = CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits, sink_chunks=sink_chunks,
                              recent_chunks=recent_chunks, method_options=method_options, budget_k=budget[0],
                              budget_v=budget[1])
-        entry = report["methods"].setdefault(m, {"mean": {}, "layers": []})
-        entry["layers"].append(analyze_layer(trace, layer, config, chunk_tokens))
+        try:
+            row = analyze_layer(trace, layer, config, chunk_tokens)
+        except ValueError as e:  # a budget the method's configurations fit on a Gaussian span, not on this trace
+            if "cannot fit" not in str(e):
+                raise
+            left_out[m] = str(e).splitlines()[0]
+            report["methods"].pop(m, None)
+            continue
+        report["methods"].setdefault(m, {"mean": {}, "layers": []})["layers"].append(row)
         if progress:
             progress(i + 1, len(steps), f"{m} layer {layer}")
     for m, entry in report["methods"].items():
         entry["mean"] = {key: sum(r[key] for r in entry["layers"]) / len(entry["layers"]) for key in MEAN_KEYS}
         report["config"]["grid"][m] = make_method(m, bits, dict(method_options)).grid()
-        if any(b is not None for b in budget):
+        if any(b is not None for b in budget):  # what the layers' caches chose on their first spans
             report["config"]["configuration"][m] = {
-                kind: describe(configure(m, b, head_dim, chunk_tokens, kind)[0])
+                kind: "; ".join(dict.fromkeys(r["configuration"][kind].split(" bits: ", 1)[-1].split(" (", 1)[0]
+                                              for r in entry["layers"]))
                 for kind, b in zip("kv", budget) if b is not None and kind in target and parse_method_name(m)[0] != "bf16"}
     energy = []
     for t in trace.layers.values():

@@ -80,6 +80,7 @@ class Record:
     memory_mb: dict  # {"bf16": ..., "stored": ...}, full-precision chunks counted at 2 bytes per element
     seconds: float
     flow: torch.Tensor | None = None  # BF16 records: the optical flow every warping error against it uses
+    configuration: dict | None = None  # the cache's {"k", "v"}: what each half ran as (a budget's choice)
 
     def nbytes(self) -> int:
         """Bytes of every tensor the record holds (what it costs the results cache)."""

@@ -212,7 +212,8 @@ class Workbench:
         steps = [c.key_steps(l)[0].cpu() for l in range(L)] if c.config.jensen else None
         return Record(key, run.frames.cpu(), run.probes, k_exact, [c.keys(l)[0].cpu() for l in range(L)],
                       v_exact, [c.values(l)[0].cpu() for l in range(L)],
-                      [c.query_stats(l).cpu() for l in range(L)], steps, bpe, memory, time.time() - t0)
+                      [c.query_stats(l).cpu() for l in range(L)], steps, bpe, memory, time.time() - t0,
+                      configuration=dict(c.configuration))
 
     def pair(self, key: RunKey, progress: Callable | None = None) -> tuple[Record, Record]:
         """(BF16 record, method record) with the same world, trajectory and noise."""
@@ -419,18 +420,23 @@ class Workbench:
         self.limits.check_methods(len(keys), key.frames)
         rows = []
         for i, k in enumerate(keys):
-            ref, rec = self.pair(k, (lambda a, n, i=i: progress(i * n + a, len(keys) * n)) if progress else None)
+            try:
+                ref, rec = self.pair(k, (lambda a, n, i=i: progress(i * n + a, len(keys) * n)) if progress else None)
+            except ValueError as e:  # fits a Gaussian span of the shape, not this world's data
+                if key.budget is None or "cannot fit" not in str(e):
+                    raise
+                (left_out if left_out is not None else {})[k.method] = str(e).splitlines()[0]
+                continue
             rows.append({"method": k.method, **self.summary(ref, rec), "configuration": self.configuration(k)})
         return sorted(rows, key=lambda r: r["bits_per_element"]) if key.budget is not None else rows
 
     def configuration(self, key: RunKey) -> str:
-        """What the key's method runs as: its grid at `bits`, or what its budget rule chose for each half."""
+        """What the key's generated run ran as: its grid at `bits`, or what its cache chose within the budget for
+        each quantized half (read from the run's record: the choice the cache made on its first span)."""
         if key.method == "bf16":
             return "bf16"
         if key.budget is None:
             return f"{key.bits}-bit"
-        from ..core.budget import configure, describe
-
-        span = self.cfg.chunk_frames * self.cfg.tokens_per_frame
-        return "; ".join(f"{kind}: {describe(configure(key.method, key.budget, self.cfg.head_dim, span, kind)[0])}"
+        chosen = self.record(key.id).configuration or {}
+        return "; ".join(f"{kind}: {chosen.get(kind, '?').split(' bits: ', 1)[-1].split(' (', 1)[0]}"
                          for kind in "kv" if kind in key.target)
