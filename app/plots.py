@@ -34,12 +34,36 @@ def frame_series_figure(series: dict, worst: list[int], context_frames: int, cur
                                      hovertemplate="frame %{x}: identical to BF16<extra></extra>"), row=row, col=1)
     fig.add_vrect(x0=-0.5, x1=context_frames - 0.5, fillcolor="grey", opacity=0.15, line_width=0,
                   annotation_text="context", annotation_position="top left")
+    for kind, a, b in _coverage_runs(series.get("seen_by_context"), context_frames):
+        fig.add_vrect(x0=a - 0.5, x1=b + 0.5, line_width=0, opacity=0.12,
+                      fillcolor="#2ca02c" if kind == "memory" else "#ff7f0e")
+    shown = {kind for kind, _, _ in _coverage_runs(series.get("seen_by_context"), context_frames)}
+    for kind, color, label in (("memory", "#2ca02c", "memory: the context saw it all (should match)"),
+                               ("invented", "#ff7f0e", "places the context never saw (invented by the model)")):
+        if kind in shown:
+            fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=label, hoverinfo="skip",
+                                     marker=dict(symbol="square", size=10, color=color, opacity=0.4)), row=1, col=1)
     if current is not None:
         fig.add_vline(x=current, line_dash="dot", line_color="black")
     fig.update_xaxes(title_text="frame (click a point to jump there)", row=len(panels), col=1)
     fig.update_layout(height=140 * len(panels) + 60, margin=dict(l=50, r=10, t=40, b=40), clickmode="event",
                       legend=dict(orientation="h", y=-0.14), hovermode="closest")
     return fig
+
+
+def _coverage_runs(seen: list | None, context_frames: int) -> list[tuple[str, int, int]]:
+    """Consecutive generated frames grouped as ("memory", first, last) where the context frames saw the whole
+    view, or ("invented", first, last) where part of it is new to the model."""
+    runs: list[tuple[str, int, int]] = []
+    for t, share in enumerate(seen or []):
+        if t < context_frames or share is None:
+            continue
+        kind = "memory" if share >= 1 else "invented"
+        if runs and runs[-1][0] == kind and runs[-1][2] == t - 1:
+            runs[-1] = (kind, runs[-1][1], t)
+        else:
+            runs.append((kind, t, t))
+    return runs
 
 
 def logit_heatmaps_figure(exact: np.ndarray, stored: np.ndarray, src_exact: tuple, src_stored: tuple,

@@ -6,7 +6,7 @@ import pytest
 from app import handlers
 from app import world_handlers as wh
 from quantwm.evaluation.synthetic import make_synthetic_trace
-from quantwm.evaluation.workbench import Workbench
+from quantwm.evaluation.workbench import RunKey, Workbench
 
 FRAMES = 10
 SETTINGS = (3, "pan-return", "qvg-budget", "k", 2, FRAMES)  # lossy here (qvg's 256 centroids hold every key)
@@ -232,3 +232,17 @@ def test_export_shows_what_the_trace_panel_shows(wb, generated):
     stale = {**traced, "run": "seed=9 loop rtn kv 2-bit 10f"}  # a trace of another run is not this run's
     r = wh.export_handler(wb, rid, FRAMES - 1, 10, 20, 0, 0, ["svg"], stale)
     assert any(f.endswith(f"-frame{FRAMES - 1}-x10-y20-layer0-head0.svg") for f in r["files"])
+
+
+def test_the_per_frame_plot_tells_revisits_from_invented_places(wb, generated):
+    from app.plots import _coverage_runs, frame_series_figure
+
+    assert _coverage_runs([1, 1, 1, 0.5, 0.2, 1, 1], 2) == [("memory", 2, 2), ("invented", 3, 4), ("memory", 5, 6)]
+    key = RunKey.parse(generated[0]["run_id"])
+    seen = wb.compare(key)["series"]["seen_by_context"]
+    ctx = wb.model_facts()["context_frames"]
+    assert len(seen) == FRAMES and seen[:ctx] == [1.0] * ctx and all(0 <= s <= 1 for s in seen)
+    fig = frame_series_figure({"tdiff": [0.0] * 6, "seen_by_context": [1, 1, 1, 0.5, 1, 0.0]}, [], 2)
+    names = {t.name for t in fig.data}
+    assert any("should match" in n for n in names) and any("invented by the model" in n for n in names)
+    assert len(fig.layout.shapes) == 1 + 4  # the context, then memory / invented / memory / invented

@@ -81,6 +81,7 @@ class Record:
     seconds: float
     flow: torch.Tensor | None = None  # BF16 records: the optical flow every warping error against it uses
     configuration: dict | None = None  # the cache's {"k", "v"}: what each half ran as (a budget's choice)
+    coverage: list | None = None  # per frame, the share of its view the context frames saw (1: a revisit)
 
     def nbytes(self) -> int:
         """Bytes of every tensor the record holds (what it costs the results cache)."""

@@ -213,7 +213,7 @@ class Workbench:
         return Record(key, run.frames.cpu(), run.probes, k_exact, [c.keys(l)[0].cpu() for l in range(L)],
                       v_exact, [c.values(l)[0].cpu() for l in range(L)],
                       [c.query_stats(l).cpu() for l in range(L)], steps, bpe, memory, time.time() - t0,
-                      configuration=dict(c.configuration))
+                      configuration=dict(c.configuration), coverage=run.coverage())
 
     def pair(self, key: RunKey, progress: Callable | None = None) -> tuple[Record, Record]:
         """(BF16 record, method record) with the same world, trajectory and noise."""
@@ -234,6 +234,8 @@ class Workbench:
         c = self.cfg
         series = D.frame_series(rec.frames, ref.frames, c.context_frames, self.reference_flow(ref))
         series["shift_rate"] = D.shift_rate_per_frame(rec.probes, key.frames, c.chunk_frames, c.tokens_per_frame)
+        if rec.coverage is not None:
+            series["seen_by_context"] = list(rec.coverage)
         return {"key": key.id, "bf16": self.frames_uint8(ref), "method": self.frames_uint8(rec),
                 "series": series, "summary": self.summary(ref, rec, lpips=False),
                 "worst": D.worst_frames(series["tdiff"][c.context_frames:], 3),

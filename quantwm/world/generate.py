@@ -126,6 +126,10 @@ class Rollout:
         """The generated frames whose view the context frames had fully seen (`revisited_frames`)."""
         return revisited_frames(self.poses, self.config.context_frames, self.config.view)
 
+    def coverage(self) -> list[float]:
+        """Per frame, the share of its view the context frames had seen (`context_coverage`)."""
+        return context_coverage(self.poses, self.config.context_frames, self.config.view)
+
     def revisit_psnr(self) -> float:
         """PSNR against ground truth on the revisited views, averaged over them (NaN when there are none)."""
         rv = self.revisited()
@@ -192,6 +196,15 @@ def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", 
                 progress(c + 1, n_chunks)
     frames = unpatchify((out.cpu() + 1) / 2, cfg.view, cfg.patch).clamp(0, 1)
     return Rollout(frames, gt, poses, places, probes, cache, cfg)
+
+
+def context_coverage(poses: torch.Tensor, context_frames: int, view: int = 8) -> list[float]:
+    """Per frame, the share of its view's world patches the context frames saw (1 for the context itself): 1
+    is a revisit, where the model should reproduce what it was shown; below 1 it must invent the rest."""
+    places = token_world_coords(poses, view)
+    seen = {tuple(p) for p in places[:context_frames].reshape(-1, 2).tolist()}
+    return [1.0 if t < context_frames else sum(tuple(p) in seen for p in places[t].tolist()) / len(places[t])
+            for t in range(len(poses))]
 
 
 def revisited_frames(poses: torch.Tensor, context_frames: int, view: int = 8) -> list[int]:
