@@ -21,7 +21,7 @@ def _focused_stats(S, D, dims=8):
     return stats
 
 
-@pytest.mark.parametrize("N, D", [(128, 64), (576, 128), (1728, 128)])
+@pytest.mark.parametrize("N, D", [(128, 64), (576, 128), (1728, 128), (200, 40)])
 @pytest.mark.parametrize("budget", [2.25, 2.5, 3.0, 4.0])
 @pytest.mark.parametrize("kind", ["k", "v"])
 def test_every_span_stays_within_its_budget(N, D, budget, kind):

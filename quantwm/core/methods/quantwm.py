@@ -26,7 +26,7 @@ spans quantized before any history (the first one) use uniform weights and no PS
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -35,7 +35,7 @@ from ..kmeans import weighted_sqdist
 from ..psac import psac_basis, psac_correction, psac_correction_ranked, psac_encode, psac_encode_ranked, spectrum_ranks
 from ..qsac import channel_sensitivity, qsac_assign
 from ..quant import SCALE_DTYPES, check_bits, dequantize_groups, to_storage
-from .base import Encoded, SpanContext, register
+from .base import Encoded, Method, SpanContext, register
 from .qvg import QVGBudget, gather_rows
 
 
@@ -127,17 +127,18 @@ class QuantWM(QVGBudget):
         with the bits that minimise the predicted error within `budget` bits per element. Two smoothings are
         priced, k-means centroids and one mean per span (a grouped RTN in effect), and the one with the lower
         predicted error is kept."""
-        self.validate(x, kind)
+        Method.validate(self, x, kind)  # any head dim: the allocator's grids are per channel, not groups of them
         S, N, D = x.shape
         if kind == "k" and self.qsac and ctx.history:
             w = channel_sensitivity(ctx.stats_or_identity(S, D, x.device))  # λ_i = S_ii (normalised)
         else:
             w = torch.ones(S, D, device=x.device)
         cost = torch.tensor([8.0 * channel_bytes(N, b) for b in range(9)])
+        smoother = self if D % self.group_size == 0 else replace(self, group_size=D)  # its groups go unused here
         best = None
         for K in dict.fromkeys((self.n_clusters(N), 1)):
             if K > 1:
-                r, stored = self.smooth(x, kind, ctx, assign=lambda xs, c: weighted_sqdist(xs, c, w).argmin(-1))
+                r, stored = smoother.smooth(x, kind, ctx, assign=lambda xs, c: weighted_sqdist(xs, c, w).argmin(-1))
             else:
                 stored = {"codebook0": to_storage(x.float().mean(1, keepdim=True), SCALE_DTYPES[self.codebook_dtype])}
                 r = x.float() - stored["codebook0"].float()
