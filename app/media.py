@@ -50,6 +50,18 @@ def draw_box(img: np.ndarray, row: int, col: int, cell: int, color=YELLOW, width
     return out
 
 
+def label(img: np.ndarray, text: str) -> np.ndarray:
+    """A copy of img (H, W, 3) uint8 with `text` in its top-left corner, white on a dark band (PIL's font)."""
+    from PIL import Image, ImageDraw
+
+    pic = Image.fromarray(img)
+    draw = ImageDraw.Draw(pic)
+    box = draw.textbbox((3, 2), text)
+    draw.rectangle((0, 0, box[2] + 3, box[3] + 2), fill=(0, 0, 0))
+    draw.text((3, 2), text, fill=(255, 255, 255))
+    return np.asarray(pic)
+
+
 def write_mp4(frames: np.ndarray, factor: int, directory: str | None = None, name: str = "run") -> str:
     """Encode (T, H, W, 3) uint8 frames, enlarged by `factor`, as H.264 yuv420p MP4 (plays in browsers)."""
     directory = directory or tempfile.mkdtemp(prefix="quantwm-video-")

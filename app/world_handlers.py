@@ -24,7 +24,7 @@ from .values import integer, name, readable_file
 
 FACTOR = 4  # the built-in model's 64x64 frames are shown enlarged 4x on the server (`factor_for`)
 DISPLAY = 256  # frames are enlarged by an integer factor to about this many pixels on their longer side
-THUMB = 2  # source thumbnails
+THUMB = 3  # source thumbnails: 192 x 192 for the built-in 64 x 64 frames, each labelled with its frame
 FLICKER_FULL_SCALE = 0.25  # a flicker of a quarter of the intensity range shows full red
 WARP_FULL_SCALE = 0.15  # a warping error of 0.15 shows full orange
 OVERLAYS = ("flicker map", "warping error", "top-1 jumps")
@@ -218,6 +218,13 @@ def scrub_handler(wb, run_id, frame, overlays=(), layer="all", head="all") -> di
             method = media.tint(method, v["jumps"], media.CYAN, strength=0.6)
     if v["jumps"] is not None:
         notes.append(f"tokens whose top-1 moved: {float(v['jumps'].mean()):.1%} (layer {layer}, head {head})")
+    scales = {"flicker map": f"red from 0 to full at a flicker of {FLICKER_FULL_SCALE:g} or more",
+              "warping error": f"orange from 0 to full at a warping error of {WARP_FULL_SCALE:g} or more",
+              "top-1 jumps": "cyan by the share of the chosen layers and heads whose top-1 moved at that token "
+                             "(0 to 100%)"}
+    shown = [scales[o] for o in overlays if o in scales and (o != "top-1 jumps" or v["jumps"] is not None)]
+    if shown:
+        notes.append("overlay scales: " + "; ".join(shown))
     f = factor_for(v["bf16"].shape)
     return {"status": ", ".join(notes) + ".", "bf16": media.enlarge(v["bf16"], f),
             "method": media.enlarge(method, f), "frame": v["frame"]}
@@ -241,7 +248,8 @@ def trace_pixel_handler(wb, run_id, frame, x, y, layer=0, head=0) -> dict:
 
     def thumb(src, color):
         f, rr, cc = src
-        return media.draw_box(media.enlarge(r["frames"][f], THUMB), rr, cc, cell * THUMB, color, 2)
+        return media.label(media.draw_box(media.enlarge(r["frames"][f], THUMB), rr, cc, cell * THUMB, color, 2),
+                           f"frame {f}")
 
     verdict = "**jumped**: quantized keys fetch a different token" if r["jumped"] else "same source: no jump"
     from quantwm.evaluation.diagnostics import trace_margins

@@ -100,7 +100,7 @@ def test_pixel_trace_twin_returns_sources(client, generated):
     assert all(0 <= f < FRAMES - 2 for f in (result["source_bf16"][0], result["source_method"][0]))
     assert result["jumped"] == (result["source_bf16"] != result["source_method"])
     assert "BF16 source: frame" in status and heatmap["type"] == "plotly" and '"heatmap"' in heatmap["plot"]
-    assert Image.open(src_method).size == (128, 128)
+    assert Image.open(src_method).size == (192, 192)
 
 
 def test_pixel_trace_bad_pixel_is_a_message(client, generated):

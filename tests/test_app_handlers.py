@@ -63,6 +63,9 @@ def test_scrub_enlarges_both_frames_and_overlays_change_only_the_method_frame(wb
     both = wh.scrub_handler(wb, rid, t, list(wh.OVERLAYS), "all", "all")
     assert np.array_equal(both["bf16"], plain["bf16"]) and not np.array_equal(both["method"], plain["method"])
     assert f"Frame **{t}**" in both["status"] and "top-1 moved" in both["status"]
+    assert "overlay scales: red from 0 to full at a flicker of 0.25" in both["status"]  # each overlay's colour scale
+    assert "cyan by the share of the chosen layers and heads whose top-1 moved" in both["status"]
+    assert "overlay scales" not in plain["status"]
     warp = wh.scrub_handler(wb, rid, t, ["warping error"])  # the motion-compensated flicker overlay alone
     assert "mean warping error" in warp["status"] and not np.array_equal(warp["method"], plain["method"])
     assert np.array_equal(wh.scrub_handler(wb, rid, 0, ["warping error", "flicker map"])["method"],
@@ -101,7 +104,9 @@ def test_trace_pixel_twin_and_click_agree(wb, generated):
     assert res["query"] == [FRAMES - 1, 1, 5] and res["layer"] == 2 and res["head"] == 1
     assert res["jumped"] == (res["source_bf16"] != res["source_method"])
     assert f"frame {res['source_bf16'][0]}, row {res['source_bf16'][1]}" in twin["status"]
-    assert twin["query_image"].shape == twin["bf16_source"].shape == (128, 128, 3)
+    assert twin["query_image"].shape == twin["bf16_source"].shape == (192, 192, 3)
+    band = twin["bf16_source"][:14, :60]  # its frame label: light text on a black band in the corner
+    assert (band == 0).all(-1).mean() > 0.3 and (band >= 200).all(-1).any()
     kinds = [t.type for t in twin["figure"].data]
     assert kinds.count("heatmap") == 3
     assert_markers_on_maxima(twin["figure"])
