@@ -1,6 +1,12 @@
 () => {
   // Click a point of the per-frame plot: move the frame slider there (its change event scrubs both runs).
   // Play, pause and seek of either video are mirrored on the other, so both play in lockstep.
+  // A newly loaded pair opens on the run's worst flicker frame (named in the status line), not on frame 0.
+  const FPS = 8;  // app/media.py writes the videos at 8 frames per second
+  const showWorst = (v) => {
+    const m = /Worst flicker frames: (\d+)/.exec(document.querySelector('#generate-status')?.innerText || '');
+    if (m && v.paused && v.currentTime === 0) v.currentTime = (Number(m[1]) + 0.5) / FPS;
+  };
   const setSlider = (frame) => {
     const box = document.querySelector('#frame-slider input[type="number"]');
     const range = document.querySelector('#frame-slider input[type="range"]');
@@ -24,6 +30,13 @@
   const hookVideos = () => {
     const a = document.querySelector('#video-bf16 video');
     const b = document.querySelector('#video-method video');
+    for (const v of [a, b]) {
+      if (v && !v.__quantwmWorst) {
+        v.__quantwmWorst = true;
+        v.addEventListener('loadedmetadata', () => showWorst(v));
+        if (v.readyState >= 1) showWorst(v);
+      }
+    }
     if (!a || !b || (a.__quantwmPair === b)) return;
     a.__quantwmPair = b; b.__quantwmPair = a;
     for (const [x, y] of [[a, b], [b, a]]) {

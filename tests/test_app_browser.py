@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import sys
 
 import pytest
@@ -182,6 +183,10 @@ def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifa
     assert run_id(page) == f"seed=0 loop quantwm kv 2-bit {FRAMES}f"
     assert "PSNR vs BF16" in page.locator("#generate-status").inner_text()
     assert page.locator("#video-bf16 video").count() == 1 and page.locator("#video-method video").count() == 1
+    worst = int(re.search(r"Worst flicker frames: (\d+)", page.locator("#generate-status").inner_text()).group(1))
+    page.wait_for_function("(t) => ['#video-bf16 video', '#video-method video'].every(s => "
+                           "Math.abs(document.querySelector(s).currentTime - t) < 0.01)", arg=(worst + 0.5) / 8,
+                           timeout=WAIT)  # both videos open on the worst frame, not on frame 0
     scrub_to(page, FRAMES - 2)  # type a frame into the slider's box; both frames and the info line follow
     check_overlay(page, "warping error")  # the motion-compensated warping-error overlay tints the quantized frame
     assert "mean warping error" in page.locator("#frame-info").inner_text()
