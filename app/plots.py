@@ -5,14 +5,17 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+HEAD_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+               "#17becf", "#393b79", "#ad494a")
+
 
 def frame_series_figure(series: dict, worst: list[int], context_frames: int, current: int | None = None) -> go.Figure:
     """Stacked per-frame panels (tdiff, warping error, PSNR vs BF16, shift rate); worst frames marked; frames
     identical to BF16 drawn as open squares at the top of the PSNR panel (no PSNR, no cap); click = frame."""
     n = len(series["tdiff"])
     x = list(range(n))
-    panels = [("tdiff", "#d62728", "flicker tdiff-L1 vs BF16 (higher = worse)"),
-              ("warp_error", "#ff7f0e", "warping error, motion-compensated (higher = worse)"),
+    panels = [("tdiff", "#d62728", "flicker (tdiff-L1 vs BF16; higher = worse)"),
+              ("warp_error", "#ff7f0e", "extra warping error vs BF16 (above 0 = worse)"),
               ("psnr", "#1f77b4", "PSNR vs BF16 (dB)"), ("shift_rate", "#9467bd", "top-1 shift rate")]
     panels = [p for p in panels if p[0] in series]
     fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.05,
@@ -22,10 +25,11 @@ def frame_series_figure(series: dict, worst: list[int], context_frames: int, cur
         fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=name, line=dict(color=color),
                                  marker=dict(size=6), hovertemplate="frame %{x}: %{y:.4g}<extra>" + name + "</extra>"),
                       row=row, col=1)
-        wx = [t for t in worst if y[t] is not None]
-        fig.add_trace(go.Scatter(x=wx, y=[y[t] for t in wx], mode="markers", name="worst flicker frames",
-                                 marker=dict(symbol="x", size=13, color="black"), showlegend=row == 1,
-                                 hovertemplate="worst frame %{x}<extra></extra>"), row=row, col=1)
+        wx = [t for t in worst if y[t] is not None] if name == "tdiff" else []  # marked where flicker is drawn
+        if wx:
+            fig.add_trace(go.Scatter(x=wx, y=[y[t] for t in wx], mode="markers", name="worst flicker frames",
+                                     marker=dict(symbol="x", size=13, color="black"),
+                                     hovertemplate="worst frame %{x}<extra></extra>"), row=row, col=1)
         finite = [v for v in y if v is not None]
         same = [t for t, v in enumerate(series.get("identical") or []) if v and t >= context_frames]
         if name == "psnr" and same and finite:
@@ -33,7 +37,7 @@ def frame_series_figure(series: dict, worst: list[int], context_frames: int, cur
                                      marker=dict(symbol="square-open", size=9, color="grey"),
                                      hovertemplate="frame %{x}: identical to BF16<extra></extra>"), row=row, col=1)
     fig.add_vrect(x0=-0.5, x1=context_frames - 0.5, fillcolor="grey", opacity=0.15, line_width=0,
-                  annotation_text="context", annotation_position="top left")
+                  annotation_text="context", annotation_position="bottom left", annotation_font_size=10)
     for kind, a, b in _coverage_runs(series.get("seen_by_context"), context_frames):
         fig.add_vrect(x0=a - 0.5, x1=b + 0.5, line_width=0, opacity=0.12,
                       fillcolor="#2ca02c" if kind == "memory" else "#ff7f0e")
@@ -48,6 +52,7 @@ def frame_series_figure(series: dict, worst: list[int], context_frames: int, cur
     fig.update_xaxes(title_text="frame (click a point to jump there)", row=len(panels), col=1)
     fig.update_layout(height=140 * len(panels) + 60, margin=dict(l=50, r=10, t=40, b=40), clickmode="event",
                       legend=dict(orientation="h", y=-0.14), hovermode="closest")
+    fig.update_annotations(font_size=11)  # the panel titles fit the panel's width
     return fig
 
 
@@ -99,16 +104,20 @@ def energy_figure(spectra: list[dict], layer: int, rank: int = 8) -> go.Figure:
     fig = make_subplots(rows=1, cols=2, subplot_titles=(f"layer {layer}: eigenvalues of S = E[q qᵀ]",
                                                         "cumulative energy"))
     idx = list(range(1, ev.shape[1] + 1))
-    for h in range(ev.shape[0]):
-        fig.add_trace(go.Scatter(x=idx, y=ev[h], mode="lines", name=f"head {h}", legendgroup=str(h)), 1, 1)
-        fig.add_trace(go.Scatter(x=idx, y=cum[h], mode="lines", name=f"head {h}: top-{rank} {top[h]:.1%}",
-                                 legendgroup=str(h)), 1, 2)
+    for h in range(ev.shape[0]):  # one colour per head in both panels, one legend entry per head
+        color = HEAD_COLORS[h % len(HEAD_COLORS)]
+        fig.add_trace(go.Scatter(x=idx, y=ev[h], mode="lines", name=f"head {h} (top-{rank} {top[h]:.0%})",
+                                 legendgroup=str(h), line=dict(color=color)), 1, 1)
+        fig.add_trace(go.Scatter(x=idx, y=cum[h], mode="lines", name=f"head {h}", legendgroup=str(h),
+                                 showlegend=False, line=dict(color=color),
+                                 hovertemplate=f"head {h}: top-{rank} {top[h]:.1%}<extra></extra>"), 1, 2)
     fig.add_vline(x=rank, line_dash="dash", line_color="black", annotation_text=f"R={rank}", row=1, col=2)
     fig.add_vline(x=rank, line_dash="dash", line_color="black", row=1, col=1)
     fig.update_yaxes(type="log", row=1, col=1)
     fig.update_yaxes(range=[0, 1.02], row=1, col=2)
     fig.update_xaxes(title_text="eigen-direction (descending)")
-    fig.update_layout(height=360, margin=dict(l=50, r=10, t=40, b=40))
+    fig.update_layout(height=360 + 18 * ((ev.shape[0] + 3) // 4), margin=dict(l=50, r=10, t=40, b=40),
+                      legend=dict(orientation="h", y=-0.25))  # below the panels, in rows: no scrolling
     return fig
 
 

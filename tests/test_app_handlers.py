@@ -35,6 +35,7 @@ def test_generate_returns_h264_videos_plot_and_worst_frame(generated):
     assert r["frames"] == FRAMES and 4 <= r["frame"] < FRAMES and r["frame"] == r["worst_frames"][0]
     names = [t.name for t in r["figure"].data]
     assert names[:2] == ["tdiff", "worst flicker frames"] and "shift_rate" in names
+    assert names.count("worst flicker frames") == 1  # marked on the flicker panel only
     assert calls and calls[-1][0] == calls[-1][1]  # the progress bar reached its end
 
 
@@ -134,6 +135,10 @@ def test_energy_handler_table_and_bad_layer(wb, generated):
     r = wh.energy_handler(wb, generated[0]["run_id"], 1)
     assert r["header"][0] == "layer" and len(r["rows"]) == wb.cfg.layers and len(r["rows"][0]) == 1 + wb.cfg.heads
     assert "top 8 of 64" in r["status"] and len(r["figure"].data) == 2 * wb.cfg.heads
+    data = r["figure"].data  # one colour per head in both panels, and one legend entry per head
+    assert all(data[2 * h].line.color == data[2 * h + 1].line.color for h in range(wb.cfg.heads))
+    assert len({data[2 * h].line.color for h in range(wb.cfg.heads)}) == wb.cfg.heads
+    assert sum(bool(t.showlegend is not False) for t in data) == wb.cfg.heads
     assert wh.energy_handler(wb, generated[0]["run_id"], 9)["status"].startswith("**Error:** layer 9")
 
 
