@@ -352,13 +352,13 @@ DEFAULT_BUDGET = 2.5  # bits per element the Methods tab compares at
 
 def budget_value(value) -> float:
     """A budget from the page or the API: a number of bits per element in (0, 16]."""
+    from quantwm.core.quant import check_budget
+
     try:
         b = float(value)
     except (TypeError, ValueError):
-        raise ValueError(f"budget must be a number of bits per element in (0, 16], got {value!r}") from None
-    if not 0 < b <= 16:
-        raise ValueError(f"budget must be a number of bits per element in (0, 16], got {value!r}")
-    return b
+        b = None
+    return check_budget(b, shown=value)
 
 
 def methods_handler(wb, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET,

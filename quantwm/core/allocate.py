@@ -57,7 +57,8 @@ def _codes(r: torch.Tensor, low: torch.Tensor, step: torch.Tensor, bits: int) ->
 
 def error_tables(r: torch.Tensor, levels: tuple[int, ...] = LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
     """E (S, D, L): each channel's squared error at each level with its best clip, measured on a strided sample
-    of at most SAMPLE_TOKENS tokens and scaled to the span; alpha (S, D, L) the clip chosen (1 at 0 bits)."""
+    of at most SAMPLE_TOKENS tokens and scaled to the span; alpha (S, D, L) the clip chosen (1 at 0 bits). Both
+    on the CPU, where the (small) allocation runs, whatever device r is on."""
     S, N, D = r.shape
     sample = r[:, :: max(1, math.ceil(N / SAMPLE_TOKENS))].float()
     scale = N / sample.shape[1]
@@ -65,7 +66,7 @@ def error_tables(r: torch.Tensor, levels: tuple[int, ...] = LEVELS) -> tuple[tor
     A = torch.ones(S, D, len(levels))
     for j, b in enumerate(levels):
         if b == 0:
-            E[..., j] = sample.square().sum(1) * scale
+            E[..., j] = (sample.square().sum(1) * scale).cpu()
             continue
         best = None
         for a in CLIPS if b <= 4 else CLIPS[:2]:
@@ -76,7 +77,7 @@ def error_tables(r: torch.Tensor, levels: tuple[int, ...] = LEVELS) -> tuple[tor
             else:
                 alpha = torch.where(e < best, a, alpha)
                 best = torch.minimum(best, e)
-        E[..., j], A[..., j] = best, alpha
+        E[..., j], A[..., j] = best.cpu(), alpha.cpu()
     return E, A
 
 
@@ -122,8 +123,9 @@ def encode_channels(r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor) ->
     """Code r (S, N, D) with bits (S, D) per channel and clips alpha (S, D): {alloc_bits, alloc_low,
     alloc_step, alloc_codes.{s}} (a stream's codes: its coded channels in order, each packed along the span)."""
     S, N, D = r.shape
-    low = torch.zeros(S, D)
-    step = torch.ones(S, D)
+    bits, alpha = bits.to(r.device), alpha.to(r.device)  # chosen on the CPU (`allocate`), coded where r lives
+    low = torch.zeros(S, D, device=r.device)
+    step = torch.ones(S, D, device=r.device)
     for b in sorted(set(bits.unique().tolist()) - {0}):
         m = bits == b
         for a in sorted(set(alpha[m].tolist())):
@@ -135,14 +137,14 @@ def encode_channels(r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor) ->
     for s in range(S):
         parts = [pack_bits_ref(codes[s, :, bits[s] == b].T.clamp(0, 2 ** b - 1), b).reshape(-1)
                  for b in range(1, 9) if bool((bits[s] == b).any())]
-        out[f"alloc_codes.{s}"] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+        out[f"alloc_codes.{s}"] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=r.device)
     return out
 
 
 def decode_channels(t: dict[str, torch.Tensor], shape: tuple[int, int, int]) -> torch.Tensor:
     """The coded residual (S, N, D) float32 from `encode_channels`' tensors (0-bit channels decode to 0)."""
     S, N, D = shape
-    out = torch.zeros(S, N, D)
+    out = torch.zeros(S, N, D, device=t["alloc_low"].device)
     bits = t["alloc_bits"].long()
     low, step = t["alloc_low"].float(), t["alloc_step"].float()
     for s in range(S):

@@ -12,16 +12,15 @@ its knobs; the first whose stored bits per element fit the budget is chosen:
 * `qvg-pro`: bits 4, 2, each with 256, 64, 16 centroids (4 stages, groups of 16, as QVG-Pro).
 * `qvg-budget`: bits 4, 3, 2.
 * `quantwm`: its allocator at the budget itself (core/allocate.py: per channel 0-8 bits by the predicted logit
-  error, for Keys and Values); where its tables cannot fit (tiny spans at tiny budgets), the stated order:
-  residual bits 4, 3, 2; within each, PSAC rank 16, 8, 4, 2 with 8- then 4-bit coefficients, then
-  PSAC off (QSAC alone); groups of 64, then 128 channels where the head allows. (A stated order, not yet the
-  logit-error allocator.)
+  error, for Keys and Values); where its tables cannot fit (tiny spans at tiny budgets), its fixed
+  configurations in a stated order: residual bits 4, 3, 2; within each, PSAC rank 16, 8, 4, 2 with 8- then
+  4-bit coefficients, then PSAC off (QSAC alone); groups of 64, then 128 channels where the head allows.
 * `quantwm-paper`: bits 4, 3, 2, each with 256, 16, 4 centroids.
 * `nvfp4` (4.5 bits), `int8k-fp8v` (about 8), `bf16` (16): their one configuration, when it fits.
 
 Bits per element are measured, not estimated: each candidate encodes one seeded Gaussian span of the given
 shape, and its stored bytes (codes and every piece of metadata, a PSAC basis counted in full) are counted.
-A method none of whose candidates fits raises `ValueError` naming its cheapest configuration.
+A method none of whose candidates fits raises `BudgetError` (a ValueError) naming its cheapest configuration.
 """
 from __future__ import annotations
 
@@ -31,6 +30,7 @@ import functools
 import torch
 
 from .methods import REGISTRY, SpanContext, get_method, parse_method_name
+from .quant import BudgetError
 
 GROUPS = (32, 64, 128)
 PSAC_STEPS = ((16, 8), (16, 4), (8, 8), (8, 4), (4, 8), (4, 4), (2, 4))
@@ -109,7 +109,7 @@ def configure(method: str, budget: float, head_dim: int, span_tokens: int, kind:
     where = f"at head dim {head_dim} and spans of {span_tokens} tokens ({'Keys' if kind == 'k' else 'Values'})"
     least = (f"its cheapest configuration stores {cheapest[0]:.3f} ({describe(cheapest[1])})" if cheapest
              else "no configuration fits the shape")
-    raise ValueError(f"{method} cannot fit {budget:g} bits per element {where}: {least}")
+    raise BudgetError(f"{method} cannot fit {budget:g} bits per element {where}: {least}")
 
 
 def describe(options: dict) -> str:

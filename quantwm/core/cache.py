@@ -53,7 +53,8 @@ this module touches the cache's private fields:
 `CacheConfig(method="qvg", jensen=True)` and `CacheConfig(method="qvg+jensen")` are the same configuration.
 `CacheConfig(method="kivi", budget=2.5)` lets the method choose its configuration from the budget (bits per
 element from stored bytes; `budget_k`/`budget_v` apart) at the first quantized span, by its rule in
-quantwm.core.budget; `cache.configuration` says what it chose, and a method that cannot fit raises ValueError.
+quantwm.core.budget; `cache.configuration` says what it chose (`cache.budget_choice`: the options alone), and a
+method that cannot fit raises `BudgetError` (a ValueError).
 Inputs are checked at the boundary: shapes and dtypes always, NaN/Inf once per call (one host sync);
 `CacheConfig(check_inputs=False)` drops that check, so a pass over a warm cache never waits on the device
 (CUDA graphs, torch.compile). Quantizing a span at commit still validates what it encodes.
@@ -76,7 +77,8 @@ from .stats import QueryStats, rope_conjugate
 __all__ = ["CacheConfig", "CacheMemory", "Chunk", "KVCache", "LAYOUTS", "PUBLIC", "ROPE_MODES", "SpanView", "TARGETS",
            "jensen_bias"]
 # The contract: every name code outside quantwm/core may use on a KVCache (tests/test_cache.py checks the uses).
-PUBLIC = ("n_layers", "config", "rope", "quantize_k", "quantize_v", "uses_queries", "configuration", "attend", "write",
+PUBLIC = ("n_layers", "config", "rope", "quantize_k", "quantize_v", "uses_queries", "configuration", "budget_choice",
+          "attend", "write",
           "commit", "evict_span", "observe", "load_query_stats", "seq_len", "inspect", "positions", "keys", "values",
           "query_stats", "key_steps", "logit_bias", "next_chunk", "next_token", "reset", "memory", "nbytes",
           "bytes_by_component", "runtime_bytes", "bits_per_element", "cache_bits_per_element")
@@ -113,6 +115,7 @@ class KVCache(MemoryAccounting):
         self.k_method = make_method(self.config.method, self.config.k_bits, opts)
         self.v_method = make_method(self.config.method, self.config.v_bits, opts)
         self._chosen: dict[str, str] = {}  # kind -> the configuration a budget chose (at the first span)
+        self._chosen_options: dict[str, str] = {}  # kind -> the same choice's options alone
 
     @property
     def configuration(self) -> dict[str, str]:
@@ -122,6 +125,12 @@ class KVCache(MemoryAccounting):
         for kind, method, on in (("k", self.k_method, self.quantize_k), ("v", self.v_method, self.quantize_v)):
             out[kind] = self._chosen.get(kind) or (f"{self.config.method}: {method.grid()}" if on else "bf16 (not quantized)")
         return out
+
+    @property
+    def budget_choice(self) -> dict[str, str]:
+        """{kind: options} of each half a budget configured ("bits=2, group_size=64"; empty before the first
+        quantized span): what `configuration` says, without its prose."""
+        return dict(self._chosen_options)
 
     def _budgeted(self, kind: str, span: torch.Tensor) -> None:
         """Configure `kind`'s method from its budget at the first span (S, N, D): its shape, and its data, which
@@ -139,6 +148,7 @@ class KVCache(MemoryAccounting):
             self.k_method = method
         else:
             self.v_method = method
+        self._chosen_options[kind] = describe(opts)
         self._chosen[kind] = (f"{self.config.method} at {budget:g} bits: {describe(opts)} "
                               f"({bits:.3f} bits per element on a span of {N} tokens x {D})")
 

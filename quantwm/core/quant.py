@@ -40,6 +40,20 @@ def check_bits(bits: int) -> int:
     return bits
 
 
+class BudgetError(ValueError):
+    """A method that cannot store a span within the bits-per-element budget it was given (core/budget.py, the
+    allocator): callers that compare methods at a budget leave that method out with this one-line reason."""
+
+
+def check_budget(value, shown=None) -> float:
+    """A method's budget: a real number of bits per element in (0, 16]; `shown` is what the error quotes (the
+    request's own spelling, when the caller parsed it)."""
+    if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 16):
+        quoted = value if shown is None else shown
+        raise ValueError(f"budget must be a number of bits per element in (0, 16], got {quoted!r}")
+    return float(value)
+
+
 def check_pack_bits(bits: int) -> int:
     """Packing takes any width from 1 to 8 bits (the allocator's mixed channels); quantizers take SUPPORTED_BITS."""
     if bits not in PACK_BITS:

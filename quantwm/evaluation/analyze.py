@@ -21,6 +21,7 @@ import torch
 from ..core.budget import fit_methods
 from ..core.cache import CacheConfig, KVCache
 from ..core.methods import make_method, parse_method_name
+from ..core.quant import BudgetError
 from ..core.rope import Rope3D
 from .metrics import attention_metrics, query_energy, rel_err, second_moment
 from .trace import Trace
@@ -83,7 +84,7 @@ def analyze_layer(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: i
     row.update(k_rel_err=rel_err(k_hat, k), v_rel_err=rel_err(v_hat, v), out_rel_err=rel_err(out_hat, out),
                bits_per_element=cache.bits_per_element())
     row["heads"] = {name: [float(a) for a in x] for name, x in heads.items()}
-    row["configuration"] = dict(cache.configuration)
+    row["budget_choice"] = cache.budget_choice
     return {"layer": layer, **row}
 
 
@@ -117,9 +118,7 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
                              budget_v=budget[1])
         try:
             row = analyze_layer(trace, layer, config, chunk_tokens)
-        except ValueError as e:  # a budget the method's configurations fit on a Gaussian span, not on this trace
-            if "cannot fit" not in str(e):
-                raise
+        except BudgetError as e:  # a budget the method's configurations fit on a Gaussian span, not on this trace
             left_out[m] = str(e).splitlines()[0]
             report["methods"].pop(m, None)
             continue
@@ -131,8 +130,7 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
         report["config"]["grid"][m] = make_method(m, bits, dict(method_options)).grid()
         if any(b is not None for b in budget):  # what the layers' caches chose on their first spans
             report["config"]["configuration"][m] = {
-                kind: "; ".join(dict.fromkeys(r["configuration"][kind].split(" bits: ", 1)[-1].split(" (", 1)[0]
-                                              for r in entry["layers"]))
+                kind: "; ".join(dict.fromkeys(r["budget_choice"][kind] for r in entry["layers"]))
                 for kind, b in zip("kv", budget) if b is not None and kind in target and parse_method_name(m)[0] != "bf16"}
     energy = []
     for t in trace.layers.values():

@@ -80,7 +80,7 @@ class Record:
     memory_mb: dict  # {"bf16": ..., "stored": ...}, full-precision chunks counted at 2 bytes per element
     seconds: float
     flow: torch.Tensor | None = None  # BF16 records: the optical flow every warping error against it uses
-    configuration: dict | None = None  # the cache's {"k", "v"}: what each half ran as (a budget's choice)
+    budget_choice: dict | None = None  # the cache's {kind: options} a budget chose (`KVCache.budget_choice`)
     coverage: list | None = None  # per frame, the share of its view the context frames saw (1: a revisit)
 
     def nbytes(self) -> int:

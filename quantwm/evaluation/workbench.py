@@ -33,6 +33,7 @@ import torch
 
 from ..core.cache import CacheConfig, jensen_bias
 from ..core.methods import get_method, known_methods
+from ..core.quant import BudgetError
 from ..world.evaluate import shift_rate
 from ..world.generate import generate, load_world_model
 from ..world.scene import TRAIN_SEED_BASE
@@ -213,7 +214,7 @@ class Workbench:
         return Record(key, run.frames.cpu(), run.probes, k_exact, [c.keys(l)[0].cpu() for l in range(L)],
                       v_exact, [c.values(l)[0].cpu() for l in range(L)],
                       [c.query_stats(l).cpu() for l in range(L)], steps, bpe, memory, time.time() - t0,
-                      configuration=dict(c.configuration), coverage=run.coverage())
+                      budget_choice=c.budget_choice, coverage=run.coverage())
 
     def pair(self, key: RunKey, progress: Callable | None = None) -> tuple[Record, Record]:
         """(BF16 record, method record) with the same world, trajectory and noise."""
@@ -424,9 +425,7 @@ class Workbench:
         for i, k in enumerate(keys):
             try:
                 ref, rec = self.pair(k, (lambda a, n, i=i: progress(i * n + a, len(keys) * n)) if progress else None)
-            except ValueError as e:  # fits a Gaussian span of the shape, not this world's data
-                if key.budget is None or "cannot fit" not in str(e):
-                    raise
+            except BudgetError as e:  # fits a Gaussian span of the shape, not this world's data
                 (left_out if left_out is not None else {})[k.method] = str(e).splitlines()[0]
                 continue
             rows.append({"method": k.method, **self.summary(ref, rec), "configuration": self.configuration(k)})
@@ -439,6 +438,5 @@ class Workbench:
             return "bf16"
         if key.budget is None:
             return f"{key.bits}-bit"
-        chosen = self.record(key.id).configuration or {}
-        return "; ".join(f"{kind}: {chosen.get(kind, '?').split(' bits: ', 1)[-1].split(' (', 1)[0]}"
-                         for kind in "kv" if kind in key.target)
+        chosen = self.record(key.id).budget_choice or {}
+        return "; ".join(f"{kind}: {chosen.get(kind, '?')}" for kind in "kv" if kind in key.target)

@@ -22,6 +22,7 @@ import torch
 
 from ..core.budget import fit_methods
 from ..core.cache import CacheConfig, KVCache
+from ..core.quant import BudgetError
 from ..evaluation import diagnostics as D
 from ..evaluation import metrics as M
 from .generate import Rollout, generate
@@ -149,9 +150,7 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
         for m, cc in list(configs.items()):
             try:
                 run = generate(model, seed, trajectory_kind, n_frames, cc, steps=steps, world=world, photos=photos)
-            except ValueError as e:  # a budget the method's configurations fit on a Gaussian span, not on these
-                if "cannot fit" not in str(e):
-                    raise
+            except BudgetError as e:  # a budget the method's configurations fit on a Gaussian span, not on these
                 left_out[m] = str(e).splitlines()[0]
                 del configs[m]
                 continue

@@ -34,7 +34,7 @@ from ..allocate import allocate, channel_bytes, decode_channels, encode_channels
 from ..kmeans import weighted_sqdist
 from ..psac import psac_basis, psac_correction, psac_correction_ranked, psac_encode, psac_encode_ranked, spectrum_ranks
 from ..qsac import channel_sensitivity, qsac_assign
-from ..quant import SCALE_DTYPES, check_bits, dequantize_groups, to_storage
+from ..quant import SCALE_DTYPES, BudgetError, check_bits, check_budget, dequantize_groups, to_storage
 from .base import Encoded, Method, SpanContext, register
 from .qvg import QVGBudget, gather_rows
 
@@ -63,8 +63,8 @@ class QuantWM(QVGBudget):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.budget is not None and not (isinstance(self.budget, (int, float)) and 0 < self.budget <= 16):
-            raise ValueError(f"budget must be a number of bits per element in (0, 16], got {self.budget!r}")
+        if self.budget is not None:
+            check_budget(self.budget)
         check_bits(self.psac_bits)
         if self.psac_basis_dtype not in ("fp16", "bf16"):
             raise ValueError(f"psac_basis_dtype must be 'fp16' or 'bf16', got {self.psac_basis_dtype!r}")
@@ -153,7 +153,7 @@ class QuantWM(QVGBudget):
             if best is None or predicted < best[0]:
                 best = (predicted, r, stored, levels, torch.gather(alpha, 2, levels[..., None])[..., 0])
         if best is None:
-            raise ValueError(f"quantwm cannot fit {self.budget:g} bits per element on spans of {N} tokens at head "
+            raise BudgetError(f"quantwm cannot fit {self.budget:g} bits per element on spans of {N} tokens at head "
                              f"dim {D}: its centroids and per-channel tables alone take more")
         _, r, stored, levels, alpha = best
         stored.update(encode_channels(r, levels, alpha))
@@ -185,7 +185,7 @@ class QuantWM(QVGBudget):
         t = enc.tensors
         if "alloc_bits" not in t:
             return super().step(enc)
-        step = torch.where(t["alloc_bits"] > 0, t["alloc_step"].float(), torch.zeros(()))
+        step = torch.where(t["alloc_bits"] > 0, t["alloc_step"].float(), 0.0)
         return step[:, None, :].expand(enc.shape).contiguous()
 
     def decode(self, enc: Encoded) -> torch.Tensor:
