@@ -24,6 +24,7 @@ from pathlib import Path
 
 # The budget knobs each method sweeps (on top of bits 2/3/4). Paper presets keep their configuration except
 # the knob that sets the budget; every point is labelled with its options.
+BUDGETS = (2.25, 2.5, 2.75, 3.0, 3.5, 4.0)  # bits per element (stored bytes) the envelope is read at
 GRID: dict[str, list[dict]] = {
     "rtn": [{"group_size": g} for g in (32, 64, 128)],
     "kivi": [{"group_size": g} for g in (32, 64, 128)],
@@ -32,7 +33,7 @@ GRID: dict[str, list[dict]] = {
     "qvg-asym": [{"n_centroids": k} for k in (2, 6, 16, 64, 256)],
     "qvg-budget": [{}],
     # the allocator at each budget the envelope is read at (its bits are the budget, whatever --bits says)
-    "quantwm": [{"budget": b} for b in (2.25, 2.5, 2.75, 3.0, 3.5, 4.0)],
+    "quantwm": [{"budget": b} for b in BUDGETS],
     "quantwm-paper": [{"n_centroids": k} for k in (4, 16, 256)],
     # deployed formats: their bits are fixed, so one point each whatever --bits says
     "nvfp4": [{}],
@@ -40,7 +41,6 @@ GRID: dict[str, list[dict]] = {
 }
 QUICK_GRID: dict[str, list[dict]] = {"rtn": [{}], "qvg": [{"n_centroids": 6}], "quantwm": [{"budget": 2.5}]}
 SHIFT = {"world": "place_shift_rate", "trace": "shift_rate"}
-BUDGETS = (2.25, 2.5, 2.75, 3.0, 3.5, 4.0)  # bits per element (stored bytes) the envelope is read at
 HIGHER_IS_BETTER = ("psnr", "ssim")  # every other metric is an error: lower is better
 METRICS = ("shift_rate", "place_shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error", "attn_out_rel_err")
 
