@@ -94,10 +94,16 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
             trace_btn = gr.Button("Trace pixel", elem_id="trace-btn")
         trace_status = gr.Markdown(elem_id="trace-status")
         with gr.Row():
-            thumb_kw = dict(format="png", interactive=False, height=size * 2 + 2, width=size * 2 + 2, buttons=[])
-            q_img = gr.Image(label="Query (yellow)", elem_id="trace-query", **thumb_kw)
-            src_bf16 = gr.Image(label="Top-1 source, BF16 keys (yellow)", elem_id="trace-src-bf16", **thumb_kw)
-            src_method = gr.Image(label="Top-1 source, quantized keys (red)", elem_id="trace-src-method", **thumb_kw)
+            # captions above the thumbnails, not Gradio's label badge on them: a source in the top rows stays visible
+            thumb_kw = dict(format="png", interactive=False, height=size * 2 + 2, width=size * 2 + 2, buttons=[],
+                            show_label=False)
+            thumbs = []
+            for caption, elem in (("Query (yellow)", "trace-query"), ("Top-1 source, BF16 keys (yellow)", "trace-src-bf16"),
+                                  ("Top-1 source, quantized keys (red)", "trace-src-method")):
+                with gr.Column(min_width=size * 2 + 2):
+                    gr.Markdown(f"**{caption}**", elem_id=f"{elem}-caption")
+                    thumbs.append(gr.Image(label=caption, elem_id=elem, **thumb_kw))
+            q_img, src_bf16, src_method = thumbs
         heatmap = gr.Plot(label="Attention logits over the cache (frames x positions)", elem_id="trace-heatmap")
     with gr.Accordion("Export figures for print (matplotlib: per-frame plot, maps, logit heatmaps, energy)", open=False):
         with gr.Row():

@@ -9,7 +9,8 @@ Steps, each in its own process with its own time limit, skipped with a message o
    for every method); on the CPU (dry run) a small subset under the Triton interpreter.
 2. `kernel bench`: `benchmarks/kernel_bench.py` at Wan-1.3B shapes (12 heads x 128, chunks of 4680 queries,
    caches of 8K/32K/64K tokens): BF16 SDPA (the flash backend on CUDA), dequantize-then-SDPA, the fused 2-bit
-   kernel, and the cost of quantizing a committed chunk as a share of the chunk's attention time.
+   kernel, its 8-bit paths (INT8 and e4m3 QKᵀ, e4m3 PV), and the cost of quantizing a committed chunk as a share
+   of the chunk's attention time.
 3. `real shapes`: `benchmarks/real_shapes.py`, a randomly initialised Wan-1.3B-sized transformer generating
    chunk by chunk through the cache (bytes, peak memory, time per chunk).
 4. `live rollout`: a random Self-Forcing model (diffusers Wan classes, 2 layers at Wan-1.3B's 12 heads x 128 and
@@ -43,7 +44,7 @@ def steps(out: Path, dry: bool) -> list[dict]:
     return [
         {"name": "cuda tests", "limit": 120 if dry else 170,
          "cmd": [py, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-x",
-                 *(["tests/test_kernels.py", "-k", "pack_bits or kmeans_assign or fp32"] if dry else tests)]},
+                 *(["tests/test_kernels.py", "-k", "pack_bits or kmeans_assign or fp32 or lowp"] if dry else tests)]},
         {"name": "kernel bench", "limit": 120 if dry else 150,
          "cmd": [py, "benchmarks/kernel_bench.py", "--preset", "tiny" if dry else "wan-1.3b",
                  "--json", str(out / "kernel_bench.json")]},

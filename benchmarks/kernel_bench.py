@@ -9,6 +9,8 @@ chunk of queries:
   bf16      scaled_dot_product_attention over the cache kept in BF16 (on CUDA its flash backend)
   dequant   the cache's reference path: decompress every span to full precision, then SDPA (QVG's way)
   fused     kernels/span_attention.py over the stored bytes (QUANTWM_KERNELS=auto on CUDA, =triton on CPU)
+  fused int8 / fused e4m3
+            the same kernel with its 8-bit products (CacheConfig.lowp; QKᵀ in INT8 or e4m3, PV in e4m3)
 and prints time, achieved bandwidth (bytes the call must read: stored K/V plus Q and the output) and the
 ratio to bf16 from the same run. It also times quantizing one committed chunk (k-means / QSAC assignment,
 residual packing, PSAC) and puts it beside (steps + 1) x the BF16 attention time of that chunk: a lower
@@ -31,6 +33,7 @@ if not torch.cuda.is_available():
 
 import torch.nn.functional as F  # noqa: E402
 
+from quantwm.core.attention import fused_attention  # noqa: E402
 from quantwm.core.backend import device_name  # noqa: E402
 from quantwm.core.cache import CacheConfig, KVCache  # noqa: E402
 
@@ -113,13 +116,16 @@ def bench(preset: str, method: str, steps: int, reps: int | None = None) -> list
         t_bf16 = timed(lambda: bf16_attention(q, Kb, Vb), reps)
         t_deq = timed(attend("ref"), reps)
         t_fused = timed(attend(fused_mode), reps)
+        attend(fused_mode)()  # the current chunk written; the 8-bit paths read the same spans
         os.environ["QUANTWM_KERNELS"] = "auto"
+        t_lowp = {f: timed(lambda f=f: fused_attention(cache, 0, q, D ** -0.5, lowp=f), reps) for f in ("int8", "e4m3")}
         qo = 2 * q.numel() * q.element_size()  # read Q, write O
         stored = cache.nbytes()  # committed spans as stored + the current chunk (written by attend)
         bf16_bytes = 2 * Kb.numel() * Kb.element_size() + qo
         t_quant = statistics.median(commit_times) if commit_times else float("nan")
         for name, t, nbytes in (("bf16", t_bf16, bf16_bytes), ("dequant+sdpa", t_deq, stored + qo),
-                                ("fused", t_fused, stored + qo)):
+                                ("fused", t_fused, stored + qo), ("fused int8", t_lowp["int8"], stored + qo),
+                                ("fused e4m3", t_lowp["e4m3"], stored + qo)):
             rows.append({"cache_tokens": L, "path": name, "ms": 1e3 * t, "GB/s": nbytes / t / 1e9,
                          "bytes": nbytes, "vs_bf16": t / t_bf16})
         rows.append({"cache_tokens": L, "path": f"quantize chunk ({method})", "ms": 1e3 * t_quant, "GB/s": float("nan"),

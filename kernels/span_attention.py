@@ -15,6 +15,12 @@ key costs R extra MACs on the unpacked 4-bit coefficient codes. The state keeps 
 every span (flash-decoding): a chunk with few queries still fills the GPU, and the caller merges the
 splits at the end. m is kept in log2 units (logits times log2(e)).
 
+`lowp` ("int8" or "e4m3") runs both products on 8-bit operands, accumulating in fp32, at the rounding points
+of quantwm/core/fp8.py: the keys less their span's centre μ (given) and the queries, one scale per row each, in
+INT8 or e4m3 for QKᵀ, with q·μ added back in fp32; each key block's probabilities (in [0, 1], unscaled) and its
+values (one scale per channel) in e4m3 for PV. PSAC and Jensen terms stay fp32. With one split (P = 1) the
+kernel takes the same steps as the emulation.
+
 Supported: bits 2/4/8, asymmetric or symmetric grids, groups along channels (power-of-two G) or along
 tokens, one codebook stage, keys and values independently quantized or full precision. Keys must be
 post-RoPE (pre-RoPE caches use the reference path; see quantwm/attention.py for why).
@@ -35,6 +41,55 @@ def _dot(a, b, dtype: tl.constexpr, DOT_F32: tl.constexpr):
     if DOT_F32:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     return tl.dot(a.to(dtype), b.to(dtype))
+
+
+@triton.jit
+def _rint(x):
+    """x rounded to the nearest integer, ties to even (fp32, |x| < 2^22): the 1.5 * 2^23 trick."""
+    return (x + 12582912.0) - 12582912.0
+
+
+@triton.jit
+def _to_e4m3(x, INTERP: tl.constexpr):
+    """x (fp32) rounded to fp8-e4m3, saturating at ±448: an fp8 tensor on a GPU; under the interpreter, whose
+    fp8 cast truncates (Triton 3.7.1), the rounded values in fp32 (round to nearest even, subnormals below 2^-6)."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if INTERP:
+        e = ((tl.abs(x).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127  # the exponent of |x|
+        e = tl.maximum(e, -6)  # below the smallest normal the step stays 2^-9
+        step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e-3): three mantissa bits
+        return _rint(x / step) * step
+    return x.to(tl.float8e4nv)
+
+
+@triton.jit
+def _lowp_rows(x, LOWP: tl.constexpr, INTERP: tl.constexpr):
+    """(codes, scales) of a fp32 tile, one scale per row (its absolute maximum over 127 or 448): INT8 (LOWP 1;
+    integer-valued fp32 under the interpreter) or e4m3 (LOWP 2). A zero row gets scale 1."""
+    amax = tl.max(tl.abs(x), axis=1)
+    if LOWP == 1:
+        sc = tl.where(amax > 0, amax / 127.0, 1.0)
+    else:
+        sc = tl.where(amax > 0, amax / 448.0, 1.0)
+    y = x / sc[:, None]
+    if LOWP == 1:
+        c = tl.minimum(tl.maximum(_rint(y), -127.0), 127.0)
+        if not INTERP:
+            c = c.to(tl.int8)
+    else:
+        c = _to_e4m3(y, INTERP)
+    return c, sc
+
+
+@triton.jit
+def _dot_lowp(a, b, INTERP: tl.constexpr):
+    """a @ b of 8-bit operands (INT8 -> int32, e4m3 -> fp32) as fp32; under the interpreter the operands are
+    exactly representable fp32 values and the dot is IEEE fp32."""
+    if INTERP:
+        return tl.dot(a, b, input_precision="ieee")
+    if a.dtype == tl.int8:
+        return tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
+    return tl.dot(a, b)
 
 
 @triton.jit
@@ -69,7 +124,7 @@ def _span_attention_kernel(
         q_ptr, acc_ptr, m_ptr, l_ptr,
         kc_ptr, ks_ptr, kz_ptr, kcb_ptr, kid_ptr, kf_ptr,
         vc_ptr, vs_ptr, vz_ptr, vcb_ptr, vid_ptr, vf_ptr,
-        pq_ptr, pc0_ptr, pcodes_ptr,
+        pq_ptr, pc0_ptr, pcodes_ptr, kmu_ptr,
         Nq, N, D, P, split_len, qk_scale, jensen_coef,
         k_ncb, k_ngt, k_row_bytes, v_ncb, v_ngt, v_row_bytes, R, p_row_bytes,
         K_QUANT: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, K_AXIS_TOKEN: tl.constexpr,
@@ -77,6 +132,7 @@ def _span_attention_kernel(
         V_QUANT: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_AXIS_TOKEN: tl.constexpr,
         V_SYM: tl.constexpr, V_CODEBOOK: tl.constexpr,
         PSAC: tl.constexpr, P_BITS: tl.constexpr, JENSEN: tl.constexpr, DOT_F32: tl.constexpr,
+        LOWP: tl.constexpr, INTERP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     s = tl.program_id(0)
     qi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -101,6 +157,11 @@ def _span_attention_kernel(
         pq = tl.load(pq_ptr + (s * Nq + qi[:, None]) * R + r[None, :], mask=qmask[:, None] & (r[None, :] < R),
                      other=0.0)
         pc0 = tl.load(pc0_ptr + s * Nq + qi, mask=qmask, other=0.0)
+    if LOWP:  # the queries' codes and row scales, and q·μ, once per program
+        qf32 = q.to(tl.float32)
+        mu = tl.load(kmu_ptr + s * D + d, mask=dmask, other=0.0)
+        q_mu = tl.sum(qf32 * mu[None, :], axis=1)
+        q_lp, q_sc = _lowp_rows(qf32, LOWP, INTERP)
     start = p * split_len
     end = tl.minimum(N, start + split_len)
     for n0 in range(start, end, BLOCK_N):
@@ -108,7 +169,12 @@ def _span_attention_kernel(
         rmask = rows < end
         k = _rebuild(kc_ptr, ks_ptr, kz_ptr, kcb_ptr, kid_ptr, kf_ptr, s, rows, d, N, D, k_ncb, k_ngt, k_row_bytes,
                      rmask, dmask, K_QUANT, K_BITS, K_G, K_AXIS_TOKEN, K_SYM, K_CODEBOOK)
-        dots = _dot(q, tl.trans(k), q.dtype, DOT_F32)  # (BM, BN)
+        if LOWP:
+            kc = tl.where(rmask[:, None] & dmask[None, :], k - mu[None, :], 0.0)
+            k_lp, k_sc = _lowp_rows(kc, LOWP, INTERP)
+            dots = _dot_lowp(q_lp, tl.trans(k_lp), INTERP) * q_sc[:, None] * k_sc[None, :] + q_mu[:, None]
+        else:
+            dots = _dot(q, tl.trans(k), q.dtype, DOT_F32)  # (BM, BN)
         if PSAC:
             PPER: tl.constexpr = 8 // P_BITS
             b = tl.load(pcodes_ptr + (s * N + rows[:, None]).to(tl.int64) * p_row_bytes + r[None, :] // PPER,
@@ -134,7 +200,13 @@ def _span_attention_kernel(
         l_i = l_i * alpha + tl.sum(pexp, axis=1)
         v = _rebuild(vc_ptr, vs_ptr, vz_ptr, vcb_ptr, vid_ptr, vf_ptr, s, rows, d, N, D, v_ncb, v_ngt, v_row_bytes,
                      rmask, dmask, V_QUANT, V_BITS, V_G, V_AXIS_TOKEN, V_SYM, V_CODEBOOK)
-        acc = acc * alpha[:, None] + _dot(pexp, v, q.dtype, DOT_F32)
+        if LOWP:  # P as it is (in [0, 1]), V with one scale per channel of the block
+            vmax = tl.max(tl.abs(v), axis=0)
+            v_sc = tl.where(vmax > 0, vmax / 448.0, 1.0)
+            pv = _dot_lowp(_to_e4m3(pexp, INTERP), _to_e4m3(v / v_sc[None, :], INTERP), INTERP) * v_sc[None, :]
+        else:
+            pv = _dot(pexp, v, q.dtype, DOT_F32)
+        acc = acc * alpha[:, None] + pv
         m_i = m_new
     tl.store(m_ptr + state, m_i, mask=qmask)
     tl.store(l_ptr + state, l_i, mask=qmask)
@@ -173,8 +245,11 @@ def _side_args(side: dict, S: int, N: int, D: int, dummy: torch.Tensor, what: st
         QUANT=True, BITS=bits, G=G, AXIS_TOKEN=axis == "token", SYM=sym, CODEBOOK=cb is not None)
 
 
+LOWP = {None: 0, "int8": 1, "e4m3": 2}
+
+
 def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, k: dict, v: dict,
-                   scale: float, psac: dict | None = None, jensen: bool = False) -> None:
+                   scale: float, psac: dict | None = None, jensen: bool = False, lowp: str | None = None) -> None:
     """Fold one span into the running softmax state, in place.
 
     q (S, Nq, D) post-RoPE queries (fp32 or bf16/fp16: the dot products run in q's dtype);
@@ -183,7 +258,8 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
     symmetric), "bits", "group_size", "axis" ("channel" | "token"), "symmetric", optional "codebook"
     (S, K, D) and "ids" (S, N)}; psac (keys only): {"qs": (S, Nq, R) fp32 (Uᵀq)·coefficient scale,
     "c0": (S, Nq) fp32 Σ_r (Uᵀq)_r zero_r, "codes": uint8 (S, N, R*bits/8), "bits"}; jensen: subtract
-    the Jensen term (quantized keys only).
+    the Jensen term (quantized keys only); lowp: None, "int8" or "e4m3", the 8-bit products (k then needs
+    "center", (S, D) fp32, the keys' centre).
     """
     if q.dim() != 3:
         raise ValueError(f"q must be (S, Nq, D), got shape {tuple(q.shape)}")
@@ -198,7 +274,17 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
         return
     if jensen and "full" in k:
         raise ValueError("the Jensen term applies to quantized keys only")
+    if lowp not in LOWP:
+        raise ValueError(f"lowp must be None, 'int8' or 'e4m3', got {lowp!r}")
     dummy = q
+    if lowp is not None:
+        mu = k.get("center")
+        if mu is None or tuple(mu.shape) != (S, D):
+            raise ValueError(f"lowp needs the keys' centre k['center'] of shape {(S, D)}, got "
+                             f"{None if mu is None else tuple(mu.shape)}")
+        mu = mu.float().contiguous()
+    else:
+        mu = dummy
     kp, ka, kc = _side_args(k, S, N, D, dummy, "keys")
     vp, va, vc = _side_args(v, S, N, D, dummy, "values")
     if psac is not None:
@@ -216,7 +302,7 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
     split_len = triton.cdiv(triton.cdiv(N, P), BLOCK_N) * BLOCK_N
     grid = (S, triton.cdiv(Nq, BLOCK_M), P)
     _span_attention_kernel[grid](
-        q.contiguous(), acc, m, l, *kp, *vp, *pp,
+        q.contiguous(), acc, m, l, *kp, *vp, *pp, mu,
         Nq, N, D, P, split_len, float(scale) * math.log2(math.e), -(float(scale) ** 2 / 24) * math.log2(math.e),
         *ka, *va, R, p_row_bytes,
         K_QUANT=kc["QUANT"], K_BITS=kc["BITS"], K_G=kc["G"], K_AXIS_TOKEN=kc["AXIS_TOKEN"], K_SYM=kc["SYM"],
@@ -224,4 +310,5 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
         V_QUANT=vc["QUANT"], V_BITS=vc["BITS"], V_G=vc["G"], V_AXIS_TOKEN=vc["AXIS_TOKEN"], V_SYM=vc["SYM"],
         V_CODEBOOK=vc["CODEBOOK"],
         PSAC=psac is not None, P_BITS=p_bits, JENSEN=jensen, DOT_F32=_dot_f32(q.dtype),
+        LOWP=LOWP[lowp], INTERP=os.environ.get("TRITON_INTERPRET") == "1",
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_R=16)

@@ -200,10 +200,30 @@ def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifa
         page.screenshot(path=str(artifacts / "app-e2e-trace.png"), full_page=True)
     assert f"Query frame {FRAMES - 1}, row 5, col 2" in text and "BF16 source: frame" in text
     assert page.locator("#trace-src-bf16 img").count() == 1 and page.locator("#trace-src-method img").count() == 1
+    for elem in ("trace-query", "trace-src-bf16", "trace-src-method"):  # captions above, no badge over the image
+        assert page.locator(f"#{elem} [data-testid=block-label]").count() == 0
+        assert page.locator(f"#{elem}-caption").inner_text().strip()
+    assert re.search(r"Logit margin \(top-1 minus runner-up\): BF16 [-\d.]+, quantwm [-\d.]+", text)
+    assert re.search(r"the BF16 source ranks \d+ under quantwm's keys", text)
     page.wait_for_selector("#trace-heatmap .js-plotly-plot", timeout=WAIT)
     assert page.locator("#trace-heatmap .js-plotly-plot g.hm image").count() == 3  # BF16, method, difference
     page.screenshot(path=str(artifacts / "app-e2e-trace.png"), full_page=True)
     assert (artifacts / "app-e2e-trace.png").stat().st_size > 10_000
+    # the per-frame plot shades generated frames by what the context saw: revisits apart from invented places
+    legend = page.evaluate("document.querySelector('#frame-plot .js-plotly-plot')._fullData.map(t => t.name)")
+    shades = page.evaluate("document.querySelector('#frame-plot .js-plotly-plot')._fullLayout.shapes"
+                           ".filter(s => s.type === 'rect').map(s => s.fillcolor)")
+    kinds = {"#2ca02c": "memory: the context saw it all (should match)",
+             "#ff7f0e": "places the context never saw (invented by the model)"}
+    assert shades[0] == "grey" and len(shades) >= 2 and set(shades[1:]) <= set(kinds)
+    assert {kinds[c] for c in shades[1:]} <= set(legend)  # every shade is named in the legend
+    # export what is shown: scrub away from the traced frame; the exported trace is still the traced one
+    scrub_to(page, 3)
+    page.get_by_text("Export figures for print").click()
+    page.locator("#export-btn").click()
+    wait_text(page, "#export-status", "file(s)")
+    files = page.locator("#export-status").inner_text()
+    assert f"-frame{FRAMES - 1}-x21-y42-layer1-head0.pdf" in files and "trace-seed4-loop-quantwm" in files
 
 
 def test_trace_outside_the_frame_shows_an_error_and_the_page_stays_usable(browser_page):
@@ -222,6 +242,23 @@ def test_trace_outside_the_frame_shows_an_error_and_the_page_stays_usable(browse
     x_box.fill("10")
     page.locator("#trace-btn").click()
     page.wait_for_function("document.querySelector('#trace-status').innerText.startsWith('Query frame')", timeout=WAIT)
+
+
+def test_a_bad_seed_gets_the_same_error_line_on_the_page_and_over_the_api(browser_and_url):
+    """One kind of error: seed -5 typed into the page and sent over the API give one Error line, naming the
+    field and its range (no toast, no red badge)."""
+    from gradio_client import Client
+
+    browser, url = browser_and_url
+    page = new_user(browser, url)
+    page.get_by_label("World seed").fill("-5")
+    page.locator("#generate-btn").click()
+    wait_text(page, "#generate-status", "Error")
+    shown = page.locator("#generate-status").inner_text().strip()
+    api = Client(url, verbose=False).predict(-5, "loop", "quantwm", "kv", 2, FRAMES, api_name="/generate")[0]
+    assert shown == api.replace("**", "").strip() and "world seed must lie in [0, 100000)" in shown
+    assert page.locator(".toast-body").count() == 0
+    page.context.close()
 
 
 def new_user(browser, url):

@@ -44,6 +44,40 @@ def test_cache_attend_uses_the_kernel_when_forced_and_agrees(method, monkeypatch
     torch.testing.assert_close(outs["triton"], outs["ref"], rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("lowp", [None, "int8"])
+def test_causal_chunk_shapes_sink_recent_and_current_spans_in_both_paths(lowp, monkeypatch):
+    """A chunk's queries over cache + chunk at unequal lengths: chunks of 70, 97 and 33 tokens (sink, quantized,
+    recent), then a current chunk of 50; the kernel against its twin, each with and without the 8-bit path."""
+    outs = {}
+    for mode in ("ref", "triton"):
+        monkeypatch.setenv("QUANTWM_KERNELS", mode)
+        g = torch.Generator().manual_seed(4)
+        cache = KVCache(CacheConfig("quantwm", lowp=lowp), 1)
+        for i, n in enumerate((70, 97, 33, 50)):
+            q, k, v = (torch.randn(1, 2, n, 64, generator=g).to(DEVICE) for _ in range(3))
+            outs[mode] = cache.attend(0, q, k, v, chunk=i, scale=0.125, commit=i < 3).cpu()
+        spans = [(s.n_tokens, s.quantized) for s in cache.inspect(0)]  # BF16 sink, 2-bit chunk, BF16 recent, current
+        assert spans == [(70, False), (97, True), (33, False), (50, False)]
+    if lowp is None:
+        torch.testing.assert_close(outs["triton"], outs["ref"], rtol=1e-5, atol=1e-5)
+    else:  # the kernel splits spans (its running maxima round P apart); the twin folds each span in one split
+        assert ((outs["triton"] - outs["ref"]).norm() / outs["ref"].norm()) < 0.03  # e4m3 P: 3 mantissa bits
+        monkeypatch.setenv("QUANTWM_KERNELS", "ref")
+        exact = KVCache(CacheConfig("quantwm"), 1)
+        g = torch.Generator().manual_seed(4)
+        for i, n in enumerate((70, 97, 33, 50)):
+            q, k, v = (torch.randn(1, 2, n, 64, generator=g) for _ in range(3))
+            out = exact.attend(0, q, k, v, chunk=i, scale=0.125, commit=i < 3)
+        assert 0 < ((outs["ref"] - out).norm() / out.norm()) < 0.05
+
+
+def test_lowp_config_is_checked():
+    with pytest.raises(ValueError, match="lowp must be one of"):
+        CacheConfig("quantwm", lowp="fp8")
+    with pytest.raises(ValueError, match="post-RoPE"):
+        CacheConfig("quantwm", lowp="int8", rope="pre")
+
+
 def test_unsupported_spans_fall_back_to_the_reference_path(monkeypatch):
     monkeypatch.setenv("QUANTWM_KERNELS", "ref")
     cache, _ = _filled("qvg-pro", chunks=3)

@@ -1,56 +1,62 @@
-"""quantwm/core/fp8.py: the FP8 path's rounding points, emulated."""
+"""quantwm/core/fp8.py: the low-precision attention path's rounding points (the kernel's twin)."""
 import pytest
 import torch
 
-from quantwm.core.fp8 import E4M3_MAX, block_quantize, e4m3, fp8_attention, fp8_logits
+from quantwm.core.fp8 import E4M3_MAX, e4m3, int8, lowp_attention, lowp_dots, row_quantize
 
 
 def test_e4m3_keeps_representable_values_and_rounds_the_rest():
-    exact = torch.tensor([0.0, 1.0, -1.5, 448.0, 0.015625, 240.0])
+    exact = torch.tensor([0.0, 1.0, -1.5, 448.0, 0.015625, 240.0, 2 ** -9])
     assert torch.equal(e4m3(exact), exact)
-    assert e4m3(torch.tensor([1.06])).item() == 1.0 and e4m3(torch.tensor([1000.0])).item() == E4M3_MAX
+    assert e4m3(torch.tensor([1.06])).item() == 1.0 and e4m3(torch.tensor([1.97])).item() == 2.0
 
 
-def test_block_scales_put_each_block_on_the_e4m3_range():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 130, 16, generator=g) * torch.logspace(-2, 2, 130)[:, None]
-    codes, scales = block_quantize(x, 64)
-    assert codes.abs().amax() <= E4M3_MAX and scales.shape == x.shape
-    assert ((codes * scales - x).abs() <= x.abs() * 2 ** -4 + scales * 2 ** -9).all()  # e4m3: 3 mantissa bits
-
-
-def test_fp8_logits_are_the_exact_ones_up_to_a_per_query_shift_and_rounding():
-    g = torch.Generator().manual_seed(1)
-    q, k = torch.randn(2, 40, 64, generator=g), torch.randn(2, 300, 64, generator=g)
-    k[..., :4] += 20  # outlier channels: the smoothing takes them out of the scale
-    exact = 0.125 * q @ k.transpose(-1, -2)
-    got = fp8_logits(q, k, 0.125)
-    shift = exact - got  # a per-query constant (q · mean key), plus e4m3 rounding
-    spread = (exact - exact.mean(-1, keepdim=True)).std()
-    assert (shift - shift.mean(-1, keepdim=True)).std() < 0.05 * spread  # e4m3: 3 mantissa bits a side
-
-
-def test_fp8_attention_is_close_to_exact_attention_and_takes_the_bias_in_fp32():
-    g = torch.Generator().manual_seed(2)
-    q, k, v = torch.randn(2, 50, 64, generator=g), torch.randn(2, 200, 64, generator=g), torch.randn(2, 200, 64, generator=g)
-    bias = -torch.rand(2, 50, 200, generator=g)
-    ref = torch.softmax(0.125 * q @ k.transpose(-1, -2) + bias, -1) @ v
-    out = fp8_attention(q, k, v, 0.125, bias)
-    assert ((out - ref).norm() / ref.norm()) < 0.08  # e4m3 keeps 3 mantissa bits; outputs here are near-averages
-    # the online softmax over blocks gives the same result whatever the block count, up to e4m3 rounding of P
-    assert ((fp8_attention(q, k, v, 0.125, bias, block=32) - out).norm() / out.norm()) < 0.08
-
-
-@pytest.mark.parametrize("bad", [float("inf")])
+@pytest.mark.parametrize("bad", [float("inf"), 1000.0])
 def test_e4m3_saturates_rather_than_overflowing(bad):
     assert e4m3(torch.tensor([bad, -bad])).tolist() == [E4M3_MAX, -E4M3_MAX]
 
 
-def test_int8_qk_is_finer_than_e4m3_and_unknown_formats_are_refused():
-    g = torch.Generator().manual_seed(3)
-    q, k = torch.randn(1, 64, 64, generator=g), torch.randn(1, 256, 64, generator=g)
-    exact = 0.125 * q @ (k - k.mean(-2, keepdim=True)).transpose(-1, -2)
-    errs = {f: (fp8_logits(q, k, 0.125, qk=f) - exact).abs().mean() for f in ("e4m3", "int8")}
-    assert errs["int8"] < errs["e4m3"]
+def test_int8_rounds_half_to_even_and_clamps():
+    assert int8(torch.tensor([0.5, 1.5, -2.5, 300.0, -300.0])).tolist() == [0.0, 2.0, -2.0, 127.0, -127.0]
+
+
+@pytest.mark.parametrize("fmt, top, rel", [("int8", 127.0, None), ("e4m3", E4M3_MAX, 2 ** -4)])
+def test_row_scales_put_each_row_on_the_format_range(fmt, top, rel):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 130, 16, generator=g) * torch.logspace(-2, 2, 130)[:, None]
+    x[0, 5] = 0  # a zero row gets scale 1
+    codes, scales = row_quantize(x, fmt)
+    assert scales.shape == (2, 130, 1) and scales[0, 5].item() == 1.0
+    assert torch.allclose(codes.abs().amax(-1)[x.abs().amax(-1) > 0], torch.tensor(top))
+    bound = scales / 2 if rel is None else x.abs() * rel + scales * 2 ** -10
+    assert ((codes * scales - x).abs() <= bound * (1 + 1e-6)).all()
+
+
+def test_lowp_dots_are_exact_but_for_rounding_whatever_the_centre():
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 40, 64, generator=g), torch.randn(2, 300, 64, generator=g)
+    k[..., :4] += 20  # outlier channels: the centre takes them out of the scales
+    exact = q @ k.transpose(-1, -2)
+    spread = (exact - exact.mean(-1, keepdim=True)).std()
+    errs = {}
+    for fmt in ("int8", "e4m3"):
+        errs[fmt] = (lowp_dots(q, k, qk=fmt) - exact).abs().mean() / spread
+        assert errs[fmt] < 0.05  # q·μ comes back exactly: no per-query offset
+    assert errs["int8"] < errs["e4m3"]  # 8 bits a side against 4
+    far = lowp_dots(q, k, torch.zeros(2, 64))  # a poor centre is still exact up to (larger) rounding
+    assert (far - exact).abs().mean() / spread < 0.2
+    assert torch.equal(lowp_dots(q, k, qk="bf16"), q.bfloat16().float() @ k.bfloat16().float().transpose(-1, -2))
     with pytest.raises(ValueError, match="unknown low-precision format 'fp4'"):
-        block_quantize(q, 64, fmt="fp4")
+        lowp_dots(q, k, qk="fp4")
+
+
+def test_lowp_attention_is_close_to_exact_attention_and_takes_the_bias_in_fp32():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = torch.randn(2, 50, 64, generator=g), torch.randn(2, 200, 64, generator=g), torch.randn(2, 200, 64, generator=g)
+    bias = -5 * torch.rand(2, 50, 200, generator=g)
+    ref = torch.softmax(0.125 * q @ k.transpose(-1, -2) + bias, -1) @ v
+    for fmt, tol in (("int8", 0.05), ("e4m3", 0.1)):
+        out = lowp_attention(q, k, v, 0.125, bias, qk=fmt)
+        assert ((out - ref).norm() / ref.norm()) < tol  # P and V in e4m3: 3 mantissa bits
+    wrong = lowp_attention(q, k, v, 0.125, qk="int8")
+    assert ((wrong - ref).norm() / ref.norm()) > 0.1  # the bias matters: it is applied

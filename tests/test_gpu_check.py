@@ -19,6 +19,7 @@ def test_the_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     assert all(s["status"] == "ok" for s in steps.values()), {k: s["tail"][-500:] for k, s in steps.items()}
     assert " passed" in steps["cuda tests"]["figures"]["summary"]
     assert any(k.startswith("fused @ ") for k in steps["kernel bench"]["figures"])
+    assert any(k.startswith("fused int8 @ ") for k in steps["kernel bench"]["figures"])
     assert steps["real shapes"]["figures"]["quantwm"]["quantized_bytes_per_latent_frame"] > 0
     live = steps["live rollout"]["figures"]
     assert live["frames"] == 45 and live["frame_hw"] == [32, 64] and live["bits_per_element"] > 2

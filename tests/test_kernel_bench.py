@@ -19,9 +19,9 @@ def test_bench_tiny_preset_prints_every_path_for_every_cache_length(tmp_path, ca
     assert lengths == [192, 320]
     for L in lengths:
         paths = {r["path"]: r for r in rows if r["cache_tokens"] == L}
-        assert set(paths) == {"bf16", "dequant+sdpa", "fused", "quantize chunk (quantwm)"}
+        assert set(paths) == {"bf16", "dequant+sdpa", "fused", "fused int8", "fused e4m3", "quantize chunk (quantwm)"}
         assert paths["bf16"]["vs_bf16"] == 1.0
-        for name in ("dequant+sdpa", "fused"):
+        for name in ("dequant+sdpa", "fused", "fused int8", "fused e4m3"):
             assert paths[name]["ms"] > 0 and paths[name]["bytes"] < paths["bf16"]["bytes"]  # 2-bit spans read less
         assert math.isfinite(paths["quantize chunk (quantwm)"]["ms"])
     assert "fused" in capsys.readouterr().out

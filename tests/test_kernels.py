@@ -19,7 +19,7 @@ from quantwm.kernels import quantize_pack as _qp
 from quantwm.kernels import span_attention as _sa
 from quantwm.kernels import unpack_bits as _ub
 
-from quantwm.core.attention import chunk_spans, merge_splits, new_state, span_attention_ref
+from quantwm.core.attention import chunk_spans, merge_splits, new_state, side_center, span_attention_ref
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.kmeans import kmeans_assign_ref
 from quantwm.core.qsac import qsac_assign_ref
@@ -192,6 +192,43 @@ def test_span_attention_state_folds_spans_like_one_softmax():
         span_attention(q, acc, m, l, {"full": k[:, sl]}, {"full": v[:, sl]}, 0.2)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.2)
     torch.testing.assert_close(merge_splits(acc, m, l), want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["bf16", "kivi", "quantwm+jensen"])
+@pytest.mark.parametrize("lowp", ["int8", "e4m3"])
+def test_lowp_kernel_matches_its_emulation_with_one_split(method, lowp):
+    """The 8-bit path rounds where quantwm/core/fp8.py does: with one split the only difference left is fp32
+    summation order; with splits and bf16 queries it stays within e4m3's rounding of P of the emulation."""
+    cache = _span_cache(method, 97)
+    (k, v, psac), = chunk_spans(cache, 0)
+    k = {**k, "center": side_center(k, 64)}
+    q = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(3))
+    kw = dict(psac=psac(q) if psac else None, jensen="+jensen" in method, lowp=lowp)
+    outs = {}
+    for name, fold, P, qq in (("kernel", span_attention, 1, q), ("emulation", span_attention_ref, 1, q),
+                              ("split bf16", span_attention, 3, q.bfloat16()), ("exact", span_attention_ref, 1, q)):
+        acc, m, l = new_state(2, P, 20, 64, "cpu")
+        fold(qq, acc, m, l, k, v, 0.125, **{**kw, "lowp": None if name == "exact" else lowp})
+        outs[name] = merge_splits(acc, m, l)
+    # on a GPU exp2 is the hardware's approximation: a probability near a rounding boundary of e4m3 may land
+    # one step away, which moves the output by about 1e-4
+    tol = 1e-5 if DEVICE.type == "cpu" else 2e-3
+    torch.testing.assert_close(outs["kernel"], outs["emulation"], rtol=tol, atol=tol)
+    rel = {n: ((outs[n] - outs["exact"]).norm() / outs["exact"].norm()).item() for n in ("kernel", "split bf16")}
+    assert 0 < rel["kernel"] < (0.05 if lowp == "int8" else 0.1), rel  # rounding happened, and stayed small
+    assert rel["split bf16"] < 1.5 * rel["kernel"] + 0.01, rel
+
+
+def test_lowp_kernel_refuses_a_missing_centre_and_unknown_formats():
+    q = torch.randn(1, 4, 16)
+    side = {"full": torch.randn(1, 5, 16)}
+    acc, m, l = new_state(1, 1, 4, 16, "cpu")
+    with pytest.raises(ValueError, match="centre"):
+        span_attention(q, acc, m, l, side, side, 1.0, lowp="int8")
+    with pytest.raises(ValueError, match="lowp must be"):
+        span_attention(q, acc, m, l, {**side, "center": torch.zeros(1, 16)}, side, 1.0, lowp="fp4")
+    with pytest.raises(ValueError, match="centre"):
+        span_attention_ref(q, acc, m, l, side, side, 1.0, lowp="int8")
 
 
 def test_span_attention_rejects_bad_state_and_jensen_on_full_keys():

@@ -13,6 +13,10 @@ quantwm-paper's per-token PSAC scales) takes the cache's reference path; the dis
 method. Keys must be stored post-RoPE: with pre-RoPE keys the PSAC term would need Uᵀ
 applied to the query rotated back to every key's position (a D x R product per key instead of R MACs), so
 pre-RoPE caches also take the reference path (dequantize, rotate, SDPA).
+
+`lowp="int8"` or `"e4m3"` (CacheConfig.lowp) runs both products on 8-bit operands with fp32 accumulation, the
+rounding points of quantwm/core/fp8.py: every key side then carries a "center", the span's per-channel centre
+that `side_center` reads off its stored parameters (no decode pass).
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from collections.abc import Callable
 import torch
 
 from .backend import kernel
+from .fp8 import lowp_dots, pv_fold
 from .methods.qvg import gather_rows
 from .quant import GroupQuant, dequantize_groups, group_step, unpack_bits_ref
 
@@ -47,6 +52,23 @@ def chunk_spans(cache, layer: int) -> list[tuple[dict, dict, PsacFn | None]] | N
     return out
 
 
+def side_center(side: dict, D: int) -> torch.Tensor:
+    """A per-channel centre (S, D) float32 of a side's tokens, from what it stores: the mean of full keys; for
+    codes, the mid-grid value (zero + scale (2^b - 1) / 2, 0 for symmetric grids) averaged over the span, plus
+    the codebook's mean row. Any centre keeps the low-precision logits exact but for rounding (fp8.lowp_dots);
+    this one is cheap and close to the keys' mean."""
+    if "full" in side:
+        return side["full"].float().mean(1)
+    sc = side["scales"].float()
+    mid = 0 * sc if side["symmetric"] else side["zeros"].float() + sc * ((2 ** side["bits"] - 1) / 2)
+    c = mid.mean(1)  # token groups (S, D), or per-token channel groups (S, D / G)
+    if side["axis"] != "token":
+        c = c.repeat_interleave(side["group_size"], -1)
+    if "codebook" in side:
+        c = c + side["codebook"].float().mean(1)
+    return c
+
+
 def decode_side(side: dict, shape: tuple[int, int, int]) -> torch.Tensor:
     """Rebuild (S, N, D) float32 from a side dict (the reference's view of what the kernel reads)."""
     if "full" in side:
@@ -59,14 +81,16 @@ def decode_side(side: dict, shape: tuple[int, int, int]) -> torch.Tensor:
     return x
 
 
-def span_attention_ref(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, k: dict, v: dict,
-                       scale: float, psac: dict | None = None, jensen: bool = False) -> None:
-    """PyTorch twin of kernels.span_attention.span_attention (same arguments; folds into split 0)."""
+def span_logits(q: torch.Tensor, k: dict, scale: float, psac: dict | None = None, jensen: bool = False,
+                lowp: str | None = None) -> torch.Tensor:
+    """The logits (S, Nq, N) in log2 units that the kernel computes for one span (q (S, Nq, D)): q·k̂ exact, or
+    through `lowp`'s rounding ("int8", "e4m3", or "bf16": bf16 operands, the BF16 kernel's products), plus the
+    PSAC and Jensen terms in fp32."""
     S, Nq, D = q.shape
     N = (k["full"] if "full" in k else k["codes"]).shape[1]
-    K, V = decode_side(k, (S, N, D)), decode_side(v, (S, N, D))
+    K = decode_side(k, (S, N, D))
     qf = q.float()
-    dots = qf @ K.transpose(1, 2)  # (S, Nq, N)
+    dots = qf @ K.transpose(1, 2) if lowp is None else lowp_dots(qf, K, k.get("center"), lowp)  # (S, Nq, N)
     if psac is not None:
         R = psac["qs"].shape[-1]
         a = unpack_bits_ref(psac["codes"], psac["bits"], R).float()  # (S, N, R)
@@ -76,7 +100,22 @@ def span_attention_ref(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: t
         step = group_step(GroupQuant(k["codes"], k["scales"], k.get("zeros"), (S, N, D), k["bits"], k["group_size"],
                                      k["axis"], k["symmetric"]))
         logits = logits - (scale ** 2 / 24 * LOG2E) * (qf.square() @ step.square().transpose(1, 2))
+    return logits
+
+
+def span_attention_ref(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, k: dict, v: dict,
+                       scale: float, psac: dict | None = None, jensen: bool = False, lowp: str | None = None) -> None:
+    """PyTorch twin of kernels.span_attention.span_attention (same arguments; folds into split 0). With `lowp`
+    it is the low-precision path's emulation (quantwm/core/fp8.py), which the kernel matches with one split."""
+    if lowp is not None and k.get("center") is None:
+        raise ValueError("lowp needs the keys' centre k['center'] (side_center)")
+    logits = span_logits(q, k, scale, psac, jensen, lowp)
+    S, Nq, D = q.shape
+    V = decode_side(v, (S, logits.shape[-1], D))
     m0, l0, a0 = m[:, 0], l[:, 0], acc[:, 0]
+    if lowp is not None:
+        pv_fold(logits, V, m0, l0, a0)  # views: updates split 0 in place
+        return
     m_new = torch.maximum(m0, logits.amax(-1))
     alpha = torch.exp2(m0 - m_new)
     p = torch.exp2(logits - m_new[..., None])
@@ -104,8 +143,10 @@ def n_splits(S: int, Nq: int, target_programs: int = 256) -> int:
     return max(1, min(8, -(-target_programs // programs)))
 
 
-def fused_attention(cache, layer: int, q: torch.Tensor, scale: float, use_kernel: bool = True) -> torch.Tensor | None:
-    """Attention of q (B, H, Nq, D) (post-RoPE) over every span of `layer`; None if a span is unsupported."""
+def fused_attention(cache, layer: int, q: torch.Tensor, scale: float, use_kernel: bool = True,
+                    lowp: str | None = None) -> torch.Tensor | None:
+    """Attention of q (B, H, Nq, D) (post-RoPE) over every span of `layer`; None if a span is unsupported.
+    `lowp`: the low-precision path (8-bit products; on the reference side its emulation)."""
     spans = chunk_spans(cache, layer)
     if spans is None:
         return None
@@ -115,5 +156,8 @@ def fused_attention(cache, layer: int, q: torch.Tensor, scale: float, use_kernel
     fold = kernel("span_attention") if use_kernel else span_attention_ref
     jensen = cache.config.jensen
     for k, v, psac in spans:
-        fold(qs, acc, m, l, k, v, scale, psac=psac(qs) if psac else None, jensen=jensen and "full" not in k)
+        if lowp is not None:
+            k = {**k, "center": side_center(k, D)}
+        fold(qs, acc, m, l, k, v, scale, psac=psac(qs) if psac else None, jensen=jensen and "full" not in k,
+             lowp=lowp)
     return merge_splits(acc, m, l).reshape(B, H, Nq, D)

@@ -405,8 +405,9 @@ class KVCache(MemoryAccounting):
         if observe:
             self._observe(layer, qb)
         out = None
-        if self.config.rope == "post" and use_kernels(qb):
-            out = fused_attention(self, layer, qb, scale)  # None when a span's format has no fused kernel
+        if self.config.rope == "post" and (use_kernels(qb) or self.config.lowp):
+            # None when a span's format has no fused kernel; lowp off the kernels: its emulation
+            out = fused_attention(self, layer, qb, scale, use_kernel=use_kernels(qb), lowp=self.config.lowp)
         if out is None:
             K = self._rotate(self._gather(layer, "k", False), self.positions(layer))  # (B, H, L, D), internal layout
             V = self._gather(layer, "v", False)

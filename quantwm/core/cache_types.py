@@ -13,6 +13,7 @@ from .stats import QueryStats
 LAYOUTS = ("BHLD", "BLHD")
 TARGETS = ("k", "v", "kv")
 ROPE_MODES = ("post", "pre")
+LOWP_FORMATS = (None, "int8", "e4m3")  # CacheConfig.lowp: the fused path's 8-bit products (core/fp8.py)
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class CacheConfig:
     budget: float | None = None  # bits per element for Keys and Values: the method configures itself (core/budget.py)
     budget_k: float | None = None  # the Keys' and the Values' budgets apart (each defaults to `budget`)
     budget_v: float | None = None
+    lowp: str | None = None  # the fused path's 8-bit products: None, "int8" (QKᵀ INT8, PV e4m3) or "e4m3" (core/fp8.py)
 
     def __post_init__(self):
         base, suffix = parse_method_name(self.method)
@@ -59,6 +61,10 @@ class CacheConfig:
                                      ("rope", self.rope, ROPE_MODES)):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
+        if self.lowp not in LOWP_FORMATS:
+            raise ValueError(f"lowp must be one of {', '.join(map(repr, LOWP_FORMATS))}, got {self.lowp!r}")
+        if self.lowp is not None and self.rope != "post":
+            raise ValueError("lowp runs in the fused path, which reads post-RoPE keys: set rope='post'")
         if self.sink_chunks < 0 or self.recent_chunks < 0:
             raise ValueError("sink_chunks and recent_chunks must be >= 0")
         if self.max_chunks is not None and self.max_chunks <= self.sink_chunks:
