@@ -375,6 +375,7 @@ def methods_handler(wb, seed, trajectory, target, frames, methods, budget=DEFAUL
         rows = wb.methods_table(key, list(methods or []), progress, left_out)
     except ValueError as e:
         return error(str(e))
+    rows = sorted(rows, key=lambda r: r["bits_per_element"])  # in order of measured bits
     for r in rows:  # measured from stored bytes; the rule keeps every method within the budget
         r["fits"] = "yes" if r["bits_per_element"] <= b + 1e-9 and r["memory_mb"] < r["memory_bf16_mb"] else "OVER"
     table = [[r["method"], *[r[c] if c in ("fits", "configuration") else _fmt(r[c]) for c in METHOD_COLUMNS[1:]]]
