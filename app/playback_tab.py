@@ -129,19 +129,30 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
         return unpack(scrub(run_id, frame, overlays, layer, head), scrub_names)
     view = dict(concurrency_limit=4, concurrency_id="view")
 
-    gen_out = [status, run_id, bf16_video, method_video, plot, frame]
-    ev = go.click(on_generate, [seed, trajectory, method, target, bits, frames, budget], gen_out, api_name="generate",
-                  trigger_mode="multiple", concurrency_limit=1, concurrency_id="generate")
-    ev.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name="show_frame", **view)
-    pickers = [jump_layer, jump_head, trace_layer, trace_head, px, py]
+    labels: dict[str, str] = {}  # run id -> its quantized side's label ("kivi 3-bit, 2.50 bits/element")
 
     def shown(r):
-        """A comparison on the page: the slider sized to it, the quantized panel labelled with what it shows."""
+        """A comparison on the page: the slider sized to it, the quantized panels labelled with what they show."""
         if r.get("frames"):
             r["frame_slider"] = gr.Slider(minimum=0, maximum=r["frames"] - 1, value=r["frame"], step=1)
         if r.get("method_video") and r.get("method_label"):
             r["method_video"] = gr.Video(value=r["method_video"], label=r["method_label"])
+            labels[r["run_id"]] = r["method_label"]
+            while len(labels) > 256:  # the labels of recent runs only
+                labels.pop(next(iter(labels)))
         return unpack(r, gen_names)
+
+    def frame_label(run_id):
+        """The quantized frame's panel named after the run shown."""
+        name = labels.get(str(run_id or ""))
+        return gr.Image(label=f"{name} (click a pixel)" if name else "Quantized frame (click a pixel)")
+
+    gen_out = [status, run_id, bf16_video, method_video, plot, frame]
+    ev = go.click(on_generate, [seed, trajectory, method, target, bits, frames, budget], gen_out, api_name="generate",
+                  trigger_mode="multiple", concurrency_limit=1, concurrency_id="generate")
+    ev.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name="show_frame", **view).then(
+        frame_label, [run_id], [method_img], api_name=False, **view)
+    pickers = [jump_layer, jump_head, trace_layer, trace_head, px, py]
 
     settings = [seed, trajectory, method, target, bits, frames]
 
@@ -193,7 +204,8 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
         for e in (open_btn.click(on_open, [run_choice], [*gen_out, *pickers, *settings], api_name="open_run", **view),
                   run_upload.upload(on_upload, [run_upload], [*gen_out, *pickers, *settings, run_choice],
                                     api_name="upload_run", **view)):
-            e.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name=False, **view)
+            e.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name=False, **view).then(
+                frame_label, [run_id], [method_img], api_name=False, **view)
     if live is not None:
         def on_live(embeddings, seed, method, target, bits, latent_frames, prompt, progress=gr.Progress()):
             r = live["generate"](embeddings, seed, method, target, bits, latent_frames, prompt,
@@ -203,7 +215,8 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
         e = live_btn.click(on_live, [live_embeddings, live_seed, method, target, bits, live_frames, live_prompt],
                            [*gen_out, *pickers],
                            api_name="generate_live", concurrency_limit=1, concurrency_id="generate")
-        e.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name=False, **view)
+        e.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name=False, **view).then(
+            frame_label, [run_id], [method_img], api_name=False, **view)
     gr.on([frame.change, overlays.change, jump_layer.change, jump_head.change], do_scrub, scrub_in,
           [frame_info, bf16_img, method_img], api_name="scrub", trigger_mode="always_last", **view)
 
