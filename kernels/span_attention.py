@@ -82,14 +82,16 @@ def _lowp_rows(x, LOWP: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
-def _dot_lowp(a, b, INTERP: tl.constexpr):
-    """a @ b of 8-bit operands (INT8 -> int32, e4m3 -> fp32) as fp32; under the interpreter the operands are
+def _dot_lowp(a, b, INT8: tl.constexpr, INTERP: tl.constexpr):
+    """a @ b of 8-bit operands (INT8 -> int32, or e4m3 -> fp32) as fp32; under the interpreter the operands are
     exactly representable fp32 values and the dot is IEEE fp32."""
     if INTERP:
-        return tl.dot(a, b, input_precision="ieee")
-    if a.dtype == tl.int8:
-        return tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
-    return tl.dot(a, b)
+        out = tl.dot(a, b, input_precision="ieee")
+    elif INT8:
+        out = tl.dot(a, b, out_dtype=tl.int32).to(tl.float32)
+    else:
+        out = tl.dot(a, b)
+    return out
 
 
 @triton.jit
@@ -172,7 +174,7 @@ def _span_attention_kernel(
         if LOWP:
             kc = tl.where(rmask[:, None] & dmask[None, :], k - mu[None, :], 0.0)
             k_lp, k_sc = _lowp_rows(kc, LOWP, INTERP)
-            dots = _dot_lowp(q_lp, tl.trans(k_lp), INTERP) * q_sc[:, None] * k_sc[None, :] + q_mu[:, None]
+            dots = _dot_lowp(q_lp, tl.trans(k_lp), LOWP == 1, INTERP) * q_sc[:, None] * k_sc[None, :] + q_mu[:, None]
         else:
             dots = _dot(q, tl.trans(k), q.dtype, DOT_F32)  # (BM, BN)
         if PSAC:
@@ -203,7 +205,7 @@ def _span_attention_kernel(
         if LOWP:  # P as it is (in [0, 1]), V with one scale per channel of the block
             vmax = tl.max(tl.abs(v), axis=0)
             v_sc = tl.where(vmax > 0, vmax / 448.0, 1.0)
-            pv = _dot_lowp(_to_e4m3(pexp, INTERP), _to_e4m3(v / v_sc[None, :], INTERP), INTERP) * v_sc[None, :]
+            pv = _dot_lowp(_to_e4m3(pexp, INTERP), _to_e4m3(v / v_sc[None, :], INTERP), False, INTERP) * v_sc[None, :]
         else:
             pv = _dot(pexp, v, q.dtype, DOT_F32)
         acc = acc * alpha[:, None] + pv
@@ -220,13 +222,26 @@ def _dot_f32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1")
 
 
-def _side_args(side: dict, S: int, N: int, D: int, dummy: torch.Tensor, what: str):
+def capability(t: torch.Tensor) -> tuple[int, int] | None:
+    """The CUDA compute capability of t's device; None off CUDA (the interpreter reads every dtype)."""
+    return torch.cuda.get_device_capability(t.device) if t.is_cuda else None
+
+
+def _loadable(t: torch.Tensor | None, fp8: bool) -> torch.Tensor | None:
+    """t as the kernel may load it: fp8 tensors (stored scales, codebooks) widened to fp16 on GPUs without fp8
+    loads (compute capability below 8.9: Triton has no e4m3 there). Exact: every e4m3 value is an fp16 value."""
+    if t is None:
+        return None
+    return t.half().contiguous() if not fp8 and t.dtype == torch.float8_e4m3fn else t.contiguous()
+
+
+def _side_args(side: dict, S: int, N: int, D: int, dummy: torch.Tensor, what: str, fp8: bool = True):
     """Pointers, runtime sizes and constexprs of one side (keys or values) of a span."""
     if "full" in side:
-        f = side["full"]
+        f = _loadable(side["full"], fp8)
         if tuple(f.shape) != (S, N, D):
             raise ValueError(f"{what}: full-precision tensor must be {(S, N, D)}, got {tuple(f.shape)}")
-        return [dummy] * 5 + [f.contiguous()], [0, 0, 0], dict(QUANT=False, BITS=2, G=1, AXIS_TOKEN=False,
+        return [dummy] * 5 + [f], [0, 0, 0], dict(QUANT=False, BITS=2, G=1, AXIS_TOKEN=False,
                                                                SYM=False, CODEBOOK=False)
     bits, G, axis, sym = side["bits"], side["group_size"], side["axis"], side["symmetric"]
     if bits not in (2, 4, 8):
@@ -239,13 +254,17 @@ def _side_args(side: dict, S: int, N: int, D: int, dummy: torch.Tensor, what: st
     n_gt = triton.cdiv(N, G)
     cb, ids = side.get("codebook"), side.get("ids")
     zero = side.get("zeros")
-    ptrs = [side["codes"].contiguous(), side["scales"].contiguous(), dummy if zero is None else zero.contiguous(),
-            dummy if cb is None else cb.contiguous(), dummy if ids is None else ids.contiguous(), dummy]
+    ptrs = [side["codes"].contiguous(), _loadable(side["scales"], fp8), dummy if zero is None else _loadable(zero, fp8),
+            dummy if cb is None else _loadable(cb, fp8), dummy if ids is None else ids.contiguous(), dummy]
     return ptrs, [0 if cb is None else cb.shape[1], n_gt, row_bytes], dict(
         QUANT=True, BITS=bits, G=G, AXIS_TOKEN=axis == "token", SYM=sym, CODEBOOK=cb is not None)
 
 
 LOWP = {None: 0, "int8": 1, "e4m3": 2}
+# 8 warps, no software pipelining: with 4 warps or 2-3 stages ptxas spills 1-3 KB per thread at D = 128 (sm_90,
+# benchmarks/compile_check.py); these settings spill least (64 B for BF16 spans, 0.6-0.9 KB with codebook + PSAC)
+NUM_WARPS = 8
+NUM_STAGES = 1
 
 
 def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, k: dict, v: dict,
@@ -276,6 +295,11 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
         raise ValueError("the Jensen term applies to quantized keys only")
     if lowp not in LOWP:
         raise ValueError(f"lowp must be None, 'int8' or 'e4m3', got {lowp!r}")
+    cap = capability(q)
+    fp8 = cap is None or cap >= (8, 9)
+    if lowp is not None and not fp8:
+        raise ValueError(f"lowp={lowp!r} multiplies e4m3 probabilities and values on fp8 tensor cores (compute "
+                         f"capability 8.9 or newer: Ada, Hopper, Blackwell); this GPU is {cap[0]}.{cap[1]}")
     dummy = q
     if lowp is not None:
         mu = k.get("center")
@@ -285,8 +309,8 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
         mu = mu.float().contiguous()
     else:
         mu = dummy
-    kp, ka, kc = _side_args(k, S, N, D, dummy, "keys")
-    vp, va, vc = _side_args(v, S, N, D, dummy, "values")
+    kp, ka, kc = _side_args(k, S, N, D, dummy, "keys", fp8)
+    vp, va, vc = _side_args(v, S, N, D, dummy, "values", fp8)
     if psac is not None:
         R = psac["qs"].shape[-1]
         p_row_bytes = (R * psac["bits"] + 7) // 8
@@ -311,4 +335,4 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
         V_CODEBOOK=vc["CODEBOOK"],
         PSAC=psac is not None, P_BITS=p_bits, JENSEN=jensen, DOT_F32=_dot_f32(q.dtype),
         LOWP=LOWP[lowp], INTERP=os.environ.get("TRITON_INTERPRET") == "1",
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_R=16)
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_R=16, num_warps=NUM_WARPS, num_stages=NUM_STAGES)

@@ -1,0 +1,21 @@
+"""benchmarks/compile_check.py: the fused kernel compiles to a cubin for Hopper and Ampere on this CPU-only
+machine (Triton's compiler and ptxas, no GPU), and the launcher refuses the 8-bit path where fp8 is missing."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_span_attention_compiles_for_sm90_and_sm80_and_lowp_is_refused_before_sm89(tmp_path):
+    out = tmp_path / "compile.json"
+    done = subprocess.run([sys.executable, "benchmarks/compile_check.py", "--targets", "90,80", "--json", str(out),
+                           "--only", "span_attention quantwm lowp=None,span_attention quantwm lowp=int8"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = {(r["variant"].split()[-1], r["sm"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("lowp=None", 90), ("lowp=int8", 90), ("lowp=None", 80), ("lowp=int8", 80)}
+    for key in (("lowp=None", 90), ("lowp=int8", 90), ("lowp=None", 80)):
+        assert rows[key]["status"] == "ok" and 0 < rows[key]["reg"] <= 255, rows[key]
+    assert rows[("lowp=int8", 80)]["status"] == "refused" and "8.9 or newer" in rows[("lowp=int8", 80)]["error"]
