@@ -248,6 +248,32 @@ def test_trace_outside_the_frame_shows_an_error_and_the_page_stays_usable(browse
     page.wait_for_function("document.querySelector('#trace-status').innerText.startsWith('Query frame')", timeout=WAIT)
 
 
+def test_query_energy_draws_each_head_in_one_colour_with_one_legend_entry(browser_and_url):
+    """The energy plot: both panels colour a head alike, one legend entry per head, the legend below the panels
+    (inside the figure: nothing scrolls)."""
+    page = new_user(*browser_and_url)
+    generate(page)  # the default world (cached by the first test when it ran on this worker)
+    page.get_by_role("tab", name="Query energy").click()
+    page.locator("#energy-btn").click()
+    page.wait_for_function("['eigen-directions', 'Error'].some(t => "
+                           "(document.querySelector('#energy-status')?.innerText || '').includes(t))", timeout=WAIT)
+    assert "eigen-directions" in page.locator("#energy-status").inner_text()
+    page.wait_for_function("() => document.querySelector('#energy-plot .js-plotly-plot')?._fullLayout", timeout=WAIT)
+    traces = page.evaluate("document.querySelector('#energy-plot .js-plotly-plot')._fullData"
+                           ".map(t => [t.legendgroup, t.line.color, t.showlegend])")
+    colours = {}
+    for group, colour, _ in traces:
+        colours.setdefault(group, set()).add(colour)
+    assert len(colours) == 6 and all(len(c) == 1 for c in colours.values()), colours  # 6 heads, one colour each
+    assert len({next(iter(c)) for c in colours.values()}) == 6  # and no two heads alike
+    assert sum(shown for _, _, shown in traces) == 6
+    legend, plot = page.evaluate("(() => { const p = document.querySelector('#energy-plot .js-plotly-plot');"
+                                 " return [p.querySelector('.legend').getBoundingClientRect().bottom,"
+                                 " p.getBoundingClientRect().bottom]; })()")
+    assert legend <= plot + 1
+    page.context.close()
+
+
 def test_a_bad_seed_gets_the_same_error_line_on_the_page_and_over_the_api(browser_and_url):
     """One kind of error: seed -5 typed into the page and sent over the API give one Error line, naming the
     field and its range (no toast, no red badge)."""
