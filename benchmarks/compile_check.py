@@ -143,7 +143,7 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
         q = torch.randn(H, Nq, D, generator=g).bfloat16()
         for lowp in (None, "int8", "e4m3"):
             acc, m, l = new_state(H, 1, Nq, D, "cpu")
-            kk = k if lowp is None else {**k, "center": side_center(k, D)}
+            kk = k if lowp is None else {**k, "center": side_center(k)}
             try:
                 launch = capture(span_attention, "_span_attention_kernel", span_attention.span_attention, q, acc,
                                  m, l, kk, v, D ** -0.5, psac=psac(q) if psac else None, jensen="+jensen" in method,

@@ -30,11 +30,11 @@ from quantwm.evaluation.analyze import _layer_cache
 from quantwm.evaluation.trace import read_trace
 
 
-def layer_spans(cache, D: int) -> list[tuple[dict, dict, dict | None, bool]]:
+def layer_spans(cache) -> list[tuple[dict, dict, dict | None, bool]]:
     """(key side with its centre, value side, PSAC inputs, jensen) for every span of layer 0 of `cache`."""
     spans = chunk_spans(cache, 0)
     if spans is not None:
-        return [({**k, "center": side_center(k, D)}, v, psac, cache.config.jensen and "full" not in k)
+        return [({**k, "center": side_center(k)}, v, psac, cache.config.jensen and "full" not in k)
                 for k, v, psac in spans]
     out, a = [], 0
     K, V = cache.keys(0)[0], cache.values(0)[0]  # decoded (S, L, D)
@@ -61,7 +61,7 @@ def measure(path: str, method: str, budget: float | None, formats: list[str]) ->
         top_exact = (q @ k.transpose(1, 2)).argmax(-1)
         where = cache.positions(0) % trace.tokens_per_frame  # spatial position of every cached token
         S, Nq, D = q.shape
-        spans = layer_spans(cache, D)
+        spans = layer_spans(cache)
         scale = trace.softmax_scale
         for name in names:
             lowp = None if name == "exact" else name

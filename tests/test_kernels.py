@@ -201,7 +201,7 @@ def test_lowp_kernel_matches_its_emulation_with_one_split(method, lowp):
     summation order; with splits and bf16 queries it stays within e4m3's rounding of P of the emulation."""
     cache = _span_cache(method, 97)
     (k, v, psac), = chunk_spans(cache, 0)
-    k = {**k, "center": side_center(k, 64)}
+    k = {**k, "center": side_center(k)}
     q = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(3))
     kw = dict(psac=psac(q) if psac else None, jensen="+jensen" in method, lowp=lowp)
     outs = {}

@@ -52,7 +52,7 @@ def chunk_spans(cache, layer: int) -> list[tuple[dict, dict, PsacFn | None]] | N
     return out
 
 
-def side_center(side: dict, D: int) -> torch.Tensor:
+def side_center(side: dict) -> torch.Tensor:
     """A per-channel centre (S, D) float32 of a side's tokens, from what it stores: the mean of full keys; for
     codes, the mid-grid value (zero + scale (2^b - 1) / 2, 0 for symmetric grids) averaged over the span, plus
     the codebook's mean row. Any centre keeps the low-precision logits exact but for rounding (fp8.lowp_dots);
@@ -157,7 +157,7 @@ def fused_attention(cache, layer: int, q: torch.Tensor, scale: float, use_kernel
     jensen = cache.config.jensen
     for k, v, psac in spans:
         if lowp is not None:
-            k = {**k, "center": side_center(k, D)}
+            k = {**k, "center": side_center(k)}
         fold(qs, acc, m, l, k, v, scale, psac=psac(qs) if psac else None, jensen=jensen and "full" not in k,
              lowp=lowp)
     return merge_splits(acc, m, l).reshape(B, H, Nq, D)

@@ -105,8 +105,8 @@ def lowp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     if bias is not None:
         logits = logits + bias.float()
     *lead, Nq, _ = logits.shape
-    m = torch.full((*lead, Nq), float("-inf"))
-    l = torch.zeros(*lead, Nq)
-    acc = torch.zeros(*lead, Nq, v.shape[-1])
+    m = torch.full((*lead, Nq), float("-inf"), device=logits.device)
+    l = torch.zeros(*lead, Nq, device=logits.device)
+    acc = torch.zeros(*lead, Nq, v.shape[-1], device=logits.device)
     pv_fold(logits * LOG2E, v, m, l, acc)
     return acc / l[..., None]
