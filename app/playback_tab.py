@@ -139,7 +139,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
             r["method_video"] = gr.Video(value=r["method_video"], label=r["method_label"])
             labels[r["run_id"]] = r["method_label"]
             while len(labels) > 256:  # the labels of recent runs only
-                labels.pop(next(iter(labels)))
+                labels.pop(next(iter(labels)), None)
         return unpack(r, gen_names)
 
     def frame_label(run_id):
