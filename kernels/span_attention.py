@@ -262,9 +262,13 @@ def _side_args(side: dict, S: int, N: int, D: int, dummy: torch.Tensor, what: st
 
 LOWP = {None: 0, "int8": 1, "e4m3": 2}
 # 8 warps, no software pipelining: with 4 warps or 2-3 stages ptxas spills 1-3 KB per thread at D = 128 (sm_90,
-# benchmarks/compile_check.py); these settings spill least (64 B for BF16 spans, 0.6-0.9 KB with codebook + PSAC)
+# benchmarks/compile_check.py); of the six settings compiled these spill least
 NUM_WARPS = 8
 NUM_STAGES = 1
+# keys per tile: with 64, the rebuilt key and value tiles (codes, scales, zeros, codebook rows in registers at
+# once) spill 0.6-0.9 KB per thread on sm_90; with 32, at most 0.33 KB (quantwm+jensen), none for BF16 spans.
+# quantwm/core/fp8.py's BLOCK (the 8-bit path's PV block) is the same number.
+BLOCK_N = 32
 
 
 def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, k: dict, v: dict,
@@ -321,7 +325,6 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
     else:
         R, p_row_bytes, pp, p_bits = 0, 0, [dummy] * 3, 4
     BLOCK_M = 64 if Nq > 32 else 16
-    BLOCK_N = 64
     BLOCK_D = max(16, triton.next_power_of_2(D))
     split_len = triton.cdiv(triton.cdiv(N, P), BLOCK_N) * BLOCK_N
     grid = (S, triton.cdiv(Nq, BLOCK_M), P)

@@ -199,6 +199,9 @@ def test_span_attention_state_folds_spans_like_one_softmax():
 def test_lowp_kernel_matches_its_emulation_with_one_split(method, lowp):
     """The 8-bit path rounds where quantwm/core/fp8.py does: with one split the only difference left is fp32
     summation order; with splits and bf16 queries it stays within e4m3's rounding of P of the emulation."""
+    from quantwm.core.fp8 import BLOCK
+
+    assert _sa.BLOCK_N == BLOCK  # the emulation's PV blocks are the kernel's key tiles
     cache = _span_cache(method, 97)
     (k, v, psac), = chunk_spans(cache, 0)
     k = {**k, "center": side_center(k)}

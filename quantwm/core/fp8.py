@@ -31,7 +31,7 @@ import torch
 
 E4M3_MAX = 448.0
 INT8_MAX = 127.0
-BLOCK = 64  # key rows per PV block: the kernel's BLOCK_N
+BLOCK = 32  # key rows per PV block: the kernel's BLOCK_N (kernels/span_attention.py)
 LOG2E = math.log2(math.e)
 
 
