@@ -134,6 +134,17 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
     w = torch.rand(H, D, generator=g)
     out.append(("qsac_assign", capture(qsac_assign, "_qsac_assign_kernel", qsac_assign.qsac_assign, x, c, w, 64, 2,
                                        16.0)))
+    def attention(name, q, k, v, psac, jensen, lowp, splits):
+        """The span_attention launch for these inputs, or the launcher's refusal for this GPU."""
+        acc, m, l = new_state(H, splits, q.shape[1], D, "cpu")
+        kk = k if lowp is None else {**k, "center": side_center(k)}
+        try:
+            launch = capture(span_attention, "_span_attention_kernel", span_attention.span_attention, q, acc, m, l,
+                             kk, v, D ** -0.5, psac=psac(q) if psac else None, jensen=jensen, lowp=lowp)
+        except ValueError as e:
+            launch = e
+        out.append((name, launch))
+
     for method in ("bf16", "kivi", "quantwm", "quantwm+jensen"):
         cache = KVCache(CacheConfig(method, sink_chunks=0, recent_chunks=0), 1)
         cache.observe(0, torch.randn(1, H, N, D, generator=g))
@@ -142,26 +153,10 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
         (k, v, psac), = chunk_spans(cache, 0)
         q = torch.randn(H, Nq, D, generator=g).bfloat16()
         for lowp in (None, "int8", "e4m3"):
-            acc, m, l = new_state(H, 1, Nq, D, "cpu")
-            kk = k if lowp is None else {**k, "center": side_center(k)}
-            try:
-                launch = capture(span_attention, "_span_attention_kernel", span_attention.span_attention, q, acc,
-                                 m, l, kk, v, D ** -0.5, psac=psac(q) if psac else None, jensen="+jensen" in method,
-                                 lowp=lowp)
-            except ValueError as e:  # the launcher's refusal for this GPU
-                launch = e
-            out.append((f"span_attention {method} lowp={lowp}", launch))
+            attention(f"span_attention {method} lowp={lowp}", q, k, v, psac, "+jensen" in method, lowp, 1)
         if method == "quantwm":  # a chunk of few queries takes 16-row query tiles
             for lowp in (None, "int8"):
-                q16 = q[:, :16]
-                acc, m, l = new_state(H, 4, 16, D, "cpu")
-                kk = k if lowp is None else {**k, "center": side_center(k)}
-                try:
-                    launch = capture(span_attention, "_span_attention_kernel", span_attention.span_attention, q16,
-                                     acc, m, l, kk, v, D ** -0.5, psac=psac(q16), lowp=lowp)
-                except ValueError as e:
-                    launch = e
-                out.append((f"span_attention quantwm, 16 queries, lowp={lowp}", launch))
+                attention(f"span_attention quantwm, 16 queries, lowp={lowp}", q[:, :16], k, v, psac, False, lowp, 4)
     prefixes = tuple(p for p in (only or "").split(",") if p)
     return [(n, c) for n, c in out if not prefixes or n.startswith(prefixes)]
 

@@ -63,26 +63,22 @@ def measure(path: str, method: str, budget: float | None, formats: list[str]) ->
         S, Nq, D = q.shape
         spans = layer_spans(cache)
         scale = trace.softmax_scale
+        values = [decode_side(vs, (S, (ks["full"] if "full" in ks else ks["codes"]).shape[1], D))
+                  for ks, vs, _, _ in spans]  # decoded once, read by every format
         for name in names:
             lowp = None if name == "exact" else name
-            logits, outs = [], []
-            acc, m, l = new_state(S, 1, Nq, D, "cpu")
-            for ks, vs, psac, jensen in spans:
-                lg = span_logits(q, ks, scale, psac(q) if psac else None, jensen, lowp)
-                logits.append(lg)
-                if name in formats:
-                    pv_fold(lg, decode_side(vs, (S, lg.shape[-1], D)), m[:, 0], l[:, 0], acc[:, 0])
-                else:
-                    outs.append((lg, decode_side(vs, (S, lg.shape[-1], D))))
+            logits = [span_logits(q, ks, scale, psac(q) if psac else None, jensen, lowp)
+                      for ks, _, psac, jensen in spans]
             top = torch.cat(logits, -1).argmax(-1)
             shift[name] += float((top != top_exact).float().mean())
             pos_shift[name] += float((where[top] != where[top_exact]).float().mean())
-            if name == "exact":
-                lg = torch.cat([o[0] for o in outs], -1)
-                ref = torch.softmax(lg / math.log2(math.e), -1) @ torch.cat([o[1] for o in outs], 1)
+            if name == "exact":  # log2-unit logits: softmax of their natural-log values
+                ref = torch.softmax(torch.cat(logits, -1) / math.log2(math.e), -1) @ torch.cat(values, 1)
             elif name in formats:
-                out = merge_splits(acc, m, l)
-                out_err[name] += float((out - ref).norm() / ref.norm())
+                acc, m, l = new_state(S, 1, Nq, D, "cpu")
+                for lg, V in zip(logits, values):
+                    pv_fold(lg, V, m[:, 0], l[:, 0], acc[:, 0])
+                out_err[name] += float((merge_splits(acc, m, l) - ref).norm() / ref.norm())
         n += 1
     bits = cache.bits_per_element() if method != "bf16" else 16.0
     return {"bits": bits, **{f"shift_{k}": v / n for k, v in shift.items()},
