@@ -16,10 +16,13 @@ every span (flash-decoding): a chunk with few queries still fills the GPU, and t
 splits at the end. m is kept in log2 units (logits times log2(e)).
 
 `lowp` ("int8" or "e4m3") runs both products on 8-bit operands, accumulating in fp32, at the rounding points
-of quantwm/core/fp8.py: the keys less their span's centre μ (given) and the queries, one scale per row each, in
-INT8 or e4m3 for QKᵀ, with q·μ added back in fp32; each key block's probabilities (in [0, 1], unscaled) and its
-values (one scale per channel) in e4m3 for PV. PSAC and Jensen terms stay fp32. With one split (P = 1) the
-kernel takes the same steps as the emulation.
+of quantwm/core/fp8.py. QKᵀ: quantized keys that fp8.reads_codes accepts enter as their integer codes, exact,
+against the queries rounded with one scale per row (per-token channel groups: one 3-D dot over the groups,
+each group's product times its scale; token groups: the queries times the block's channel scales, rounded per
+block), with q·z' and the query's codebook products (computed by the launcher) in fp32; other keys, less their
+span's centre μ (given), are rounded in two terms (value and remainder), with q·μ added back in fp32. PV: each
+key block's probabilities (in [0, 1], unscaled) and its values (one scale per channel) in e4m3. PSAC and
+Jensen terms stay fp32. With one split (P = 1) the kernel takes the same steps as the emulation.
 
 Supported: bits 2/4/8, asymmetric or symmetric grids, groups along channels (power-of-two G) or along
 tokens, one codebook stage, keys and values independently quantized or full precision. Keys must be
@@ -33,6 +36,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from quantwm.core.fp8 import reads_codes
 
 
 @triton.jit
@@ -95,15 +100,68 @@ def _dot_lowp(a, b, INT8: tl.constexpr, INTERP: tl.constexpr):
 
 
 @triton.jit
+def _unpack(codes_ptr, s, rows, d, N, row_bytes, m2, BITS: tl.constexpr):
+    """The (BLOCK_N, BLOCK_D) int32 codes of token rows `rows` of stream s (0 outside m2)."""
+    PER: tl.constexpr = 8 // BITS
+    b = tl.load(codes_ptr + (s * N + rows[:, None]).to(tl.int64) * row_bytes + d[None, :] // PER, mask=m2, other=0)
+    return (b.to(tl.int32) >> ((d[None, :] % PER) * BITS)) & ((1 << BITS) - 1)
+
+
+@triton.jit
+def _code_dots(q_lp, q_sc, q3, qsum, qf32, codes_ptr, scale_ptr, zero_ptr, ids_ptr, qcb_ptr, s, qi, qmask, rows, n0, d,
+               N, Nq, D, n_cb, n_gt, row_bytes, rmask, dmask, BITS: tl.constexpr, G: tl.constexpr,
+               AXIS_TOKEN: tl.constexpr, SYM: tl.constexpr, CODEBOOK: tl.constexpr, LOWP: tl.constexpr,
+               INTERP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """q·k̂ (BM, BN) of a key tile read as its codes u = code - 2^(b-1), exact 8-bit operands (fp8.code_dots):
+    k̂ = u s + z' (+ codebook row), z' = zero + 2^(b-1) s (s when symmetric)."""
+    m2 = rmask[:, None] & dmask[None, :]
+    u = tl.where(m2, _unpack(codes_ptr, s, rows, d, N, row_bytes, m2, BITS) - (1 << (BITS - 1)), 0).to(tl.float32)
+    if not INTERP:
+        if LOWP == 1:
+            u = u.to(tl.int8)
+        else:
+            u = u.to(tl.float8e4nv)
+    if AXIS_TOKEN:  # the block lies in one token group (G a multiple of BLOCK_N): scales (S, ceil(N/G), D)
+        sidx = (s * n_gt + n0 // G).to(tl.int64) * D + d
+        sc = tl.load(scale_ptr + sidx, mask=dmask, other=0.0).to(tl.float32)
+        if SYM:
+            zp = sc
+        else:
+            zp = tl.load(zero_ptr + sidx, mask=dmask, other=0.0).to(tl.float32) + sc * (1 << (BITS - 1))
+        qg_lp, qg_sc = _lowp_rows(qf32 * sc[None, :], LOWP, INTERP)
+        dots = (_dot_lowp(qg_lp, tl.trans(u), LOWP == 1, INTERP) * qg_sc[:, None]
+                + tl.sum(qf32 * zp[None, :], axis=1)[:, None])
+    else:  # per-token groups of G channels: scales (S, N, D/G)
+        NG: tl.constexpr = BLOCK_D // G
+        gi = tl.arange(0, NG)
+        gmask = rmask[:, None] & (gi[None, :] < D // G)
+        sidx = (s * N + rows[:, None]).to(tl.int64) * (D // G) + gi[None, :]
+        sc = tl.load(scale_ptr + sidx, mask=gmask, other=0.0).to(tl.float32)  # (BN, NG)
+        if SYM:
+            zp = sc
+        else:
+            zp = tl.load(zero_ptr + sidx, mask=gmask, other=0.0).to(tl.float32) + sc * (1 << (BITS - 1))
+        if NG > 1:  # one dot per group, batched: (NG, BM, G) @ (NG, G, BN)
+            u3 = tl.permute(tl.reshape(u, (BLOCK_N, NG, G)), (1, 2, 0))
+            dots = tl.sum(_dot_lowp(q3, u3, LOWP == 1, INTERP) * tl.trans(sc)[:, None, :], axis=0) * q_sc[:, None]
+        else:
+            dots = _dot_lowp(q_lp, tl.trans(u), LOWP == 1, INTERP) * q_sc[:, None] * tl.sum(sc, axis=1)[None, :]
+        dots += tl.sum(qsum[:, None, :] * zp[None, :, :], axis=2)
+    if CODEBOOK:  # the query's products with the codebook rows (S, Nq, K), gathered by centroid id
+        ids = tl.load(ids_ptr + s * N + rows, mask=rmask, other=0).to(tl.int64)
+        dots += tl.load(qcb_ptr + (s * Nq + qi[:, None]).to(tl.int64) * n_cb + ids[None, :],
+                        mask=qmask[:, None] & rmask[None, :], other=0.0)
+    return dots
+
+
+@triton.jit
 def _rebuild(codes_ptr, scale_ptr, zero_ptr, cb_ptr, ids_ptr, full_ptr, s, rows, d, N, D, n_cb, n_gt, row_bytes,
              rmask, dmask, QUANT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, AXIS_TOKEN: tl.constexpr,
              SYM: tl.constexpr, CODEBOOK: tl.constexpr):
     """A (BLOCK_N, BLOCK_D) fp32 tile of rebuilt keys or values for token rows `rows` of stream s."""
     m2 = rmask[:, None] & dmask[None, :]
     if QUANT:
-        PER: tl.constexpr = 8 // BITS
-        b = tl.load(codes_ptr + (s * N + rows[:, None]).to(tl.int64) * row_bytes + d[None, :] // PER, mask=m2, other=0)
-        code = ((b.to(tl.int32) >> ((d[None, :] % PER) * BITS)) & ((1 << BITS) - 1)).to(tl.float32)
+        code = _unpack(codes_ptr, s, rows, d, N, row_bytes, m2, BITS).to(tl.float32)
         if AXIS_TOKEN:  # scales (S, ceil(N/G), D)
             sidx = (s * n_gt + rows[:, None] // G).to(tl.int64) * D + d[None, :]
         else:  # scales (S, N, D/G)
@@ -126,7 +184,7 @@ def _span_attention_kernel(
         q_ptr, acc_ptr, m_ptr, l_ptr,
         kc_ptr, ks_ptr, kz_ptr, kcb_ptr, kid_ptr, kf_ptr,
         vc_ptr, vs_ptr, vz_ptr, vcb_ptr, vid_ptr, vf_ptr,
-        pq_ptr, pc0_ptr, pcodes_ptr, kmu_ptr,
+        pq_ptr, pc0_ptr, pcodes_ptr, kmu_ptr, qcb_ptr,
         Nq, N, D, P, split_len, qk_scale, jensen_coef,
         k_ncb, k_ngt, k_row_bytes, v_ncb, v_ngt, v_row_bytes, R, p_row_bytes,
         K_QUANT: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, K_AXIS_TOKEN: tl.constexpr,
@@ -134,7 +192,7 @@ def _span_attention_kernel(
         V_QUANT: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_AXIS_TOKEN: tl.constexpr,
         V_SYM: tl.constexpr, V_CODEBOOK: tl.constexpr,
         PSAC: tl.constexpr, P_BITS: tl.constexpr, JENSEN: tl.constexpr, DOT_F32: tl.constexpr,
-        LOWP: tl.constexpr, INTERP: tl.constexpr,
+        LOWP: tl.constexpr, K_CODES: tl.constexpr, INTERP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
     s = tl.program_id(0)
     qi = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -164,25 +222,35 @@ def _span_attention_kernel(
         mu = tl.load(kmu_ptr + s * D + d, mask=dmask, other=0.0)
         q_mu = tl.sum(qf32 * mu[None, :], axis=1)
         q_lp, q_sc = _lowp_rows(qf32, LOWP, INTERP)
+        q3, qsum = q_lp, q_sc  # per-token channel groups read as codes: the queries' codes and sums per group
+        if K_CODES and not K_AXIS_TOKEN:
+            qsum = tl.sum(tl.reshape(qf32, (BLOCK_M, BLOCK_D // K_G, K_G)), axis=2)  # (BM, NG)
+            if BLOCK_D // K_G > 1:
+                q3 = tl.permute(tl.reshape(q_lp, (BLOCK_M, BLOCK_D // K_G, K_G)), (1, 0, 2))  # (NG, BM, G)
     start = p * split_len
     end = tl.minimum(N, start + split_len)
     for n0 in range(start, end, BLOCK_N):
         rows = n0 + tl.arange(0, BLOCK_N)
         rmask = rows < end
-        k = _rebuild(kc_ptr, ks_ptr, kz_ptr, kcb_ptr, kid_ptr, kf_ptr, s, rows, d, N, D, k_ncb, k_ngt, k_row_bytes,
-                     rmask, dmask, K_QUANT, K_BITS, K_G, K_AXIS_TOKEN, K_SYM, K_CODEBOOK)
-        if LOWP:
+        if K_CODES:
+            dots = _code_dots(q_lp, q_sc, q3, qsum, qf32, kc_ptr, ks_ptr, kz_ptr, kid_ptr, qcb_ptr, s, qi, qmask, rows,
+                              n0, d, N, Nq, D, k_ncb, k_ngt, k_row_bytes, rmask, dmask, K_BITS, K_G, K_AXIS_TOKEN,
+                              K_SYM, K_CODEBOOK, LOWP, INTERP, BLOCK_N, BLOCK_D)
+        elif LOWP:  # keys less the centre in two terms, value and remainder
+            k = _rebuild(kc_ptr, ks_ptr, kz_ptr, kcb_ptr, kid_ptr, kf_ptr, s, rows, d, N, D, k_ncb, k_ngt, k_row_bytes,
+                         rmask, dmask, K_QUANT, K_BITS, K_G, K_AXIS_TOKEN, K_SYM, K_CODEBOOK)
             kc = tl.where(rmask[:, None] & dmask[None, :], k - mu[None, :], 0.0)
-            k_lp, k_sc = _lowp_rows(kc, LOWP, INTERP)
-            dots = _dot_lowp(q_lp, tl.trans(k_lp), LOWP == 1, INTERP) * q_sc[:, None] * k_sc[None, :] + q_mu[:, None]
+            k_hi, hi_sc = _lowp_rows(kc, LOWP, INTERP)
+            k_lo, lo_sc = _lowp_rows(kc - k_hi.to(tl.float32) * hi_sc[:, None], LOWP, INTERP)
+            dots = (_dot_lowp(q_lp, tl.trans(k_hi), LOWP == 1, INTERP) * hi_sc[None, :]
+                    + _dot_lowp(q_lp, tl.trans(k_lo), LOWP == 1, INTERP) * lo_sc[None, :]) * q_sc[:, None] + q_mu[:, None]
         else:
+            k = _rebuild(kc_ptr, ks_ptr, kz_ptr, kcb_ptr, kid_ptr, kf_ptr, s, rows, d, N, D, k_ncb, k_ngt, k_row_bytes,
+                         rmask, dmask, K_QUANT, K_BITS, K_G, K_AXIS_TOKEN, K_SYM, K_CODEBOOK)
             dots = _dot(q, tl.trans(k), q.dtype, DOT_F32)  # (BM, BN)
         if PSAC:
-            PPER: tl.constexpr = 8 // P_BITS
-            b = tl.load(pcodes_ptr + (s * N + rows[:, None]).to(tl.int64) * p_row_bytes + r[None, :] // PPER,
-                        mask=rmask[:, None] & (r[None, :] < R), other=0)
-            a = ((b.to(tl.int32) >> ((r[None, :] % PPER) * P_BITS)) & ((1 << P_BITS) - 1)).to(tl.float32)
-            a = tl.where(r[None, :] < R, a, 0.0)
+            pmask = rmask[:, None] & (r[None, :] < R)
+            a = tl.where(pmask, _unpack(pcodes_ptr, s, rows, r, N, p_row_bytes, pmask, P_BITS).to(tl.float32), 0.0)
             dots += tl.dot(pq, tl.trans(a), input_precision="ieee") + pc0[:, None]
         logits = dots * qk_scale
         if JENSEN:
@@ -305,14 +373,18 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
         raise ValueError(f"lowp={lowp!r} multiplies e4m3 probabilities and values on fp8 tensor cores (compute "
                          f"capability 8.9 or newer: Ada, Hopper, Blackwell); this GPU is {cap[0]}.{cap[1]}")
     dummy = q
+    mu, qcb = dummy, dummy
     if lowp is not None:
         mu = k.get("center")
         if mu is None or tuple(mu.shape) != (S, D):
             raise ValueError(f"lowp needs the keys' centre k['center'] of shape {(S, D)}, got "
                              f"{None if mu is None else tuple(mu.shape)}")
         mu = mu.float().contiguous()
+        codes = reads_codes(k, D, lowp)
+        if codes and "codebook" in k:  # each query's products with the codebook rows, gathered per key
+            qcb = torch.bmm(q.float(), k["codebook"].float().transpose(1, 2)).contiguous()
     else:
-        mu = dummy
+        codes = False
     kp, ka, kc = _side_args(k, S, N, D, dummy, "keys", fp8)
     vp, va, vc = _side_args(v, S, N, D, dummy, "values", fp8)
     if psac is not None:
@@ -329,7 +401,7 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
     split_len = triton.cdiv(triton.cdiv(N, P), BLOCK_N) * BLOCK_N
     grid = (S, triton.cdiv(Nq, BLOCK_M), P)
     _span_attention_kernel[grid](
-        q.contiguous(), acc, m, l, *kp, *vp, *pp, mu,
+        q.contiguous(), acc, m, l, *kp, *vp, *pp, mu, qcb,
         Nq, N, D, P, split_len, float(scale) * math.log2(math.e), -(float(scale) ** 2 / 24) * math.log2(math.e),
         *ka, *va, R, p_row_bytes,
         K_QUANT=kc["QUANT"], K_BITS=kc["BITS"], K_G=kc["G"], K_AXIS_TOKEN=kc["AXIS_TOKEN"], K_SYM=kc["SYM"],
@@ -337,5 +409,5 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
         V_QUANT=vc["QUANT"], V_BITS=vc["BITS"], V_G=vc["G"], V_AXIS_TOKEN=vc["AXIS_TOKEN"], V_SYM=vc["SYM"],
         V_CODEBOOK=vc["CODEBOOK"],
         PSAC=psac is not None, P_BITS=p_bits, JENSEN=jensen, DOT_F32=_dot_f32(q.dtype),
-        LOWP=LOWP[lowp], INTERP=os.environ.get("TRITON_INTERPRET") == "1",
+        LOWP=LOWP[lowp], K_CODES=codes, INTERP=os.environ.get("TRITON_INTERPRET") == "1",
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_R=16, num_warps=NUM_WARPS, num_stages=NUM_STAGES)

@@ -60,3 +60,48 @@ def test_lowp_attention_is_close_to_exact_attention_and_takes_the_bias_in_fp32()
         assert ((out - ref).norm() / ref.norm()) < tol  # P and V in e4m3: 3 mantissa bits
     wrong = lowp_attention(q, k, v, 0.125, qk="int8")
     assert ((wrong - ref).norm() / ref.norm()) > 0.1  # the bias matters: it is applied
+
+
+def _side(x, bits, G, axis, symmetric):
+    from quantwm.core.quant import quantize_groups
+
+    gq = quantize_groups(x, bits, G, axis, symmetric)
+    side = {"codes": gq.codes, "scales": gq.scale, "bits": bits, "group_size": G, "axis": axis, "symmetric": symmetric}
+    return side if symmetric else {**side, "zeros": gq.zero}
+
+
+@pytest.mark.parametrize("bits, G, axis, symmetric", [(2, 64, "channel", False), (2, 32, "channel", True),
+                                                      (8, 16, "channel", False), (2, 64, "token", False),
+                                                      (4, 32, "token", True)])
+def test_code_dots_round_only_the_queries(bits, G, axis, symmetric):
+    """Keys read as codes lose nothing: with queries that INT8 holds exactly (integers, row maximum 127) the
+    per-token-group products are the decoded keys' products; token groups round q times the scales, no more."""
+    from quantwm.core.attention import decode_side
+    from quantwm.core.fp8 import code_dots, reads_codes
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 150, 64, generator=g) * 3 + 1
+    side = {**_side(x, bits, G, axis, symmetric), "codebook": torch.randn(2, 3, 64, generator=g),
+            "ids": torch.randint(0, 3, (2, 150), generator=g)}
+    assert reads_codes(side, 64)
+    q = torch.randint(-126, 127, (2, 30, 64), generator=g).float()
+    q[..., 0] = 127
+    exact = q @ decode_side(side, (2, 150, 64)).transpose(1, 2)
+    err = (code_dots(q, side) - exact).abs().max() / exact.abs().max()
+    if axis == "channel":
+        assert err < 1e-6
+    else:
+        assert 0 < err < 0.01
+        assert err < 0.5 * (lowp_dots(q, decode_side(side, (2, 150, 64)), qk="e4m3") - exact).abs().max() / exact.abs().max()
+
+
+def test_reads_codes_takes_the_layouts_the_kernel_can_dot():
+    from quantwm.core.fp8 import reads_codes
+
+    x = torch.randn(1, 96, 64)
+    assert reads_codes(_side(x, 2, 64, "channel", False), 64)
+    assert not reads_codes(_side(x, 2, 8, "channel", False), 64)  # groups under 16 channels: no tensor-core dot
+    assert not reads_codes(_side(x, 2, 48, "token", False), 64)  # token groups that split a key block
+    assert reads_codes(_side(x, 8, 64, "channel", False), 64, "int8")
+    assert not reads_codes(_side(x, 8, 64, "channel", False), 64, "e4m3")  # e4m3 holds integers up to 16
+    assert not reads_codes({"full": x}, 64)

@@ -57,15 +57,15 @@ def span_attention(q, acc, m, l, *args, **kwargs):
 
 @pytest.fixture(autouse=True)
 def gpu_legal_dots(monkeypatch):
-    """Fail any tl.dot whose operand tiles a GPU would reject (a dimension below 16); under the interpreter
-    only (compiled on a GPU, Triton itself rejects them)."""
+    """Fail any tl.dot whose operand tiles a GPU would reject (a matrix dimension below 16; a batched dot's
+    leading dimension may be anything); under the interpreter only (compiled on a GPU, Triton rejects them)."""
     if not INTERPRETED:
         return []
     orig = tl.dot
     shapes = []
 
     def checked(a, b, *args, **kwargs):
-        dims = [int(getattr(x, "value", x)) for x in (*a.shape, *b.shape)]
+        dims = [int(getattr(x, "value", x)) for x in (*a.shape[-2:], *b.shape[-2:])]
         assert min(dims) >= 16, f"tl.dot on tiles {tuple(a.shape)} x {tuple(b.shape)}: a GPU needs dims >= 16"
         shapes.append(dims)
         return orig(a, b, *args, **kwargs)
@@ -220,6 +220,51 @@ def test_lowp_kernel_matches_its_emulation_with_one_split(method, lowp):
     rel = {n: ((outs[n] - outs["exact"]).norm() / outs["exact"].norm()).item() for n in ("kernel", "split bf16")}
     assert 0 < rel["kernel"] < (0.05 if lowp == "int8" else 0.1), rel  # rounding happened, and stayed small
     assert rel["split bf16"] < 1.5 * rel["kernel"] + 0.01, rel
+
+
+def _code_side(S, N, D, bits, G, axis, symmetric, K, seed=0):
+    """A quantized key side in the fused kernel's layout (with a codebook of K rows when K > 0)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(S, N, D, generator=g) * torch.linspace(0.5, 3, D) + 1.0
+    gq = quantize_groups(x, bits, G, axis, symmetric)
+    side = {"codes": gq.codes, "scales": gq.scale, "bits": bits, "group_size": G, "axis": axis,
+            "symmetric": symmetric, "center": torch.zeros(S, D)}
+    if not symmetric:
+        side["zeros"] = gq.zero
+    if K:
+        side["codebook"] = torch.randn(S, K, D, generator=g).to(torch.float8_e4m3fn)
+        side["ids"] = torch.randint(0, K, (S, N), generator=g, dtype=torch.int32)
+    return side
+
+
+@pytest.mark.parametrize("bits, G, axis, symmetric, K, D", [
+    (2, 64, "channel", False, 2, 64),  # quantwm at D = 64: one group per token, a codebook
+    (2, 64, "channel", False, 0, 128),  # two groups per token: the batched dot
+    (4, 16, "channel", True, 0, 48),  # four groups, the last one past D (padded tile)
+    (8, 32, "channel", False, 0, 64),
+    (2, 64, "token", False, 0, 64),  # KIVI's keys: token groups spanning two key blocks
+    (4, 32, "token", True, 3, 64)])
+@pytest.mark.parametrize("lowp", ["int8", "e4m3"])
+def test_lowp_kernel_reads_codes_as_its_emulation_does(bits, G, axis, symmetric, K, D, lowp):
+    """Keys read as their integer codes (fp8.reads_codes): the kernel equals the emulation (one split) for
+    every group layout, and both stay close to exact attention over the same stored keys."""
+    from quantwm.core.fp8 import reads_codes
+
+    S, N = 2, 97
+    k = _code_side(S, N, D, bits, G, axis, symmetric, K)
+    assert reads_codes(k, D, lowp) == (lowp == "int8" or bits <= 4)
+    v = {"full": torch.randn(S, N, D, generator=torch.Generator().manual_seed(1))}
+    q = torch.randn(S, 20, D, generator=torch.Generator().manual_seed(2))
+    outs = {}
+    for name, fold, mode in (("kernel", span_attention, lowp), ("emulation", span_attention_ref, lowp),
+                             ("exact", span_attention_ref, None)):
+        acc, m, l = new_state(S, 1, 20, D, "cpu")
+        fold(q, acc, m, l, k, v, D ** -0.5, lowp=mode)
+        outs[name] = merge_splits(acc, m, l)
+    tol = 1e-5 if DEVICE.type == "cpu" else 2e-3
+    torch.testing.assert_close(outs["kernel"], outs["emulation"], rtol=tol, atol=tol)
+    rel = ((outs["kernel"] - outs["exact"]).norm() / outs["exact"].norm()).item()
+    assert 0 < rel < (0.05 if lowp == "int8" else 0.1), rel
 
 
 def test_lowp_kernel_refuses_a_missing_centre_and_unknown_formats():

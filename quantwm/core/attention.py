@@ -26,7 +26,7 @@ from collections.abc import Callable
 import torch
 
 from .backend import kernel
-from .fp8 import lowp_dots, pv_fold
+from .fp8 import code_dots, lowp_dots, pv_fold, reads_codes
 from .methods.qvg import gather_rows
 from .quant import GroupQuant, dequantize_groups, group_step, unpack_bits_ref
 
@@ -88,9 +88,12 @@ def span_logits(q: torch.Tensor, k: dict, scale: float, psac: dict | None = None
     PSAC and Jensen terms in fp32."""
     S, Nq, D = q.shape
     N = (k["full"] if "full" in k else k["codes"]).shape[1]
-    K = decode_side(k, (S, N, D))
     qf = q.float()
-    dots = qf @ K.transpose(1, 2) if lowp is None else lowp_dots(qf, K, k.get("center"), lowp)  # (S, Nq, N)
+    if lowp in ("int8", "e4m3") and reads_codes(k, D, lowp):
+        dots = code_dots(qf, k, lowp)
+    else:
+        K = decode_side(k, (S, N, D))
+        dots = qf @ K.transpose(1, 2) if lowp is None else lowp_dots(qf, K, k.get("center"), lowp)  # (S, Nq, N)
     if psac is not None:
         R = psac["qs"].shape[-1]
         a = unpack_bits_ref(psac["codes"], psac["bits"], R).float()  # (S, N, R)

@@ -5,21 +5,29 @@ A chunk of thousands of queries over a long cache is compute-bound, so reading 2
 attention faster than BF16; only cheaper matrix products can. This path runs both products of attention on 8-bit
 operands with fp32 accumulation. Per span (a launch of the kernel):
 
-* **Keys are centred** (SageAttention's smoothing): a per-channel centre μ of the span (`center`) is taken off
-  every decoded key, and q·μ is added back to each logit in fp32, so the logits are the exact ones up to the
-  rounding below whatever μ is; a good μ only makes the rounded part small.
-* **QKᵀ on 8-bit operands**: each query row and each centred key row gets one scale (its absolute maximum over
-  the format's largest value), is divided by it and rounded to INT8 (`qk="int8"`, the default) or fp8-e4m3
-  (`qk="e4m3"`); the integer or e4m3 products are summed in fp32 and multiplied by the two scales. Logit terms the
-  method adds (a PSAC correction, the +jensen bias) stay fp32.
+* **Quantized keys are read as their integer codes.** A key rebuilt from b-bit codes is k̂ = u ⊙ s + z' (+ a
+  codebook row), with u = code − 2^(b−1) an integer in [−2^(b−1), 2^(b−1) − 1], s its group scales and z' its
+  group offsets (zero + 2^(b−1) s; s for symmetric grids). u is exact in INT8 (and in e4m3 for b ≤ 4), so QKᵀ
+  rounds only the queries (`code_dots`): per-token groups of G channels take Σ_g s_g (q_g·u_g) with q rounded
+  once per row; groups of G tokens along channels (KIVI's keys) take (q ⊙ s)·u with q ⊙ s rounded per group.
+  q·z' and q·codebook rows are added in fp32. This needs no key rounding, and no centre (`reads_codes`).
+* **Other keys are centred** (SageAttention's smoothing) **and split in two terms**: a per-channel centre μ of
+  the span (`center`) is taken off every key and q·μ is added back in fp32; each centred key row is rounded to
+  8 bits with one scale and its remainder is rounded again (k − μ ≈ a·s_a + b·s_b), so a BF16 span's keys keep
+  about 14 significant bits for two 8-bit products, the cost of one BF16 product (`lowp_dots`). Queries get one
+  scale per row. These are the BF16 sink, recent and current spans, and quantized layouts `reads_codes` refuses.
+* **The formats**: INT8 (`qk="int8"`, the default) or fp8-e4m3 (`qk="e4m3"`); the integer or e4m3 products
+  are summed in fp32 and multiplied by the scales. Logit terms the method adds (a PSAC correction, the +jensen
+  bias) stay fp32.
 * **PV in e4m3**: an online softmax over key blocks of `BLOCK` rows from the span's start (the order the kernel
   visits them, running maximum m, in log2 units as the kernel keeps it). Each block's probabilities 2^(s − m) lie
   in [0, 1] and are rounded to e4m3 as they are; the block's values get one scale per channel (absolute maximum
   over 448) and are rounded to e4m3; products accumulate in fp32. The normaliser sums the fp32 probabilities.
 
-Why INT8 by default: on the tuning traces (trace seed 100003, world seed 100005) e4m3 keys move the top-1
-source of 3-5% more queries than the 2-bit cache alone (three mantissa bits cannot separate near-tied logits);
-INT8 with per-token scales adds under 1 point over the BF16 path (`benchmarks/fp8_error.py`). INT8 and FP8 run
+Why these choices (tuning sources: trace seed 100003, world seed 100005; `benchmarks/fp8_error.py`): on the
+built-in model nearly all of the top-1 shift a one-term 8-bit product added came from rounding the BF16 recent
+span's keys (its near-copies of one place differ by less than an 8-bit step); two terms remove it. e4m3 queries
+move 3-5% more top-1 sources than INT8 ones (three mantissa bits cannot separate near-tied logits). INT8 and FP8 run
 at the same tensor-core rate on Hopper. `torch.float8_e4m3fn` does the e4m3 rounding (to nearest even,
 saturating at ±448 here); INT8 rounds to nearest even and clamps at ±127.
 """
@@ -28,6 +36,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from .quant import unpack_bits_ref
 
 E4M3_MAX = 448.0
 INT8_MAX = 127.0
@@ -69,15 +79,54 @@ def key_center(k: torch.Tensor) -> torch.Tensor:
 
 
 def lowp_dots(q: torch.Tensor, k: torch.Tensor, center: torch.Tensor | None = None, qk: str = "int8") -> torch.Tensor:
-    """q·kᵀ through the path's QKᵀ rounding: q (..., Nq, D), k (..., L, D), center (..., D) (default: the keys'
-    mean) -> (..., Nq, L) float32, exact but for the rounding of q and of k − center. `qk="bf16"`: for
-    comparison, the BF16 path's products (q and k rounded to bf16, no centre)."""
+    """q·kᵀ through the path's QKᵀ rounding of keys given as values: q (..., Nq, D), k (..., L, D), center
+    (..., D) (default: the keys' mean) -> (..., Nq, L) float32, exact but for the rounding of q (one term) and of
+    k − center (two terms). `qk="bf16"`: for comparison, the BF16 path's products (q and k rounded to bf16)."""
     if qk == "bf16":
         return q.bfloat16().float() @ k.bfloat16().float().transpose(-1, -2)
     c = key_center(k) if center is None else center.float()
     qc, qs = row_quantize(q, qk)
-    kc, ks = row_quantize(k.float() - c[..., None, :], qk)
-    return (qc @ kc.transpose(-1, -2)) * qs * ks.transpose(-1, -2) + (q.float() @ c[..., :, None])
+    kk = k.float() - c[..., None, :]
+    hi, hs = row_quantize(kk, qk)
+    lo, ls = row_quantize(kk - hi * hs, qk)
+    dots = (qc @ hi.transpose(-1, -2)) * hs.transpose(-1, -2) + (qc @ lo.transpose(-1, -2)) * ls.transpose(-1, -2)
+    return dots * qs + (q.float() @ c[..., :, None])
+
+
+def reads_codes(side: dict, D: int, qk: str = "int8") -> bool:
+    """Whether QKᵀ reads this key side's integer codes as they are (`code_dots`): quantized keys whose codes
+    fit the format (any width in INT8, up to 4 bits in e4m3), grouped along channels in groups of at least 16
+    (a tensor-core dot per group) or along tokens in whole key blocks (one group per block)."""
+    if "codes" not in side or (qk == "e4m3" and side["bits"] > 4):
+        return False
+    G = side["group_size"]
+    return G >= 16 and D % G == 0 if side["axis"] == "channel" else G % BLOCK == 0
+
+
+def code_dots(q: torch.Tensor, side: dict, qk: str = "int8") -> torch.Tensor:
+    """q·k̂ᵀ (S, Nq, N) float32 of queries q (S, Nq, D) over a quantized key side (the fused kernel's dict; see
+    `reads_codes`), with the codes as the exact 8-bit operand: only the queries are rounded."""
+    S, Nq, D = q.shape
+    b, G, N = side["bits"], side["group_size"], side["codes"].shape[1]
+    u = unpack_bits_ref(side["codes"], b, D).float() - 2 ** (b - 1)  # (S, N, D)
+    sc = side["scales"].float()
+    zp = sc if side["symmetric"] else side["zeros"].float() + sc * 2 ** (b - 1)
+    qf = q.float()
+    if side["axis"] == "channel":  # scales (S, N, D / G)
+        qc, qs = row_quantize(qf, qk)
+        per_group = torch.einsum("sqgc,sngc->sgqn", qc.unflatten(-1, (-1, G)), u.unflatten(-1, (-1, G)))
+        qsum = qf.unflatten(-1, (-1, G)).sum(-1)  # (S, Nq, D / G)
+        dots = (per_group * sc.permute(0, 2, 1)[:, :, None, :]).sum(1) * qs + qsum @ zp.transpose(1, 2)
+    else:  # scales (S, ceil(N / G), D): the queries times each token group's channel scales, rounded per group
+        dots = torch.empty(S, Nq, N)
+        for g in range(sc.shape[1]):
+            a, e = g * G, min(N, g * G + G)
+            qc, qs = row_quantize(qf * sc[:, g, None, :], qk)
+            dots[..., a:e] = (qc @ u[:, a:e].transpose(1, 2)) * qs + qf @ zp[:, g, :, None]
+    if "codebook" in side:
+        qcb = qf @ side["codebook"].float().transpose(1, 2)  # (S, Nq, K)
+        dots = dots + torch.gather(qcb, 2, side["ids"].long()[:, None, :].expand(S, Nq, N))
+    return dots
 
 
 def pv_fold(logits2: torch.Tensor, v: torch.Tensor, m: torch.Tensor, l: torch.Tensor, acc: torch.Tensor) -> None:
