@@ -15,7 +15,8 @@ applied to the query rotated back to every key's position (a D x R product per k
 pre-RoPE caches also take the reference path (dequantize, rotate, SDPA).
 
 `lowp="int8"` or `"e4m3"` (CacheConfig.lowp) runs both products on 8-bit operands with fp32 accumulation, the
-rounding points of quantwm/core/fp8.py: every key side then carries a "center", the span's per-channel centre
+rounding points of quantwm/core/fp8.py: quantized keys in the layouts `fp8.reads_codes` accepts enter QKᵀ as
+their integer codes; the others are centred, so every key side carries a "center", the span's per-channel centre
 that `side_center` reads off its stored parameters (no decode pass).
 """
 from __future__ import annotations
