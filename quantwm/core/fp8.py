@@ -28,8 +28,8 @@ Why these choices (tuning sources: trace seed 100003, world seed 100005; `benchm
 built-in model nearly all of the top-1 shift a one-term 8-bit product added came from rounding the BF16 recent
 span's keys (its near-copies of one place differ by less than an 8-bit step): 2.6 points on a 2-bit cache,
 0.36 with two terms and codes. e4m3 queries add 0.4-1.3 points more than INT8 ones (three mantissa bits cannot
-separate near-tied logits). INT8 and FP8 run at the same tensor-core rate on Hopper. `torch.float8_e4m3fn` does the e4m3 rounding (to nearest even,
-saturating at ±448 here); INT8 rounds to nearest even and clamps at ±127.
+separate near-tied logits). INT8 and FP8 run at the same tensor-core rate on Hopper. `torch.float8_e4m3fn` does the
+e4m3 rounding (to nearest even, saturating at ±448 here); INT8 rounds to nearest even and clamps at ±127.
 """
 from __future__ import annotations
 
