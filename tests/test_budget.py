@@ -119,3 +119,23 @@ def test_the_budget_holds_on_data_that_widens_a_configurations_scales(method):
         assert method not in ("rtn", "quantwm")  # fp16 scales and the allocator's own accounting always fit
         return
     assert cache.bits_per_element() <= 2.5 + 1e-9, cache.configuration
+
+
+def test_fixed_options_are_measured_with_every_candidate_and_win_over_its_own():
+    """`--set` / method_options hold through a budget: each candidate is measured with them (finer scale groups
+    cost bits, so the choice moves), a candidate's own value of a fixed option gives way, and a cache run with them
+    stores within the budget. An option the method does not take is an error naming it."""
+    free, free_bits = configure("qvg", 3.0, 128, 1728, "k")
+    fixed, fixed_bits = configure("qvg", 3.0, 128, 1728, "k", options={"group_size": 16})
+    assert fixed["group_size"] == 16 and fixed_bits <= 3.0 + 1e-9
+    assert (fixed, fixed_bits) != (free, free_bits)
+    kept = configure("kivi", 2.5, 128, 1728, "k", options={"group_size": 128})
+    assert kept[0]["group_size"] == 128  # kivi's rule turns group_size itself: the fixed value wins
+    cache = KVCache(CacheConfig("qvg", budget=3.0, method_options=(("group_size", 16),)), 1)
+    g = torch.Generator().manual_seed(0)
+    for i in range(4):
+        k, v, q = (torch.randn(1, 2, 128, 64, generator=g) for _ in range(3))
+        cache.attend(0, q, k, v, chunk=i, commit=True)
+    assert cache.bits_per_element() <= 3.0 + 1e-9 and "group_size=16" in cache.configuration["k"]
+    with pytest.raises(ValueError, match="bad option for method 'kivi'"):
+        configure("kivi", 2.5, 128, 1728, "k", options={"lam": 4.0})

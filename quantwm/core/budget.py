@@ -87,16 +87,24 @@ def on_span(method: str, options: dict, span: torch.Tensor, kind: str) -> float:
 
 
 def configure(method: str, budget: float, head_dim: int, span_tokens: int, kind: str,
-              span: torch.Tensor | None = None) -> tuple[dict, float]:
+              span: torch.Tensor | None = None, options: dict | None = None) -> tuple[dict, float]:
     """(options, measured bits per element) of the richest configuration of `method` within `budget`. With the
     real `span` (S, N, D) (the cache passes its first quantized span), a configuration must also fit on it: one
-    whose scales or codebook the data widens past the budget is passed over for the next."""
+    whose scales or codebook the data widens past the budget is passed over for the next. `options` (the
+    cache's method_options, `--set`) are fixed: every candidate is measured with them, and they win over a
+    candidate's own value of the same option."""
     if not budget > 0:
         raise ValueError(f"a budget is a positive number of bits per element, got {budget}")
     if head_dim < 1 or span_tokens < 1:
         raise ValueError(f"a span needs a positive head dim and token count, got {head_dim} and {span_tokens}")
-    cheapest = None
+    fixed = dict(options or {})
+    get_method(parse_method_name(method)[0], **fixed)  # options the method does not take: a clear error, not a miss
+    cheapest, tried = None, []
     for opts in ([{"budget": budget}] if parse_method_name(method)[0] == "quantwm" else []) + candidates(method, head_dim, kind):
+        opts = {**opts, **fixed}
+        if opts in tried:  # the fixed options made two candidates one
+            continue
+        tried.append(opts)
         try:
             bits = measured_bits(method, tuple(sorted(opts.items())), head_dim, span_tokens, kind)
         except ValueError:  # a configuration this shape cannot take (a group larger than the span, ...)
@@ -117,18 +125,20 @@ def describe(options: dict) -> str:
 
 
 def fit_methods(methods: list[str], budget_k: float | None, budget_v: float | None, head_dim: int, span_tokens: int,
-                target: str = "kv") -> tuple[list[str], dict[str, str]]:
+                target: str = "kv", options: dict | None = None) -> tuple[list[str], dict[str, str]]:
     """(the methods that fit their budgets, {left-out method: the one-line reason}) for spans of this shape;
-    only the halves `target` quantizes are held to a budget."""
+    only the halves `target` quantizes are held to a budget, each with the fixed `options` (`configure`)."""
     kept, left_out = [], {}
     for m in methods:
         if parse_method_name(m)[0] == "bf16":
             kept.append(m)
             continue
+        if any(b is not None for b in (budget_k, budget_v)):
+            get_method(parse_method_name(m)[0], **(options or {}))  # a bad option is an error, not a left-out method
         try:
             for kind, budget in (("k", budget_k), ("v", budget_v)):
                 if budget is not None and kind in target:
-                    configure(m, budget, head_dim, span_tokens, kind)
+                    configure(m, budget, head_dim, span_tokens, kind, options=options)
             kept.append(m)
         except ValueError as e:
             left_out[m] = str(e)

@@ -141,7 +141,7 @@ class KVCache(MemoryAccounting):
         from .budget import configure, describe
 
         N, D = span.shape[1:]
-        opts, bits = configure(self.config.base_method, budget, D, N, kind, span)
+        opts, bits = configure(self.config.base_method, budget, D, N, kind, span, dict(self.config.method_options))
         rest = {k: v for k, v in opts.items() if k != "bits"}
         method = make_method(self.config.method, opts.get("bits", 2), {**dict(self.config.method_options), **rest})
         if kind == "k":

@@ -102,7 +102,7 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
         raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
     chunk_tokens = chunk_frames * trace.tokens_per_frame
     head_dim = next(iter(trace.layers.values()))["k"].shape[-1]
-    methods, left_out = fit_methods(methods, *budget, head_dim, chunk_tokens, target)
+    methods, left_out = fit_methods(methods, *budget, head_dim, chunk_tokens, target, dict(method_options))
     report: dict = {"methods": {}, "trace": dict(trace.meta),
                     "config": {"target": target, "bits": bits, "chunk_frames": chunk_frames,
                                "stats": STATS_SOURCES.get(stats_source(trace), "mixed: differs by layer"),

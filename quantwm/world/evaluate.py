@@ -120,7 +120,8 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
         raise ValueError("training_photos applies to the photographic world, without training_seeds")
     photos = {None: None, "all": "training", "matched": "training-matched"}[training_photos]
     mc = model.cfg
-    methods, left_out = fit_methods(methods, *budget, mc.head_dim, mc.chunk_frames * mc.tokens_per_frame, target)
+    methods, left_out = fit_methods(methods, *budget, mc.head_dim, mc.chunk_frames * mc.tokens_per_frame, target,
+                                    dict(method_options))
     configs = {m: CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits, method_options=method_options,
                               budget_k=budget[0], budget_v=budget[1]) for m in methods}  # validates names
     for c in configs.values():
