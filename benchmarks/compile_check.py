@@ -145,8 +145,9 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
             launch = e
         out.append((name, launch))
 
-    for method in ("bf16", "kivi", "quantwm", "quantwm+jensen"):
-        cache = KVCache(CacheConfig(method, sink_chunks=0, recent_chunks=0), 1)
+    for method in ("bf16", "kivi", "quantwm", "quantwm+jensen", "quantwm@2.5"):  # @: the allocator at a budget
+        name, _, budget = method.partition("@")
+        cache = KVCache(CacheConfig(name, sink_chunks=0, recent_chunks=0, budget=float(budget) if budget else None), 1)
         cache.observe(0, torch.randn(1, H, N, D, generator=g))
         cache.write(0, torch.randn(1, H, N, D, generator=g), torch.randn(1, H, N, D, generator=g), 0)
         cache.commit(0, 0)

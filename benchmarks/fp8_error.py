@@ -13,8 +13,8 @@ them move the token-level top-1 without fetching other content.
 
     python benchmarks/fp8_error.py TRACE [TRACE ...] [--methods bf16,quantwm] [--budget 2.5] [--qk int8,e4m3]
 
-Spans whose format has no fused kernel (quantwm at a budget: mixed-width channels) are read decoded, with
-their mean key as centre. A trace of the built-in model: `quantwm trace --seed 7 --frames 32 --out w7.safetensors`.
+Spans whose format has no fused kernel (qvg-pro's codebook stages, 3-bit codes) are read decoded, with their
+mean key as centre. A trace of the built-in model: `quantwm trace --seed 7 --frames 32 --out w7.safetensors`.
 """
 from __future__ import annotations
 

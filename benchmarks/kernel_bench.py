@@ -59,9 +59,11 @@ def _timer(device: torch.device):
     return run
 
 
-def build_cache(method: str, length: int, heads: int, head_dim: int, chunk: int, device, dtype):
-    """A one-layer cache holding about `length` committed tokens, plus the seconds each quantizing commit took."""
-    cache = KVCache(CacheConfig(method), 1)
+def build_cache(method: str, length: int, heads: int, head_dim: int, chunk: int, device, dtype,
+                budget: float | None = None):
+    """A one-layer cache holding about `length` committed tokens (at `budget` bits per element when given), plus
+    the seconds each quantizing commit took."""
+    cache = KVCache(CacheConfig(method, budget=budget), 1)
     g = torch.Generator(device="cpu").manual_seed(0)
     n_chunks = max(1, -(-length // chunk))
     commit_times = []
@@ -92,7 +94,7 @@ def bf16_attention(q, k, v):
     return F.scaled_dot_product_attention(q, k, v)
 
 
-def bench(preset: str, method: str, steps: int, reps: int | None = None) -> list[dict]:
+def bench(preset: str, method: str, steps: int, reps: int | None = None, budget: float | None = None) -> list[dict]:
     p = PRESETS[preset]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
@@ -102,7 +104,7 @@ def bench(preset: str, method: str, steps: int, reps: int | None = None) -> list
     fused_mode = "auto" if device.type == "cuda" else "triton"
     rows = []
     for length in p["lengths"]:
-        cache, n_chunks, commit_times = build_cache(method, length, H, D, N, device, dtype)
+        cache, n_chunks, commit_times = build_cache(method, length, H, D, N, device, dtype, budget)
         L = n_chunks * N
         g = torch.Generator(device="cpu").manual_seed(1)
         q, k, v = (torch.randn(1, H, N, D, generator=g).to(device, dtype) for _ in range(3))
@@ -140,17 +142,21 @@ def main(argv=None) -> None:
     ap.add_argument("--method", default="quantwm")
     ap.add_argument("--steps", type=int, default=4, help="denoising passes per chunk (plus one clean pass)")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--budget", type=float, default=None, help="bits per element the method configures itself within "
+                    "(quantwm: its allocator's mixed-width channels, which the fused kernel reads too)")
     ap.add_argument("--json", help="also write the rows to this file")
     a = ap.parse_args(argv)
-    print(f"device: {device_name()}  torch {torch.__version__}  preset {a.preset}  method {a.method}", flush=True)
-    rows = bench(a.preset, a.method, a.steps, a.reps)
+    print(f"device: {device_name()}  torch {torch.__version__}  preset {a.preset}  method {a.method}"
+          f"{'' if a.budget is None else f' at {a.budget:g} bits'}", flush=True)
+    rows = bench(a.preset, a.method, a.steps, a.reps, a.budget)
     print(f"{'cache tokens':>12}  {'path':<24} {'ms':>10} {'GB/s':>8} {'x bf16 time':>11}")
     for r in rows:
         extra = f"  ({r['pct_of_chunk_attention']:.2f}% of the chunk's BF16 attention time)" if "pct_of_chunk_attention" in r else ""
         print(f"{r['cache_tokens']:>12}  {r['path']:<24} {r['ms']:>10.3f} {r['GB/s']:>8.1f} {r['vs_bf16']:>11.3f}{extra}")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"device": device_name(), "preset": a.preset, "method": a.method, "rows": rows}, f, indent=1)
+            json.dump({"device": device_name(), "preset": a.preset, "method": a.method, "budget": a.budget,
+                       "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,10 @@ key block's probabilities (in [0, 1], unscaled) and its values (one scale per ch
 Jensen terms stay fp32. With one split (P = 1) the kernel takes the same steps as the emulation.
 
 Supported: bits 2/4/8, asymmetric or symmetric grids, groups along channels (power-of-two G) or along
-tokens, one codebook stage, keys and values independently quantized or full precision. Keys must be
+tokens, one codebook stage, keys and values independently quantized or full precision; and QuantWM's allocator
+(a budget): 0-8 bits per channel on per-channel grids over the span, each channel's codes packed along the span
+in one buffer (quantwm/core/allocate.py `fused_side`: a table of byte offsets and widths), read code by code
+(codes of 3, 5, 6 or 7 bits straddle two bytes). Keys must be
 post-RoPE (pre-RoPE caches use the reference path; see quantwm/attention.py for why).
 """
 from __future__ import annotations
@@ -36,8 +39,6 @@ import os
 import torch
 import triton
 import triton.language as tl
-
-from quantwm.core.fp8 import reads_codes
 
 
 @triton.jit
@@ -108,26 +109,52 @@ def _unpack(codes_ptr, s, rows, d, N, row_bytes, m2, BITS: tl.constexpr):
 
 
 @triton.jit
-def _code_dots(q_lp, q_sc, q3, qsum, qf32, codes_ptr, scale_ptr, zero_ptr, ids_ptr, qcb_ptr, s, qi, qmask, rows, n0, d,
-               N, Nq, D, n_cb, n_gt, row_bytes, rmask, dmask, BITS: tl.constexpr, G: tl.constexpr,
-               AXIS_TOKEN: tl.constexpr, SYM: tl.constexpr, CODEBOOK: tl.constexpr, LOWP: tl.constexpr,
-               INTERP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+def _alloc_codes(codes_ptr, meta_ptr, s, rows, d, D, m2, dmask):
+    """(codes (BN, BD) int32, bits (BD,) int32) of the allocator's channels for token rows `rows` of stream s:
+    meta = byte offset * 16 + bits per channel; code j of a b-bit channel sits at bits [j b, j b + b) from its
+    offset, little-endian, so it may straddle two bytes. 0-bit channels and rows outside m2 read 0."""
+    meta = tl.load(meta_ptr + s * D + d, mask=dmask, other=0)
+    bits = (meta & 15).to(tl.int32)
+    pos = rows[:, None].to(tl.int64) * bits[None, :]
+    byte = (meta >> 4)[None, :] + pos // 8
+    shift = (pos % 8).to(tl.int32)
+    live = m2 & (bits[None, :] > 0)
+    b0 = tl.load(codes_ptr + byte, mask=live, other=0).to(tl.int32)
+    b1 = tl.load(codes_ptr + byte + 1, mask=live & (shift + bits[None, :] > 8), other=0).to(tl.int32)
+    return ((b0 | (b1 << 8)) >> shift) & ((1 << bits[None, :]) - 1), bits
+
+
+@triton.jit
+def _code_dots(q_lp, q_sc, q3, qsum, qf32, codes_ptr, scale_ptr, zero_ptr, ids_ptr, meta_ptr, qcb_ptr, s, qi, qmask,
+               rows, n0, d, N, Nq, D, n_cb, n_gt, row_bytes, rmask, dmask, BITS: tl.constexpr, G: tl.constexpr,
+               AXIS_TOKEN: tl.constexpr, SYM: tl.constexpr, CODEBOOK: tl.constexpr, ALLOC: tl.constexpr,
+               LOWP: tl.constexpr, INTERP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     """q·k̂ (BM, BN) of a key tile read as its codes u = code - 2^(b-1), exact 8-bit operands (fp8.code_dots):
-    k̂ = u s + z' (+ codebook row), z' = zero + 2^(b-1) s (s when symmetric)."""
+    k̂ = u s + z' (+ codebook row), z' = zero + 2^(b-1) s (s when symmetric; the allocator's low end + 2^(b-1) s,
+    its channels one token group)."""
     m2 = rmask[:, None] & dmask[None, :]
-    u = tl.where(m2, _unpack(codes_ptr, s, rows, d, N, row_bytes, m2, BITS) - (1 << (BITS - 1)), 0).to(tl.float32)
+    if ALLOC:
+        code, bits = _alloc_codes(codes_ptr, meta_ptr, s, rows, d, D, m2, dmask)
+        half = tl.where(bits > 0, 1 << tl.maximum(bits - 1, 0), 0)  # (BD,)
+        u = tl.where(m2, code - half[None, :], 0).to(tl.float32)
+    else:
+        u = tl.where(m2, _unpack(codes_ptr, s, rows, d, N, row_bytes, m2, BITS) - (1 << (BITS - 1)), 0).to(tl.float32)
     if not INTERP:
         if LOWP == 1:
             u = u.to(tl.int8)
         else:
             u = u.to(tl.float8e4nv)
-    if AXIS_TOKEN:  # the block lies in one token group (G a multiple of BLOCK_N): scales (S, ceil(N/G), D)
-        sidx = (s * n_gt + n0 // G).to(tl.int64) * D + d
-        sc = tl.load(scale_ptr + sidx, mask=dmask, other=0.0).to(tl.float32)
-        if SYM:
-            zp = sc
-        else:
-            zp = tl.load(zero_ptr + sidx, mask=dmask, other=0.0).to(tl.float32) + sc * (1 << (BITS - 1))
+    if ALLOC or AXIS_TOKEN:  # the block lies in one token group (G a multiple of BLOCK_N, or the whole span)
+        if ALLOC:  # step and low end (S, D)
+            sc = tl.load(scale_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32)
+            zp = tl.load(zero_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32) + half.to(tl.float32) * sc
+        else:  # scales (S, ceil(N/G), D)
+            sidx = (s * n_gt + n0 // G).to(tl.int64) * D + d
+            sc = tl.load(scale_ptr + sidx, mask=dmask, other=0.0).to(tl.float32)
+            if SYM:
+                zp = sc
+            else:
+                zp = tl.load(zero_ptr + sidx, mask=dmask, other=0.0).to(tl.float32) + sc * (1 << (BITS - 1))
         qg_lp, qg_sc = _lowp_rows(qf32 * sc[None, :], LOWP, INTERP)
         dots = (_dot_lowp(qg_lp, tl.trans(u), LOWP == 1, INTERP) * qg_sc[:, None]
                 + tl.sum(qf32 * zp[None, :], axis=1)[:, None])
@@ -157,10 +184,20 @@ def _code_dots(q_lp, q_sc, q3, qsum, qf32, codes_ptr, scale_ptr, zero_ptr, ids_p
 @triton.jit
 def _rebuild(codes_ptr, scale_ptr, zero_ptr, cb_ptr, ids_ptr, full_ptr, s, rows, d, N, D, n_cb, n_gt, row_bytes,
              rmask, dmask, QUANT: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, AXIS_TOKEN: tl.constexpr,
-             SYM: tl.constexpr, CODEBOOK: tl.constexpr):
-    """A (BLOCK_N, BLOCK_D) fp32 tile of rebuilt keys or values for token rows `rows` of stream s."""
+             SYM: tl.constexpr, CODEBOOK: tl.constexpr, ALLOC: tl.constexpr):
+    """A (BLOCK_N, BLOCK_D) fp32 tile of rebuilt keys or values for token rows `rows` of stream s (0 outside the
+    tile's rows). The allocator's spans (ALLOC): full_ptr is the channel table, scale_ptr the steps, zero_ptr
+    the low ends (S, D)."""
     m2 = rmask[:, None] & dmask[None, :]
-    if QUANT:
+    if ALLOC:
+        code, _ = _alloc_codes(codes_ptr, full_ptr, s, rows, d, D, m2, dmask)
+        step = tl.load(scale_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32)
+        low = tl.load(zero_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32)
+        x = tl.where(m2, low[None, :] + code.to(tl.float32) * step[None, :], 0.0)
+        if CODEBOOK:
+            ids = tl.load(ids_ptr + s * N + rows, mask=rmask, other=0).to(tl.int64)
+            x += tl.load(cb_ptr + (s * n_cb + ids[:, None]) * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    elif QUANT:
         code = _unpack(codes_ptr, s, rows, d, N, row_bytes, m2, BITS).to(tl.float32)
         if AXIS_TOKEN:  # scales (S, ceil(N/G), D)
             sidx = (s * n_gt + rows[:, None] // G).to(tl.int64) * D + d[None, :]
@@ -188,9 +225,9 @@ def _span_attention_kernel(
         Nq, N, D, P, split_len, qk_scale, jensen_coef,
         k_ncb, k_ngt, k_row_bytes, v_ncb, v_ngt, v_row_bytes, R, p_row_bytes,
         K_QUANT: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, K_AXIS_TOKEN: tl.constexpr,
-        K_SYM: tl.constexpr, K_CODEBOOK: tl.constexpr,
+        K_SYM: tl.constexpr, K_CODEBOOK: tl.constexpr, K_ALLOC: tl.constexpr,
         V_QUANT: tl.constexpr, V_BITS: tl.constexpr, V_G: tl.constexpr, V_AXIS_TOKEN: tl.constexpr,
-        V_SYM: tl.constexpr, V_CODEBOOK: tl.constexpr,
+        V_SYM: tl.constexpr, V_CODEBOOK: tl.constexpr, V_ALLOC: tl.constexpr,
         PSAC: tl.constexpr, P_BITS: tl.constexpr, JENSEN: tl.constexpr, DOT_F32: tl.constexpr,
         LOWP: tl.constexpr, K_CODES: tl.constexpr, INTERP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_R: tl.constexpr):
@@ -208,7 +245,11 @@ def _span_attention_kernel(
                   other=0.0)
     if JENSEN:
         qf = q.to(tl.float32)
-        if K_AXIS_TOKEN:
+        if K_ALLOC:  # one step per channel over the span: the term is one number per query
+            st = tl.load(ks_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32)
+            st = tl.where((tl.load(kf_ptr + s * D + d, mask=dmask, other=0) & 15) > 0, st, 0.0)
+            jen_q = jensen_coef * tl.sum(qf * qf * (st * st)[None, :], axis=1)
+        elif K_AXIS_TOKEN:
             qsq = qf * qf  # (BM, BD)
         else:
             qsq = tl.sum(tl.reshape(qf * qf, (BLOCK_M, BLOCK_D // K_G, K_G)), axis=2)  # (BM, NG)
@@ -223,7 +264,7 @@ def _span_attention_kernel(
         q_mu = tl.sum(qf32 * mu[None, :], axis=1)
         q_lp, q_sc = _lowp_rows(qf32, LOWP, INTERP)
         q3, qsum = q_lp, q_sc  # per-token channel groups read as codes: the queries' codes and sums per group
-        if K_CODES and not K_AXIS_TOKEN:
+        if K_CODES and not K_AXIS_TOKEN and not K_ALLOC:
             qsum = tl.sum(tl.reshape(qf32, (BLOCK_M, BLOCK_D // K_G, K_G)), axis=2)  # (BM, NG)
             if BLOCK_D // K_G > 1:
                 q3 = tl.permute(tl.reshape(q_lp, (BLOCK_M, BLOCK_D // K_G, K_G)), (1, 0, 2))  # (NG, BM, G)
@@ -233,12 +274,12 @@ def _span_attention_kernel(
         rows = n0 + tl.arange(0, BLOCK_N)
         rmask = rows < end
         if K_CODES:
-            dots = _code_dots(q_lp, q_sc, q3, qsum, qf32, kc_ptr, ks_ptr, kz_ptr, kid_ptr, qcb_ptr, s, qi, qmask, rows,
-                              n0, d, N, Nq, D, k_ncb, k_ngt, k_row_bytes, rmask, dmask, K_BITS, K_G, K_AXIS_TOKEN,
-                              K_SYM, K_CODEBOOK, LOWP, INTERP, BLOCK_N, BLOCK_D)
+            dots = _code_dots(q_lp, q_sc, q3, qsum, qf32, kc_ptr, ks_ptr, kz_ptr, kid_ptr, kf_ptr, qcb_ptr, s, qi, qmask,
+                              rows, n0, d, N, Nq, D, k_ncb, k_ngt, k_row_bytes, rmask, dmask, K_BITS, K_G,
+                              K_AXIS_TOKEN, K_SYM, K_CODEBOOK, K_ALLOC, LOWP, INTERP, BLOCK_N, BLOCK_D)
         elif LOWP:  # keys less the centre in two terms, value and remainder
             k = _rebuild(kc_ptr, ks_ptr, kz_ptr, kcb_ptr, kid_ptr, kf_ptr, s, rows, d, N, D, k_ncb, k_ngt, k_row_bytes,
-                         rmask, dmask, K_QUANT, K_BITS, K_G, K_AXIS_TOKEN, K_SYM, K_CODEBOOK)
+                         rmask, dmask, K_QUANT, K_BITS, K_G, K_AXIS_TOKEN, K_SYM, K_CODEBOOK, K_ALLOC)
             kc = tl.where(rmask[:, None] & dmask[None, :], k - mu[None, :], 0.0)
             k_hi, hi_sc = _lowp_rows(kc, LOWP, INTERP)
             k_lo, lo_sc = _lowp_rows(kc - k_hi.to(tl.float32) * hi_sc[:, None], LOWP, INTERP)
@@ -246,7 +287,7 @@ def _span_attention_kernel(
                     + _dot_lowp(q_lp, tl.trans(k_lo), LOWP == 1, INTERP) * lo_sc[None, :]) * q_sc[:, None] + q_mu[:, None]
         else:
             k = _rebuild(kc_ptr, ks_ptr, kz_ptr, kcb_ptr, kid_ptr, kf_ptr, s, rows, d, N, D, k_ncb, k_ngt, k_row_bytes,
-                         rmask, dmask, K_QUANT, K_BITS, K_G, K_AXIS_TOKEN, K_SYM, K_CODEBOOK)
+                         rmask, dmask, K_QUANT, K_BITS, K_G, K_AXIS_TOKEN, K_SYM, K_CODEBOOK, K_ALLOC)
             dots = _dot(q, tl.trans(k), q.dtype, DOT_F32)  # (BM, BN)
         if PSAC:
             pmask = rmask[:, None] & (r[None, :] < R)
@@ -254,7 +295,9 @@ def _span_attention_kernel(
             dots += tl.dot(pq, tl.trans(a), input_precision="ieee") + pc0[:, None]
         logits = dots * qk_scale
         if JENSEN:
-            if K_AXIS_TOKEN:
+            if K_ALLOC:
+                logits += jen_q[:, None]
+            elif K_AXIS_TOKEN:
                 sidx = (s * k_ngt + rows[:, None] // K_G).to(tl.int64) * D + d[None, :]
                 st = tl.load(ks_ptr + sidx, mask=rmask[:, None] & dmask[None, :], other=0.0).to(tl.float32)
                 logits += jensen_coef * tl.dot(qsq, tl.trans(st * st), input_precision="ieee")
@@ -269,7 +312,7 @@ def _span_attention_kernel(
         pexp = tl.exp2(logits - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pexp, axis=1)
         v = _rebuild(vc_ptr, vs_ptr, vz_ptr, vcb_ptr, vid_ptr, vf_ptr, s, rows, d, N, D, v_ncb, v_ngt, v_row_bytes,
-                     rmask, dmask, V_QUANT, V_BITS, V_G, V_AXIS_TOKEN, V_SYM, V_CODEBOOK)
+                     rmask, dmask, V_QUANT, V_BITS, V_G, V_AXIS_TOKEN, V_SYM, V_CODEBOOK, V_ALLOC)
         if LOWP:  # P as it is (in [0, 1]), V with one scale per channel of the block
             vmax = tl.max(tl.abs(v), axis=0)
             v_sc = tl.where(vmax > 0, vmax / 448.0, 1.0)
@@ -310,7 +353,19 @@ def _side_args(side: dict, S: int, N: int, D: int, dummy: torch.Tensor, what: st
         if tuple(f.shape) != (S, N, D):
             raise ValueError(f"{what}: full-precision tensor must be {(S, N, D)}, got {tuple(f.shape)}")
         return [dummy] * 5 + [f], [0, 0, 0], dict(QUANT=False, BITS=2, G=1, AXIS_TOKEN=False,
-                                                               SYM=False, CODEBOOK=False)
+                                                               SYM=False, CODEBOOK=False, ALLOC=False)
+    cb, ids = side.get("codebook"), side.get("ids")
+    if "alloc_codes" in side:  # the allocator's channels: codes, steps, low ends, and the channel table in "full"
+        meta, step, low = side["alloc_meta"], side["alloc_step"], side["alloc_low"]
+        if tuple(meta.shape) != (S, D) or tuple(step.shape) != (S, D) or tuple(low.shape) != (S, D) or \
+                side["n_tokens"] != N:
+            raise ValueError(f"{what}: the allocator's tables must be {(S, D)} over {N} tokens, got "
+                             f"{tuple(meta.shape)}, {tuple(step.shape)}, {tuple(low.shape)} over {side['n_tokens']}")
+        ptrs = [side["alloc_codes"].contiguous(), _loadable(step, fp8), low.float().contiguous(),
+                dummy if cb is None else _loadable(cb, fp8), dummy if ids is None else ids.contiguous(),
+                meta.contiguous()]
+        return ptrs, [0 if cb is None else cb.shape[1], 0, 0], dict(
+            QUANT=True, BITS=8, G=1, AXIS_TOKEN=False, SYM=False, CODEBOOK=cb is not None, ALLOC=True)
     bits, G, axis, sym = side["bits"], side["group_size"], side["axis"], side["symmetric"]
     if bits not in (2, 4, 8):
         raise ValueError(f"{what}: the fused kernel reads 2-, 4- or 8-bit codes, got {bits}")
@@ -320,12 +375,22 @@ def _side_args(side: dict, S: int, N: int, D: int, dummy: torch.Tensor, what: st
     if tuple(side["codes"].shape) != (S, N, row_bytes):
         raise ValueError(f"{what}: codes must be {(S, N, row_bytes)}, got {tuple(side['codes'].shape)}")
     n_gt = triton.cdiv(N, G)
-    cb, ids = side.get("codebook"), side.get("ids")
     zero = side.get("zeros")
     ptrs = [side["codes"].contiguous(), _loadable(side["scales"], fp8), dummy if zero is None else _loadable(zero, fp8),
             dummy if cb is None else _loadable(cb, fp8), dummy if ids is None else ids.contiguous(), dummy]
     return ptrs, [0 if cb is None else cb.shape[1], n_gt, row_bytes], dict(
-        QUANT=True, BITS=bits, G=G, AXIS_TOKEN=axis == "token", SYM=sym, CODEBOOK=cb is not None)
+        QUANT=True, BITS=bits, G=G, AXIS_TOKEN=axis == "token", SYM=sym, CODEBOOK=cb is not None, ALLOC=False)
+
+
+def _reads_codes(side: dict, D: int, lowp: str) -> bool:
+    """Whether the 8-bit path reads this key side's codes as operands: quantwm/core/fp8.py's `reads_codes`, the
+    rule the emulation follows (kernels import nothing of quantwm; tests/test_kernels.py checks the two agree)."""
+    if "alloc_codes" in side:
+        return lowp == "int8" or side["alloc_bits"] <= 4
+    if "codes" not in side or (lowp == "e4m3" and side["bits"] > 4):
+        return False
+    G = side["group_size"]
+    return G >= 16 and D % G == 0 if side["axis"] == "channel" else G % BLOCK_N == 0
 
 
 LOWP = {None: 0, "int8": 1, "e4m3": 2}
@@ -360,7 +425,7 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
         raise ValueError("state must be acc (S, P, Nq, D), m and l (S, P, Nq) matching q")
     if not (acc.is_contiguous() and m.is_contiguous() and l.is_contiguous()):
         raise ValueError("the softmax state tensors must be contiguous (they are updated in place)")
-    N = (k["full"] if "full" in k else k["codes"]).shape[1]
+    N = k["n_tokens"] if "alloc_codes" in k else (k["full"] if "full" in k else k["codes"]).shape[1]
     if N == 0 or Nq == 0:
         return
     if jensen and "full" in k:
@@ -380,7 +445,7 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
             raise ValueError(f"lowp needs the keys' centre k['center'] of shape {(S, D)}, got "
                              f"{None if mu is None else tuple(mu.shape)}")
         mu = mu.float().contiguous()
-        codes = reads_codes(k, D, lowp)
+        codes = _reads_codes(k, D, lowp)
         if codes and "codebook" in k:  # each query's products with the codebook rows, gathered per key
             qcb = torch.bmm(q.float(), k["codebook"].float().transpose(1, 2)).contiguous()
     else:
@@ -405,9 +470,9 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
         Nq, N, D, P, split_len, float(scale) * math.log2(math.e), -(float(scale) ** 2 / 24) * math.log2(math.e),
         *ka, *va, R, p_row_bytes,
         K_QUANT=kc["QUANT"], K_BITS=kc["BITS"], K_G=kc["G"], K_AXIS_TOKEN=kc["AXIS_TOKEN"], K_SYM=kc["SYM"],
-        K_CODEBOOK=kc["CODEBOOK"],
+        K_CODEBOOK=kc["CODEBOOK"], K_ALLOC=kc["ALLOC"],
         V_QUANT=vc["QUANT"], V_BITS=vc["BITS"], V_G=vc["G"], V_AXIS_TOKEN=vc["AXIS_TOKEN"], V_SYM=vc["SYM"],
-        V_CODEBOOK=vc["CODEBOOK"],
+        V_CODEBOOK=vc["CODEBOOK"], V_ALLOC=vc["ALLOC"],
         PSAC=psac is not None, P_BITS=p_bits, JENSEN=jensen, DOT_F32=_dot_f32(q.dtype),
         LOWP=LOWP[lowp], K_CODES=codes, INTERP=os.environ.get("TRITON_INTERPRET") == "1",
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, BLOCK_R=16, num_warps=NUM_WARPS, num_stages=NUM_STAGES)

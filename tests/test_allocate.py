@@ -3,7 +3,9 @@ history Queries look, decodes exactly what it stored, and chooses the same way e
 import pytest
 import torch
 
-from quantwm.core.allocate import CLIPS, allocate, decode_channels, encode_channels, error_tables
+from quantwm.core.allocate import (CLIPS, allocate, decode_channels, decode_fused, encode_channels, error_tables,
+                                   fused_side)
+from quantwm.core.attention import decode_side
 from quantwm.core.methods import get_method
 from quantwm.core.methods.base import SpanContext
 
@@ -45,7 +47,9 @@ def test_decode_reads_only_what_was_stored_and_every_coded_value_sits_on_its_gri
     assert (levels[coded] >= -1e-3).all() and (levels[coded] <= (2 ** bits[:, None, :].expand_as(r)[coded] - 1) + 1e-3).all()
     assert (r[~coded] == 0).all()  # a 0-bit channel decodes to its centroid
     assert torch.equal(m.decode(enc), m.decode(m.encode(x, "v", SpanContext())))  # deterministic
-    assert m.fused_format(enc, 64) is None  # read by the reference path
+    side = m.fused_format(enc, 64)  # what the fused kernel reads: the same keys, from the same bytes
+    assert side["alloc_codes"].numel() == sum(v.numel() for k, v in t.items() if k.startswith("alloc_codes."))
+    torch.testing.assert_close(decode_side(side, enc.shape), m.decode(enc), rtol=0, atol=1e-5)
     step = m.step(enc)  # +jensen's Δ: the grid step of coded channels, 0 where a channel has no grid
     assert step.shape == x.shape and torch.equal(step[:, 0] > 0, bits > 0)
 
@@ -62,6 +66,9 @@ def test_channel_codes_round_trip_at_every_width():
     assert (err.amax(1)[coded] <= step[coded] / 2 + 1e-3).all()  # unclipped grids: within half a step everywhere
     assert sum(v.numel() for k, v in enc.items() if k.startswith("alloc_codes")) == sum(
         (50 * b + 7) // 8 for b in bits.flatten().tolist())
+    # the kernel's view (one buffer, a byte offset per channel; 3-, 5-, 6- and 7-bit codes straddle bytes)
+    side = fused_side({**enc, "codebook0": torch.zeros(2, 1, 9)}, tuple(r.shape))
+    assert torch.equal(decode_fused(side), out)
 
 
 def test_bits_go_where_the_history_queries_look():

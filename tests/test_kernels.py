@@ -134,9 +134,11 @@ def test_qsac_assign_kernel_ids_equal_exact_ref(N, K, group):
 
 
 def _span_cache(method: str, N: int, H: int = 2, D: int = 64, seed: int = 0):
-    """A one-layer cache whose single committed chunk of N tokens is quantized (no BF16 sink or recent)."""
+    """A one-layer cache whose single committed chunk of N tokens is quantized (no BF16 sink or recent);
+    "quantwm@3": at a budget of 3 bits per element (the allocator's mixed-width channels)."""
     g = torch.Generator().manual_seed(seed)
-    cache = KVCache(CacheConfig(method, sink_chunks=0, recent_chunks=0), 1)
+    name, _, budget = method.partition("@")
+    cache = KVCache(CacheConfig(name, sink_chunks=0, recent_chunks=0, budget=float(budget) if budget else None), 1)
     q0 = torch.randn(1, H, N, D, generator=g)
     cache.observe(0, q0)
     cache.write(0, torch.randn(1, H, N, D, generator=g) * 2, torch.randn(1, H, N, D, generator=g), 0)
@@ -144,10 +146,13 @@ def _span_cache(method: str, N: int, H: int = 2, D: int = 64, seed: int = 0):
     return cache
 
 
-@pytest.mark.parametrize("method", ["bf16", "rtn", "kivi", "qvg", "quantwm", "quantwm+jensen", "kivi+jensen"])
+@pytest.mark.parametrize("method", ["bf16", "rtn", "kivi", "qvg", "quantwm", "quantwm+jensen", "kivi+jensen",
+                                    "quantwm@3", "quantwm+jensen@3"])
 @pytest.mark.parametrize("N", [1, 97, 1025])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_span_attention_kernel_error_within_twice_the_input_dtype_reference(method, N, dtype):
+    if "@" in method and N == 1:
+        pytest.skip("a budget cannot hold a 1-token span's per-channel tables")
     cache = _span_cache(method, N)
     (k, v, psac), = chunk_spans(cache, 0)
     S, D = 2, 64
@@ -171,7 +176,7 @@ def test_span_attention_kernel_error_within_twice_the_input_dtype_reference(meth
     assert err_kernel <= 2 * err_low, (err_kernel, err_low)
 
 
-@pytest.mark.parametrize("method", ["rtn", "qvg", "quantwm+jensen"])
+@pytest.mark.parametrize("method", ["rtn", "qvg", "quantwm+jensen", "quantwm+jensen@3"])
 def test_span_attention_kernel_matches_its_torch_twin_in_fp32(method):
     cache = _span_cache(method, 97)
     (k, v, psac), = chunk_spans(cache, 0)
@@ -194,7 +199,7 @@ def test_span_attention_state_folds_spans_like_one_softmax():
     torch.testing.assert_close(merge_splits(acc, m, l), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["bf16", "kivi", "quantwm+jensen"])
+@pytest.mark.parametrize("method", ["bf16", "kivi", "quantwm+jensen", "quantwm@3"])
 @pytest.mark.parametrize("lowp", ["int8", "e4m3"])
 def test_lowp_kernel_matches_its_emulation_with_one_split(method, lowp):
     """The 8-bit path rounds where quantwm/core/fp8.py does: with one split the only difference left is fp32
@@ -265,6 +270,20 @@ def test_lowp_kernel_reads_codes_as_its_emulation_does(bits, G, axis, symmetric,
     torch.testing.assert_close(outs["kernel"], outs["emulation"], rtol=tol, atol=tol)
     rel = ((outs["kernel"] - outs["exact"]).norm() / outs["exact"].norm()).item()
     assert 0 < rel < (0.05 if lowp == "int8" else 0.1), rel
+
+
+def test_the_kernel_reads_codes_exactly_where_the_emulation_does():
+    from quantwm.core.fp8 import reads_codes
+
+    layouts = [_code_side(1, 40, D, bits, G, axis, sym, 0) for bits in (2, 4, 8) for sym in (False, True)
+               for D, G, axis in ((64, 64, "channel"), (64, 8, "channel"), (48, 16, "channel"), (64, 32, "token"),
+                                  (64, 48, "token"), (64, 64, "token"))]
+    layouts += [{"full": torch.zeros(1, 40, 64)}, {"alloc_codes": None, "alloc_bits": 4},
+                {"alloc_codes": None, "alloc_bits": 6}]
+    for side in layouts:
+        for lowp in ("int8", "e4m3"):
+            D = 48 if side.get("group_size") == 16 else 64
+            assert _sa._reads_codes(side, D, lowp) == reads_codes(side, D, lowp), (side.get("bits"), lowp)
 
 
 def test_lowp_kernel_refuses_a_missing_centre_and_unknown_formats():

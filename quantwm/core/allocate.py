@@ -157,3 +157,44 @@ def decode_channels(t: dict[str, torch.Tensor], shape: tuple[int, int, int]) -> 
                 out[s, :, chans] = low[s, chans] + c.T * step[s, chans]
                 at += n
     return out
+
+
+def fused_side(t: dict[str, torch.Tensor], shape: tuple[int, int, int]) -> dict:
+    """The allocator's span as kernels/span_attention.py reads it: {"alloc_codes": every stream's codes in one
+    uint8 buffer, "alloc_meta": (S, D) int64, each channel's byte offset in it times 16 plus its bits,
+    "alloc_low" and "alloc_step" (S, D) (a single centroid row, when the span kept one, folded into the low end),
+    "alloc_bits" its largest width, "n_tokens"}, plus "codebook" and "ids" when the span has centroids. A value
+    is k = low + code * step (+ its centroid row); 0-bit channels have low 0 and code 0."""
+    S, N, D = shape
+    bits = t["alloc_bits"].long()
+    nbytes = torch.where(bits > 0, (N * bits + 7) // 8, 0)  # channel_bytes, per channel
+    order = torch.argsort(bits * D + torch.arange(D, device=bits.device), dim=-1)  # encode_channels' order
+    sorted_bytes = torch.gather(nbytes, 1, order)
+    start = torch.empty_like(nbytes).scatter_(1, order, sorted_bytes.cumsum(1) - sorted_bytes)
+    buffers = [t[f"alloc_codes.{s}"].reshape(-1) for s in range(S)]
+    base = torch.tensor([0] + [b.numel() for b in buffers[:-1]], device=bits.device).cumsum(0)
+    low = t["alloc_low"].float()
+    side = {"alloc_codes": torch.cat(buffers), "alloc_meta": (base[:, None] + start) * 16 + bits,
+            "alloc_step": t["alloc_step"], "alloc_bits": int(bits.max()), "n_tokens": N}
+    cb = t["codebook0"]
+    if "centroid_ids0" in t:
+        side.update(codebook=cb, ids=t["centroid_ids0"])
+    else:  # one mean row for the span: part of every channel's low end
+        low = low + cb.float()[:, 0]
+    return {**side, "alloc_low": low}
+
+
+def fused_codes(side: dict) -> torch.Tensor:
+    """The codes (S, N, D) int64 of `fused_side`'s dict, read from its buffer as the kernel reads them: code j of
+    a b-bit channel at bits [j b, j b + b) from the channel's offset, little-endian; 0 on 0-bit channels."""
+    meta = side["alloc_meta"]
+    bits, off = meta % 16, meta // 16
+    pos = torch.arange(side["n_tokens"], device=meta.device)[None, :, None] * bits[:, None, :]  # bit positions
+    buf = torch.nn.functional.pad(side["alloc_codes"].long(), (0, 1))
+    byte = torch.where(bits[:, None, :] > 0, off[:, None, :] + pos // 8, 0)
+    return ((buf[byte] | (buf[byte + 1] << 8)) >> (pos % 8)) & ((1 << bits[:, None, :]) - 1)
+
+
+def decode_fused(side: dict) -> torch.Tensor:
+    """(S, N, D) float32 from `fused_side`'s dict, without the centroid rows: low + code * step."""
+    return side["alloc_low"].float()[:, None, :] + fused_codes(side).float() * side["alloc_step"].float()[:, None, :]

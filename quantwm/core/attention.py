@@ -8,7 +8,7 @@ span (flash-decoding) that `merge_splits` combines at the end.
 Supported spans: full precision, and every format a method's `fused_format` describes: group quantization
 with 2/4/8-bit codes (per-token groups a power of two dividing D) and at most one codebook stage, with
 PSAC coefficients scaled per direction (rtn, kivi, the qvg presets but qvg-pro, quantwm and its ablations,
-+jensen). Anything else (qvg-pro's 4 stages, 3-bit codes, a group size the kernel cannot take,
++jensen), and QuantWM's allocator at a budget (mixed-width per-channel codes; `allocate.fused_side`). Anything else (qvg-pro's 4 stages, 3-bit codes, a group size the kernel cannot take,
 quantwm-paper's per-token PSAC scales) takes the cache's reference path; the dispatcher only asks the
 method. Keys must be stored post-RoPE: with pre-RoPE keys the PSAC term would need Uᵀ
 applied to the query rotated back to every key's position (a D x R product per key instead of R MACs), so
@@ -27,6 +27,7 @@ from collections.abc import Callable
 import torch
 
 from .backend import kernel
+from .allocate import decode_fused
 from .fp8 import code_dots, lowp_dots, pv_fold, reads_codes
 from .methods.qvg import gather_rows
 from .quant import GroupQuant, dequantize_groups, group_step, unpack_bits_ref
@@ -53,6 +54,13 @@ def chunk_spans(cache, layer: int) -> list[tuple[dict, dict, PsacFn | None]] | N
     return out
 
 
+def side_tokens(side: dict) -> int:
+    """How many tokens a side dict holds."""
+    if "alloc_codes" in side:
+        return side["n_tokens"]
+    return (side["full"] if "full" in side else side["codes"]).shape[1]
+
+
 def side_center(side: dict) -> torch.Tensor:
     """A per-channel centre (S, D) float32 of a side's tokens, from what it stores: the mean of full keys; for
     codes, the mid-grid value (zero + scale (2^b - 1) / 2, 0 for symmetric grids) averaged over the span, plus
@@ -60,6 +68,10 @@ def side_center(side: dict) -> torch.Tensor:
     this one is cheap and close to the keys' mean."""
     if "full" in side:
         return side["full"].float().mean(1)
+    if "alloc_codes" in side:  # the allocator's channels: low end plus half the grid
+        bits = side["alloc_meta"] % 16
+        c = side["alloc_low"].float() + side["alloc_step"].float() * (2.0 ** bits - 1).clamp_min(0) / 2
+        return c + side["codebook"].float().mean(1) if "codebook" in side else c
     sc = side["scales"].float()
     mid = 0 * sc if side["symmetric"] else side["zeros"].float() + sc * ((2 ** side["bits"] - 1) / 2)
     c = mid.mean(1)  # token groups (S, D), or per-token channel groups (S, D / G)
@@ -70,10 +82,22 @@ def side_center(side: dict) -> torch.Tensor:
     return c
 
 
+def side_step(side: dict, shape: tuple[int, int, int]) -> torch.Tensor:
+    """The grid step (S, N, D) of every key of a quantized side (the Jensen term's Δ; 0 for 0-bit channels)."""
+    if "alloc_codes" in side:
+        step = torch.where(side["alloc_meta"] % 16 > 0, side["alloc_step"].float(), 0.0)
+        return step[:, None, :].expand(shape)
+    return group_step(GroupQuant(side["codes"], side["scales"], side.get("zeros"), shape, side["bits"],
+                                 side["group_size"], side["axis"], side["symmetric"]))
+
+
 def decode_side(side: dict, shape: tuple[int, int, int]) -> torch.Tensor:
     """Rebuild (S, N, D) float32 from a side dict (the reference's view of what the kernel reads)."""
     if "full" in side:
         return side["full"].float()
+    if "alloc_codes" in side:
+        x = decode_fused(side)
+        return x + gather_rows(side["codebook"].float(), side["ids"].long()) if "codebook" in side else x
     q = GroupQuant(side["codes"], side["scales"], side.get("zeros"), shape, side["bits"], side["group_size"],
                    side["axis"], side["symmetric"])
     x = dequantize_groups(q)
@@ -88,7 +112,7 @@ def span_logits(q: torch.Tensor, k: dict, scale: float, psac: dict | None = None
     through `lowp`'s rounding ("int8", "e4m3", or "bf16": bf16 operands, the BF16 kernel's products), plus the
     PSAC and Jensen terms in fp32."""
     S, Nq, D = q.shape
-    N = (k["full"] if "full" in k else k["codes"]).shape[1]
+    N = side_tokens(k)
     qf = q.float()
     if lowp in ("int8", "e4m3") and reads_codes(k, D, lowp):
         dots = code_dots(qf, k, lowp)
@@ -101,8 +125,7 @@ def span_logits(q: torch.Tensor, k: dict, scale: float, psac: dict | None = None
         dots = dots + psac["qs"] @ a.transpose(1, 2) + psac["c0"][..., None]
     logits = dots * (scale * LOG2E)
     if jensen:
-        step = group_step(GroupQuant(k["codes"], k["scales"], k.get("zeros"), (S, N, D), k["bits"], k["group_size"],
-                                     k["axis"], k["symmetric"]))
+        step = side_step(k, (S, N, D))
         logits = logits - (scale ** 2 / 24 * LOG2E) * (qf.square() @ step.square().transpose(1, 2))
     return logits
 

@@ -37,6 +37,7 @@ import math
 
 import torch
 
+from .allocate import fused_codes
 from .quant import unpack_bits_ref
 
 E4M3_MAX = 448.0
@@ -96,7 +97,10 @@ def lowp_dots(q: torch.Tensor, k: torch.Tensor, center: torch.Tensor | None = No
 def reads_codes(side: dict, D: int, qk: str = "int8") -> bool:
     """Whether QKᵀ reads this key side's integer codes as they are (`code_dots`): quantized keys whose codes
     fit the format (any width in INT8, up to 4 bits in e4m3), grouped along channels in groups of at least 16
-    (a tensor-core dot per group) or along tokens in whole key blocks (one group per block)."""
+    (a tensor-core dot per group) or along tokens in whole key blocks (one group per block); and the
+    allocator's per-channel grids (one group: the span)."""
+    if "alloc_codes" in side:
+        return qk == "int8" or side["alloc_bits"] <= 4
     if "codes" not in side or (qk == "e4m3" and side["bits"] > 4):
         return False
     G = side["group_size"]
@@ -107,18 +111,26 @@ def code_dots(q: torch.Tensor, side: dict, qk: str = "int8") -> torch.Tensor:
     """q·k̂ᵀ (S, Nq, N) float32 of queries q (S, Nq, D) over a quantized key side (the fused kernel's dict; see
     `reads_codes`), with the codes as the exact 8-bit operand: only the queries are rounded."""
     S, Nq, D = q.shape
-    b, G, N = side["bits"], side["group_size"], side["codes"].shape[1]
-    u = unpack_bits_ref(side["codes"], b, D).float() - 2 ** (b - 1)  # (S, N, D)
-    sc = side["scales"].float()
-    zp = sc if side["symmetric"] else side["zeros"].float() + sc * 2 ** (b - 1)
     qf = q.float()
-    if side["axis"] == "channel":  # scales (S, N, D / G)
+    if "alloc_codes" in side:  # per-channel grids over the whole span: one token group of N
+        N = G = side["n_tokens"]
+        bits = (side["alloc_meta"] % 16)[:, None, :]
+        half = torch.where(bits > 0, 2.0 ** (bits - 1).clamp_min(0), 0.0)  # (S, 1, D)
+        u = fused_codes(side).float() - half
+        sc = side["alloc_step"].float()[:, None, :]
+        zp = side["alloc_low"].float()[:, None, :] + half * sc
+    else:
+        b, G, N = side["bits"], side["group_size"], side["codes"].shape[1]
+        u = unpack_bits_ref(side["codes"], b, D).float() - 2 ** (b - 1)  # (S, N, D)
+        sc = side["scales"].float()
+        zp = sc if side["symmetric"] else side["zeros"].float() + sc * 2 ** (b - 1)
+    if "alloc_codes" not in side and side["axis"] == "channel":  # scales (S, N, D / G)
         qc, qs = row_quantize(qf, qk)
         per_group = torch.einsum("sqgc,sngc->sgqn", qc.unflatten(-1, (-1, G)), u.unflatten(-1, (-1, G)))
         qsum = qf.unflatten(-1, (-1, G)).sum(-1)  # (S, Nq, D / G)
         dots = (per_group * sc.permute(0, 2, 1)[:, :, None, :]).sum(1) * qs + qsum @ zp.transpose(1, 2)
     else:  # scales (S, ceil(N / G), D): the queries times each token group's channel scales, rounded per group
-        dots = torch.empty(S, Nq, N)
+        dots = torch.empty(S, Nq, N, device=q.device)
         for g in range(sc.shape[1]):
             a, e = g * G, min(N, g * G + G)
             qc, qs = row_quantize(qf * sc[:, g, None, :], qk)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..allocate import allocate, channel_bytes, decode_channels, encode_channels, error_tables, side_bytes
+from ..allocate import allocate, channel_bytes, decode_channels, encode_channels, error_tables, fused_side, side_bytes
 from ..kmeans import weighted_sqdist
 from ..psac import psac_basis, psac_correction, psac_correction_ranked, psac_encode, psac_encode_ranked, spectrum_ranks
 from ..qsac import channel_sensitivity, qsac_assign
@@ -162,8 +162,8 @@ class QuantWM(QVGBudget):
     def fused_format(self, enc: Encoded, head_dim: int) -> dict | None:
         """QVG's side; Key spans with PSAC add "psac": q -> (Uᵀq) scaled per direction, the zero term, codes.
         Per-token coefficient scales (quantwm-paper) are not fused: the reference path reads them."""
-        if "alloc_bits" in enc.tensors:
-            return None  # the allocator's mixed-width channels: the reference path reads them
+        if "alloc_bits" in enc.tensors:  # the allocator's mixed-width channels (no PSAC)
+            return fused_side(enc.tensors, enc.shape)
         side = super().fused_format(enc, head_dim)
         U = enc.shared.get("psac_basis")
         if side is None or U is None:
