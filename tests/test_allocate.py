@@ -3,8 +3,7 @@ history Queries look, decodes exactly what it stored, and chooses the same way e
 import pytest
 import torch
 
-from quantwm.core.allocate import (CLIPS, allocate, decode_channels, decode_fused, encode_channels, error_tables,
-                                   fused_side)
+from quantwm.core.allocate import CLIPS, allocate, decode_channels, decode_fused, encode_channels, error_tables, fused_side
 from quantwm.core.attention import decode_side
 from quantwm.core.methods import get_method
 from quantwm.core.methods.base import SpanContext

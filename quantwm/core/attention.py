@@ -8,9 +8,9 @@ span (flash-decoding) that `merge_splits` combines at the end.
 Supported spans: full precision, and every format a method's `fused_format` describes: group quantization
 with 2/4/8-bit codes (per-token groups a power of two dividing D) and at most one codebook stage, with
 PSAC coefficients scaled per direction (rtn, kivi, the qvg presets but qvg-pro, quantwm and its ablations,
-+jensen), and QuantWM's allocator at a budget (mixed-width per-channel codes; `allocate.fused_side`). Anything else (qvg-pro's 4 stages, 3-bit codes, a group size the kernel cannot take,
-quantwm-paper's per-token PSAC scales) takes the cache's reference path; the dispatcher only asks the
-method. Keys must be stored post-RoPE: with pre-RoPE keys the PSAC term would need Uᵀ
++jensen), and QuantWM's allocator at a budget (mixed-width per-channel codes; `allocate.fused_side`).
+Anything else (qvg-pro's 4 stages, 3-bit codes, a group size the kernel cannot take, quantwm-paper's per-token
+PSAC scales) takes the cache's reference path; the dispatcher only asks the method. Keys must be stored post-RoPE: with pre-RoPE keys the PSAC term would need Uᵀ
 applied to the query rotated back to every key's position (a D x R product per key instead of R MACs), so
 pre-RoPE caches also take the reference path (dequantize, rotate, SDPA).
 
@@ -26,8 +26,8 @@ from collections.abc import Callable
 
 import torch
 
-from .backend import kernel
 from .allocate import decode_fused
+from .backend import kernel
 from .fp8 import code_dots, lowp_dots, pv_fold, reads_codes
 from .methods.qvg import gather_rows
 from .quant import GroupQuant, dequantize_groups, group_step, unpack_bits_ref
