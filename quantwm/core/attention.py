@@ -11,8 +11,9 @@ PSAC coefficients scaled per direction (rtn, kivi, the qvg presets but qvg-pro, 
 +jensen), and QuantWM's allocator at a budget (mixed-width per-channel codes; `allocate.fused_side`).
 Anything else (qvg-pro's 4 stages, 3-bit codes, a group size the kernel cannot take, quantwm-paper's per-token
 PSAC scales) takes the cache's reference path; the dispatcher only asks the method. Keys must be stored
-post-RoPE: with pre-RoPE keys the PSAC term would need Uᵀ applied to the query rotated back to every key's position (a D x R product per key instead of R MACs), so
-pre-RoPE caches also take the reference path (dequantize, rotate, SDPA).
+post-RoPE: with pre-RoPE keys the PSAC term would need Uᵀ applied to the query rotated back to every key's
+position (a D x R product per key instead of R MACs), so pre-RoPE caches also take the reference path
+(dequantize, rotate, SDPA).
 
 `lowp="int8"` or `"e4m3"` (CacheConfig.lowp) runs both products on 8-bit operands with fp32 accumulation, the
 rounding points of quantwm/core/fp8.py: quantized keys in the layouts `fp8.reads_codes` accepts enter QKᵀ as
