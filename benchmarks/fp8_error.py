@@ -23,7 +23,8 @@ import math
 
 import torch
 
-from quantwm.core.attention import chunk_spans, decode_side, merge_splits, new_state, side_center, span_logits
+from quantwm.core.attention import (chunk_spans, decode_side, merge_splits, new_state, side_center, side_tokens,
+                                    span_logits)
 from quantwm.core.cache import CacheConfig
 from quantwm.core.fp8 import pv_fold
 from quantwm.evaluation.analyze import _layer_cache
@@ -63,7 +64,7 @@ def measure(path: str, method: str, budget: float | None, formats: list[str]) ->
         S, Nq, D = q.shape
         spans = layer_spans(cache)
         scale = trace.softmax_scale
-        values = [decode_side(vs, (S, (ks["full"] if "full" in ks else ks["codes"]).shape[1], D))
+        values = [decode_side(vs, (S, side_tokens(ks), D))
                   for ks, vs, _, _ in spans]  # decoded once, read by every format
         for name in names:
             lowp = None if name == "exact" else name

@@ -155,9 +155,13 @@ def _code_dots(q_lp, q_sc, q3, qsum, qf32, codes_ptr, scale_ptr, zero_ptr, ids_p
                 zp = sc
             else:
                 zp = tl.load(zero_ptr + sidx, mask=dmask, other=0.0).to(tl.float32) + sc * (1 << (BITS - 1))
-        qg_lp, qg_sc = _lowp_rows(qf32 * sc[None, :], LOWP, INTERP)
-        dots = (_dot_lowp(qg_lp, tl.trans(u), LOWP == 1, INTERP) * qg_sc[:, None]
-                + tl.sum(qf32 * zp[None, :], axis=1)[:, None])
+        qx = qf32 * sc[None, :]
+        qg_lp, qg_sc = _lowp_rows(qx, LOWP, INTERP)
+        dots = _dot_lowp(qg_lp, tl.trans(u), LOWP == 1, INTERP) * qg_sc[:, None]
+        if ALLOC:  # widths differ by channel: the queries in two terms, value and remainder (fp8.code_dots)
+            qr_lp, qr_sc = _lowp_rows(qx - qg_lp.to(tl.float32) * qg_sc[:, None], LOWP, INTERP)
+            dots += _dot_lowp(qr_lp, tl.trans(u), LOWP == 1, INTERP) * qr_sc[:, None]
+        dots += tl.sum(qf32 * zp[None, :], axis=1)[:, None]
     else:  # per-token groups of G channels: scales (S, N, D/G)
         NG: tl.constexpr = BLOCK_D // G
         gi = tl.arange(0, NG)

@@ -10,6 +10,8 @@ operands with fp32 accumulation. Per span (a launch of the kernel):
   group offsets (zero + 2^(b−1) s; s for symmetric grids). u is exact in INT8 (and in e4m3 for b ≤ 4), so QKᵀ
   rounds only the queries (`code_dots`): per-token groups of G channels take Σ_g s_g (q_g·u_g) with q rounded
   once per row; groups of G tokens along channels (KIVI's keys) take (q ⊙ s)·u with q ⊙ s rounded per group.
+  The allocator's channels (one group: the span) take (q ⊙ s)·u with q ⊙ s in two terms: a channel of b bits
+  multiplies its query term's rounding by up to 2^(b−1), so one term added 2 points of top-1 shift there.
   q·z' and q·codebook rows are added in fp32. This needs no key rounding, and no centre (`reads_codes`).
 * **Other keys are centred** (SageAttention's smoothing) **and split in two terms**: a per-channel centre μ of
   the span (`center`) is taken off every key and q·μ is added back in fp32; each centred key row is rounded to
@@ -133,8 +135,13 @@ def code_dots(q: torch.Tensor, side: dict, qk: str = "int8") -> torch.Tensor:
         dots = torch.empty(S, Nq, N, device=q.device)
         for g in range(sc.shape[1]):
             a, e = g * G, min(N, g * G + G)
-            qc, qs = row_quantize(qf * sc[:, g, None, :], qk)
-            dots[..., a:e] = (qc @ u[:, a:e].transpose(1, 2)) * qs + qf @ zp[:, g, :, None]
+            qx = qf * sc[:, g, None, :]
+            qc, qs = row_quantize(qx, qk)
+            dots[..., a:e] = (qc @ u[:, a:e].transpose(1, 2)) * qs
+            if "alloc_codes" in side:  # widths differ by channel: the queries in two terms (value and remainder)
+                lo, ls = row_quantize(qx - qc * qs, qk)
+                dots[..., a:e] += (lo @ u[:, a:e].transpose(1, 2)) * ls
+            dots[..., a:e] += qf @ zp[:, g, :, None]
     if "codebook" in side:
         qcb = qf @ side["codebook"].float().transpose(1, 2)  # (S, Nq, K)
         dots = dots + torch.gather(qcb, 2, side["ids"].long()[:, None, :].expand(S, Nq, N))
