@@ -20,7 +20,8 @@ of quantwm/core/fp8.py. QKᵀ: quantized keys that fp8.reads_codes accepts enter
 against the queries rounded with one scale per row (per-token channel groups: one 3-D dot over the groups,
 each group's product times its scale; token groups: the queries times the block's channel scales, rounded per
 block), with q·z' and the query's codebook products (computed by the launcher) in fp32; other keys, less their
-span's centre μ (given), are rounded in two terms (value and remainder), with q·μ added back in fp32. PV: each
+span's centre μ (given), and the queries are rounded in two terms each (value and remainder; three products),
+with q·μ added back in fp32. PV: each
 key block's probabilities (in [0, 1], unscaled) and its values (one scale per channel) in e4m3. PSAC and
 Jensen terms stay fp32. With one split (P = 1) the kernel takes the same steps as the emulation.
 
@@ -267,6 +268,8 @@ def _span_attention_kernel(
         mu = tl.load(kmu_ptr + s * D + d, mask=dmask, other=0.0)
         q_mu = tl.sum(qf32 * mu[None, :], axis=1)
         q_lp, q_sc = _lowp_rows(qf32, LOWP, INTERP)
+        if not K_CODES:  # keys given as values: the queries' remainder, a second 8-bit term
+            qr_lp, qr_sc = _lowp_rows(qf32 - q_lp.to(tl.float32) * q_sc[:, None], LOWP, INTERP)
         q3, qsum = q_lp, q_sc  # per-token channel groups read as codes: the queries' codes and sums per group
         if K_CODES and not K_AXIS_TOKEN and not K_ALLOC:
             qsum = tl.sum(tl.reshape(qf32, (BLOCK_M, BLOCK_D // K_G, K_G)), axis=2)  # (BM, NG)
@@ -281,14 +284,15 @@ def _span_attention_kernel(
             dots = _code_dots(q_lp, q_sc, q3, qsum, qf32, kc_ptr, ks_ptr, kz_ptr, kid_ptr, kf_ptr, qcb_ptr, s, qi, qmask,
                               rows, n0, d, N, Nq, D, k_ncb, k_ngt, k_row_bytes, rmask, dmask, K_BITS, K_G,
                               K_AXIS_TOKEN, K_SYM, K_CODEBOOK, K_ALLOC, LOWP, INTERP, BLOCK_N, BLOCK_D)
-        elif LOWP:  # keys less the centre in two terms, value and remainder
+        elif LOWP:  # keys less the centre and queries in two terms each (value, remainder): three products
             k = _rebuild(kc_ptr, ks_ptr, kz_ptr, kcb_ptr, kid_ptr, kf_ptr, s, rows, d, N, D, k_ncb, k_ngt, k_row_bytes,
                          rmask, dmask, K_QUANT, K_BITS, K_G, K_AXIS_TOKEN, K_SYM, K_CODEBOOK, K_ALLOC)
             kc = tl.where(rmask[:, None] & dmask[None, :], k - mu[None, :], 0.0)
             k_hi, hi_sc = _lowp_rows(kc, LOWP, INTERP)
             k_lo, lo_sc = _lowp_rows(kc - k_hi.to(tl.float32) * hi_sc[:, None], LOWP, INTERP)
             dots = (_dot_lowp(q_lp, tl.trans(k_hi), LOWP == 1, INTERP) * hi_sc[None, :]
-                    + _dot_lowp(q_lp, tl.trans(k_lo), LOWP == 1, INTERP) * lo_sc[None, :]) * q_sc[:, None] + q_mu[:, None]
+                    + _dot_lowp(q_lp, tl.trans(k_lo), LOWP == 1, INTERP) * lo_sc[None, :]) * q_sc[:, None]
+            dots += _dot_lowp(qr_lp, tl.trans(k_hi), LOWP == 1, INTERP) * hi_sc[None, :] * qr_sc[:, None] + q_mu[:, None]
         else:
             k = _rebuild(kc_ptr, ks_ptr, kz_ptr, kcb_ptr, kid_ptr, kf_ptr, s, rows, d, N, D, k_ncb, k_ngt, k_row_bytes,
                          rmask, dmask, K_QUANT, K_BITS, K_G, K_AXIS_TOKEN, K_SYM, K_CODEBOOK, K_ALLOC)

@@ -15,9 +15,10 @@ operands with fp32 accumulation. Per span (a launch of the kernel):
   q·z' and q·codebook rows are added in fp32. This needs no key rounding, and no centre (`reads_codes`).
 * **Other keys are centred** (SageAttention's smoothing) **and split in two terms**: a per-channel centre μ of
   the span (`center`) is taken off every key and q·μ is added back in fp32; each centred key row is rounded to
-  8 bits with one scale and its remainder is rounded again (k − μ ≈ a·s_a + b·s_b), so a BF16 span's keys keep
-  about 14 significant bits for two 8-bit products, the cost of one BF16 product (`lowp_dots`). Queries get one
-  scale per row. These are the BF16 sink, recent and current spans, and quantized layouts `reads_codes` refuses.
+  8 bits with one scale and its remainder is rounded again (k − μ ≈ a·s_a + b·s_b), and so are the queries, so
+  both keep about 14 significant bits for three 8-bit products, 1.5 times a BF16 product's tensor-core time
+  (`lowp_dots`). These are the BF16 sink, recent and current spans (a few chunks of a long cache) and quantized
+  layouts `reads_codes` refuses.
 * **The formats**: INT8 (`qk="int8"`, the default) or fp8-e4m3 (`qk="e4m3"`); the integer or e4m3 products
   are summed in fp32 and multiplied by the scales. Logit terms the method adds (a PSAC correction, the +jensen
   bias) stay fp32.
@@ -28,8 +29,9 @@ operands with fp32 accumulation. Per span (a launch of the kernel):
 
 Why these choices (tuning sources: trace seed 100003, world seed 100005; `benchmarks/fp8_error.py`): on the
 built-in model nearly all of the top-1 shift a one-term 8-bit product added came from rounding the BF16 recent
-span's keys (its near-copies of one place differ by less than an 8-bit step): 2.6 points on a 2-bit cache,
-0.36 with two terms and codes. e4m3 queries add 0.4-1.3 points more than INT8 ones (three mantissa bits cannot
+span's keys and queries (near-copies of one place differ by less than an 8-bit step): 2.6 points on a 2-bit
+cache, 0.36 with two key terms and codes; on the allocator's spans (a budget) the queries' rounding on those BF16
+spans still added 0.5-1.3 points on worlds 100006-100008, 0.1-0.2 in two terms. e4m3 queries add 0.4-1.3 points more than INT8 ones (three mantissa bits cannot
 separate near-tied logits). INT8 and FP8 run at the same tensor-core rate on Hopper. `torch.float8_e4m3fn` does the
 e4m3 rounding (to nearest even, saturating at ±448 here); INT8 rounds to nearest even and clamps at ±127.
 """
@@ -83,17 +85,20 @@ def key_center(k: torch.Tensor) -> torch.Tensor:
 
 def lowp_dots(q: torch.Tensor, k: torch.Tensor, center: torch.Tensor | None = None, qk: str = "int8") -> torch.Tensor:
     """q·kᵀ through the path's QKᵀ rounding of keys given as values: q (..., Nq, D), k (..., L, D), center
-    (..., D) (default: the keys' mean) -> (..., Nq, L) float32, exact but for the rounding of q (one term) and of
-    k − center (two terms). `qk="bf16"`: for comparison, the BF16 path's products (q and k rounded to bf16)."""
+    (..., D) (default: the keys' mean) -> (..., Nq, L) float32, exact but for the rounding of q and of k − center,
+    each in two terms (value a, remainder b): a_q·a_k + a_q·b_k + b_q·a_k, three 8-bit products (b_q·b_k is
+    below them). `qk="bf16"`: for comparison, the BF16 path's products (q and k rounded to bf16)."""
     if qk == "bf16":
         return q.bfloat16().float() @ k.bfloat16().float().transpose(-1, -2)
     c = key_center(k) if center is None else center.float()
     qc, qs = row_quantize(q, qk)
+    qr, qrs = row_quantize(q.float() - qc * qs, qk)
     kk = k.float() - c[..., None, :]
     hi, hs = row_quantize(kk, qk)
     lo, ls = row_quantize(kk - hi * hs, qk)
-    dots = (qc @ hi.transpose(-1, -2)) * hs.transpose(-1, -2) + (qc @ lo.transpose(-1, -2)) * ls.transpose(-1, -2)
-    return dots * qs + (q.float() @ c[..., :, None])
+    hs, ls = hs.transpose(-1, -2), ls.transpose(-1, -2)
+    dots = ((qc @ hi.transpose(-1, -2)) * hs + (qc @ lo.transpose(-1, -2)) * ls) * qs
+    return dots + (qr @ hi.transpose(-1, -2)) * hs * qrs + (q.float() @ c[..., :, None])
 
 
 def reads_codes(side: dict, D: int, qk: str = "int8") -> bool:
