@@ -23,8 +23,7 @@ import math
 
 import torch
 
-from quantwm.core.attention import (chunk_spans, decode_side, merge_splits, new_state, side_center, side_tokens,
-                                    span_logits)
+from quantwm.core.attention import chunk_spans, decode_side, merge_splits, new_state, side_center, side_tokens, span_logits
 from quantwm.core.cache import CacheConfig
 from quantwm.core.fp8 import pv_fold
 from quantwm.evaluation.analyze import _layer_cache
