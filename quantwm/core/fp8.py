@@ -27,12 +27,12 @@ operands with fp32 accumulation. Per span (a launch of the kernel):
   in [0, 1] and are rounded to e4m3 as they are; the block's values get one scale per channel (absolute maximum
   over 448) and are rounded to e4m3; products accumulate in fp32. The normaliser sums the fp32 probabilities.
 
-Why these choices (tuning sources: trace seed 100003, world seed 100005; `benchmarks/fp8_error.py`): on the
-built-in model nearly all of the top-1 shift a one-term 8-bit product added came from rounding the BF16 recent
-span's keys and queries (near-copies of one place differ by less than an 8-bit step): 2.6 points on a 2-bit
-cache, 0.36 with two key terms and codes; on the allocator's spans (a budget) the queries' rounding on those BF16
-spans still added 0.5-1.3 points on worlds 100006-100008, 0.1-0.2 in two terms. e4m3 queries add 0.4-1.3 points more than INT8 ones (three mantissa bits cannot
-separate near-tied logits). INT8 and FP8 run at the same tensor-core rate on Hopper. `torch.float8_e4m3fn` does the
+Why these choices (tuning sources: trace seed 100003, world seeds 100005-100008; `benchmarks/fp8_error.py`): on
+the built-in model nearly all of the top-1 shift a one-term 8-bit product added came from rounding the BF16
+recent span's keys and queries (near-copies of one place differ by less than an 8-bit step). On a fixed 2-bit
+cache (world 100005): 2.60 points with every key rounded once, 0.36 with codes and two key terms, 0.03 with two
+query terms too; at a 2.5-bit budget one query term over the allocator's codes added 1.95 points, two 0.07.
+e4m3 queries add 0.4-0.5 points more than INT8 ones (three mantissa bits cannot separate near-tied logits). INT8 and FP8 run at the same tensor-core rate on Hopper. `torch.float8_e4m3fn` does the
 e4m3 rounding (to nearest even, saturating at ±448 here); INT8 rounds to nearest even and clamps at ±127.
 """
 from __future__ import annotations
