@@ -33,7 +33,8 @@ recent span's keys and queries (near-copies of one place differ by less than an 
 cache (world 100005): 2.60 points with every key rounded once, 0.36 with codes and two key terms, 0.03 with two
 query terms too; at a 2.5-bit budget one query term over the allocator's codes added 1.95 points, two 0.07.
 e4m3 queries add 0.4-0.5 points more than INT8 ones (three mantissa bits cannot separate near-tied logits). INT8
-and FP8 run at the same tensor-core rate on Hopper. `torch.float8_e4m3fn` does the e4m3 rounding (to nearest even, saturating at ±448 here); INT8 rounds to nearest even and clamps at ±127.
+and FP8 run at the same tensor-core rate on Hopper. `torch.float8_e4m3fn` does the e4m3 rounding (to nearest
+even, saturating at ±448 here); INT8 rounds to nearest even and clamps at ±127.
 """
 from __future__ import annotations
 
