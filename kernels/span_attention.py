@@ -19,18 +19,18 @@ splits at the end. m is kept in log2 units (logits times log2(e)).
 of quantwm/core/fp8.py. QKᵀ: quantized keys that fp8.reads_codes accepts enter as their integer codes, exact,
 against the queries rounded with one scale per row (per-token channel groups: one 3-D dot over the groups,
 each group's product times its scale; token groups: the queries times the block's channel scales, rounded per
-block), with q·z' and the query's codebook products (computed by the launcher) in fp32; other keys, less their
-span's centre μ (given), and the queries are rounded in two terms each (value and remainder; three products),
-with q·μ added back in fp32. PV: each
-key block's probabilities (in [0, 1], unscaled) and its values (one scale per channel) in e4m3. PSAC and
-Jensen terms stay fp32. With one split (P = 1) the kernel takes the same steps as the emulation.
+block; over the allocator's per-channel grids, in two terms), with q·z' and the query's codebook products
+(computed by the launcher) in fp32; other keys, less their span's centre μ (given), and the queries are rounded
+in two terms each (value and remainder; three products), with q·μ added back in fp32. PV: each key block's
+probabilities (in [0, 1], unscaled) and its values (one scale per channel) in e4m3. PSAC and Jensen terms stay
+fp32. With one split (P = 1) the kernel takes the same steps as the emulation.
 
 Supported: bits 2/4/8, asymmetric or symmetric grids, groups along channels (power-of-two G) or along
 tokens, one codebook stage, keys and values independently quantized or full precision; and QuantWM's allocator
 (a budget): 0-8 bits per channel on per-channel grids over the span, each channel's codes packed along the span
 in one buffer (quantwm/core/allocate.py `fused_side`: a table of byte offsets and widths), read code by code
-(codes of 3, 5, 6 or 7 bits straddle two bytes). Keys must be
-post-RoPE (pre-RoPE caches use the reference path; see quantwm/attention.py for why).
+(codes of 3, 5, 6 or 7 bits straddle two bytes). Keys must be post-RoPE (pre-RoPE caches use the reference
+path; see quantwm/attention.py for why).
 """
 from __future__ import annotations
 
@@ -420,7 +420,9 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
     acc (S, P, Nq, D), m and l (S, P, Nq) fp32: the state of P splits (start: acc 0, m -inf, l 0);
     k, v: {"full": (S, N, D)} or {"codes": uint8 (S, N, D*bits/8), "scales", "zeros" (absent when
     symmetric), "bits", "group_size", "axis" ("channel" | "token"), "symmetric", optional "codebook"
-    (S, K, D) and "ids" (S, N)}; psac (keys only): {"qs": (S, Nq, R) fp32 (Uᵀq)·coefficient scale,
+    (S, K, D) and "ids" (S, N)} or the allocator's {"alloc_codes": uint8 buffer, "alloc_meta": (S, D) int64
+    byte offset * 16 + bits, "alloc_step", "alloc_low" (S, D), "alloc_bits" (the widest), "n_tokens", optional
+    "codebook" and "ids"} (quantwm/core/allocate.py `fused_side`); psac (keys only): {"qs": (S, Nq, R) fp32 (Uᵀq)·coefficient scale,
     "c0": (S, Nq) fp32 Σ_r (Uᵀq)_r zero_r, "codes": uint8 (S, N, R*bits/8), "bits"}; jensen: subtract
     the Jensen term (quantized keys only); lowp: None, "int8" or "e4m3", the 8-bit products (k then needs
     "center", (S, D) fp32, the keys' centre).
