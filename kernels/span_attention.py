@@ -394,7 +394,7 @@ def _reads_codes(side: dict, D: int, lowp: str) -> bool:
     """Whether the 8-bit path reads this key side's codes as operands: quantwm/core/fp8.py's `reads_codes`, the
     rule the emulation follows (kernels import nothing of quantwm; tests/test_kernels.py checks the two agree)."""
     if "alloc_codes" in side:
-        return lowp == "int8" or side["alloc_bits"] <= 4
+        return lowp == "int8" or bool(((side["alloc_meta"] & 15) <= 4).all())  # e4m3 only: a host sync
     if "codes" not in side or (lowp == "e4m3" and side["bits"] > 4):
         return False
     G = side["group_size"]
@@ -421,7 +421,7 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
     k, v: {"full": (S, N, D)} or {"codes": uint8 (S, N, D*bits/8), "scales", "zeros" (absent when
     symmetric), "bits", "group_size", "axis" ("channel" | "token"), "symmetric", optional "codebook"
     (S, K, D) and "ids" (S, N)} or the allocator's {"alloc_codes": uint8 buffer, "alloc_meta": (S, D) int64
-    byte offset * 16 + bits, "alloc_step", "alloc_low" (S, D), "alloc_bits" (the widest), "n_tokens", optional
+    byte offset * 16 + bits, "alloc_step", "alloc_low" (S, D), "n_tokens", optional
     "codebook" and "ids"} (quantwm/core/allocate.py `fused_side`); psac (keys only): {"qs": (S, Nq, R) fp32 (Uᵀq)·coefficient scale,
     "c0": (S, Nq) fp32 Σ_r (Uᵀq)_r zero_r, "codes": uint8 (S, N, R*bits/8), "bits"}; jensen: subtract
     the Jensen term (quantized keys only); lowp: None, "int8" or "e4m3", the 8-bit products (k then needs

@@ -276,8 +276,8 @@ def test_the_kernel_reads_codes_exactly_where_the_emulation_does():
     layouts = [_code_side(1, 40, D, bits, G, axis, sym, 0) for bits in (2, 4, 8) for sym in (False, True)
                for D, G, axis in ((64, 64, "channel"), (64, 8, "channel"), (48, 16, "channel"), (64, 32, "token"),
                                   (64, 48, "token"), (64, 64, "token"))]
-    layouts += [{"full": torch.zeros(1, 40, 64)}, {"alloc_codes": None, "alloc_bits": 4},
-                {"alloc_codes": None, "alloc_bits": 6}]
+    layouts += [{"full": torch.zeros(1, 40, 64)}, {"alloc_codes": None, "alloc_meta": torch.tensor([[0, 4, 16 + 4]])},
+                {"alloc_codes": None, "alloc_meta": torch.tensor([[0, 6, 16 + 4]])}]
     for side in layouts:
         for lowp in ("int8", "e4m3"):
             D = 48 if side.get("group_size") == 16 else 64

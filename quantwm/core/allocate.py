@@ -163,7 +163,7 @@ def fused_side(t: dict[str, torch.Tensor], shape: tuple[int, int, int]) -> dict:
     """The allocator's span as kernels/span_attention.py reads it: {"alloc_codes": every stream's codes in one
     uint8 buffer, "alloc_meta": (S, D) int64, each channel's byte offset in it times 16 plus its bits,
     "alloc_low" and "alloc_step" (S, D) (a single centroid row, when the span kept one, folded into the low end),
-    "alloc_bits" its largest width, "n_tokens"}, plus "codebook" and "ids" when the span has centroids. A value
+    "n_tokens"}, plus "codebook" and "ids" when the span has centroids. A value
     is k = low + code * step (+ its centroid row); 0-bit channels have low 0 and code 0."""
     S, N, D = shape
     bits = t["alloc_bits"].long()
@@ -175,7 +175,7 @@ def fused_side(t: dict[str, torch.Tensor], shape: tuple[int, int, int]) -> dict:
     base = torch.tensor([0] + [b.numel() for b in buffers[:-1]], device=bits.device).cumsum(0)
     low = t["alloc_low"].float()
     side = {"alloc_codes": torch.cat(buffers), "alloc_meta": (base[:, None] + start) * 16 + bits,
-            "alloc_step": t["alloc_step"], "alloc_bits": int(bits.max()), "n_tokens": N}
+            "alloc_step": t["alloc_step"], "n_tokens": N}
     cb = t["codebook0"]
     if "centroid_ids0" in t:
         side.update(codebook=cb, ids=t["centroid_ids0"])

@@ -108,7 +108,7 @@ def reads_codes(side: dict, D: int, qk: str = "int8") -> bool:
     (a tensor-core dot per group) or along tokens in whole key blocks (one group per block); and the
     allocator's per-channel grids (one group: the span)."""
     if "alloc_codes" in side:
-        return qk == "int8" or side["alloc_bits"] <= 4
+        return qk == "int8" or bool(((side["alloc_meta"] & 15) <= 4).all())  # e4m3 only: a host sync
     if "codes" not in side or (qk == "e4m3" and side["bits"] > 4):
         return False
     G = side["group_size"]
