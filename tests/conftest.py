@@ -28,3 +28,24 @@ def small_trace_path(tmp_path_factory):
     make_synthetic_trace(seed=3, n_layers=2, n_heads=2, head_dim=64, grid=(8, 8), cached_frames=12,
                          chunk_frames=2, world=(20, 28)).save(path)
     return path
+
+
+@pytest.fixture
+def app_start(monkeypatch, capsys, tmp_path):
+    """Start the app's `main` (what `python -m quantwm.app` runs) in this process, for a start that must end:
+    (exit code, stderr). The environment it sets is put back afterwards."""
+    def start(argv: list[str]) -> tuple[int, str]:
+        import app.assemble
+        from app.main import main
+
+        def past_checks(*_, **__):
+            raise AssertionError("the app got past its start-up checks")
+
+        monkeypatch.setattr(app.assemble, "build_app", past_checks)  # never a server that blocks the test
+        for name in ("GRADIO_SERVER_PORT", "GRADIO_TEMP_DIR"):
+            monkeypatch.setenv(name, os.environ.get(name, ""))
+        monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "gradio"))
+        with pytest.raises(SystemExit) as ended:
+            main(argv, restart=False)
+        return ended.value.code, capsys.readouterr().err
+    return start

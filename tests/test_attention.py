@@ -103,7 +103,7 @@ def test_backend_mode_rejects_unknown_values(monkeypatch):
     ("rtn", (("group_size", 24),), 48, False),  # per-token groups of 24: not a power of two
     ("rtn", (("group_size", 16),), 48, True),
     ("quantwm-paper", (), 64, False),  # per-token PSAC coefficient scales
-    ("qvg-pro", (), 64, False),  # 4 codebook stages
+    ("qvg-pro", (("n_centroids", 16),), 64, False),  # 4 codebook stages (16 centroids each: a quick k-means)
 ])
 def test_dispatch_asks_the_method_and_falls_back_instead_of_raising(method, options, D, fused, monkeypatch):
     """A format the kernel cannot take takes the reference path, even with the kernels forced (it used to

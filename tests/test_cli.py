@@ -43,10 +43,24 @@ def test_cli_memory_json_fields(tmp_path):
     (["memory", "--preset", "tiny", "--latent-frames", "zero"], "invalid int"),
     (["frobnicate"], "invalid choice"),
 ])
-def test_cli_errors_are_one_line_exit_2(argv, needle, trace_file, tmp_path):
+def test_cli_errors_are_one_line_exit_2(argv, needle, trace_file, tmp_path, capsys):
+    """`main`, which `python -m quantwm` runs (the next test runs the command itself)."""
     garbage = tmp_path / "garbage.safetensors"
     garbage.write_bytes(b"garbage")
     argv = [a.format(trace=trace_file, garbage=garbage) for a in argv]
+    try:
+        code = main(argv)
+    except SystemExit as e:  # the parser's errors
+        code = e.code
+    err = capsys.readouterr().err
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0] and "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv, needle", [(["memory", "--preset", "nope"], "unknown preset"),
+                                          (["frobnicate"], "invalid choice")])
+def test_the_command_exits_2_with_one_line(argv, needle):
     p = subprocess.run([sys.executable, "-m", "quantwm", *argv], capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()

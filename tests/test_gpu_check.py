@@ -1,5 +1,7 @@
-"""benchmarks/gpu_check.sh: the device check runs end to end on the CPU (--dry-run), and its budget skips steps."""
+"""benchmarks/gpu_check.sh: the device check runs end to end on the CPU (--dry-run), and its budget skips steps;
+the dry run's kernel benchmark (benchmarks/kernel_bench.py --preset tiny) is checked here too."""
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -20,10 +22,24 @@ def test_the_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     assert " passed" in steps["cuda tests"]["figures"]["summary"]
     assert any(k.startswith("fused @ ") for k in steps["kernel bench"]["figures"])
     assert any(k.startswith("fused int8 @ ") for k in steps["kernel bench"]["figures"])
+    check_kernel_bench(json.loads((tmp_path / "kernel_bench.json").read_text())["rows"])
     assert steps["real shapes"]["figures"]["quantwm"]["quantized_bytes_per_latent_frame"] > 0
     live = steps["live rollout"]["figures"]
     assert live["frames"] == 45 and live["frame_hw"] == [32, 64] and live["bits_per_element"] > 2
     assert "step" in done.stdout and "live rollout" in done.stdout.splitlines()[-2]  # the table, then the total
+
+
+def check_kernel_bench(rows: list[dict]) -> None:
+    """The kernel benchmark's tiny preset: every path at every cache length, 2-bit paths reading fewer bytes."""
+    lengths = sorted({r["cache_tokens"] for r in rows})
+    assert lengths == [192, 320]
+    for L in lengths:
+        paths = {r["path"]: r for r in rows if r["cache_tokens"] == L}
+        assert set(paths) == {"bf16", "dequant+sdpa", "fused", "fused int8", "fused e4m3", "quantize chunk (quantwm)"}
+        assert paths["bf16"]["vs_bf16"] == 1.0
+        for name in ("dequant+sdpa", "fused", "fused int8", "fused e4m3"):
+            assert paths[name]["ms"] > 0 and paths[name]["bytes"] < paths["bf16"]["bytes"]  # 2-bit spans read less
+        assert math.isfinite(paths["quantize chunk (quantwm)"]["ms"])
 
 
 def test_steps_past_the_budget_are_skipped_with_a_message(tmp_path, monkeypatch):

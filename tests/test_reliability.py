@@ -161,16 +161,23 @@ def test_an_unexpected_failure_in_a_handler_is_a_message():
     assert r["status"].startswith("**Error:**") and "RuntimeError: disk on fire" in r["status"]
 
 
-@pytest.mark.parametrize("content", [b"", b"garbage" * 100, "truncated"])
-def test_corrupt_weights_at_start_up_exit_2_with_one_line(tmp_path, content):
+@pytest.mark.parametrize("content", [b"", b"garbage" * 100, "truncated"], ids=["empty", "garbage", "truncated"])
+def test_corrupt_weights_at_start_up_exit_2_with_one_line(tmp_path, content, app_start):
+    """The truncated file starts the real command line (`python -m quantwm.app`); the others call its `main`
+    in this process, which is what that command runs."""
     from quantwm.world.generate import DEFAULT_WEIGHTS
 
     bad = tmp_path / "w.safetensors"
     bad.write_bytes(open(DEFAULT_WEIGHTS, "rb").read()[:5000] if content == "truncated" else content)
-    p = subprocess.run([sys.executable, "-m", "quantwm.app", "--weights", str(bad), "--port", "7999"],
-                       capture_output=True, text=True, timeout=120, env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
-    assert p.returncode == 2
-    lines = p.stderr.strip().splitlines()
+    argv = ["--weights", str(bad), "--port", "7999"]
+    if content == "truncated":
+        p = subprocess.run([sys.executable, "-m", "quantwm.app", *argv], capture_output=True, text=True, timeout=120,
+                           env={**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"})
+        code, err = p.returncode, p.stderr
+    else:
+        code, err = app_start(argv)
+    assert code == 2
+    lines = err.strip().splitlines()
     assert len(lines) == 1 and "w.safetensors" in lines[0] and lines[0].startswith("quantwm app: error:")
 
 

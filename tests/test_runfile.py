@@ -1,8 +1,6 @@
 """Run files: write, read and validate; the app's views on an opened run match the built-in run's."""
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -124,13 +122,17 @@ def test_bad_run_files_are_refused_naming_the_problem(recorded, tmp_path):
         assert needle in str(e.value), (p, str(e.value))
 
 
-def test_record_and_app_refuse_bad_input_with_exit_2(tmp_path):
-    env = {**os.environ, "GRADIO_ANALYTICS_ENABLED": "False"}
+def test_record_and_app_refuse_bad_input_with_exit_2(tmp_path, capsys, app_start):
+    """`quantwm record` and the app's start (their `main`s, which the commands run) refuse with one line."""
+    from quantwm.cli import main
+
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes(b"nope")
-    for args, needle in ((["-m", "quantwm", "record", "--frames", "7", "--out", str(tmp_path / "x")], "frames must"),
-                         (["-m", "quantwm", "record", "--seed", "100000", "--out", str(tmp_path / "x")], "[0, 100000)"),
-                         (["-m", "quantwm.app", "--run", str(bad), "--port", "7998"], "not a valid QuantWM run")):
-        p = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, env=env)
-        lines = p.stderr.strip().splitlines()
-        assert p.returncode == 2 and len(lines) == 1 and needle in lines[0], p.stderr
+    for args, needle in ((["record", "--frames", "7", "--out", str(tmp_path / "x")], "frames must"),
+                         (["record", "--seed", "100000", "--out", str(tmp_path / "x")], "[0, 100000)")):
+        assert main(args) == 2
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert len(lines) == 1 and needle in lines[0], lines
+    code, err = app_start(["--run", str(bad), "--port", "7998"])
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "not a valid QuantWM run" in lines[0], err
