@@ -42,8 +42,7 @@ def app_start(monkeypatch, capsys, tmp_path):
             raise AssertionError("the app got past its start-up checks")
 
         monkeypatch.setattr(app.assemble, "build_app", past_checks)  # never a server that blocks the test
-        for name in ("GRADIO_SERVER_PORT", "GRADIO_TEMP_DIR"):
-            monkeypatch.setenv(name, os.environ.get(name, ""))
+        monkeypatch.setenv("GRADIO_SERVER_PORT", os.environ.get("GRADIO_SERVER_PORT", ""))  # main sets it
         monkeypatch.setenv("GRADIO_TEMP_DIR", str(tmp_path / "gradio"))
         with pytest.raises(SystemExit) as ended:
             main(argv, restart=False)

@@ -22,15 +22,16 @@ def test_the_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     assert " passed" in steps["cuda tests"]["figures"]["summary"]
     assert any(k.startswith("fused @ ") for k in steps["kernel bench"]["figures"])
     assert any(k.startswith("fused int8 @ ") for k in steps["kernel bench"]["figures"])
-    check_kernel_bench(json.loads((tmp_path / "kernel_bench.json").read_text())["rows"])
+    check_kernel_bench(json.loads((tmp_path / "kernel_bench.json").read_text())["rows"], steps["kernel bench"]["tail"])
     assert steps["real shapes"]["figures"]["quantwm"]["quantized_bytes_per_latent_frame"] > 0
     live = steps["live rollout"]["figures"]
     assert live["frames"] == 45 and live["frame_hw"] == [32, 64] and live["bits_per_element"] > 2
     assert "step" in done.stdout and "live rollout" in done.stdout.splitlines()[-2]  # the table, then the total
 
 
-def check_kernel_bench(rows: list[dict]) -> None:
-    """The kernel benchmark's tiny preset: every path at every cache length, 2-bit paths reading fewer bytes."""
+def check_kernel_bench(rows: list[dict], printed: str) -> None:
+    """The kernel benchmark's tiny preset: every path at every cache length, 2-bit paths reading fewer bytes,
+    and its table printed."""
     lengths = sorted({r["cache_tokens"] for r in rows})
     assert lengths == [192, 320]
     for L in lengths:
@@ -40,6 +41,7 @@ def check_kernel_bench(rows: list[dict]) -> None:
         for name in ("dequant+sdpa", "fused", "fused int8", "fused e4m3"):
             assert paths[name]["ms"] > 0 and paths[name]["bytes"] < paths["bf16"]["bytes"]  # 2-bit spans read less
         assert math.isfinite(paths["quantize chunk (quantwm)"]["ms"])
+    assert "fused" in printed
 
 
 def test_steps_past_the_budget_are_skipped_with_a_message(tmp_path, monkeypatch):
