@@ -19,9 +19,9 @@ class MemoryAccounting:
                     if full is not None:
                         yield f"{which}.full", full.numel() * full.element_size(), False
                         continue
-                    for name, t in enc.tensors.items():
+                    for name, t in enc.components().items():
                         yield f"{which}.{name}", t.numel() * t.element_size(), True
-                    for name, t in enc.shared.items():
+                    for name, t in enc.shared().items():
                         if id(t) not in seen:
                             seen.add(id(t))
                             yield f"{which}.{name}", t.numel() * t.element_size(), True
@@ -38,8 +38,10 @@ class MemoryAccounting:
         (float64, pending per-chunk statistics included) and warm-start centroids (k-means state)."""
         stats = sum(x.second.numel() * x.second.element_size()
                     for st in self.layers for x in ([st.stats] if st.stats else []) + list(st.pending.values()))
-        warm = sum(t.numel() * t.element_size() for st in self.layers for k, t in st.method_state.items()
-                   if ".centroids" in k)
+        stored = {id(t) for st in self.layers for c in st.chunks for e in (c.k_enc, c.v_enc) if e is not None
+                  for t in e.shared().values()}  # a PSAC basis the spans store is counted there
+        warm = sum(t.numel() * t.element_size() for st in self.layers for t in st.method_state.values()
+                   if id(t) not in stored)
         return {"query_stats": stats, "warm_start_centroids": warm}
 
     def nbytes(self) -> int:

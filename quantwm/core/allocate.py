@@ -15,7 +15,8 @@ The rule: a Lagrangian bisection (each channel takes argmin_b λ_i E_i(b) + θ·
 what the bisection left. Each grid's clipping (its range shrunk by α ∈ CLIPS) is the α that minimises E_i(b).
 
 Stored per stream: the bit table (one byte a channel), the grid's low end and step per channel (fp16, codes
-are computed against the stored values) and the codes, channel after channel, packed. Nothing here looks at
+are computed against the stored values) and the codes, channel after channel, packed: the `Channels` layout
+(quantwm/core/layouts/channels.py). Nothing here looks at
 quality beyond the span and the statistics the encoder already has.
 """
 from __future__ import annotations
@@ -24,16 +25,11 @@ import math
 
 import torch
 
-from .quant import pack_bits_ref, unpack_bits_ref
+from .layouts import Channels
 
 LEVELS = tuple(range(9))  # bits a channel may take
 CLIPS = (1.0, 0.85, 0.7, 0.55, 0.42, 0.32)  # range shrink factors tried per (channel, bits)
 SAMPLE_TOKENS = 1024  # the error tables are measured on at most this many (evenly strided) tokens of a span
-
-
-def channel_bytes(n_tokens: int, bits: int) -> int:
-    """Bytes one channel's codes take: its N codes of `bits` bits, packed."""
-    return (n_tokens * bits + 7) // 8
 
 
 def side_bytes(n_streams: int, head_dim: int) -> int:
@@ -119,11 +115,11 @@ def allocate(weighted: torch.Tensor, cost: torch.Tensor, available: torch.Tensor
     return levels
 
 
-def encode_channels(r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Code r (S, N, D) with bits (S, D) per channel and clips alpha (S, D): {alloc_bits, alloc_low,
-    alloc_step, alloc_codes.{s}} (a stream's codes: its coded channels in order, each packed along the span)."""
+def encode_channels(r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor) -> Channels:
+    """Code r (S, N, D) with bits (S, D) per channel and clips alpha (S, D) (chosen on the CPU by `allocate`,
+    coded where r lives): the span's `Channels` layout."""
     S, N, D = r.shape
-    bits, alpha = bits.to(r.device), alpha.to(r.device)  # chosen on the CPU (`allocate`), coded where r lives
+    bits, alpha = bits.to(r.device), alpha.to(r.device)
     low = torch.zeros(S, D, device=r.device)
     step = torch.ones(S, D, device=r.device)
     for b in sorted(set(bits.unique().tolist()) - {0}):
@@ -132,69 +128,5 @@ def encode_channels(r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor) ->
             sel = m & (alpha == a)
             lo_b, st_b = _grid(r.float(), b, a)
             low, step = torch.where(sel, lo_b, low), torch.where(sel, st_b, step)
-    out = {"alloc_bits": bits.to(torch.uint8), "alloc_low": low.half(), "alloc_step": step.half()}
-    codes = torch.round((r.float() - low[:, None]) / step[:, None])  # (S, N, D)
-    for s in range(S):
-        parts = [pack_bits_ref(codes[s, :, bits[s] == b].T.clamp(0, 2 ** b - 1), b).reshape(-1)
-                 for b in range(1, 9) if bool((bits[s] == b).any())]
-        out[f"alloc_codes.{s}"] = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8, device=r.device)
-    return out
-
-
-def decode_channels(t: dict[str, torch.Tensor], shape: tuple[int, int, int]) -> torch.Tensor:
-    """The coded residual (S, N, D) float32 from `encode_channels`' tensors (0-bit channels decode to 0)."""
-    S, N, D = shape
-    out = torch.zeros(S, N, D, device=t["alloc_low"].device)
-    bits = t["alloc_bits"].long()
-    low, step = t["alloc_low"].float(), t["alloc_step"].float()
-    for s in range(S):
-        buf, at = t[f"alloc_codes.{s}"], 0
-        for b in range(1, 9):
-            chans = (bits[s] == b).nonzero().flatten()
-            if len(chans):
-                n = channel_bytes(N, b) * len(chans)
-                c = unpack_bits_ref(buf[at:at + n].reshape(len(chans), -1), b, N).float()  # (channels, N)
-                out[s, :, chans] = low[s, chans] + c.T * step[s, chans]
-                at += n
-    return out
-
-
-def fused_side(t: dict[str, torch.Tensor], shape: tuple[int, int, int]) -> dict:
-    """The allocator's span as kernels/span_attention.py reads it: {"alloc_codes": every stream's codes in one
-    uint8 buffer, "alloc_meta": (S, D) int64, each channel's byte offset in it times 16 plus its bits,
-    "alloc_low" and "alloc_step" (S, D) (a single centroid row, when the span kept one, folded into the low end),
-    "n_tokens"}, plus "codebook" and "ids" when the span has centroids. A value
-    is k = low + code * step (+ its centroid row); 0-bit channels have low 0 and code 0."""
-    S, N, D = shape
-    bits = t["alloc_bits"].long()
-    nbytes = torch.where(bits > 0, (N * bits + 7) // 8, 0)  # channel_bytes, per channel
-    order = torch.argsort(bits * D + torch.arange(D, device=bits.device), dim=-1)  # encode_channels' order
-    sorted_bytes = torch.gather(nbytes, 1, order)
-    start = torch.empty_like(nbytes).scatter_(1, order, sorted_bytes.cumsum(1) - sorted_bytes)
-    buffers = [t[f"alloc_codes.{s}"].reshape(-1) for s in range(S)]
-    base = torch.tensor([0] + [b.numel() for b in buffers[:-1]], device=bits.device).cumsum(0)
-    low = t["alloc_low"].float()
-    side = {"alloc_codes": torch.cat(buffers), "alloc_meta": (base[:, None] + start) * 16 + bits,
-            "alloc_step": t["alloc_step"], "n_tokens": N}
-    cb = t["codebook0"]
-    if "centroid_ids0" in t:
-        side.update(codebook=cb, ids=t["centroid_ids0"])
-    else:  # one mean row for the span: part of every channel's low end
-        low = low + cb.float()[:, 0]
-    return {**side, "alloc_low": low}
-
-
-def fused_codes(side: dict) -> torch.Tensor:
-    """The codes (S, N, D) int64 of `fused_side`'s dict, read from its buffer as the kernel reads them: code j of
-    a b-bit channel at bits [j b, j b + b) from the channel's offset, little-endian; 0 on 0-bit channels."""
-    meta = side["alloc_meta"]
-    bits, off = meta % 16, meta // 16
-    pos = torch.arange(side["n_tokens"], device=meta.device)[None, :, None] * bits[:, None, :]  # bit positions
-    buf = torch.nn.functional.pad(side["alloc_codes"].long(), (0, 1))
-    byte = torch.where(bits[:, None, :] > 0, off[:, None, :] + pos // 8, 0)
-    return ((buf[byte] | (buf[byte + 1] << 8)) >> (pos % 8)) & ((1 << bits[:, None, :]) - 1)
-
-
-def decode_fused(side: dict) -> torch.Tensor:
-    """(S, N, D) float32 from `fused_side`'s dict, without the centroid rows: low + code * step."""
-    return side["alloc_low"].float()[:, None, :] + fused_codes(side).float() * side["alloc_step"].float()[:, None, :]
+    codes = torch.round((r.float() - low[:, None]) / step[:, None]).long()  # (S, N, D), clamped per width by `pack`
+    return Channels.pack(codes, bits, low, step)

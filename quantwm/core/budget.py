@@ -11,10 +11,11 @@ its knobs; the first whose stored bits per element fit the budget is chosen:
 * `qvg`, `qvg-asym`: residual bits 4, 3, 2 (the grid), each with 256, 64, 16, 6, 2 centroids per span.
 * `qvg-pro`: bits 4, 2, each with 256, 64, 16 centroids (4 stages, groups of 16, as QVG-Pro).
 * `qvg-budget`: bits 4, 3, 2.
-* `quantwm`: its allocator at the budget itself (core/allocate.py: per channel 0-8 bits by the predicted logit
-  error, for Keys and Values); where its tables cannot fit (tiny spans at tiny budgets), its fixed
-  configurations in a stated order: residual bits 4, 3, 2; within each, PSAC rank 16, 8, 4, 2 with 8- then
-  4-bit coefficients, then PSAC off (QSAC alone); groups of 64, then 128 channels where the head allows.
+* `quantwm`: its allocator at the budget itself (the `quantwm-alloc` method, QuantWM's `at_budget`;
+  core/allocate.py: per channel 0-8 bits by the predicted logit error, for Keys and Values); where its tables
+  cannot fit (tiny spans at tiny budgets), its fixed configurations in a stated order: residual bits 4, 3, 2;
+  within each, PSAC rank 16, 8, 4, 2 with 8- then 4-bit coefficients, then PSAC off (QSAC alone); groups of
+  64, then 128 channels where the head allows.
 * `quantwm-paper`: bits 4, 3, 2, each with 256, 16, 4 centroids.
 * `nvfp4` (4.5 bits), `int8k-fp8v` (about 8), `bf16` (16): their one configuration, when it fits.
 
@@ -53,6 +54,8 @@ def candidates(method: str, head_dim: int, kind: str = "k") -> list[dict]:
         return [{"bits": b} for b in (4, 3, 2)]
     if base == "quantwm-paper":
         return [{"bits": b, "n_centroids": k} for b in (4, 3, 2) for k in (256, 16, 4)]
+    if base == "quantwm-alloc":  # the budget itself is its one configuration (`configure` tries it first)
+        return []
     if base in ("quantwm", "quantwm-qsac", "quantwm-psac"):
         wide = [g for g in (64, 128) if head_dim % g == 0]
         if kind == "v":
@@ -100,7 +103,8 @@ def configure(method: str, budget: float, head_dim: int, span_tokens: int, kind:
     fixed = dict(options or {})
     get_method(parse_method_name(method)[0], **fixed)  # options the method does not take: a clear error, not a miss
     cheapest, tried = None, []
-    for opts in ([{"budget": budget}] if parse_method_name(method)[0] == "quantwm" else []) + candidates(method, head_dim, kind):
+    allocator = [{"budget": budget}] if REGISTRY[parse_method_name(method)[0]].at_budget else []  # quantwm-alloc
+    for opts in allocator + candidates(method, head_dim, kind):
         opts = {**opts, **fixed}
         if opts in tried:  # the fixed options made two candidates one
             continue

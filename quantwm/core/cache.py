@@ -20,9 +20,10 @@ commits it. So, per layer:
   are quantized: the span of chunk c is quantized with the queries of chunks < c.
 * Layouts (B, H, L, D) ("BHLD") or (B, L, H, D) ("BLHD"); outputs come back in the caller's layout.
 * Keys stored post-RoPE (default) or pre-RoPE, with `rope(x, positions, inverse=False)` applied at read.
-* The queries that attend to the cache feed the running S = E[q qᵀ] per (layer, head) that QSAC and PSAC
-  use, kept in the post-RoPE space; a pre-RoPE span is quantized with mean_p R_pᵀ S R_p over its key
-  positions p (the space its stored keys meet queries in).
+* The queries that attend to the cache feed the running S = E[q qᵀ] per (layer, head) that QSAC, PSAC and the
+  allocator use, kept in the post-RoPE space (only where a quantizing method reads it or
+  `CacheConfig(track_queries=True)` asks, for diagnostics such as query energy spectra); a pre-RoPE span is
+  quantized with mean_p R_pᵀ S R_p over its key positions p (the space its stored keys meet queries in).
 * `attend` on CUDA (or with QUANTWM_KERNELS=triton, see quantwm.core.backend) runs the fused path of
   quantwm.core.attention: one online softmax over the stored spans, nothing decompressed. The reference path
   (CPU, QUANTWM_KERNELS=ref, pre-RoPE keys, formats without a kernel) dequantizes everything, then runs
@@ -35,6 +36,7 @@ this module touches the cache's private fields:
 
     cache.n_layers; cache.config; cache.rope     # layers, configuration, the RoPE applied at read (or None)
     cache.quantize_k; cache.quantize_v; cache.uses_queries   # which halves are quantized; whether S is read
+    cache.tracks_queries                 # whether the cache keeps S (uses_queries, or track_queries=True)
     cache.attend(layer, q, k, v, chunk, commit=False)    # write + attend (+ commit), the usual call
     cache.write(layer, k, v, chunk); cache.commit(layer, chunk)   # the same in steps
     cache.evict_span(layer, index)       # drop a committed span (a host that runs its own window)
@@ -77,7 +79,8 @@ from .stats import QueryStats, rope_conjugate
 __all__ = ["CacheConfig", "CacheMemory", "Chunk", "KVCache", "LAYOUTS", "PUBLIC", "ROPE_MODES", "SpanView", "TARGETS",
            "jensen_bias"]
 # The contract: every name code outside quantwm/core may use on a KVCache (tests/test_cache.py checks the uses).
-PUBLIC = ("n_layers", "config", "rope", "quantize_k", "quantize_v", "uses_queries", "configuration", "budget_choice",
+PUBLIC = ("n_layers", "config", "rope", "quantize_k", "quantize_v", "uses_queries", "tracks_queries", "configuration",
+          "budget_choice",
           "attend", "write",
           "commit", "evict_span", "observe", "load_query_stats", "seq_len", "inspect", "positions", "keys", "values",
           "query_stats", "key_steps", "logit_bias", "next_chunk", "next_token", "reset", "memory", "nbytes",
@@ -104,6 +107,9 @@ class KVCache(MemoryAccounting):
         self.quantize_k = self.k_method.quantized and config.target in ("k", "kv")
         self.quantize_v = self.v_method.quantized and config.target in ("v", "kv")
         self.causal_stats = bool(getattr(self.k_method, "causal_stats", False))
+        self.tracks_queries = config.track_queries if config.track_queries is not None else self.uses_queries
+        if self.uses_queries and not self.tracks_queries:
+            raise ValueError(f"{config.method} reads the history queries' statistics: track_queries=False cannot apply")
         if self.k_method.pre_rope and self.quantize_k and config.rope != "pre":
             raise ValueError(f"{config.method} quantizes keys before RoPE: it needs CacheConfig(rope='pre') and the "
                              "model's rope function (the built-in world model stores post-RoPE keys only)")
@@ -259,10 +265,12 @@ class KVCache(MemoryAccounting):
             self._budgeted("k", c.k.reshape(B * H, N, D))
             c.exact_k = c.k if self.config.keep_exact else None  # diagnostics only, not counted in nbytes
             c.k_enc, c.k = self.k_method.encode(c.k.reshape(B * H, N, D), "k", ctx), None
+            c.k_enc.prepare(self.config.lowp)  # the kernel's view, built once (layouts/base.py)
         if self.quantize_v:
             self._budgeted("v", c.v.reshape(B * H, N, D))
             c.exact_v = c.v if self.config.keep_exact else None
             c.v_enc, c.v = self.v_method.encode(c.v.reshape(B * H, N, D), "v", ctx), None
+            c.v_enc.prepare()
 
     def _stats(self, st: LayerState, H: int, D: int) -> QueryStats:
         if st.stats is None:
@@ -295,8 +303,8 @@ class KVCache(MemoryAccounting):
         """The spans `layer` holds, oldest first: committed spans (a quantized span may cover `n_chunks`
         chunks), then the current chunk if one is written, as frozen `SpanView`s."""
         def size(c: Chunk) -> int:
-            parts = [c.k, c.v] + [t for e in (c.k_enc, c.v_enc) if e is not None for t in {**e.tensors, **e.shared}.values()]
-            return sum(t.numel() * t.element_size() for t in parts if t is not None)
+            full = sum(t.numel() * t.element_size() for t in (c.k, c.v) if t is not None)
+            return full + sum(e.nbytes() for e in (c.k_enc, c.v_enc) if e is not None)
         return tuple(SpanView(c.index, c.start, c.n_tokens, c.n_chunks, c.bhd, c.quantized, size(c))
                      for c in self._chunks(self._layer(layer)))
 
@@ -320,9 +328,9 @@ class KVCache(MemoryAccounting):
             return full.float()
         if which in c.decoded:
             return c.decoded[which]
-        enc, method = (c.k_enc, self.k_method) if which == "k" else (c.v_enc, self.v_method)
+        enc = c.k_enc if which == "k" else c.v_enc
         B, H, D = c.bhd
-        x = method.decode(enc).reshape(B, H, c.n_tokens, D)
+        x = enc.decode().reshape(B, H, c.n_tokens, D)  # a stored span decodes itself
         if self.config.memo_decoded:  # committed spans never change: decode once (working memory, not counted)
             c.decoded[which] = x
         return x
@@ -376,7 +384,7 @@ class KVCache(MemoryAccounting):
             if c.k_enc is None:
                 parts.append(torch.zeros(B, H, c.n_tokens, D, device=c.k.device))  # full precision: exact
             else:
-                parts.append(self.k_method.step(c.k_enc).reshape(B, H, c.n_tokens, D))
+                parts.append(c.k_enc.step().reshape(B, H, c.n_tokens, D))
         return torch.cat(parts, 2)
 
     def logit_bias(self, layer: int, q: torch.Tensor, scale: float) -> torch.Tensor | None:
@@ -402,7 +410,7 @@ class KVCache(MemoryAccounting):
         self._write(layer, k, v, chunk, check=False)
         D = qb.shape[-1]
         scale = D ** -0.5 if scale is None else float(scale)
-        if observe:
+        if observe and self.tracks_queries:
             self._observe(layer, qb)
         out = None
         if self.config.rope == "post" and (use_kernels(qb) or self.config.lowp):
@@ -419,10 +427,12 @@ class KVCache(MemoryAccounting):
 
     def observe(self, layer: int, q: torch.Tensor) -> None:
         """Add queries (caller's layout, post-RoPE) to layer's history statistics S (kept post-RoPE; pre-RoPE
-        spans get S rotated into their keys' space when they are quantized, `stats.rope_conjugate`)."""
+        spans get S rotated into their keys' space when they are quantized, `stats.rope_conjugate`). A cache that
+        keeps no statistics (`tracks_queries` False) ignores them."""
         qb = self._in(q, "q")
         self._check(q=q)
-        self._observe(layer, qb)
+        if self.tracks_queries:
+            self._observe(layer, qb)
 
     def _observe(self, layer: int, qb: torch.Tensor) -> None:
         st = self._layer(layer)
@@ -439,8 +449,11 @@ class KVCache(MemoryAccounting):
         self._stats(self._layer(layer), H, D).load(second, count)
 
     def query_stats(self, layer: int) -> torch.Tensor:
-        """S (H, D, D) of `layer` (identity before any query)."""
+        """S (H, D, D) of `layer` (identity before any query). Needs a cache that keeps them (`tracks_queries`)."""
         st = self._layer(layer)
+        if not self.tracks_queries and (st.stats is None or not st.stats.count):
+            raise ValueError("this cache keeps no query statistics (its method does not read them): "
+                             "CacheConfig(track_queries=True) keeps them for diagnostics")
         if st.stats is None:
             cs = self._chunks(st)
             if not cs:

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .methods import Encoded, parse_method_name
+from .layouts import Layout
+from .methods import parse_method_name
 from .quant import check_bits
 from .stats import QueryStats
 
@@ -18,6 +19,32 @@ LOWP_FORMATS = (None, "int8", "e4m3")  # CacheConfig.lowp: the fused path's 8-bi
 
 @dataclass(frozen=True)
 class CacheConfig:
+    """How a `KVCache` stores and reads its chunks (docs/method.md). Validated here; a bad value raises ValueError
+    naming the allowed values.
+
+    method:        registry name (`quantwm methods`); "name+jensen" is the same as jensen=True
+    target:        which halves are quantized: "k", "v" or "kv"
+    k_bits/v_bits: bits of the Keys' and the Values' codes (2, 3, 4 or 8), for methods that take bits
+    sink_chunks:   the first chunks, kept full precision
+    recent_chunks: the most recent committed chunks, kept full precision (KIVI's recent window)
+    max_chunks:    sliding window: at most this many chunks held, the oldest non-sink span evicted whole
+    layout:        the caller's tensor layout, "BHLD" (B, H, L, D) or "BLHD" (B, L, H, D)
+    rope:          "post" (keys stored after RoPE) or "pre" (stored before it, rotated at read)
+    stats_decay:   None: S is the cumulative mean of the history queries; a number in (0, 1): an EMA
+    keep_exact:    also keep the unquantized copy of quantized chunks (diagnostics; not counted in bytes)
+    check_inputs:  one NaN/Inf check of q, k, v per call (one host sync); False: none (CUDA graphs)
+    memo_decoded:  keep each quantized chunk's decoded copy on the reference path (working memory, not counted)
+    seed:          seed of anything random (k-means initialisation), offset per layer and chunk
+    method_options: extra options of the method, as ((name, value), ...) (the CLI's --set)
+    span_chunks:   committed chunks quantized together as one span (QVG amortises codebooks so)
+    jensen:        the +jensen read-path correction of quantized keys' logits (docs/method.md §3)
+    budget:        bits per element for Keys and Values: the method configures itself (core/budget.py)
+    budget_k/budget_v: the Keys' and the Values' budgets apart (each defaults to `budget`)
+    lowp:          the fused path's 8-bit products: None, "int8" (QKᵀ INT8, PV e4m3) or "e4m3" (core/fp8.py)
+    track_queries: keep the running S of the history queries: None (default) where a quantizing method reads it,
+                   True also for diagnostics that ask (`KVCache.query_stats`), False never
+    """
+
     method: str = "bf16"
     target: str = "kv"
     k_bits: int = 2
@@ -39,6 +66,7 @@ class CacheConfig:
     budget_k: float | None = None  # the Keys' and the Values' budgets apart (each defaults to `budget`)
     budget_v: float | None = None
     lowp: str | None = None  # the fused path's 8-bit products: None, "int8" (QKᵀ INT8, PV e4m3) or "e4m3" (core/fp8.py)
+    track_queries: bool | None = None  # keep S: None where a method reads it, True also for diagnostics
 
     def __post_init__(self):
         base, suffix = parse_method_name(self.method)
@@ -69,6 +97,8 @@ class CacheConfig:
             raise ValueError("sink_chunks and recent_chunks must be >= 0")
         if self.max_chunks is not None and self.max_chunks <= self.sink_chunks:
             raise ValueError(f"max_chunks ({self.max_chunks}) must exceed sink_chunks ({self.sink_chunks})")
+        if self.track_queries not in (None, True, False):
+            raise ValueError(f"track_queries must be None, True or False, got {self.track_queries!r}")
         if self.span_chunks < 1:
             raise ValueError(f"span_chunks must be >= 1, got {self.span_chunks}")
 
@@ -88,8 +118,8 @@ class Chunk:
     bhd: tuple[int, int, int]
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
-    k_enc: Encoded | None = None
-    v_enc: Encoded | None = None
+    k_enc: Layout | None = None
+    v_enc: Layout | None = None
     exact_k: torch.Tensor | None = None
     exact_v: torch.Tensor | None = None
     n_chunks: int = 1  # > 1 for a span of several committed chunks quantized together (span_chunks)

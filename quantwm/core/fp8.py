@@ -12,13 +12,14 @@ operands with fp32 accumulation. Per span (a launch of the kernel):
   once per row; groups of G tokens along channels (KIVI's keys) take (q ⊙ s)·u with q ⊙ s rounded per group.
   The allocator's channels (one group: the span) take (q ⊙ s)·u with q ⊙ s in two terms: a channel of b bits
   multiplies its query term's rounding by up to 2^(b−1), so one term added 2 points of top-1 shift there.
-  q·z' and q·codebook rows are added in fp32. This needs no key rounding, and no centre (`reads_codes`).
+  q·z' and q·codebook rows are added in fp32. This needs no key rounding, and no centre (the layout's
+  `reads_codes` and `code_form`, quantwm/core/layouts).
 * **Other keys are centred** (SageAttention's smoothing) **and split in two terms**: a per-channel centre μ of
   the span (`center`) is taken off every key and q·μ is added back in fp32; each centred key row is rounded to
   8 bits with one scale and its remainder is rounded again (k − μ ≈ a·s_a + b·s_b), and so are the queries, so
   both keep about 14 significant bits for three 8-bit products, 1.5 times a BF16 product's tensor-core time
   (`lowp_dots`). These are the BF16 sink, recent and current spans (a few chunks of a long cache) and quantized
-  layouts `reads_codes` refuses.
+  layouts whose `reads_codes` refuses.
 * **The formats**: INT8 (`qk="int8"`, the default) or fp8-e4m3 (`qk="e4m3"`); the integer or e4m3 products
   are summed in fp32 and multiplied by the scales. Logit terms the method adds (a PSAC correction, the +jensen
   bias) stay fp32.
@@ -42,12 +43,12 @@ import math
 
 import torch
 
-from .allocate import fused_codes
-from .quant import unpack_bits_ref
+from ..kernels.span_args import BLOCK_N
+from .layouts import CodeForm
 
 E4M3_MAX = 448.0
 INT8_MAX = 127.0
-BLOCK = 32  # key rows per PV block: the kernel's BLOCK_N (kernels/span_attention.py)
+BLOCK = BLOCK_N  # key rows per PV block: the kernel's tile (kernels/span_args.py)
 LOG2E = math.log2(math.e)
 
 
@@ -102,37 +103,14 @@ def lowp_dots(q: torch.Tensor, k: torch.Tensor, center: torch.Tensor | None = No
     return dots + (qr @ hi.transpose(-1, -2)) * hs * qrs + (q.float() @ c[..., :, None])
 
 
-def reads_codes(side: dict, D: int, qk: str = "int8") -> bool:
-    """Whether QKᵀ reads this key side's integer codes as they are (`code_dots`): quantized keys whose codes
-    fit the format (any width in INT8, up to 4 bits in e4m3), grouped along channels in groups of at least 16
-    (a tensor-core dot per group) or along tokens in whole key blocks (one group per block); and the
-    allocator's per-channel grids (one group: the span)."""
-    if "alloc_codes" in side:
-        return qk == "int8" or bool(((side["alloc_meta"] & 15) <= 4).all())  # e4m3 only: a host sync
-    if "codes" not in side or (qk == "e4m3" and side["bits"] > 4):
-        return False
-    G = side["group_size"]
-    return G >= 16 and D % G == 0 if side["axis"] == "channel" else G % BLOCK == 0
-
-
-def code_dots(q: torch.Tensor, side: dict, qk: str = "int8") -> torch.Tensor:
-    """q·k̂ᵀ (S, Nq, N) float32 of queries q (S, Nq, D) over a quantized key side (the fused kernel's dict; see
-    `reads_codes`), with the codes as the exact 8-bit operand: only the queries are rounded."""
+def code_dots(q: torch.Tensor, form: CodeForm, qk: str = "int8") -> torch.Tensor:
+    """q·k̂ᵀ (S, Nq, N) float32 of queries q (S, Nq, D) over a quantized key side in its integer-code form (its
+    layout's `code_form`), with the codes as the exact 8-bit operand: only the queries are rounded."""
     S, Nq, D = q.shape
     qf = q.float()
-    if "alloc_codes" in side:  # per-channel grids over the whole span: one token group of N
-        N = G = side["n_tokens"]
-        bits = (side["alloc_meta"] % 16)[:, None, :]
-        half = torch.where(bits > 0, 2.0 ** (bits - 1).clamp_min(0), 0.0)  # (S, 1, D)
-        u = fused_codes(side).float() - half
-        sc = side["alloc_step"].float()[:, None, :]
-        zp = side["alloc_low"].float()[:, None, :] + half * sc
-    else:
-        b, G, N = side["bits"], side["group_size"], side["codes"].shape[1]
-        u = unpack_bits_ref(side["codes"], b, D).float() - 2 ** (b - 1)  # (S, N, D)
-        sc = side["scales"].float()
-        zp = sc if side["symmetric"] else side["zeros"].float() + sc * 2 ** (b - 1)
-    if "alloc_codes" not in side and side["axis"] == "channel":  # scales (S, N, D / G)
+    u, sc, zp, G = form.u, form.scales, form.offsets, form.group_size
+    N = u.shape[1]
+    if not form.axis_token:  # per-token groups of G channels: scales (S, N, D / G)
         qc, qs = row_quantize(qf, qk)
         per_group = torch.einsum("sqgc,sngc->sgqn", qc.unflatten(-1, (-1, G)), u.unflatten(-1, (-1, G)))
         qsum = qf.unflatten(-1, (-1, G)).sum(-1)  # (S, Nq, D / G)
@@ -144,13 +122,13 @@ def code_dots(q: torch.Tensor, side: dict, qk: str = "int8") -> torch.Tensor:
             qx = qf * sc[:, g, None, :]
             qc, qs = row_quantize(qx, qk)
             dots[..., a:e] = (qc @ u[:, a:e].transpose(1, 2)) * qs
-            if "alloc_codes" in side:  # widths differ by channel: the queries in two terms (value and remainder)
+            if form.two_term:  # widths differ by channel: the queries in two terms (value and remainder)
                 lo, ls = row_quantize(qx - qc * qs, qk)
                 dots[..., a:e] += (lo @ u[:, a:e].transpose(1, 2)) * ls
             dots[..., a:e] += qf @ zp[:, g, :, None]
-    if "codebook" in side:
-        qcb = qf @ side["codebook"].float().transpose(1, 2)  # (S, Nq, K)
-        dots = dots + torch.gather(qcb, 2, side["ids"].long()[:, None, :].expand(S, Nq, N))
+    if form.codebook is not None:
+        qcb = qf @ form.codebook.float().transpose(1, 2)  # (S, Nq, K)
+        dots = dots + torch.gather(qcb, 2, form.ids.long()[:, None, :].expand(S, Nq, N))
     return dots
 
 

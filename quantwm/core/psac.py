@@ -47,29 +47,18 @@ def psac_basis(stats: torch.Tensor, rank: int, prev: torch.Tensor | None = None,
 
 
 def psac_encode(err: torch.Tensor, U: torch.Tensor, bits: int, per_token: bool = False, symmetric: bool = False,
-                scale_dtype: str = "fp16") -> dict[str, torch.Tensor]:
-    """Residual key error err (S, N, D), basis U (S, D, R) -> stored coefficients {psac_codes, psac_scales[,
-    psac_zeros]}: one scale (and zero) per direction over the span, or per token with `per_token`."""
+                scale_dtype: str = "fp16") -> GroupQuant:
+    """Residual key error err (S, N, D), basis U (S, D, R) -> the coefficients a = Uᵀ e quantized, (S, N, R): one
+    scale (and zero) per direction over the span, or per token with `per_token`."""
     a = torch.bmm(err.float(), U.float())  # (S, N, D) @ (S, D, R) -> (S, N, R)
     if per_token:
-        q = quantize_groups(a, bits, a.shape[2], "channel", symmetric, scale_dtype)
-    else:
-        q = quantize_groups(a, bits, a.shape[1], "token", symmetric, scale_dtype)
-    out = {"psac_codes": q.codes, "psac_scales": q.scale}
-    if q.zero is not None:
-        out["psac_zeros"] = q.zero
-    return out
+        return quantize_groups(a, bits, a.shape[2], "channel", symmetric, scale_dtype)
+    return quantize_groups(a, bits, a.shape[1], "token", symmetric, scale_dtype)
 
 
-def psac_correction(t: dict[str, torch.Tensor], U: torch.Tensor, n_tokens: int, bits: int,
-                    per_token: bool = False, symmetric: bool = False) -> torch.Tensor:
-    """U â for every token: the stored coefficients and basis (S, D, R) -> (S, N, D)."""
-    U = U.float()
-    R = U.shape[-1]
-    group, axis = (R, "channel") if per_token else (n_tokens, "token")
-    q = GroupQuant(t["psac_codes"], t["psac_scales"], t.get("psac_zeros"), (U.shape[0], n_tokens, R), bits,
-                   group, axis, symmetric)
-    return torch.bmm(dequantize_groups(q), U.transpose(1, 2))
+def psac_correction(coeffs: GroupQuant, U: torch.Tensor) -> torch.Tensor:
+    """U â for every token: the stored coefficients (S, N, R) and basis (S, D, R) -> (S, N, D)."""
+    return torch.bmm(dequantize_groups(coeffs), U.float().transpose(1, 2))
 
 
 def spectrum_ranks(stats: torch.Tensor, share: float, max_rank: int) -> torch.Tensor:
@@ -82,23 +71,8 @@ def spectrum_ranks(stats: torch.Tensor, share: float, max_rank: int) -> torch.Te
     return ((cum < share - 1e-12).sum(-1) + 1).clamp(1, max_rank)
 
 
-def psac_encode_ranked(err: torch.Tensor, U: torch.Tensor, ranks: torch.Tensor, bits: int) -> dict[str, torch.Tensor]:
-    """Like `psac_encode` (per-direction scales), stream s keeping its first ranks[s] directions:
-    {psac_ranks (S,) uint8, psac_codes.{s}, psac_scales.{s}, psac_zeros.{s}}."""
+def psac_encode_ranked(err: torch.Tensor, U: torch.Tensor, ranks: torch.Tensor, bits: int) -> tuple[GroupQuant, ...]:
+    """Like `psac_encode` (per-direction scales), stream s keeping its first ranks[s] directions: one
+    (1, N, r_s) GroupQuant per stream."""
     a = torch.bmm(err.float(), U.float())  # (S, N, D) @ (S, D, R) -> (S, N, R)
-    out = {"psac_ranks": ranks.to(torch.uint8)}
-    for s, r in enumerate(ranks.tolist()):
-        q = quantize_groups(a[s:s + 1, :, :r], bits, a.shape[1], "token")
-        out[f"psac_codes.{s}"], out[f"psac_scales.{s}"], out[f"psac_zeros.{s}"] = q.codes, q.scale, q.zero
-    return out
-
-
-def psac_correction_ranked(t: dict[str, torch.Tensor], U: torch.Tensor, n_tokens: int, bits: int) -> torch.Tensor:
-    """U[:, :, :r_s] â_s for every stream and token -> (S, N, D)."""
-    U = U.float()
-    out = torch.zeros(U.shape[0], n_tokens, U.shape[1], device=U.device)
-    for s, r in enumerate(t["psac_ranks"].long().tolist()):
-        q = GroupQuant(t[f"psac_codes.{s}"], t[f"psac_scales.{s}"], t[f"psac_zeros.{s}"], (1, n_tokens, r), bits,
-                       n_tokens, "token", False)
-        out[s] = dequantize_groups(q)[0] @ U[s, :, :r].T
-    return out
+    return tuple(quantize_groups(a[s:s + 1, :, :r], bits, a.shape[1], "token") for s, r in enumerate(ranks.tolist()))

@@ -3,9 +3,12 @@
 A method only says how a span is encoded and decoded. Bookkeeping (chunks, sink, recent window,
 commit, eviction, statistics) lives once, in `quantwm.core.cache`.
 
-    enc = method.encode(x, kind="k", ctx=SpanContext(stats=S, state=state))   # x: (S, N, D)
-    x_hat = method.decode(enc)                                                 # (S, N, D) float32
+    enc = method.encode(x, kind="k", ctx=SpanContext(stats=S, state=state))   # x: (S, N, D) -> a Layout
+    x_hat = enc.decode()                                                       # (S, N, D) float32
     enc.nbytes()                                                               # every stored tensor
+
+What a method returns is a typed span layout (quantwm.core.layouts): it decodes itself, counts its bytes and
+gives the fused kernel its view, so a stored span is read without asking the method that wrote it.
 
 A stream is one (batch, head) of one layer; S streams are encoded together. `kind` is "k" or "v":
 methods such as KIVI and QuantWM treat Keys and Values differently.
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..layouts import Layout
 from ..quant import check_finite
 
 
@@ -42,34 +46,17 @@ class SpanContext:
         return self.stats.float()
 
 
-@dataclass
-class Encoded:
-    """A stored span: named tensors (everything counted in bytes), tensors it shares with other spans
-    (a PSAC basis reused across spans), plus small metadata."""
-
-    tensors: dict[str, torch.Tensor]
-    shape: tuple[int, int, int]
-    meta: dict = field(default_factory=dict)
-    shared: dict[str, torch.Tensor] = field(default_factory=dict)  # may be the same objects as other spans'
-
-    def nbytes(self) -> int:
-        """Bytes of this span alone, shared tensors included (the cache counts each shared tensor once)."""
-        return sum(self.bytes_by_component().values())
-
-    def bytes_by_component(self) -> dict[str, int]:
-        return {k: t.numel() * t.element_size() for k, t in {**self.tensors, **self.shared}.items()}
-
-
 class Method:
-    """Base class: subclasses set `name` and implement encode/decode (and `step` for +jensen)."""
+    """Base class: subclasses set `name` and implement `encode`, which returns the span's layout."""
 
     name = "method"
     quantized = True
     uses_queries = False  # True: encoding reads the history-query statistics S (QSAC / PSAC)
     pre_rope = False  # True: the method is defined on keys stored before RoPE (the cache must run rope="pre")
     takes_bits = True  # False: the format fixes its own bits (bf16, nvfp4, int8k-fp8v); k_bits/v_bits do not apply
+    at_budget: str | None = None  # the registry name of this family's method that takes `budget=B` (its allocator)
 
-    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
+    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
         raise NotImplementedError
 
     def validate(self, x: torch.Tensor, kind: str) -> None:
@@ -80,23 +67,13 @@ class Method:
             raise ValueError(f"a span must be a non-empty (S, N, D) tensor, got shape {tuple(x.shape)}")
         check_finite(x, "span to encode")
 
-    def decode(self, enc: Encoded) -> torch.Tensor:
-        raise NotImplementedError
-
-    def step(self, enc: Encoded) -> torch.Tensor | None:
-        """Per-element quantization step Δ (S, N, D) of the decoded span, or None if exact."""
-        return None
+    def decode(self, enc: Layout) -> torch.Tensor:
+        """The span rebuilt (S, N, D) float32: the layout decodes itself."""
+        return enc.decode()
 
     def grid(self) -> str:
         """One line naming the quantization grid, for reports."""
         return "bf16"
-
-    def fused_format(self, enc: Encoded, head_dim: int) -> dict | None:
-        """How kernels/span_attention.py reads this stored span: its side dict (tensor views plus the
-        constants the kernel needs; a Key side may add "psac": queries (S, Nq, D) -> the PSAC inputs), or None
-        when the kernel cannot take the format (the cache then takes its reference path). The dispatcher in
-        `quantwm.core.attention` asks this and nothing else."""
-        return None
 
 
 REGISTRY: dict[str, type] = {}
@@ -126,6 +103,8 @@ def get_method(name: str, **overrides) -> Method:
     """Build a method by registry name (a '+jensen' suffix is accepted and ignored here)."""
     base, _ = parse_method_name(name)
     cls = REGISTRY[base]
+    if "budget" in overrides and cls.at_budget:  # `--set budget=B`: the family's allocator
+        cls = REGISTRY[cls.at_budget]
     try:
         return cls(**overrides)
     except TypeError as e:

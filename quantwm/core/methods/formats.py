@@ -23,17 +23,17 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant import pack_bits_ref, unpack_bits_ref
-from .base import Encoded, Method, SpanContext, register
+from ..layouts import ChannelFP8, E2M1Blocks, Layout, TokenBlockInt8
+from ..layouts.floats import E2M1, NVFP4_BLOCK, e2m1_values
+from ..quant import pack_bits_ref
+from .base import Method, SpanContext, register
 
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the FP4 e2m1 magnitudes, code 0..7
+__all__ = ["E2M1", "NVFP4", "Int8KFP8V", "e2m1_codes", "e2m1_values", "e4m3"]
 # Rounding to e2m1: the midpoints between neighbours; a value exactly on one goes to the even code, which is
 # the upper neighbour at 0.75, 1.75 and 3.5 and the lower one at 0.25, 1.25, 2.5 and 5.
 E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
 E2M1_TIES_UP = torch.tensor([0.75, 1.75, 3.5])
-E2M1_CELLS = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.75, 1.0, 1.5, 1.0])  # width of each code's rounding cell
 E4M3_MAX = 448.0
-NVFP4_BLOCK = 16
 INT8_BLOCK_TOKENS = 64
 
 
@@ -50,13 +50,6 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     return (mag | ((y < 0).long() << 3)).to(torch.uint8)
 
 
-def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    """Inverse of `e2m1_codes`: uint8 codes -> float32 values."""
-    c = codes.long()
-    mag = E2M1.to(codes.device)[c & 7]
-    return torch.where((c >> 3) == 1, -mag, mag)
-
-
 @register("nvfp4")
 @dataclass(frozen=True)
 class NVFP4(Method):
@@ -71,7 +64,7 @@ class NVFP4(Method):
     def grid(self) -> str:
         return "FP4 e2m1 values, one fp8-e4m3 scale per 16 channels, one fp32 scale per stream (4.5 bits)"
 
-    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
+    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
         self.validate(x, kind)
         S, N, D = x.shape
         xf = x.float()
@@ -82,31 +75,7 @@ class NVFP4(Method):
         denom = block_scale.float() * tensor_scale[:, None, None]
         y = torch.where(denom[..., None] > 0, blocks / denom[..., None].clamp_min(1e-38), torch.zeros_like(blocks))
         codes = e2m1_codes(y).reshape(S, N, D)
-        return Encoded({"codes": pack_bits_ref(codes, 4), "block_scales": block_scale,
-                        "tensor_scales": tensor_scale.float()}, (S, N, D))
-
-    def _parts(self, enc: Encoded) -> tuple[torch.Tensor, torch.Tensor]:
-        """(e2m1 codes (S, N, D/16, 16), the scale of each block (S, N, D/16, 1))."""
-        S, N, D = enc.shape
-        t = enc.tensors
-        codes = unpack_bits_ref(t["codes"], 4, D).reshape(S, N, D // NVFP4_BLOCK, NVFP4_BLOCK)
-        scale = t["block_scales"].float() * t["tensor_scales"][:, None, None]
-        return codes, scale[..., None]
-
-    def decode(self, enc: Encoded) -> torch.Tensor:
-        codes, scale = self._parts(enc)
-        return (e2m1_values(codes) * scale).reshape(enc.shape)
-
-    def step(self, enc: Encoded) -> torch.Tensor:
-        """The width of each element's rounding cell, scaled: e2m1's spacing grows with the magnitude."""
-        codes, scale = self._parts(enc)
-        return (E2M1_CELLS.to(codes.device)[codes.long() & 7] * scale).reshape(enc.shape)
-
-
-def e4m3_cell(y: torch.Tensor) -> torch.Tensor:
-    """The spacing of fp8-e4m3 around each (already rounded) value: 2^(exponent - 3), 2^-9 below the normals."""
-    a = y.abs().clamp_min(2.0 ** -6)
-    return torch.exp2(torch.floor(torch.log2(a)) - 3)
+        return E2M1Blocks(pack_bits_ref(codes, 4), block_scale, tensor_scale.float(), D)
 
 
 @register("int8k-fp8v")
@@ -119,7 +88,7 @@ class Int8KFP8V(Method):
         return ("Keys symmetric INT8, one fp32 scale per 64 tokens x channels; Values fp8-e4m3, one fp32 scale "
                 "per channel (about 8 bits)")
 
-    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
+    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
         self.validate(x, kind)
         S, N, D = x.shape
         xf = x.float()
@@ -130,25 +99,7 @@ class Int8KFP8V(Method):
             amax = blocks.abs().amax((2, 3))
             scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax))  # (S, N/64)
             codes = torch.round(blocks / scale[..., None, None]).clamp(-127, 127).to(torch.int8)
-            return Encoded({"codes": codes.reshape(S, -1, D)[:, :N].contiguous(), "scales": scale}, (S, N, D),
-                           {"kind": "k"})
+            return TokenBlockInt8(codes.reshape(S, -1, D)[:, :N].contiguous(), scale, INT8_BLOCK_TOKENS)
         amax = xf.abs().amax(1)  # per channel over the span's tokens: (S, D)
         scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-        return Encoded({"values": e4m3(xf / scale[:, None, :]), "scales": scale}, (S, N, D), {"kind": "v"})
-
-    def _expanded_scale(self, enc: Encoded) -> torch.Tensor:
-        S, N, D = enc.shape
-        scale = enc.tensors["scales"]
-        if enc.meta["kind"] == "k":
-            return scale.repeat_interleave(INT8_BLOCK_TOKENS, dim=1)[:, :N, None].expand(S, N, D)
-        return scale[:, None, :].expand(S, N, D)
-
-    def decode(self, enc: Encoded) -> torch.Tensor:
-        stored = enc.tensors["codes"] if enc.meta["kind"] == "k" else enc.tensors["values"]
-        return stored.float() * self._expanded_scale(enc)
-
-    def step(self, enc: Encoded) -> torch.Tensor:
-        scale = self._expanded_scale(enc)
-        if enc.meta["kind"] == "k":
-            return scale.clone()  # INT8: a uniform grid of step `scale`
-        return e4m3_cell(enc.tensors["values"].float()) * scale
+        return ChannelFP8(e4m3(xf / scale[:, None, :]), scale)

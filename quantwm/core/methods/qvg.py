@@ -29,14 +29,11 @@ from dataclasses import dataclass
 import torch
 
 from ..kmeans import AssignFn, kmeans, kmeans_assign
+from ..layouts import Codebook, Grouped, Layout
+from ..layouts.grouped import gather_rows
 from ..quant import SCALE_DTYPES, to_storage
-from .base import Encoded, SpanContext, register
+from .base import SpanContext, register
 from .rtn import GroupMethod
-
-
-def gather_rows(c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """c (S, K, D), ids (S, N) -> (S, N, D)."""
-    return torch.gather(c, 1, ids[..., None].expand(*ids.shape, c.shape[-1]))
 
 
 @register("qvg")
@@ -71,12 +68,13 @@ class QVG(GroupMethod):
         return max(1, min(self.n_centroids, n_tokens // self.min_tokens_per_centroid))
 
     def smooth(self, x: torch.Tensor, kind: str, ctx: SpanContext,
-               assign: AssignFn = kmeans_assign) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Subtract `stages` rounds of centroids: (S, N, D) -> residual (S, N, D) and the stored tensors."""
+               assign: AssignFn = kmeans_assign) -> tuple[torch.Tensor, tuple]:
+        """Subtract `stages` rounds of centroids: (S, N, D) -> residual (S, N, D) and the stages ((codebook
+        (S, K, D), ids (S, N)), ...) as stored."""
         self.validate(x, kind)
         r = x.float()
         K = self.n_clusters(x.shape[1])
-        stored = {}
+        stages = []
         for s in range(self.stages):
             key = f"{kind}.centroids{s}"
             init = ctx.state.get(key) if self.warm_start else None
@@ -84,28 +82,13 @@ class QVG(GroupMethod):
             if self.warm_start:
                 ctx.state[key] = c
             codebook = to_storage(c, SCALE_DTYPES[self.codebook_dtype])  # widened if fp8 cannot hold it
-            stored[f"codebook{s}"] = codebook
-            stored[f"centroid_ids{s}"] = ids.to(torch.uint8 if K <= 256 else torch.int16)
+            stages.append((codebook, ids.to(torch.uint8 if K <= 256 else torch.int16)))
             r = r - gather_rows(codebook.float(), ids)  # the residual is taken against the stored centroids
-        return r, stored
+        return r, tuple(stages)
 
-    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
-        r, stored = self.smooth(x, kind, ctx)
-        q = self.quantize_residual(r, kind)
-        return Encoded({**stored, **q.tensors()}, tuple(x.shape), {"axis": q.axis})
-
-    def decode(self, enc: Encoded) -> torch.Tensor:
-        x = super().decode(enc)
-        for s in range(self.stages):
-            x = x + gather_rows(enc.tensors[f"codebook{s}"].float(), enc.tensors[f"centroid_ids{s}"].long())
-        return x
-
-    def fused_format(self, enc: Encoded, head_dim: int) -> dict | None:
-        """The residual's side plus one codebook stage (several stages, as in qvg-pro, are not fused)."""
-        side = super().fused_format(enc, head_dim)
-        if side is None or self.stages != 1:
-            return None
-        return {**side, "codebook": enc.tensors["codebook0"], "ids": enc.tensors["centroid_ids0"]}
+    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
+        r, stages = self.smooth(x, kind, ctx)
+        return Codebook(stages, Grouped(self.quantize_residual(r, kind)))
 
 
 @register("qvg-asym")

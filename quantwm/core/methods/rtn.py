@@ -16,8 +16,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..quant import ROUNDINGS, SCALE_DTYPES, GroupQuant, check_bits, dequantize_groups, group_step, quantize_groups
-from .base import Encoded, Method, SpanContext, register
+from ..layouts import Full, Grouped, Layout
+from ..quant import ROUNDINGS, SCALE_DTYPES, GroupQuant, check_bits, quantize_groups
+from .base import Method, SpanContext, register
 
 
 @register("bf16")
@@ -27,12 +28,9 @@ class BF16(Method):
     quantized = False
     takes_bits = False
 
-    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
+    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
         self.validate(x, kind)
-        return Encoded({"bf16": x.to(torch.bfloat16)}, tuple(x.shape))
-
-    def decode(self, enc: Encoded) -> torch.Tensor:
-        return enc.tensors["bf16"].float()
+        return Full(x.to(torch.bfloat16))
 
 
 @dataclass(frozen=True)
@@ -72,33 +70,9 @@ class GroupMethod(Method):
         return quantize_groups(r, self.bits, self.group_size, self.axis(kind), self.symmetric, self.scale_dtype,
                                self.scale_rounding)
 
-    def residual(self, enc: Encoded) -> GroupQuant:
-        t = enc.tensors
-        return GroupQuant(t["codes"], t["scales"], t.get("zeros"), enc.shape, self.bits, self.group_size,
-                          enc.meta["axis"], self.symmetric)
-
-    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Encoded:
+    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
         self.validate(x, kind)
-        q = self.quantize_residual(x, kind)
-        return Encoded(q.tensors(), tuple(x.shape), {"axis": q.axis})
-
-    def decode(self, enc: Encoded) -> torch.Tensor:
-        return dequantize_groups(self.residual(enc))
-
-    def step(self, enc: Encoded) -> torch.Tensor:
-        return group_step(self.residual(enc))
-
-    def fused_format(self, enc: Encoded, head_dim: int) -> dict | None:
-        """2/4/8-bit codes; per-token groups a power of two dividing D (kernels/span_attention.py)."""
-        G, axis = self.group_size, enc.meta["axis"]
-        if self.bits not in (2, 4, 8) or (axis == "channel" and (head_dim % G or G & (G - 1))):
-            return None
-        t = enc.tensors
-        side = {"codes": t["codes"], "scales": t["scales"], "bits": self.bits, "group_size": G, "axis": axis,
-                "symmetric": self.symmetric}
-        if "zeros" in t:
-            side["zeros"] = t["zeros"]
-        return side
+        return Grouped(self.quantize_residual(x, kind))
 
 
 @register("rtn")

@@ -1,0 +1,124 @@
+"""The contract every span layout implements (see the package docstring), and the count of kernel views built.
+
+A layout is frozen: a committed span never changes, so what is derived from it (the kernel's view, the 8-bit
+path's centre) is computed on first use and kept (`functools.cached_property`). The cache asks for both when
+it commits the span (`prepare`), so an attend over a warm cache builds nothing and makes no host-device sync.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import NamedTuple
+
+import torch
+
+from ...kernels.span_args import PsacArgs, SideArgs
+
+_built = [0]
+
+
+def views_built() -> int:
+    """How many kernel views of quantized spans this process has built (tests count a warm attend's builds)."""
+    return _built[0]
+
+
+class CodeForm(NamedTuple):
+    """A quantized key side as integer codes (the 8-bit path's operand, quantwm/core/fp8.py): every key is
+    k̂ = u ⊙ scale + offset (+ its codebook row), u = code − 2^(b−1) exact in 8 bits.
+
+    u (S, N, D) float32; scales and offsets per token in groups of `group_size` channels (S, N, D / G), or per
+    channel over groups of `group_size` tokens (S, ceil(N / G), D) when `axis_token`. `two_term`: the queries
+    times the scales are rounded in two terms (the allocator's channels, whose widths differ)."""
+
+    u: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+    group_size: int
+    axis_token: bool
+    two_term: bool = False
+    codebook: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """A stored span of S streams (one (batch, head) of a layer each), N tokens and head dim D."""
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(S, N, D) of the span."""
+        raise NotImplementedError
+
+    def components(self) -> dict[str, torch.Tensor]:
+        """Every tensor this span alone stores, by component name."""
+        raise NotImplementedError
+
+    def shared(self) -> dict[str, torch.Tensor]:
+        """Stored tensors this span shares with other spans (a PSAC basis); the cache counts each once."""
+        return {}
+
+    def bytes_by_component(self) -> dict[str, int]:
+        return {k: t.numel() * t.element_size() for k, t in {**self.components(), **self.shared()}.items()}
+
+    def nbytes(self) -> int:
+        """Bytes of this span, shared tensors included."""
+        return sum(self.bytes_by_component().values())
+
+    def decode(self) -> torch.Tensor:
+        """The span rebuilt, (S, N, D) float32."""
+        raise NotImplementedError
+
+    def step(self) -> torch.Tensor | None:
+        """Per-element quantization step Δ (S, N, D) (what +jensen's bias is made of), or None if exact."""
+        return None
+
+    def describe(self) -> str:
+        """One line naming the form, for reports."""
+        return type(self).__name__
+
+    # ---- the fused read path ------------------------------------------------------------------
+    def _kernel_side(self) -> SideArgs | None:
+        """Build the kernel's view (subclasses); None when the kernel cannot read this form."""
+        return None
+
+    @cached_property
+    def kernel_side(self) -> SideArgs | None:
+        """The kernel's view of this span (kernels/span_args.py), built once; None: the reference path reads it."""
+        side = self._kernel_side()
+        if side is not None and self.quantized:
+            _built[0] += 1
+        return side
+
+    @property
+    def quantized(self) -> bool:
+        return True
+
+    def keys_read(self) -> Layout:
+        """The layout whose values the kernel rebuilds tile by tile (PSAC's correction comes apart, `psac_args`)."""
+        return self
+
+    def psac_args(self, q: torch.Tensor) -> PsacArgs | None:
+        """PSAC's per-query inputs for queries q (S, Nq, D), or None when the span has no PSAC coefficients."""
+        return None
+
+    def reads_codes(self, qk: str) -> bool:
+        """Whether the 8-bit path's QKᵀ takes this key side's integer codes as they are (`code_form`)."""
+        return False
+
+    def code_form(self) -> CodeForm:
+        raise ValueError(f"{self.describe()} has no integer-code form")
+
+    @cached_property
+    def center(self) -> torch.Tensor:
+        """A per-channel centre (S, D) float32 of the span read off its stored parameters (no decode pass): the
+        8-bit path subtracts it from keys it rounds. Any centre keeps the logits exact but for rounding."""
+        return self._center()
+
+    def _center(self) -> torch.Tensor:
+        return self.decode().mean(1)
+
+    def prepare(self, lowp: str | None = None) -> None:
+        """Build what the read path needs now (at commit), so that attends over a warm cache build nothing."""
+        side = self.kernel_side
+        if side is not None and lowp is not None:
+            _ = self.center

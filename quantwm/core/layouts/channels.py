@@ -1,0 +1,114 @@
+"""Per-channel grids over a span with 0-8 bits each: the form QuantWM's allocator stores (core/allocate.py).
+
+Per stream s and channel i: a width b_si (0-8 bits), the grid's low end and step (fp16), and the channel's N
+codes packed along the span. Every stream's channels lie in one uint8 buffer, stream after stream, channel
+after channel (0-bit channels take no bytes): code j of a b-bit channel sits at bits [j b, j b + b) from the
+channel's first byte, little-endian, so codes of 3, 5, 6 or 7 bits straddle bytes. A value is
+low + code * step; a 0-bit channel decodes to 0 (its centroid alone).
+
+Worked example, N = 5 tokens, one stream, widths (2, 0, 3): channel 0 takes ceil(5·2/8) = 2 bytes at offset 0,
+channel 1 none, channel 2 takes ceil(5·3/8) = 2 bytes at offset 2; its code 3 sits at bits 9-11 of those two
+bytes: bit 1 of byte 3 to bit 3 of byte 3. The kernel's table holds offset * 16 + bits: (0·16+2, 0, 2·16+3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ...kernels.span_args import CHANNELS, SideArgs
+from ..quant import pack_bits_ref
+from .base import CodeForm, Layout
+
+
+def channel_bytes(n_tokens, bits):
+    """Bytes one channel's codes take: its N codes of `bits` bits, packed (ints or tensors)."""
+    return (n_tokens * bits + 7) // 8
+
+
+def channel_offsets(bits: torch.Tensor, n_tokens: int) -> torch.Tensor:
+    """Each channel's first byte in the buffer, (S, D) int64, from the widths (S, D)."""
+    nbytes = channel_bytes(n_tokens, bits.long()).flatten()
+    return (nbytes.cumsum(0) - nbytes).reshape(bits.shape)
+
+
+@dataclass(frozen=True, eq=False)
+class Channels(Layout):
+    """codes: the uint8 buffer; bits (S, D) uint8; low, step (S, D) fp16; max_bits: the widest channel."""
+
+    codes: torch.Tensor
+    bits: torch.Tensor
+    low: torch.Tensor
+    step_: torch.Tensor
+    n_tokens: int
+    max_bits: int
+
+    @classmethod
+    def pack(cls, codes: torch.Tensor, bits: torch.Tensor, low: torch.Tensor, step: torch.Tensor) -> Channels:
+        """Lay out integer codes (S, N, D) of channels of widths bits (S, D) in one buffer (see the module)."""
+        S, N, D = codes.shape
+        start = channel_offsets(bits, N)
+        total = int(channel_bytes(N, bits.long()).sum())
+        buf = torch.zeros(total, dtype=torch.uint8, device=codes.device)
+        widest = 0
+        for b in range(1, 9):
+            s_idx, c_idx = (bits == b).nonzero(as_tuple=True)
+            if not len(s_idx):
+                continue
+            widest = b
+            packed = pack_bits_ref(codes[s_idx, :, c_idx].clamp(0, 2 ** b - 1), b)  # (channels, bytes of each)
+            pos = start[s_idx, c_idx][:, None] + torch.arange(packed.shape[1], device=codes.device)
+            buf[pos.flatten()] = packed.flatten()
+        return cls(buf, bits.to(torch.uint8), low.half(), step.half(), N, widest)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return (*self.bits.shape[:1], self.n_tokens, self.bits.shape[1])
+
+    def components(self) -> dict[str, torch.Tensor]:
+        return {"alloc_bits": self.bits, "alloc_low": self.low, "alloc_step": self.step_, "alloc_codes": self.codes}
+
+    def int_codes(self) -> torch.Tensor:
+        """The codes (S, N, D) int64, read from the buffer as the kernel reads them (0 on 0-bit channels)."""
+        bits = self.bits.long()
+        off = channel_offsets(self.bits, self.n_tokens)
+        pos = torch.arange(self.n_tokens, device=bits.device)[None, :, None] * bits[:, None, :]  # bit positions
+        buf = torch.nn.functional.pad(self.codes.long(), (0, 1))
+        byte = torch.where(bits[:, None, :] > 0, off[:, None, :] + pos // 8, 0)
+        return ((buf[byte] | (buf[byte + 1] << 8)) >> (pos % 8)) & ((1 << bits[:, None, :]) - 1)
+
+    def decode(self) -> torch.Tensor:
+        x = self.low.float()[:, None, :] + self.int_codes().float() * self.step_.float()[:, None, :]
+        return torch.where(self.bits[:, None, :] > 0, x, 0.0)
+
+    def step(self) -> torch.Tensor:
+        """Each coded channel's grid step for every token; 0-bit channels, which have no grid, count as exact."""
+        step = torch.where(self.bits > 0, self.step_.float(), 0.0)
+        return step[:, None, :].expand(self.shape).contiguous()
+
+    def describe(self) -> str:
+        return f"per-channel grids over the span, 0-{self.max_bits} bits per channel"
+
+    def _low_read(self) -> torch.Tensor:
+        """The low ends as the kernel reads them: 0 on 0-bit channels (code 0 there)."""
+        return torch.where(self.bits > 0, self.low.float(), 0.0)
+
+    def _kernel_side(self) -> SideArgs:
+        meta = channel_offsets(self.bits, self.n_tokens) * 16 + self.bits.long()
+        return SideArgs(CHANNELS, self.codes, self.n_tokens, self.step_, self._low_read(), meta,
+                        max_bits=self.max_bits)
+
+    def reads_codes(self, qk: str) -> bool:
+        """Any width in INT8; e4m3 holds codes of at most 4 bits exactly."""
+        return qk == "int8" or self.max_bits <= 4
+
+    def code_form(self) -> CodeForm:
+        bits = self.bits.long()
+        half = torch.where(bits > 0, 2.0 ** (bits - 1).clamp_min(0), 0.0)[:, None, :]  # (S, 1, D)
+        sc = self.step_.float()[:, None, :]
+        return CodeForm(self.int_codes().float() - half, sc, self._low_read()[:, None, :] + half * sc, self.n_tokens,
+                        True, two_term=True)
+
+    def _center(self) -> torch.Tensor:
+        """Low end plus half the grid."""
+        return self._low_read() + self.step_.float() * (2.0 ** self.bits.float() - 1) / 2
