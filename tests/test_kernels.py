@@ -19,9 +19,12 @@ from quantwm.kernels import quantize_pack as _qp
 from quantwm.kernels import span_attention as _sa
 from quantwm.kernels import unpack_bits as _ub
 
-from quantwm.core.attention import chunk_spans, merge_splits, new_state, side_center, span_attention_ref
+from quantwm.kernels.span_args import full_side
+
+from quantwm.core.attention import chunk_spans, merge_splits, new_state, span_attention_ref
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.kmeans import kmeans_assign_ref
+from quantwm.core.layouts import Channels, Codebook, Full, Grouped
 from quantwm.core.qsac import qsac_assign_ref
 from quantwm.core.quant import pack_bits_ref, quantize_groups, quantize_pack_ref, unpack_bits_ref
 
@@ -32,6 +35,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 def _move(x):
     if isinstance(x, torch.Tensor):
         return x.to(DEVICE)
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # SideArgs, PsacArgs
+        return type(x)(*map(_move, x))
     return {k: _move(v) for k, v in x.items()} if isinstance(x, dict) else x
 
 
@@ -138,12 +143,24 @@ def _span_cache(method: str, N: int, H: int = 2, D: int = 64, seed: int = 0):
     "quantwm@3": at a budget of 3 bits per element (the allocator's mixed-width channels)."""
     g = torch.Generator().manual_seed(seed)
     name, _, budget = method.partition("@")
-    cache = KVCache(CacheConfig(name, sink_chunks=0, recent_chunks=0, budget=float(budget) if budget else None), 1)
+    cache = KVCache(CacheConfig(name, sink_chunks=0, recent_chunks=0, budget=float(budget) if budget else None,
+                                track_queries=True), 1)
     q0 = torch.randn(1, H, N, D, generator=g)
     cache.observe(0, q0)
     cache.write(0, torch.randn(1, H, N, D, generator=g) * 2, torch.randn(1, H, N, D, generator=g), 0)
     cache.commit(0, 0)
     return cache
+
+
+def fold_kernel(q, acc, m, l, k, v, scale, jensen=False, lowp=None, P=None):
+    """The kernel over two layouts' sides, as quantwm.core.attention.fused_attention launches it."""
+    span_attention(q, acc, m, l, k.kernel_side, v.kernel_side, scale, psac=k.psac_args(q.float()), jensen=jensen,
+                   lowp=lowp, center=k.center if lowp else None)
+
+
+def fold_ref(q, acc, m, l, k, v, scale, jensen=False, lowp=None):
+    """The PyTorch twin over the same layouts."""
+    span_attention_ref(q, acc, m, l, k.keys_read(), v, scale, psac=k.psac_args(q.float()), jensen=jensen, lowp=lowp)
 
 
 @pytest.mark.parametrize("method, N, dtype", [
@@ -152,7 +169,7 @@ def _span_cache(method: str, N: int, H: int = 2, D: int = 64, seed: int = 0):
     (m, N, torch.bfloat16) for N in (97, 1025) for m in ("quantwm@3", "quantwm+jensen@3")])  # a budget: N > 1
 def test_span_attention_kernel_error_within_twice_the_input_dtype_reference(method, N, dtype):
     cache = _span_cache(method, N)
-    (k, v, psac), = chunk_spans(cache, 0)
+    (k, v), = chunk_spans(cache, 0)
     S, D = 2, 64
     q32 = torch.randn(S, 33, D, generator=torch.Generator().manual_seed(7))
     q = q32.to(dtype)
@@ -167,7 +184,7 @@ def test_span_attention_kernel_error_within_twice_the_input_dtype_reference(meth
     low = torch.nn.functional.scaled_dot_product_attention(
         q, K.to(dtype), V.to(dtype), attn_mask=None if bias is None else bias[0].to(dtype), scale=scale)
     acc, m, l = new_state(S, 4, 33, D, "cpu")
-    span_attention(q, acc, m, l, k, v, scale, psac=psac(q) if psac else None, jensen="+jensen" in method)
+    fold_kernel(q, acc, m, l, k, v, scale, jensen="+jensen" in method)
     out = merge_splits(acc, m, l)
     err_kernel = (out.double() - exact).abs().max().item()
     err_low = (low.double() - exact).abs().max().item()
@@ -177,12 +194,12 @@ def test_span_attention_kernel_error_within_twice_the_input_dtype_reference(meth
 @pytest.mark.parametrize("method", ["rtn", "qvg", "quantwm+jensen", "quantwm+jensen@3"])
 def test_span_attention_kernel_matches_its_torch_twin_in_fp32(method):
     cache = _span_cache(method, 97)
-    (k, v, psac), = chunk_spans(cache, 0)
+    (k, v), = chunk_spans(cache, 0)
     q = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(3))
     outs = []
-    for fold, P in ((span_attention, 3), (span_attention_ref, 1)):
+    for fold, P in ((fold_kernel, 3), (fold_ref, 1)):
         acc, m, l = new_state(2, P, 20, 64, "cpu")
-        fold(q, acc, m, l, k, v, 0.125, psac=psac(q) if psac else None, jensen="+jensen" in method)
+        fold(q, acc, m, l, k, v, 0.125, jensen="+jensen" in method)
         outs.append(merge_splits(acc, m, l))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
 
@@ -192,7 +209,7 @@ def test_span_attention_state_folds_spans_like_one_softmax():
     q, k, v = torch.randn(2, 17, 32, generator=g), torch.randn(2, 150, 32, generator=g), torch.randn(2, 150, 32, generator=g)
     acc, m, l = new_state(2, 2, 17, 32, "cpu")
     for sl in (slice(0, 1), slice(1, 97), slice(97, 150)):
-        span_attention(q, acc, m, l, {"full": k[:, sl]}, {"full": v[:, sl]}, 0.2)
+        span_attention(q, acc, m, l, full_side(k[:, sl]), full_side(v[:, sl]), 0.2)
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=0.2)
     torch.testing.assert_close(merge_splits(acc, m, l), want, rtol=1e-5, atol=1e-5)
 
@@ -206,13 +223,12 @@ def test_lowp_kernel_matches_its_emulation_with_one_split(method, lowp):
 
     assert _sa.BLOCK_N == BLOCK  # the emulation's PV blocks are the kernel's key tiles
     cache = _span_cache(method, 97)
-    (k, v, psac), = chunk_spans(cache, 0)
-    k = {**k, "center": side_center(k)}
+    (k, v), = chunk_spans(cache, 0)
     q = torch.randn(2, 20, 64, generator=torch.Generator().manual_seed(3))
-    kw = dict(psac=psac(q) if psac else None, jensen="+jensen" in method, lowp=lowp)
+    kw = dict(jensen="+jensen" in method, lowp=lowp)
     outs = {}
-    for name, fold, P, qq in (("kernel", span_attention, 1, q), ("emulation", span_attention_ref, 1, q),
-                              ("split bf16", span_attention, 3, q.bfloat16()), ("exact", span_attention_ref, 1, q)):
+    for name, fold, P, qq in (("kernel", fold_kernel, 1, q), ("emulation", fold_ref, 1, q),
+                              ("split bf16", fold_kernel, 3, q.bfloat16()), ("exact", fold_ref, 1, q)):
         acc, m, l = new_state(2, P, 20, 64, "cpu")
         fold(qq, acc, m, l, k, v, 0.125, **{**kw, "lowp": None if name == "exact" else lowp})
         outs[name] = merge_splits(acc, m, l)
@@ -225,19 +241,15 @@ def test_lowp_kernel_matches_its_emulation_with_one_split(method, lowp):
     assert rel["split bf16"] < 1.5 * rel["kernel"] + 0.01, rel
 
 
-def _code_side(S, N, D, bits, G, axis, symmetric, K, seed=0):
-    """A quantized key side in the fused kernel's layout (with a codebook of K rows when K > 0)."""
+def _code_layout(S, N, D, bits, G, axis, symmetric, K, seed=0):
+    """A quantized key layout (with a codebook of K rows when K > 0)."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(S, N, D, generator=g) * torch.linspace(0.5, 3, D) + 1.0
-    gq = quantize_groups(x, bits, G, axis, symmetric)
-    side = {"codes": gq.codes, "scales": gq.scale, "bits": bits, "group_size": G, "axis": axis,
-            "symmetric": symmetric, "center": torch.zeros(S, D)}
-    if not symmetric:
-        side["zeros"] = gq.zero
-    if K:
-        side["codebook"] = torch.randn(S, K, D, generator=g).to(torch.float8_e4m3fn)
-        side["ids"] = torch.randint(0, K, (S, N), generator=g, dtype=torch.int32)
-    return side
+    grouped = Grouped(quantize_groups(x, bits, G, axis, symmetric))
+    if not K:
+        return grouped
+    codebook = torch.randn(S, K, D, generator=g).to(torch.float8_e4m3fn)
+    return Codebook(((codebook, torch.randint(0, K, (S, N), generator=g, dtype=torch.int32)),), grouped)
 
 
 @pytest.mark.parametrize("bits, G, axis, symmetric, K, D", [
@@ -249,18 +261,15 @@ def _code_side(S, N, D, bits, G, axis, symmetric, K, seed=0):
     (4, 32, "token", True, 3, 64)])
 @pytest.mark.parametrize("lowp", ["int8", "e4m3"])
 def test_lowp_kernel_reads_codes_as_its_emulation_does(bits, G, axis, symmetric, K, D, lowp):
-    """Keys read as their integer codes (fp8.reads_codes): the kernel equals the emulation (one split) for
-    every group layout, and both stay close to exact attention over the same stored keys."""
-    from quantwm.core.fp8 import reads_codes
-
+    """Keys read as their integer codes (the layout's reads_codes): the kernel equals the emulation (one split)
+    for every group layout, and both stay close to exact attention over the same stored keys."""
     S, N = 2, 97
-    k = _code_side(S, N, D, bits, G, axis, symmetric, K)
-    assert reads_codes(k, D, lowp) == (lowp == "int8" or bits <= 4)
-    v = {"full": torch.randn(S, N, D, generator=torch.Generator().manual_seed(1))}
+    k = _code_layout(S, N, D, bits, G, axis, symmetric, K)
+    assert k.reads_codes(lowp) == (lowp == "int8" or bits <= 4)
+    v = Full(torch.randn(S, N, D, generator=torch.Generator().manual_seed(1)))
     q = torch.randn(S, 20, D, generator=torch.Generator().manual_seed(2))
     outs = {}
-    for name, fold, mode in (("kernel", span_attention, lowp), ("emulation", span_attention_ref, lowp),
-                             ("exact", span_attention_ref, None)):
+    for name, fold, mode in (("kernel", fold_kernel, lowp), ("emulation", fold_ref, lowp), ("exact", fold_ref, None)):
         acc, m, l = new_state(S, 1, 20, D, "cpu")
         fold(q, acc, m, l, k, v, D ** -0.5, lowp=mode)
         outs[name] = merge_splits(acc, m, l)
@@ -271,34 +280,33 @@ def test_lowp_kernel_reads_codes_as_its_emulation_does(bits, G, axis, symmetric,
 
 
 def test_the_kernel_reads_codes_exactly_where_the_emulation_does():
-    from quantwm.core.fp8 import reads_codes
-
-    layouts = [_code_side(1, 40, D, bits, G, axis, sym, 0) for bits in (2, 4, 8) for sym in (False, True)
+    layouts = [_code_layout(1, 40, D, bits, G, axis, sym, 0) for bits in (2, 4, 8) for sym in (False, True)
                for D, G, axis in ((64, 64, "channel"), (64, 8, "channel"), (48, 16, "channel"), (64, 32, "token"),
                                   (64, 48, "token"), (64, 64, "token"))]
-    layouts += [{"full": torch.zeros(1, 40, 64)}, {"alloc_codes": None, "alloc_meta": torch.tensor([[0, 4, 16 + 4]])},
-                {"alloc_codes": None, "alloc_meta": torch.tensor([[0, 6, 16 + 4]])}]
-    for side in layouts:
+    layouts += [Full(torch.zeros(1, 40, 64))] + [
+        Channels.pack(torch.zeros(1, 40, 3, dtype=torch.long), torch.tensor([widths]), torch.zeros(1, 3), torch.ones(1, 3))
+        for widths in ([0, 4, 4], [0, 6, 4])]
+    for layout in layouts:
+        side = layout.kernel_side
+        if side is None:  # groups the kernel cannot read at all
+            continue
         for lowp in ("int8", "e4m3"):
-            D = 48 if side.get("group_size") == 16 else 64
-            assert _sa._reads_codes(side, D, lowp) == reads_codes(side, D, lowp), (side.get("bits"), lowp)
+            assert _sa._reads_codes(side, layout.shape[-1], lowp) == layout.reads_codes(lowp), (layout.describe(), lowp)
 
 
 def test_lowp_kernel_refuses_a_missing_centre_and_unknown_formats():
     q = torch.randn(1, 4, 16)
-    side = {"full": torch.randn(1, 5, 16)}
+    side = full_side(torch.randn(1, 5, 16))
     acc, m, l = new_state(1, 1, 4, 16, "cpu")
     with pytest.raises(ValueError, match="centre"):
         span_attention(q, acc, m, l, side, side, 1.0, lowp="int8")
     with pytest.raises(ValueError, match="lowp must be"):
-        span_attention(q, acc, m, l, {**side, "center": torch.zeros(1, 16)}, side, 1.0, lowp="fp4")
-    with pytest.raises(ValueError, match="centre"):
-        span_attention_ref(q, acc, m, l, side, side, 1.0, lowp="int8")
+        span_attention(q, acc, m, l, side, side, 1.0, lowp="fp4", center=torch.zeros(1, 16))
 
 
 def test_span_attention_rejects_bad_state_and_jensen_on_full_keys():
     q = torch.randn(1, 4, 16)
-    side = {"full": torch.randn(1, 5, 16)}
+    side = full_side(torch.randn(1, 5, 16))
     acc, m, l = new_state(1, 1, 4, 16, "cpu")
     with pytest.raises(ValueError, match="state"):
         span_attention(q, acc[:, :, :3], m, l, side, side, 1.0)
