@@ -1,10 +1,11 @@
-"""quantwm/core/allocate.py and QuantWM(budget=B): the allocator stays within its budget, spends bits where the
+"""quantwm/core/allocate.py and quantwm-alloc (QuantWM at a budget B): the allocator stays within its budget, spends bits where the
 history Queries look, decodes exactly what it stored, and chooses the same way every time."""
 import pytest
 import torch
 
-from quantwm.core.allocate import CLIPS, allocate, decode_channels, decode_fused, encode_channels, error_tables, fused_side
-from quantwm.core.attention import decode_side
+from quantwm.core.allocate import CLIPS, allocate, encode_channels, error_tables
+from quantwm.core.layouts import Channels, Codebook
+from quantwm.core.layouts.channels import channel_offsets
 from quantwm.core.methods import get_method
 from quantwm.core.methods.base import SpanContext
 
@@ -36,20 +37,22 @@ def test_every_span_stays_within_its_budget(N, D, budget, kind):
 def test_decode_reads_only_what_was_stored_and_every_coded_value_sits_on_its_grid():
     x = _span(2, 300, 64, seed=3)
     m = get_method("quantwm", budget=3.0)
+    assert m.name == "quantwm-alloc"  # the family's method at a budget
     enc = m.encode(x, "v", SpanContext())
-    t = enc.tensors
-    bits, low, step = t["alloc_bits"].long(), t["alloc_low"].float(), t["alloc_step"].float()
-    r = decode_channels(t, enc.shape)
+    assert isinstance(enc, Codebook) and isinstance(enc.residual, Channels)
+    ch = enc.residual
+    bits, low, step = ch.bits.long(), ch.low.float(), ch.step_.float()
+    r = ch.decode()
     levels = (r - low[:, None]) / step[:, None]
     coded = bits[:, None, :].expand_as(r) > 0
     assert torch.allclose(levels[coded], levels[coded].round(), atol=1e-3)  # on the grid low + k * step
     assert (levels[coded] >= -1e-3).all() and (levels[coded] <= (2 ** bits[:, None, :].expand_as(r)[coded] - 1) + 1e-3).all()
     assert (r[~coded] == 0).all()  # a 0-bit channel decodes to its centroid
-    assert torch.equal(m.decode(enc), m.decode(m.encode(x, "v", SpanContext())))  # deterministic
-    side = m.fused_format(enc, 64)  # what the fused kernel reads: the same keys, from the same bytes
-    assert side["alloc_codes"].numel() == sum(v.numel() for k, v in t.items() if k.startswith("alloc_codes."))
-    torch.testing.assert_close(decode_side(side, enc.shape), m.decode(enc), rtol=0, atol=1e-5)
-    step = m.step(enc)  # +jensen's Δ: the grid step of coded channels, 0 where a channel has no grid
+    assert torch.equal(enc.decode(), m.encode(x, "v", SpanContext()).decode())  # deterministic
+    side = enc.kernel_side  # what the fused kernel reads: one buffer and a table of offsets and widths
+    assert side.data is ch.codes and side.data.numel() == sum((300 * b + 7) // 8 for b in bits.flatten().tolist())
+    assert torch.equal(side.meta & 15, bits) and torch.equal(side.meta >> 4, channel_offsets(ch.bits, 300))
+    step = enc.step()  # +jensen's Δ: the grid step of coded channels, 0 where a channel has no grid
     assert step.shape == x.shape and torch.equal(step[:, 0] > 0, bits > 0)
 
 
@@ -57,17 +60,17 @@ def test_channel_codes_round_trip_at_every_width():
     g = torch.Generator().manual_seed(1)
     r = torch.randn(2, 50, 9, generator=g)
     bits = torch.tensor([list(range(9)), list(range(8, -1, -1))])
-    enc = encode_channels(r, bits, torch.ones(2, 9))
-    out = decode_channels(enc, tuple(r.shape))
-    step = enc["alloc_step"].float()
+    ch = encode_channels(r, bits, torch.ones(2, 9))
+    out = ch.decode()
+    step = ch.step_.float()
     err = (out - r).abs()
     coded = bits > 0
     assert (err.amax(1)[coded] <= step[coded] / 2 + 1e-3).all()  # unclipped grids: within half a step everywhere
-    assert sum(v.numel() for k, v in enc.items() if k.startswith("alloc_codes")) == sum(
-        (50 * b + 7) // 8 for b in bits.flatten().tolist())
-    # the kernel's view (one buffer, a byte offset per channel; 3-, 5-, 6- and 7-bit codes straddle bytes)
-    side = fused_side({**enc, "codebook0": torch.zeros(2, 1, 9)}, tuple(r.shape))
-    assert torch.equal(decode_fused(side), out)
+    # one buffer, a byte offset per channel; 3-, 5-, 6- and 7-bit codes straddle bytes
+    assert ch.codes.numel() == sum((50 * b + 7) // 8 for b in bits.flatten().tolist()) and ch.max_bits == 8
+    one_row = Codebook(((torch.ones(2, 1, 9), None),), ch)  # a mean row: folded into the kernel's low ends
+    assert torch.equal(one_row.decode(), out + 1)
+    assert torch.equal(one_row.kernel_side.zeros, torch.where(bits > 0, ch.low.float(), 0.0) + 1)
 
 
 def test_bits_go_where_the_history_queries_look():
@@ -76,7 +79,7 @@ def test_bits_go_where_the_history_queries_look():
     x = torch.randn(S, N, D, generator=g)  # every channel alike: only the Queries tell them apart
     stats = _focused_stats(S, D)
     enc = get_method("quantwm", budget=2.5).encode(x, "k", SpanContext(stats=stats, history=100))
-    bits = enc.tensors["alloc_bits"].float()
+    bits = enc.residual.bits.float()
     assert (bits[:, :8].mean(1) >= bits[:, 8:].mean(1) + 2).all()
     # and the logit error under those Queries is lower than a Euclidean allocation's at the same budget
     q = torch.randn(S, 256, 8, generator=g) @ torch.eye(D)[:8] * 3

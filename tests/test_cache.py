@@ -502,8 +502,8 @@ def _stored_bytes(cache: KVCache) -> int:
                 if full is not None:
                     total += full.numel() * full.element_size()
                 else:
-                    total += sum(t.numel() * t.element_size() for t in enc.tensors.values())
-                    shared.update({id(t): t for t in enc.shared.values()})  # a shared tensor counts once
+                    total += sum(t.numel() * t.element_size() for t in enc.components().values())
+                    shared.update({id(t): t for t in enc.shared().values()})  # a shared tensor counts once
     return total + sum(t.numel() * t.element_size() for t in shared.values())
 
 
@@ -513,8 +513,8 @@ def test_cache_counts_a_shared_psac_basis_once():
     cache.load_query_stats(0, S)  # settled statistics: one basis serves every span
     _fill(cache, 6, n=32)
     encs = [c.k_enc for c in cache.layers[0].chunks if c.k_enc is not None]
-    assert len(encs) == 4 and all(e.shared["psac_basis"] is encs[0].shared["psac_basis"] for e in encs)
-    basis = encs[0].shared["psac_basis"]
+    assert len(encs) == 4 and all(e.shared()["psac_basis"] is encs[0].shared()["psac_basis"] for e in encs)
+    basis = encs[0].shared()["psac_basis"]
     assert cache.bytes_by_component()["k.psac_basis"] == basis.numel() * basis.element_size()
     assert cache.nbytes() == _stored_bytes(cache)
 
@@ -844,11 +844,11 @@ def test_quantwm_paper_first_span_without_history_has_uniform_weights_and_no_psa
     m = get_method("quantwm-paper", n_centroids=8)
     x = torch.randn(2, 64, 64, generator=torch.Generator().manual_seed(0))
     cold = m.encode(x, "k", SpanContext())
-    assert "psac_basis" not in cold.shared and "psac_codes" not in cold.tensors
+    assert "psac_basis" not in cold.shared() and "psac_codes" not in cold.components()
     warm = m.encode(x, "k", SpanContext(stats=torch.eye(64).expand(2, 64, 64) * 2, history=10))
-    assert "psac_basis" in warm.shared and warm.shared["psac_basis"].dtype == torch.bfloat16
-    assert warm.tensors["psac_codes"].shape == (2, 64, 8)  # 8 INT8 coefficients per token
-    assert warm.tensors["psac_scales"].shape == (2, 64, 1)  # one scale per token
+    assert "psac_basis" in warm.shared() and warm.shared()["psac_basis"].dtype == torch.bfloat16
+    assert warm.components()["psac_codes"].shape == (2, 64, 8)  # 8 INT8 coefficients per token
+    assert warm.components()["psac_scales"].shape == (2, 64, 1)  # one scale per token
 
 
 def test_public_contract_seq_len_and_spans():

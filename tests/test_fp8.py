@@ -62,12 +62,11 @@ def test_lowp_attention_is_close_to_exact_attention_and_takes_the_bias_in_fp32()
     assert ((wrong - ref).norm() / ref.norm()) > 0.1  # the bias matters: it is applied
 
 
-def _side(x, bits, G, axis, symmetric):
+def _layout(x, bits, G, axis, symmetric):
+    from quantwm.core.layouts import Grouped
     from quantwm.core.quant import quantize_groups
 
-    gq = quantize_groups(x, bits, G, axis, symmetric)
-    side = {"codes": gq.codes, "scales": gq.scale, "bits": bits, "group_size": G, "axis": axis, "symmetric": symmetric}
-    return side if symmetric else {**side, "zeros": gq.zero}
+    return Grouped(quantize_groups(x, bits, G, axis, symmetric))
 
 
 @pytest.mark.parametrize("bits, G, axis, symmetric", [(2, 64, "channel", False), (2, 32, "channel", True),
@@ -76,37 +75,35 @@ def _side(x, bits, G, axis, symmetric):
 def test_code_dots_round_only_the_queries(bits, G, axis, symmetric):
     """Keys read as codes lose nothing: with queries that INT8 holds exactly (integers, row maximum 127) the
     per-token-group products are the decoded keys' products; token groups round q times the scales, no more."""
-    from quantwm.core.attention import decode_side
-    from quantwm.core.fp8 import code_dots, reads_codes
+    from quantwm.core.fp8 import code_dots
+    from quantwm.core.layouts import Codebook
 
     g = torch.Generator().manual_seed(4)
     x = torch.randn(2, 150, 64, generator=g) * 3 + 1
-    side = {**_side(x, bits, G, axis, symmetric), "codebook": torch.randn(2, 3, 64, generator=g),
-            "ids": torch.randint(0, 3, (2, 150), generator=g)}
-    assert reads_codes(side, 64)
+    grouped = _layout(x, bits, G, axis, symmetric)
+    layout = Codebook(((torch.randn(2, 3, 64, generator=g), torch.randint(0, 3, (2, 150), generator=g)),), grouped)
+    assert layout.reads_codes("int8")
     q = torch.randint(-126, 127, (2, 30, 64), generator=g).float()
     q[..., 0] = 127
-    exact = q @ decode_side(side, (2, 150, 64)).transpose(1, 2)
-    diff = (code_dots(q, side) - exact).abs()
+    exact = q @ layout.decode().transpose(1, 2)
+    diff = (code_dots(q, layout.code_form()) - exact).abs()
     if axis == "channel":
         assert diff.max() / exact.abs().max() < 1e-6
     else:  # each product errs by at most half a step of q ⊙ s (its row's INT8 step) times Σ|u|
-        from quantwm.core.quant import unpack_bits_ref
-
-        u = (unpack_bits_ref(side["codes"], bits, 64).float() - 2 ** (bits - 1)).abs().sum(-1)  # (2, 150)
+        u = layout.code_form().u.abs().sum(-1)  # (2, 150)
         group = torch.arange(150) // G
-        step = (q[:, :, None, :] * side["scales"].float()[:, None]).abs().amax(-1) / 127  # (2, 30, groups)
+        step = (q[:, :, None, :] * grouped.q.scale.float()[:, None]).abs().amax(-1) / 127  # (2, 30, groups)
         bound = step[:, :, group] / 2 * u[:, None, :]
         assert 0 < diff.max() and (diff <= bound * (1 + 1e-4) + 1e-3).all()
 
 
 def test_reads_codes_takes_the_layouts_the_kernel_can_dot():
-    from quantwm.core.fp8 import reads_codes
+    from quantwm.core.layouts import Full
 
     x = torch.randn(1, 96, 64)
-    assert reads_codes(_side(x, 2, 64, "channel", False), 64)
-    assert not reads_codes(_side(x, 2, 8, "channel", False), 64)  # groups under 16 channels: no tensor-core dot
-    assert not reads_codes(_side(x, 2, 48, "token", False), 64)  # token groups that split a key block
-    assert reads_codes(_side(x, 8, 64, "channel", False), 64, "int8")
-    assert not reads_codes(_side(x, 8, 64, "channel", False), 64, "e4m3")  # e4m3 holds integers up to 16
-    assert not reads_codes({"full": x}, 64)
+    assert _layout(x, 2, 64, "channel", False).reads_codes("int8")
+    assert not _layout(x, 2, 8, "channel", False).reads_codes("int8")  # groups under 16 channels: no tensor-core dot
+    assert not _layout(x, 2, 48, "token", False).reads_codes("int8")  # token groups that split a key block
+    assert _layout(x, 8, 64, "channel", False).reads_codes("int8")
+    assert not _layout(x, 8, 64, "channel", False).reads_codes("e4m3")  # e4m3 holds integers up to 16
+    assert not Full(x).reads_codes("int8")

@@ -50,7 +50,7 @@ GAUSS = _randn(S, N, D, seed=0)
 
 @functools.cache
 def _roundtrip(name, kind, bits=2):
-    """(method, Encoded, decoded) for GAUSS with a fresh SpanContext; cached across tests."""
+    """(method, layout, decoded) for GAUSS with a fresh SpanContext; cached across tests."""
     m = _make(name, bits=bits)
     enc = m.encode(GAUSS, kind, SpanContext())
     return m, enc, m.decode(enc)
@@ -168,7 +168,7 @@ def test_bf16_roundtrip_is_bf16_rounding(gauss):
     x_hat = m.decode(m.encode(gauss, "k", SpanContext()))
     assert torch.equal(x_hat, gauss.bfloat16().float())
     assert ((x_hat - gauss).abs() <= 2 ** -8 * gauss.abs()).all()
-    assert m.step(m.encode(gauss, "k", SpanContext())) is None
+    assert m.encode(gauss, "k", SpanContext()).step() is None
 
 
 @pytest.mark.parametrize("kind", ["k", "v"])
@@ -223,7 +223,7 @@ def test_grid_names_bits_and_levels(name):
 @pytest.mark.parametrize("name", METHODS)
 def test_nbytes_is_sum_of_stored_tensors(name, kind, gauss):
     enc = _roundtrip(name, kind)[1]
-    stored = {**enc.tensors, **enc.shared}
+    stored = {**enc.components(), **enc.shared()}
     total = sum(t.numel() * t.element_size() for t in stored.values())
     assert enc.nbytes() == total
     assert sum(enc.bytes_by_component().values()) == total
@@ -253,10 +253,10 @@ def test_rtn_kivi_fp8_scales_is_2_25_bits_per_element(name, gauss):
 def test_quantwm_psac_tensors_stored_for_keys_only(name, has_psac, gauss):
     m, enc_k, _ = _roundtrip(name, "k")
     enc_v = _roundtrip(name, "v")[1]
-    assert ("psac_basis" in enc_k.shared) == has_psac == ("psac_codes" in enc_k.tensors)
-    assert not any(k.startswith("psac") for k in {**enc_v.tensors, **enc_v.shared})
+    assert ("psac_basis" in enc_k.shared()) == has_psac == ("psac_codes" in enc_k.components())
+    assert not any(k.startswith("psac") for k in {**enc_v.components(), **enc_v.shared()})
     if has_psac:
-        assert enc_k.shared["psac_basis"].shape == (S, D, m.psac_rank)
+        assert enc_k.shared()["psac_basis"].shape == (S, D, m.psac_rank)
 
 
 # --- method specifics -----------------------------------------------------------------------------
@@ -267,17 +267,17 @@ def test_kivi_keys_per_channel_values_per_token(n_tokens):
     m = get_method("kivi", group_size=64)
     enc_k = m.encode(x, "k", SpanContext())
     enc_v = m.encode(x, "v", SpanContext())
-    assert enc_k.tensors["scales"].shape == (S, -(-n_tokens // 64), D)
-    assert enc_k.tensors["zeros"].shape == (S, -(-n_tokens // 64), D)
-    assert enc_v.tensors["scales"].shape == (S, n_tokens, D // 64)
+    assert enc_k.components()["scales"].shape == (S, -(-n_tokens // 64), D)
+    assert enc_k.components()["zeros"].shape == (S, -(-n_tokens // 64), D)
+    assert enc_v.components()["scales"].shape == (S, n_tokens, D // 64)
     assert m.decode(enc_k).shape == x.shape
-    assert m.step(enc_k).shape == x.shape
+    assert enc_k.step().shape == x.shape
 
 
 def test_rtn_per_token_groups_for_both_kinds(gauss):
     m = get_method("rtn", group_size=32)
     for kind in "kv":
-        assert m.encode(gauss, kind, SpanContext()).tensors["scales"].shape == (S, N, D // 32)
+        assert m.encode(gauss, kind, SpanContext()).components()["scales"].shape == (S, N, D // 32)
 
 
 def test_quantwm_psac_lowers_logit_error_vs_qsac(gauss, concentrated_stats):
@@ -295,24 +295,24 @@ def test_quantwm_psac_lowers_logit_error_vs_qsac(gauss, concentrated_stats):
 def test_quantwm_same_clustering_with_and_without_psac(gauss, concentrated_stats):
     full = get_method("quantwm").encode(gauss, "k", SpanContext(stats=concentrated_stats))
     qsac = get_method("quantwm-qsac").encode(gauss, "k", SpanContext(stats=concentrated_stats))
-    for key in qsac.tensors:
-        assert _same_bytes(full.tensors[key], qsac.tensors[key]), key
+    for key in qsac.components():
+        assert _same_bytes(full.components()[key], qsac.components()[key]), key
 
 
 def test_quantwm_qsac_without_range_term_and_history_is_euclidean_kmeans(gauss):
     # lam=0 and S=I make J the plain squared distance: QSAC must then cluster exactly like k-means
     qsac = get_method("quantwm", lam=0.0, psac=False).encode(gauss, "k", SpanContext())
     plain = get_method("quantwm", qsac=False, psac=False).encode(gauss, "k", SpanContext())
-    for key in plain.tensors:
-        assert _same_bytes(qsac.tensors[key], plain.tensors[key]), key
+    for key in plain.components():
+        assert _same_bytes(qsac.components()[key], plain.components()[key]), key
 
 
 def test_quantwm_qsac_clustering_follows_query_stats(gauss):
     diag = torch.cat([torch.full((8,), 100.0), torch.full((D - 8,), 0.1)])
     stats = torch.diag(diag).expand(S, D, D)
     m = get_method("quantwm-qsac")
-    ids_i = m.encode(gauss, "k", SpanContext()).tensors["centroid_ids0"]
-    ids_s = m.encode(gauss, "k", SpanContext(stats=stats)).tensors["centroid_ids0"]
+    ids_i = m.encode(gauss, "k", SpanContext()).components()["centroid_ids0"]
+    ids_s = m.encode(gauss, "k", SpanContext(stats=stats)).components()["centroid_ids0"]
     assert (ids_i != ids_s).float().mean() > 0.1
 
 
@@ -324,8 +324,8 @@ def test_quantwm_rejects_stats_of_wrong_shape(gauss):
 def test_quantwm_without_history_uses_identity_stats(gauss):
     a = _roundtrip("quantwm", "k")[1]
     b = get_method("quantwm").encode(gauss, "k", SpanContext(stats=torch.eye(D).expand(S, D, D)))
-    for key in a.tensors:
-        assert _same_bytes(a.tensors[key], b.tensors[key]), key
+    for key in a.components():
+        assert _same_bytes(a.components()[key], b.components()[key]), key
 
 
 @pytest.mark.parametrize("name", ["qvg", "qvg-pro", "quantwm"])
@@ -333,8 +333,8 @@ def test_kmeans_methods_store_codebooks_and_ids(name, gauss):
     m, enc, _ = _roundtrip(name, "v")
     K = m.n_clusters(N)
     for s in range(m.stages):
-        assert enc.tensors[f"codebook{s}"].shape == (S, K, D)
-        ids = enc.tensors[f"centroid_ids{s}"]
+        assert enc.components()[f"codebook{s}"].shape == (S, K, D)
+        ids = enc.components()[f"centroid_ids{s}"]
         assert ids.shape == (S, N) and ids.dtype == torch.uint8
         assert int(ids.max()) < K
 
@@ -365,11 +365,11 @@ def test_qvg_warm_start_reuses_centroids(gauss):
     init = _randn(S, K, D, seed=6)
     state = {"k.centroids0": init}
     enc = m.encode(gauss, "k", SpanContext(state=state, seed=11))
-    assert torch.equal(enc.tensors["codebook0"], init.bfloat16())
+    assert torch.equal(enc.components()["codebook0"], init.bfloat16())
     assert not get_method("qvg").warm_start  # the released pipeline starts every span afresh
     # without the state the codebook is drawn from the tokens instead
     cold = m.encode(gauss, "k", SpanContext(seed=11))
-    assert not torch.equal(cold.tensors["codebook0"], init.half())
+    assert not torch.equal(cold.components()["codebook0"], init.half())
 
 
 def test_qvg_warm_start_from_converged_centroids_is_stable(gauss):
@@ -378,11 +378,11 @@ def test_qvg_warm_start_from_converged_centroids_is_stable(gauss):
     first = m.encode(gauss, "k", SpanContext(state=state, seed=0))
     c = state["k.centroids0"].clone()
     second = m.encode(gauss, "k", SpanContext(state=state, seed=1))  # another seed: only the warm start counts
-    assert torch.equal(first.tensors["codebook0"], second.tensors["codebook0"])
-    assert torch.equal(first.tensors["centroid_ids0"], second.tensors["centroid_ids0"])
+    assert torch.equal(first.components()["codebook0"], second.components()["codebook0"])
+    assert torch.equal(first.components()["centroid_ids0"], second.components()["centroid_ids0"])
     assert torch.equal(state["k.centroids0"], c)
     other_seed = m.encode(gauss, "k", SpanContext(seed=1))
-    assert not torch.equal(other_seed.tensors["centroid_ids0"], first.tensors["centroid_ids0"])
+    assert not torch.equal(other_seed.components()["centroid_ids0"], first.components()["centroid_ids0"])
 
 
 @pytest.mark.parametrize("name", ["qvg", "qvg-pro", "quantwm"])
@@ -393,9 +393,9 @@ def test_kmeans_methods_deterministic_across_spans(name, gauss):
         state, m = {}, get_method(name)
         runs.append([m.encode(x, "k", SpanContext(state=state, seed=3)) for x in (gauss, x2)])
     for a, b in zip(*runs):
-        assert set(a.tensors) == set(b.tensors)
-        for key in a.tensors:
-            assert _same_bytes(a.tensors[key], b.tensors[key]), key
+        assert set(a.components()) == set(b.components())
+        for key in a.components():
+            assert _same_bytes(a.components()[key], b.components()[key]), key
 
 
 @pytest.mark.parametrize("kind", ["k", "v"])
@@ -405,7 +405,7 @@ def test_decode_and_step_shapes_match_input_odd_token_count(name, kind):
     m = get_method(name)
     enc = m.encode(x, kind, SpanContext())
     assert m.decode(enc).shape == x.shape
-    step = m.step(enc)
+    step = enc.step()
     assert step.shape == x.shape
     assert (step > 0).all()
 
@@ -416,7 +416,7 @@ def test_step_bounds_reconstruction_error(name, kind, gauss):
     # without PSAC the decoded span is centroids + a group-quantized residual: |x - x̂| <= Δ/2
     m, enc, x_hat = _roundtrip(name, kind)
     err = (x_hat - gauss).abs()
-    assert (err <= m.step(enc) / 2 + 1e-5 * (1 + gauss.abs())).all()
+    assert (err <= enc.step() / 2 + 1e-5 * (1 + gauss.abs())).all()
 
 
 @pytest.mark.parametrize("name,kind", [(n, k) for n in QUANTIZED for k in "kv" if (n, k) not in (("kivi", "k"), ("kivi-pre", "k"))])
@@ -432,8 +432,8 @@ def test_kivi_keys_group_along_tokens_any_head_dim():
     x = _randn(2, 20, 64, seed=10)  # 20 tokens: one group shorter than group_size
     m = get_method("kivi", group_size=48)
     enc = m.encode(x, "k", SpanContext())
-    assert enc.tensors["scales"].shape == (2, 1, 64)
-    assert ((m.decode(enc) - x).abs() <= m.step(enc) / 2 + 1e-5 * (1 + x.abs())).all()
+    assert enc.components()["scales"].shape == (2, 1, 64)
+    assert ((m.decode(enc) - x).abs() <= enc.step() / 2 + 1e-5 * (1 + x.abs())).all()
 
 
 @pytest.mark.parametrize("name", QUANTIZED)

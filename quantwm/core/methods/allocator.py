@@ -28,6 +28,7 @@ from .qvg import QVGBudget
 class QuantWMAlloc(QVGBudget):
     name = "quantwm-alloc"
     uses_queries = True
+    takes_bits = False  # the budget sets every channel's width
     at_budget = "quantwm-alloc"
     budget: float = 2.5
     qsac: bool = True  # False: every channel weighted alike (the ablation)
