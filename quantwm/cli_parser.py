@@ -1,13 +1,15 @@
 """The `quantwm` command line's parser: every sub-command and its flags (the commands are in quantwm.cli).
 
-Flags several sub-commands share are defined once, as argparse parents: the budget (`--budget`, `--budget-k`,
-`--budget-v`), `--json`, `--weights` and `--set`.
+Flags several sub-commands share are defined once, as argparse parents: what is quantized (`--method` or
+`--methods`, `--target`, `--bits`), the budget (`--budget`, `--budget-k`, `--budget-v`), `--json`, `--weights` and
+`--set`. A parent whose default differs between commands is made by a function that takes the default.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
+from .core.cache_types import TARGETS
 from .evaluation.figures import FIGURE_KINDS
 from .world.scene import WORLDS
 
@@ -30,6 +32,36 @@ def add_budget(s) -> None:
     s.add_argument("--budget-v", type=float, help="the Values' budget apart (default: --budget)")
 
 
+COMPARED = "rtn,kivi,qvg,quantwm"  # --methods' default where methods are compared
+
+
+def _flag(*names: str, **kwargs) -> argparse.ArgumentParser:
+    """A parent parser holding one flag."""
+    p = argparse.ArgumentParser(add_help=False)
+    p.add_argument(*names, **kwargs)
+    return p
+
+
+def method_flag() -> argparse.ArgumentParser:
+    """--method: the one method a command runs (a registry name, `quantwm methods`)."""
+    return _flag("--method", default="quantwm")
+
+
+def methods_flag(default: str = COMPARED, help: str | None = None) -> argparse.ArgumentParser:
+    """--methods: the comma-separated methods a command compares."""
+    return _flag("--methods", default=default, help=help)
+
+
+def target_flag(default: str = "kv") -> argparse.ArgumentParser:
+    """--target: which halves are quantized, one of `TARGETS`."""
+    return _flag("--target", choices=TARGETS, default=default)
+
+
+def bits_flag(default: int | str = 2) -> argparse.ArgumentParser:
+    """--bits: bits of the codes; a string default means a comma-separated list of them (a sweep)."""
+    return _flag("--bits", type=int if isinstance(default, int) else None, default=default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(prog="quantwm", description="2-bit KV-cache quantization for video world models")
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -40,20 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     options.add_argument("--set", action="append", metavar="KEY=VALUE",
                          help="method option for every method, e.g. --set lam=4 or --set qsac=false (repeatable)")
     s = sub.add_parser("analyze", help="attention fidelity of methods on a trace file",
-                       parents=[options, budget, json_out])
+                       parents=[methods_flag(), target_flag("k"), bits_flag(), options, budget, json_out])
     s.add_argument("--trace", required=True)
-    s.add_argument("--methods", default="rtn,kivi,qvg,quantwm")
-    s.add_argument("--target", choices=("k", "v", "kv"), default="k")
-    s.add_argument("--bits", type=int, default=2)
     s.add_argument("--chunk-frames", type=int, default=None, help="frames per chunk (default: the trace's, else 1)")
     s.add_argument("--sink-chunks", type=int, default=1)
     s.add_argument("--recent-chunks", type=int, default=1)
-    s = sub.add_parser("memory", help="stored bytes of the cache at a real model's shapes", parents=[budget, json_out])
+    s = sub.add_parser("memory", help="stored bytes of the cache at a real model's shapes",
+                       parents=[method_flag(), target_flag(), bits_flag(), budget, json_out])
     s.add_argument("--preset", default="wan-1.3b")
     s.add_argument("--latent-frames", type=int, default=21)
-    s.add_argument("--method", default="quantwm")
-    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
-    s.add_argument("--bits", type=int, default=2)
     s.add_argument("--sample-layers", type=int, default=None, help="quantize this many layers and scale")
     s.add_argument("--span-chunks", type=int, default=1, help="chunks quantized together as one span (QVG: 8)")
     s.add_argument("--queries", choices=("drift", "none"), default="drift",
@@ -70,12 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--cached-frames", type=int, default=24, help="frames in the cache (a multiple of --chunk-frames)")
     s.add_argument("--out", required=True)
     s = sub.add_parser("eval", help="BF16 vs methods on the built-in world model",
-                       parents=[options, weights, budget, json_out])
-    s.add_argument("--methods", default="rtn,kivi,qvg,quantwm")
-    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
+                       parents=[methods_flag(), target_flag(), bits_flag(), options, weights, budget, json_out])
     s.add_argument("--seeds", default="0,1,2,3")
     s.add_argument("--frames", type=int, default=32)
-    s.add_argument("--bits", type=int, default=2)
     s.add_argument("--trajectory", default="loop")
     s.add_argument("--steps", type=int, default=4, help="flow-matching steps per chunk")
     s.add_argument("--training-seeds", action="store_true",
@@ -92,16 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trajectory", default="loop")
     s.add_argument("--world", choices=WORLDS, default="photo")
     s.add_argument("--out", required=True)
-    s = sub.add_parser("record", help="write a run file (BF16 and a method from the same noise) for the app")
+    s = sub.add_parser("record", help="write a run file (BF16 and a method from the same noise) for the app",
+                       parents=[method_flag(), target_flag(), bits_flag()])
     s.add_argument("--model", choices=("builtin", "self-forcing", "sana-wm"), default="builtin",
                    help="builtin: the built-in world model; self-forcing: Self-Forcing's causal Wan2.1 generator "
                         "(--checkpoint, --base, --embeddings or --prompt); sana-wm: SANA-WM's stage-2 refiner, "
                         "diffusers' SanaWMLTX2Refiner (--base, --latents, --prompt)")
     s.add_argument("--seed", type=int, default=0, help="world seed (builtin: 0..99999) or noise seed")
     s.add_argument("--trajectory", default="loop")
-    s.add_argument("--method", default="quantwm")
-    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
-    s.add_argument("--bits", type=int, default=2)
     s.add_argument("--frames", type=int, default=32)
     s.add_argument("--logit-layers", default="1", help="layers whose attention logits the file keeps (size bound)")
     s.add_argument("--logit-heads", default="0", help="heads whose attention logits the file keeps")
@@ -122,26 +144,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="cpu", help="self-forcing: cpu or cuda (cuda uses the fused kernels)")
     s.add_argument("--out", required=True)
     s = sub.add_parser("figures", help="print figures (PNG/PDF/SVG, matplotlib) of a built-in-model run",
-                       parents=[weights])
+                       parents=[method_flag(), target_flag(), bits_flag(), weights,
+                                methods_flag(help="methods of the comparison figure ('' = none)")])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--trajectory", default="loop")
-    s.add_argument("--method", default="quantwm")
-    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
-    s.add_argument("--bits", type=int, default=2)
     s.add_argument("--frames", type=int, default=32)
     s.add_argument("--frame", type=int, default=None, help="frame of the maps and the pixel trace (default: the worst)")
     s.add_argument("--pixel", default=None, help="x,y of the traced pixel in frame pixels (default: the centre)")
     s.add_argument("--layer", type=int, default=1)
     s.add_argument("--head", type=int, default=0)
-    s.add_argument("--methods", default="rtn,kivi,qvg,quantwm", help="methods of the comparison figure ('' = none)")
     s.add_argument("--kinds", default=",".join(FIGURE_KINDS), help=f"which figures ({', '.join(FIGURE_KINDS)})")
     s.add_argument("--formats", default="png,pdf,svg")
     s.add_argument("--out-dir", required=True)
-    s = sub.add_parser("frontier", help="quality vs bits per element for every method (resumable sweep)")
+    s = sub.add_parser("frontier", help="quality vs bits per element for every method (resumable sweep)",
+                       parents=[methods_flag("", help="methods to sweep (default: all with a sweep)"), target_flag(),
+                                bits_flag("2,3,4")])
     s.add_argument("--sources", default="world", help="comma-separated: world and/or trace:FILE")
-    s.add_argument("--methods", default="", help="methods to sweep (default: all with a sweep)")
-    s.add_argument("--bits", default="2,3,4")
-    s.add_argument("--target", choices=("k", "v", "kv"), default="kv")
     s.add_argument("--seeds", default="0,1", help="held-out world seeds of the world source")
     s.add_argument("--frames", type=int, default=16)
     s.add_argument("--quick", action="store_true", help="one point per method (a smoke test)")

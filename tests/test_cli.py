@@ -5,6 +5,8 @@ import sys
 import pytest
 
 from quantwm.cli import main
+from quantwm.cli_parser import build_parser
+from quantwm.core.cache_types import TARGETS
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +33,25 @@ def test_cli_memory_json_fields(tmp_path):
     assert r["compression"] == pytest.approx(6.4)
     assert 1 < r["cache_compression"] < r["compression"]
     assert {"k.codes", "k.scales", "k.zeros", "k.full"} <= set(r["bytes"])
+
+
+SHARED_FLAG_DEFAULTS = [
+    (["analyze", "--trace", "t"], {"methods": "rtn,kivi,qvg,quantwm", "target": "k", "bits": 2}),
+    (["memory"], {"method": "quantwm", "target": "kv", "bits": 2}),
+    (["eval"], {"methods": "rtn,kivi,qvg,quantwm", "target": "kv", "bits": 2}),
+    (["record", "--out", "o"], {"method": "quantwm", "target": "kv", "bits": 2}),
+    (["figures", "--out-dir", "o"], {"method": "quantwm", "methods": "rtn,kivi,qvg,quantwm", "target": "kv", "bits": 2}),
+    (["frontier", "--out-dir", "o"], {"methods": "", "target": "kv", "bits": "2,3,4"}),
+]
+
+
+@pytest.mark.parametrize("argv, defaults", SHARED_FLAG_DEFAULTS, ids=[argv[0] for argv, _ in SHARED_FLAG_DEFAULTS])
+def test_cli_shared_flags_keep_each_commands_defaults(argv, defaults):
+    """--method(s), --target and --bits come from parent parsers; each command keeps its own defaults."""
+    args = vars(build_parser().parse_args(argv))
+    assert {k: args[k] for k in defaults} == defaults
+    for target in TARGETS:
+        assert build_parser().parse_args([*argv, "--target", target]).target == target
 
 
 @pytest.mark.parametrize("argv, needle", [
