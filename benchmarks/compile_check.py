@@ -110,7 +110,7 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
     launchers would send them to a GPU of compute capability `cc` (e.g. 90)."""
     from quantwm.kernels import kmeans_assign, pack_bits, qsac_assign, quantize_pack, span_attention, unpack_bits
 
-    from quantwm.core.attention import chunk_spans, new_state, side_center
+    from quantwm.core.attention import chunk_spans, new_state
     from quantwm.core.cache import CacheConfig, KVCache
 
     span_attention.capability = lambda t: divmod(cc, 10)
@@ -134,13 +134,13 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
     w = torch.rand(H, D, generator=g)
     out.append(("qsac_assign", capture(qsac_assign, "_qsac_assign_kernel", qsac_assign.qsac_assign, x, c, w, 64, 2,
                                        16.0)))
-    def attention(name, q, k, v, psac, jensen, lowp, splits):
-        """The span_attention launch for these inputs, or the launcher's refusal for this GPU."""
+    def attention(name, q, k, v, jensen, lowp, splits):
+        """The span_attention launch for these layouts, or the launcher's refusal for this GPU."""
         acc, m, l = new_state(H, splits, q.shape[1], D, "cpu")
-        kk = k if lowp is None else {**k, "center": side_center(k)}
         try:
             launch = capture(span_attention, "_span_attention_kernel", span_attention.span_attention, q, acc, m, l,
-                             kk, v, D ** -0.5, psac=psac(q) if psac else None, jensen=jensen, lowp=lowp)
+                             k.kernel_side, v.kernel_side, D ** -0.5, psac=k.psac_args(q), jensen=jensen, lowp=lowp,
+                             center=k.center if lowp else None)
         except ValueError as e:
             launch = e
         out.append((name, launch))
@@ -151,13 +151,13 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
         cache.observe(0, torch.randn(1, H, N, D, generator=g))
         cache.write(0, torch.randn(1, H, N, D, generator=g), torch.randn(1, H, N, D, generator=g), 0)
         cache.commit(0, 0)
-        (k, v, psac), = chunk_spans(cache, 0)
+        (k, v), = chunk_spans(cache, 0)
         q = torch.randn(H, Nq, D, generator=g).bfloat16()
         for lowp in (None, "int8", "e4m3"):
-            attention(f"span_attention {method} lowp={lowp}", q, k, v, psac, "+jensen" in method, lowp, 1)
+            attention(f"span_attention {method} lowp={lowp}", q, k, v, "+jensen" in method, lowp, 1)
         if method == "quantwm":  # a chunk of few queries takes 16-row query tiles
             for lowp in (None, "int8"):
-                attention(f"span_attention quantwm, 16 queries, lowp={lowp}", q[:, :16], k, v, psac, False, lowp, 4)
+                attention(f"span_attention quantwm, 16 queries, lowp={lowp}", q[:, :16], k, v, False, lowp, 4)
     prefixes = tuple(p for p in (only or "").split(",") if p)
     return [(n, c) for n, c in out if not prefixes or n.startswith(prefixes)]
 

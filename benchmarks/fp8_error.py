@@ -23,24 +23,24 @@ import math
 
 import torch
 
-from quantwm.core.attention import chunk_spans, decode_side, merge_splits, new_state, side_center, side_tokens, span_logits
+from quantwm.core.attention import chunk_spans, merge_splits, new_state, span_logits
 from quantwm.core.cache import CacheConfig
 from quantwm.core.fp8 import pv_fold
+from quantwm.core.layouts import Full, Layout
 from quantwm.evaluation.analyze import _layer_cache
 from quantwm.evaluation.trace import read_trace
 
 
-def layer_spans(cache) -> list[tuple[dict, dict, dict | None, bool]]:
-    """(key side with its centre, value side, PSAC inputs, jensen) for every span of layer 0 of `cache`."""
+def layer_spans(cache) -> list[tuple[Layout, Layout, bool]]:
+    """(key layout, value layout, jensen) for every span of layer 0 of `cache`: the stored layouts where the fused
+    path reads them, else the decoded keys and values span by span."""
     spans = chunk_spans(cache, 0)
     if spans is not None:
-        return [({**k, "center": side_center(k)}, v, psac, cache.config.jensen and "full" not in k)
-                for k, v, psac in spans]
+        return [(k, v, cache.config.jensen and k.quantized) for k, v in spans]
     out, a = [], 0
     K, V = cache.keys(0)[0], cache.values(0)[0]  # decoded (S, L, D)
     for c in cache.inspect(0):
-        k = K[:, a:a + c.n_tokens]
-        out.append(({"full": k, "center": k.mean(1)}, {"full": V[:, a:a + c.n_tokens]}, None, False))
+        out.append((Full(K[:, a:a + c.n_tokens]), Full(V[:, a:a + c.n_tokens]), False))
         a += c.n_tokens
     return out
 
@@ -63,12 +63,10 @@ def measure(path: str, method: str, budget: float | None, formats: list[str]) ->
         S, Nq, D = q.shape
         spans = layer_spans(cache)
         scale = trace.softmax_scale
-        values = [decode_side(vs, (S, side_tokens(ks), D))
-                  for ks, vs, _, _ in spans]  # decoded once, read by every format
+        values = [vs.decode() for _, vs, _ in spans]  # decoded once, read by every format
         for name in names:
             lowp = None if name == "exact" else name
-            logits = [span_logits(q, ks, scale, psac(q) if psac else None, jensen, lowp)
-                      for ks, _, psac, jensen in spans]
+            logits = [span_logits(q, ks.keys_read(), scale, ks.psac_args(q), jensen, lowp) for ks, _, jensen in spans]
             top = torch.cat(logits, -1).argmax(-1)
             shift[name] += float((top != top_exact).float().mean())
             pos_shift[name] += float((where[top] != where[top_exact]).float().mean())

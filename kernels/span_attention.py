@@ -46,8 +46,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .span_args import BLOCK_N, CHANNELS, FULL, GROUPED, PsacArgs, SideArgs
-from .span_tiles import _code_dots, _dot, _dot_lowp, _lowp_rows, _rebuild, _to_e4m3, _unpack
+from . import span_args as args
+from .span_args import BLOCK_N, PsacArgs, SideArgs
+from .span_tiles import CHANNELS, _code_dots, _dot, _dot_lowp, _lowp_rows, _rebuild, _to_e4m3, _unpack
 
 
 @triton.jit
@@ -197,13 +198,13 @@ def _check_side(side: SideArgs, S: int, N: int, D: int, what: str) -> None:
     """Shapes the kernel relies on; a clear error instead of reading out of bounds."""
     if side.n_tokens != N:
         raise ValueError(f"{what}: {side.n_tokens} tokens, the keys have {N}")
-    if side.form == FULL and tuple(side.data.shape) != (S, N, D):
+    if side.form == args.FULL and tuple(side.data.shape) != (S, N, D):
         raise ValueError(f"{what}: full-precision tensor must be {(S, N, D)}, got {tuple(side.data.shape)}")
-    if side.form == CHANNELS and not (tuple(side.meta.shape) == tuple(side.scales.shape) == tuple(side.zeros.shape)
+    if side.form == args.CHANNELS and not (tuple(side.meta.shape) == tuple(side.scales.shape) == tuple(side.zeros.shape)
                                       == (S, D)):
         raise ValueError(f"{what}: the channel table, steps and low ends must be {(S, D)}, got "
                          f"{tuple(side.meta.shape)}, {tuple(side.scales.shape)}, {tuple(side.zeros.shape)}")
-    if side.form == GROUPED:
+    if side.form == args.GROUPED:
         G, row_bytes = side.group_size, (D * side.bits + 7) // 8
         if side.bits not in (2, 4, 8):
             raise ValueError(f"{what}: the fused kernel reads 2-, 4- or 8-bit codes, got {side.bits}")
@@ -227,9 +228,9 @@ def _reads_codes(side: SideArgs, D: int, lowp: str) -> bool:
     """Whether the 8-bit path reads this key side's codes as operands: the rule of the layouts' `reads_codes`
     (quantwm/core/layouts), which the emulation follows (kernels import nothing of quantwm; tests/test_kernels.py
     checks the two agree)."""
-    if side.form == CHANNELS:
+    if side.form == args.CHANNELS:
         return lowp == "int8" or side.max_bits <= 4
-    if side.form != GROUPED or (lowp == "e4m3" and side.bits > 4):
+    if side.form != args.GROUPED or (lowp == "e4m3" and side.bits > 4):
         return False
     G = side.group_size
     return G % BLOCK_N == 0 if side.axis_token else G >= 16 and D % G == 0
@@ -266,7 +267,7 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
     N = k.n_tokens
     if N == 0 or Nq == 0:
         return
-    if jensen and k.form == FULL:
+    if jensen and k.form == args.FULL:
         raise ValueError("the Jensen term applies to quantized keys only")
     if lowp not in LOWP:
         raise ValueError(f"lowp must be None, 'int8' or 'e4m3', got {lowp!r}")
@@ -288,7 +289,7 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
     ks, vs = _side(k, S, N, D, dummy, "keys", fp8), _side(v, S, N, D, dummy, "values", fp8)
     if psac is not None:
         R = psac.qs.shape[-1]
-        if k.form == FULL or tuple(psac.codes.shape) != (S, N, (R * psac.bits + 7) // 8) or R > 16 or \
+        if k.form == args.FULL or tuple(psac.codes.shape) != (S, N, (R * psac.bits + 7) // 8) or R > 16 or \
                 psac.bits not in (2, 4, 8):
             raise ValueError("PSAC needs quantized keys, codes (S, N, R*bits/8), R <= 16 and bits 2, 4 or 8")
         pp, p_bits = (psac.qs.float().contiguous(), psac.c0.float().contiguous(), psac.codes.contiguous()), psac.bits

@@ -5,9 +5,12 @@ span side (kernels/span_args.py's forms) and the integer-code QKᵀ of the 8-bit
 import triton
 import triton.language as tl
 
-FULL: tl.constexpr = tl.constexpr(0)
-GROUPED: tl.constexpr = tl.constexpr(1)
-CHANNELS: tl.constexpr = tl.constexpr(2)
+from . import span_args
+
+# the side forms of kernels/span_args.py as constexprs, which JIT code may read
+FULL: tl.constexpr = tl.constexpr(span_args.FULL)
+GROUPED: tl.constexpr = tl.constexpr(span_args.GROUPED)
+CHANNELS: tl.constexpr = tl.constexpr(span_args.CHANNELS)
 
 
 @triton.jit

@@ -283,8 +283,8 @@ def test_cache_eviction_pre_rope_rotates_at_original_positions():
 
 @pytest.mark.parametrize("method", ["bf16", "rtn", "kivi+jensen"])
 def test_cache_layouts_bhld_and_blhd_agree(method):
-    a = KVCache(CacheConfig(method=method, layout="BHLD"), n_layers=1)
-    b = KVCache(CacheConfig(method=method, layout="BLHD"), n_layers=1)
+    a = KVCache(CacheConfig(track_queries=True, method=method, layout="BHLD"), n_layers=1)
+    b = KVCache(CacheConfig(track_queries=True, method=method, layout="BLHD"), n_layers=1)
     for i in range(4):
         q, k, v = _kv(i, b=2)
         out_a = a.attend(0, q, k, v, chunk=i, commit=True)
@@ -335,8 +335,8 @@ def test_cache_attend_uses_given_scale_and_returns_q_dtype():
 
 def test_cache_pre_rope_matches_post_rope_with_caller_rotation():
     rope = Rope3D(D, (2, 8))  # 16 tokens per frame: one chunk is one frame
-    pre = KVCache(CacheConfig(method="bf16", rope="pre"), n_layers=1, rope=rope)
-    post = KVCache(CacheConfig(method="bf16", rope="post"), n_layers=1)
+    pre = KVCache(CacheConfig(track_queries=True, method="bf16", rope="pre"), n_layers=1, rope=rope)
+    post = KVCache(CacheConfig(track_queries=True, method="bf16", rope="post"), n_layers=1)
     for i in range(4):
         q, k, v = _kv(i)
         pos = torch.arange(i * N, (i + 1) * N)
@@ -359,7 +359,7 @@ def test_cache_pre_rope_span_is_quantized_with_s_rotated_into_its_keys_space(mon
     encode = RTN.encode
     monkeypatch.setattr(RTN, "encode", lambda self, x, kind, ctx: seen.append(ctx.stats) or encode(self, x, kind, ctx))
     rope = Rope3D(D, (2, 8))
-    cache = KVCache(CacheConfig(method="rtn", rope="pre", target="k"), n_layers=1, rope=rope)
+    cache = KVCache(CacheConfig(track_queries=True, method="rtn", rope="pre", target="k"), n_layers=1, rope=rope)
     g = torch.Generator().manual_seed(3)
     direction = torch.randn(D, generator=g)
     for i in range(3):
@@ -381,7 +381,7 @@ def test_cache_pre_rope_requires_rope_function():
 # ---- query statistics -------------------------------------------------------------------------------
 
 def test_cache_query_stats_cumulative_mean_over_all_queries():
-    cache = KVCache(CacheConfig(method="bf16"), n_layers=2)
+    cache = KVCache(CacheConfig(track_queries=True, method="bf16"), n_layers=2)
     seen = []
     for i in range(3):
         for p in range(2):
@@ -395,7 +395,7 @@ def test_cache_query_stats_cumulative_mean_over_all_queries():
 
 
 def test_cache_query_stats_observe_false_is_not_counted():
-    cache = KVCache(CacheConfig(method="bf16"), n_layers=1)
+    cache = KVCache(CacheConfig(track_queries=True, method="bf16"), n_layers=1)
     q0, k0, v0 = _kv(0)
     cache.attend(0, q0, k0, v0, chunk=0)
     q1 = _kv(0, salt=1)[0] * 5
@@ -405,7 +405,7 @@ def test_cache_query_stats_observe_false_is_not_counted():
 
 def test_cache_query_stats_ema_with_stats_decay():
     d = 0.6
-    cache = KVCache(CacheConfig(method="bf16", stats_decay=d), n_layers=1)
+    cache = KVCache(CacheConfig(track_queries=True, method="bf16", stats_decay=d), n_layers=1)
     qs = []
     for i in range(3):
         q, k, v = _kv(i)
@@ -420,7 +420,7 @@ def test_cache_query_stats_ema_with_stats_decay():
 
 def test_cache_query_stats_identity_before_any_query():
     # contract (query_stats docstring, docs/method.md §2): S is the identity before any query
-    cache = KVCache(CacheConfig(method="bf16"), n_layers=1)
+    cache = KVCache(CacheConfig(track_queries=True, method="bf16"), n_layers=1)
     _, k, v = _kv(0)
     cache.write(0, k, v, chunk=0)
     torch.testing.assert_close(cache.query_stats(0), torch.eye(D).expand(H, D, D))
@@ -429,7 +429,7 @@ def test_cache_query_stats_identity_before_any_query():
 def test_cache_load_query_stats_seeds_s():
     S = torch.diag(torch.linspace(0.1, 5.0, D)).expand(H, D, D).clone()
     S[1] *= 2
-    cache = KVCache(CacheConfig(method="bf16"), n_layers=2)
+    cache = KVCache(CacheConfig(track_queries=True, method="bf16"), n_layers=2)
     cache.load_query_stats(1, S, count=100)
     torch.testing.assert_close(cache.query_stats(1), S)
     q, k, v = _kv(0, layer=1)
@@ -452,7 +452,7 @@ def test_cache_load_query_stats_does_not_alias_callers_tensor():
 def test_cache_quantization_receives_current_s(monkeypatch):
     S = torch.diag(torch.linspace(0.5, 3.0, D)).expand(H, D, D).clone()
     S[1] = S[1].flip(0, 1)  # heads differ, so stream order matters
-    cache = KVCache(CacheConfig(method="rtn"), n_layers=1)
+    cache = KVCache(CacheConfig(method="rtn", track_queries=True), n_layers=1)
     log = _spy(cache, monkeypatch)
     cache.load_query_stats(0, S, count=10)
     _fill(cache, 3, b=2)  # no queries: S stays the seed; chunk 1 is quantized at the third commit
@@ -463,7 +463,7 @@ def test_cache_quantization_receives_current_s(monkeypatch):
 
 
 def test_cache_quantization_without_history_gets_identity(monkeypatch):
-    cache = KVCache(CacheConfig(method="rtn"), n_layers=1)
+    cache = KVCache(CacheConfig(method="rtn", track_queries=True), n_layers=1)
     log = _spy(cache, monkeypatch)
     _fill(cache, 3)
     assert len(log) == 2
@@ -783,7 +783,7 @@ def test_cache_method_options_reach_the_method():
 
 def test_cache_rejected_attend_does_not_poison_query_stats():
     # a q whose head dim does not match the keys is rejected; the cache must stay usable afterwards
-    cache = KVCache(CacheConfig(method="bf16"), n_layers=1)
+    cache = KVCache(CacheConfig(track_queries=True, method="bf16"), n_layers=1)
     q, k, v = _kv(0)
     with pytest.raises(ValueError):
         cache.attend(0, _t(9, B, H, N, 32), k, v, chunk=0)
@@ -962,3 +962,30 @@ def test_attend_over_a_warm_cache_makes_no_host_sync(method):
     assert _host_syncs(caches[1], q, k, v, 4) == ["__bool__"]  # the boundary's one NaN/Inf check
     with pytest.raises(ValueError, match="v contains 1 NaN/Inf"):
         caches[1].attend(0, q, k, v.index_put((torch.tensor([0]),) * 4, torch.tensor(float("nan"))), chunk=4)
+
+
+@pytest.mark.parametrize("method", ["bf16", "rtn", "kivi", "qvg"])
+def test_cache_keeps_no_query_statistics_where_nothing_reads_them(method, monkeypatch):
+    from quantwm.core import stats
+
+    calls = []
+    monkeypatch.setattr(stats.QueryStats, "update", lambda self, q: calls.append(q.shape))
+    cache = KVCache(CacheConfig(method=method, recent_chunks=0), n_layers=1)
+    g = torch.Generator().manual_seed(0)
+    for i in range(3):
+        q, k, v = (torch.randn(1, 2, 8, 64, generator=g) for _ in range(3))
+        cache.attend(0, q, k, v, chunk=i, commit=True)
+        cache.observe(0, q)
+    assert not cache.tracks_queries and calls == [] and cache.runtime_bytes()["query_stats"] == 0
+    with pytest.raises(ValueError, match="track_queries=True"):
+        cache.query_stats(0)
+    kept = KVCache(CacheConfig(method=method, track_queries=True), n_layers=1)
+    kept.attend(0, q, k, v, chunk=0)
+    assert kept.tracks_queries and len(calls) == 1
+
+
+def test_cache_keeps_query_statistics_for_methods_that_read_them():
+    assert KVCache(CacheConfig(method="quantwm"), n_layers=1).tracks_queries
+    assert KVCache(CacheConfig(method="quantwm", budget=2.5), n_layers=1).tracks_queries
+    with pytest.raises(ValueError, match="track_queries=False"):
+        KVCache(CacheConfig(method="quantwm", track_queries=False), n_layers=1)

@@ -254,13 +254,15 @@ class KVCache(MemoryAccounting):
 
     def _quantize(self, layer: int, st: LayerState, c: Chunk) -> None:
         B, H, N, D = c.k.shape
-        for j in sorted(j for j in st.pending if j <= c.index):  # causal_stats: queries of earlier chunks only
-            self._stats(st, H, D).merge(st.pending.pop(j))
-        stats = self._stats(st, H, D).matrix().to(c.k.device)
-        if self.config.rope == "pre" and st.stats is not None and st.stats.count:  # S into the keys' space
-            stats = rope_conjugate(stats, self.rope, torch.arange(c.start, c.start + N))
         seed = self.config.seed + 7919 * layer + c.index
-        ctx = SpanContext(stats=stats.repeat(B, 1, 1), state=st.method_state, seed=seed, history=st.stats.count)
+        ctx = SpanContext(state=st.method_state, seed=seed)  # no statistics: methods that read none see identity
+        if self.tracks_queries:
+            for j in sorted(j for j in st.pending if j <= c.index):  # causal_stats: queries of earlier chunks only
+                self._stats(st, H, D).merge(st.pending.pop(j))
+            stats = self._stats(st, H, D).matrix().to(c.k.device)
+            if self.config.rope == "pre" and st.stats.count:  # S into the keys' space
+                stats = rope_conjugate(stats, self.rope, torch.arange(c.start, c.start + N))
+            ctx = SpanContext(stats=stats.repeat(B, 1, 1), state=st.method_state, seed=seed, history=st.stats.count)
         if self.quantize_k:
             self._budgeted("k", c.k.reshape(B * H, N, D))
             c.exact_k = c.k if self.config.keep_exact else None  # diagnostics only, not counted in nbytes

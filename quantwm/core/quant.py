@@ -138,10 +138,7 @@ class GroupQuant:
     symmetric: bool
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        out = {"codes": self.codes, "scales": self.scale}
-        if self.zero is not None:
-            out["zeros"] = self.zero
-        return out
+        return {"codes": self.codes, "scales": self.scale} | ({} if self.zero is None else {"zeros": self.zero})
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
