@@ -18,7 +18,6 @@ from quantwm.kernels import qsac_assign as _qa
 from quantwm.kernels import quantize_pack as _qp
 from quantwm.kernels import span_attention as _sa
 from quantwm.kernels import unpack_bits as _ub
-
 from quantwm.kernels.span_args import full_side
 
 from quantwm.core.attention import chunk_spans, merge_splits, new_state, span_attention_ref

@@ -44,7 +44,7 @@ def stage1():
 
 def test_bf16_through_quantwm_equals_the_stock_refiner(refiner, stage1):
     reference = refine(refiner, stage1)
-    cache = sana_wm_kv_cache(refiner.transformer, CacheConfig("bf16", sink_chunks=0))
+    cache = sana_wm_kv_cache(refiner.transformer, CacheConfig("bf16", sink_chunks=0, track_queries=True))
     out = refine(refiner, stage1, cache)
     assert out.dtype == torch.bfloat16 and torch.equal(out, reference)
     # The window holds 4 frames (64 tokens) of history: blocks 2 and 3 (the trim cut block 2) plus block 4, the

@@ -282,7 +282,7 @@ def record_sana_wm(base, latents, prompt: str, method: str = "quantwm", target: 
         progress(1, 2)
     probe = ProbeCapture(layers, logit_layers, logit_heads)
     frames, cache, positions = refine(CacheConfig(method, target=target, k_bits=bits, v_bits=bits, sink_chunks=0,
-                                                  keep_exact=True), probe)
+                                                  keep_exact=True, track_queries=True), probe)
     if progress:
         progress(2, 2)
     spatial, temporal = frames.shape[2] // (W // cfg.patch_size) // cfg.patch_size, (frames.shape[0] - 1) // (F - 1)

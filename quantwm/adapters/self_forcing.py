@@ -278,7 +278,8 @@ def record_self_forcing(checkpoint, base, embeddings, method: str = "quantwm", t
     probe = ProbeCapture(layers, logit_layers, logit_heads)
     step2 = (lambda a, n: progress(n + a, 2 * n)) if progress else None
     frames, cache = _rollout(model, vae, text, CacheConfig(method=method, target=target, k_bits=bits, v_bits=bits,
-                                                           layout="BLHD", keep_exact=True), latent_frames,
+                                                           layout="BLHD", keep_exact=True, track_queries=True),
+                             latent_frames,
                              chunk_frames, lat_hw, seed, probe, step2)
     stats = torch.stack([cache.query_stats(l).float().cpu() for l in range(layers)])
     facts = RunFacts("Self-Forcing (Wan2.1 causal, diffusers WanTransformer3DModel)", layers, heads,
