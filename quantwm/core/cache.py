@@ -72,9 +72,9 @@ from .accounting import MemoryAccounting
 from .attention import fused_attention
 from .backend import use_kernels
 from .cache_types import LAYOUTS, ROPE_MODES, TARGETS, CacheConfig, CacheMemory, Chunk, LayerState, SpanView
-from .methods import SpanContext, make_method
+from .methods import make_method
 from .quant import check_finite
-from .stats import QueryStats, rope_conjugate
+from .query_history import QueryHistory
 
 __all__ = ["CacheConfig", "CacheMemory", "Chunk", "KVCache", "LAYOUTS", "PUBLIC", "ROPE_MODES", "SpanView", "TARGETS",
            "jensen_bias"]
@@ -96,7 +96,7 @@ def jensen_bias(q: torch.Tensor, steps: torch.Tensor | None, scale: float) -> to
     return -(scale ** 2 / 24) * (q.float().square() @ steps.float().square().transpose(-1, -2))
 
 
-class KVCache(MemoryAccounting):
+class KVCache(MemoryAccounting, QueryHistory):
     """Chunk-granular KV cache for `n_layers` layers; see the module docstring for the contract."""
 
     def __init__(self, config: CacheConfig, n_layers: int, rope: RopeFn | None = None):
@@ -236,12 +236,6 @@ class KVCache(MemoryAccounting):
             raise ValueError(f"layer {layer} holds no committed span starting at chunk {index} (held: {held})")
         st.chunks.pop(at)
 
-    def _fold_point(self, chunk: int) -> int:
-        """The first span start after `chunk`: spans start at sink, sink + n, ... (n = span_chunks), and a chunk's
-        queries may enter S when a later span is quantized, so all chunks before one start fold together."""
-        sink, n = self.config.sink_chunks, self.config.span_chunks
-        return sink if chunk < sink else sink + n * ((chunk - sink) // n + 1)
-
     @staticmethod
     def _merge(st: LayerState, run: list[Chunk]) -> Chunk:
         """Consecutive full-precision chunks -> one span (it replaces them in the layer's list)."""
@@ -254,15 +248,7 @@ class KVCache(MemoryAccounting):
 
     def _quantize(self, layer: int, st: LayerState, c: Chunk) -> None:
         B, H, N, D = c.k.shape
-        seed = self.config.seed + 7919 * layer + c.index
-        ctx = SpanContext(state=st.method_state, seed=seed)  # no statistics: methods that read none see identity
-        if self.tracks_queries:
-            for j in sorted(j for j in st.pending if j <= c.index):  # causal_stats: queries of earlier chunks only
-                self._stats(st, H, D).merge(st.pending.pop(j))
-            stats = self._stats(st, H, D).matrix().to(c.k.device)
-            if self.config.rope == "pre" and st.stats.count:  # S into the keys' space
-                stats = rope_conjugate(stats, self.rope, torch.arange(c.start, c.start + N))
-            ctx = SpanContext(stats=stats.repeat(B, 1, 1), state=st.method_state, seed=seed, history=st.stats.count)
+        ctx = self._span_context(layer, st, c)
         if self.quantize_k:
             self._budgeted("k", c.k.reshape(B * H, N, D))
             c.exact_k = c.k if self.config.keep_exact else None  # diagnostics only, not counted in nbytes
@@ -273,11 +259,6 @@ class KVCache(MemoryAccounting):
             c.exact_v = c.v if self.config.keep_exact else None
             c.v_enc, c.v = self.v_method.encode(c.v.reshape(B * H, N, D), "v", ctx), None
             c.v_enc.prepare()
-
-    def _stats(self, st: LayerState, H: int, D: int) -> QueryStats:
-        if st.stats is None:
-            st.stats = QueryStats(H, D, self.config.stats_decay)
-        return st.stats
 
     # ---- reading --------------------------------------------------------------------------------
     def _chunks(self, st: LayerState) -> list[Chunk]:
@@ -426,40 +407,3 @@ class KVCache(MemoryAccounting):
         if commit:
             self.commit(layer, chunk)
         return self._out(out.to(q.dtype))
-
-    def observe(self, layer: int, q: torch.Tensor) -> None:
-        """Add queries (caller's layout, post-RoPE) to layer's history statistics S (kept post-RoPE; pre-RoPE
-        spans get S rotated into their keys' space when they are quantized, `stats.rope_conjugate`). A cache that
-        keeps no statistics (`tracks_queries` False) ignores them."""
-        qb = self._in(q, "q")
-        self._check(q=q)
-        if self.tracks_queries:
-            self._observe(layer, qb)
-
-    def _observe(self, layer: int, qb: torch.Tensor) -> None:
-        st = self._layer(layer)
-        H, D = qb.shape[1], qb.shape[3]
-        stats = self._stats(st, H, D)
-        if self.causal_stats:  # held back until the chunks before it are quantized, grouped by when that happens
-            idx = st.current.index if st.current is not None else st.next_chunk
-            stats = st.pending.setdefault(self._fold_point(idx), QueryStats(H, D, self.config.stats_decay))
-        stats.update(qb)
-
-    def load_query_stats(self, layer: int, second: torch.Tensor, count: int = 1) -> None:
-        """Seed layer's S (H, D, D) from a calibration run or a trace's earlier queries."""
-        H, D = second.shape[0], second.shape[-1]
-        self._stats(self._layer(layer), H, D).load(second, count)
-
-    def query_stats(self, layer: int) -> torch.Tensor:
-        """S (H, D, D) of `layer` (identity before any query). Needs a cache that keeps them (`tracks_queries`)."""
-        st = self._layer(layer)
-        if not self.tracks_queries and (st.stats is None or not st.stats.count):
-            raise ValueError("this cache keeps no query statistics (its method does not read them): "
-                             "CacheConfig(track_queries=True) keeps them for diagnostics")
-        if st.stats is None:
-            cs = self._chunks(st)
-            if not cs:
-                raise ValueError(f"layer {layer} is empty: its head count and head dim are not known yet")
-            _, H, D = cs[0].bhd
-            return self._stats(st, H, D).matrix()
-        return st.stats.matrix()

@@ -1,0 +1,79 @@
+"""The history-Query statistics half of `KVCache`: the running S = E[q qᵀ] per (layer, head) that QSAC, PSAC and
+the allocator read when a span is quantized (quantwm.core.cache has the contract).
+
+`QueryHistory` is mixed into `KVCache`; it reads the config, the layers' states and `tracks_queries`. S is kept
+only where a quantizing method reads it or `CacheConfig(track_queries=True)` asks (for diagnostics such as the
+query energy spectra); elsewhere attending computes no statistics at all.
+"""
+from __future__ import annotations
+
+import torch
+
+from .cache_types import Chunk, LayerState
+from .methods import SpanContext
+from .stats import QueryStats, rope_conjugate
+
+
+class QueryHistory:
+    def _span_context(self, layer: int, st: LayerState, c: Chunk) -> SpanContext:
+        """What the methods may read when span `c` is quantized: S (batch-major, one per stream) as it stands
+        (with causal_stats, the queries of earlier chunks only; pre-RoPE spans get it in their keys' space), the
+        layer's method state and a seed. A cache that keeps no statistics passes none (methods see identity)."""
+        B, H, N, D = c.k.shape
+        seed = self.config.seed + 7919 * layer + c.index
+        if not self.tracks_queries:
+            return SpanContext(state=st.method_state, seed=seed)
+        for j in sorted(j for j in st.pending if j <= c.index):  # causal_stats: queries of earlier chunks only
+            self._stats(st, H, D).merge(st.pending.pop(j))
+        stats = self._stats(st, H, D).matrix().to(c.k.device)
+        if self.config.rope == "pre" and st.stats.count:  # S into the keys' space
+            stats = rope_conjugate(stats, self.rope, torch.arange(c.start, c.start + N))
+        return SpanContext(stats=stats.repeat(B, 1, 1), state=st.method_state, seed=seed, history=st.stats.count)
+
+    def _fold_point(self, chunk: int) -> int:
+        """The first span start after `chunk`: spans start at sink, sink + n, ... (n = span_chunks), and a chunk's
+        queries may enter S when a later span is quantized, so all chunks before one start fold together."""
+        sink, n = self.config.sink_chunks, self.config.span_chunks
+        return sink if chunk < sink else sink + n * ((chunk - sink) // n + 1)
+
+    def _stats(self, st: LayerState, H: int, D: int) -> QueryStats:
+        if st.stats is None:
+            st.stats = QueryStats(H, D, self.config.stats_decay)
+        return st.stats
+
+    def observe(self, layer: int, q: torch.Tensor) -> None:
+        """Add queries (caller's layout, post-RoPE) to layer's history statistics S (kept post-RoPE; pre-RoPE
+        spans get S rotated into their keys' space when they are quantized, `stats.rope_conjugate`). A cache that
+        keeps no statistics (`tracks_queries` False) ignores them."""
+        qb = self._in(q, "q")
+        self._check(q=q)
+        if self.tracks_queries:
+            self._observe(layer, qb)
+
+    def _observe(self, layer: int, qb: torch.Tensor) -> None:
+        st = self._layer(layer)
+        H, D = qb.shape[1], qb.shape[3]
+        stats = self._stats(st, H, D)
+        if self.causal_stats:  # held back until the chunks before it are quantized, grouped by when that happens
+            idx = st.current.index if st.current is not None else st.next_chunk
+            stats = st.pending.setdefault(self._fold_point(idx), QueryStats(H, D, self.config.stats_decay))
+        stats.update(qb)
+
+    def load_query_stats(self, layer: int, second: torch.Tensor, count: int = 1) -> None:
+        """Seed layer's S (H, D, D) from a calibration run or a trace's earlier queries."""
+        H, D = second.shape[0], second.shape[-1]
+        self._stats(self._layer(layer), H, D).load(second, count)
+
+    def query_stats(self, layer: int) -> torch.Tensor:
+        """S (H, D, D) of `layer` (identity before any query). Needs a cache that keeps them (`tracks_queries`)."""
+        st = self._layer(layer)
+        if not self.tracks_queries and (st.stats is None or not st.stats.count):
+            raise ValueError("this cache keeps no query statistics (its method does not read them): "
+                             "CacheConfig(track_queries=True) keeps them for diagnostics")
+        if st.stats is None:
+            cs = self._chunks(st)
+            if not cs:
+                raise ValueError(f"layer {layer} is empty: its head count and head dim are not known yet")
+            _, H, D = cs[0].bhd
+            return self._stats(st, H, D).matrix()
+        return st.stats.matrix()
