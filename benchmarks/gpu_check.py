@@ -7,13 +7,16 @@ Steps, each in its own process with its own time limit, skipped with a message o
 
 1. `cuda tests`: the kernel and attention tests (every kernel compiled, the fused path against the reference
    for every method); on the CPU (dry run) a small subset under the Triton interpreter.
-2. `kernel bench`: `benchmarks/kernel_bench.py` at Wan-1.3B shapes (12 heads x 128, chunks of 4680 queries,
+2. `warm attend`: `benchmarks/warm_attend.py`, a warm `quantwm` cache at a 2.5-bit budget attended under
+   `torch.cuda.set_sync_debug_mode("error")` (no host sync, no kernel view built), then captured in a CUDA graph
+   and replayed against an eager attend (on the CPU: the sync count only).
+3. `kernel bench`: `benchmarks/kernel_bench.py` at Wan-1.3B shapes (12 heads x 128, chunks of 4680 queries,
    caches of 8K/32K/64K tokens): BF16 SDPA (the flash backend on CUDA), dequantize-then-SDPA, the fused 2-bit
    kernel, its 8-bit paths (INT8 and e4m3 QKᵀ, e4m3 PV), and the cost of quantizing a committed chunk as a share
    of the chunk's attention time.
-3. `real shapes`: `benchmarks/real_shapes.py`, a randomly initialised Wan-1.3B-sized transformer generating
+4. `real shapes`: `benchmarks/real_shapes.py`, a randomly initialised Wan-1.3B-sized transformer generating
    chunk by chunk through the cache (bytes, peak memory, time per chunk).
-4. `live rollout`: a random Self-Forcing model (diffusers Wan classes, 2 layers at Wan-1.3B's 12 heads x 128 and
+5. `live rollout`: a random Self-Forcing model (diffusers Wan classes, 2 layers at Wan-1.3B's 12 heads x 128 and
    its 480x832 frames) recorded BF16 vs quantwm through the live backend's recorder, written as a run file
    and read back.
 
@@ -45,10 +48,12 @@ def steps(out: Path, dry: bool) -> list[dict]:
         {"name": "cuda tests", "limit": 120 if dry else 170,
          "cmd": [py, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-x",
                  *(["tests/test_kernels.py", "-k", "pack_bits or kmeans_assign or (lowp_kernel_matches and int8)"] if dry else tests)]},
+        {"name": "warm attend", "limit": 60 if dry else 40,
+         "cmd": [py, "benchmarks/warm_attend.py", *(["--dry-run"] if dry else [])]},
         {"name": "kernel bench", "limit": 120 if dry else 150,
          "cmd": [py, "benchmarks/kernel_bench.py", "--preset", "tiny" if dry else "wan-1.3b",
                  "--json", str(out / "kernel_bench.json")]},
-        {"name": "real shapes", "limit": 120 if dry else 100,
+        {"name": "real shapes", "limit": 120 if dry else 80,
          "cmd": [py, "benchmarks/real_shapes.py", "--json", str(out / "real_shapes.json"),
                  *(["--reduced", "--steps", "1", "--layers", "2", "--chunks", "3", "--methods", "quantwm"] if dry
                    else ["--steps", "2"])]},
@@ -95,6 +100,8 @@ def figures(name: str, out: Path, text: str) -> dict:
         if name == "cuda tests":
             last = [line for line in text.splitlines() if " passed" in line or " failed" in line or " error" in line]
             return {"summary": last[-1].strip("= ") if last else "no summary"}
+        if name == "warm attend":
+            return {"checks": [line for line in text.splitlines() if line.startswith(("ok", "FAILED", "skip"))]}
         if name == "kernel bench":
             rows = json.loads((out / "kernel_bench.json").read_text())["rows"]
             return {f"{r['path']} @ {r['cache_tokens']}": round(r["vs_bf16"], 3) for r in rows}

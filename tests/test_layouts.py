@@ -8,9 +8,9 @@ import re
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from quantwm.core import attention
+from quantwm.core.backend import HostSyncs
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.layouts import Layout, views_built
 from quantwm.core.methods import REGISTRY, SpanContext, get_method
@@ -75,26 +75,6 @@ def test_every_stored_span_decodes_itself_and_counts_its_bytes(name, kind):
     assert enc.describe()
 
 
-SYNCS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero", "unique",
-         "tensor", "masked_select"}
-
-
-class SyncCounter(TorchFunctionMode):
-    """Counts the calls that copy a tensor's values to the host (a host-device sync on CUDA) or a host list to
-    the device (`torch.tensor`), and `Tensor.to` onto the CPU."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in SYNCS or (name == "to" and "cpu" in map(str, (*args[1:], *kwargs.values()))):
-            self.calls.append(name)
-        return func(*args, **kwargs)
-
-
 @pytest.mark.parametrize("method, budget", [("quantwm", 2.5), ("kivi", None), ("qvg", None)])
 def test_warm_attends_make_no_host_sync_and_build_no_kernel_view(method, budget, monkeypatch):
     """20 denoising passes over a warm cache on the fused path (the kernel replaced by a recorder: the
@@ -112,7 +92,7 @@ def test_warm_attends_make_no_host_sync_and_build_no_kernel_view(method, budget,
     assert quantized and all(c.k_enc.kernel_side is not None for c in quantized)
     q, k, v = (torch.randn(1, 2, 64, 64, generator=g) for _ in range(3))
     built, launched[:] = views_built(), []
-    with SyncCounter() as counter:
+    with HostSyncs() as counter:
         for _ in range(20):
             cache.attend(0, q, k, v, chunk=5)
     assert counter.calls == [] and views_built() == built
@@ -123,6 +103,6 @@ def test_warm_attends_make_no_host_sync_and_build_no_kernel_view(method, budget,
 
 def test_the_sync_counter_sees_a_sync():
     x = torch.ones(3)
-    with SyncCounter() as counter:
+    with HostSyncs() as counter:
         bool(x.any()), x.tolist(), torch.tensor([1, 2])
     assert counter.calls == ["__bool__", "tolist", "tensor"]
