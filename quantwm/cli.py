@@ -129,7 +129,7 @@ def cmd_memory(a) -> int:
         print("  configuration: " + "; ".join(f"{k}: {v}" for k, v in r["configuration"].items()))
     rt = r["runtime_bytes"]
     print(f"  runtime state (not in the cache figures): running S {rt['query_stats'] / 2**20:.1f} MiB, warm-start "
-          f"centroids {rt['warm_start_centroids'] / 2**20:.1f} MiB")
+          f"centroids {rt['warm_start_centroids'] / 2**20:.1f} MiB, kernel views {rt['kernel_views'] / 2**20:.1f} MiB")
     return 0
 
 

@@ -35,14 +35,16 @@ class MemoryAccounting:
 
     def runtime_bytes(self) -> dict[str, int]:
         """Working state a deployment keeps beside the stored cache (not in nbytes): the running S per layer
-        (float64, pending per-chunk statistics included) and warm-start centroids (k-means state)."""
+        (float64, pending per-chunk statistics included), warm-start centroids (k-means state) and what the read
+        path derived from the stored spans at commit (kernel views' tables, the 8-bit path's centres)."""
         stats = sum(x.second.numel() * x.second.element_size()
                     for st in self.layers for x in ([st.stats] if st.stats else []) + list(st.pending.values()))
         stored = {id(t) for st in self.layers for c in st.chunks for e in (c.k_enc, c.v_enc) if e is not None
                   for t in e.shared().values()}  # a PSAC basis the spans store is counted there
         warm = sum(t.numel() * t.element_size() for st in self.layers for t in st.method_state.values()
                    if id(t) not in stored)
-        return {"query_stats": stats, "warm_start_centroids": warm}
+        views = sum(e.view_bytes() for st in self.layers for c in st.chunks for e in (c.k_enc, c.v_enc) if e is not None)
+        return {"query_stats": stats, "warm_start_centroids": warm, "kernel_views": views}
 
     def nbytes(self) -> int:
         return sum(n for _, n, _ in self._stored())

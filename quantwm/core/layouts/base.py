@@ -117,6 +117,14 @@ class Layout:
     def _center(self) -> torch.Tensor:
         return self.decode().mean(1)
 
+    def view_bytes(self) -> int:
+        """Bytes of what the read path derived from this span and keeps with it (the kernel view's own tables, the
+        8-bit path's centre), tensors the span stores excluded: runtime state, not in its stored bytes."""
+        stored = {t.data_ptr() for t in {**self.components(), **self.shared()}.values()}
+        side = self.__dict__.get("kernel_side")
+        derived = [t for t in (side or ()) if isinstance(t, torch.Tensor)] + [self.__dict__.get("center")]
+        return sum(t.numel() * t.element_size() for t in derived if t is not None and t.data_ptr() not in stored)
+
     def prepare(self, lowp: str | None = None) -> None:
         """Build what the read path needs now (at commit), so that attends over a warm cache build nothing."""
         side = self.kernel_side
