@@ -15,6 +15,9 @@ from .stats import QueryStats, rope_conjugate
 
 
 class QueryHistory:
+    """The running S of `KVCache` (see the module docstring): observing queries, seeding S, reading it, and the
+    statistics a span is quantized with."""
+
     def _span_context(self, layer: int, st: LayerState, c: Chunk) -> SpanContext:
         """What the methods may read when span `c` is quantized: S (batch-major, one per stream) as it stands
         (with causal_stats, the queries of earlier chunks only; pre-RoPE spans get it in their keys' space), the

@@ -40,6 +40,17 @@ class CodeForm(NamedTuple):
     ids: torch.Tensor | None = None
 
 
+def _loadable(side: SideArgs) -> SideArgs:
+    """The side with its fp8 tensors (scales, zeros, codebook) widened to fp16 on GPUs without fp8 loads (compute
+    capability below 8.9: Triton has no e4m3 there), once, here, rather than at every launch. Exact: every e4m3
+    value is an fp16 value. Elsewhere the side as it is."""
+    if not side.data.is_cuda or torch.cuda.get_device_capability(side.data.device) >= (8, 9):
+        return side
+    wide = {f: getattr(side, f).half() for f in ("scales", "zeros", "codebook")
+            if getattr(side, f) is not None and getattr(side, f).dtype == torch.float8_e4m3fn}
+    return side._replace(**wide)
+
+
 @dataclass(frozen=True, eq=False)
 class Layout:
     """A stored span of S streams (one (batch, head) of a layer each), N tokens and head dim D."""
@@ -87,6 +98,7 @@ class Layout:
         side = self._kernel_side()
         if side is not None and self.quantized:
             _built[0] += 1
+            side = _loadable(side)
         return side
 
     @property
