@@ -62,11 +62,13 @@ class MemoryAccounting:
         return 8 * nbytes / elems if elems else float("nan")
 
     def memory(self) -> CacheMemory:
-        """The typed memory report every caller uses (see `CacheMemory`)."""
+        """The typed memory report every caller uses (see `CacheMemory`): the quantized spans' bits per element and
+        the whole cache's bytes, full-precision chunks counted as stored and as BF16 would hold them."""
         elems = sum(2 * c.n_tokens * c.bhd[0] * c.bhd[1] * c.bhd[2] for st in self.layers for c in self._chunks(st))
-        bpe = self.bits_per_element()
-        return CacheMemory(self.nbytes(), 2 * elems, self.bytes_by_component(), bpe,
-                           16 / bpe if bpe == bpe else 1.0, self.cache_bits_per_element(), self.runtime_bytes())
+        qbytes, qelems = self._quantized_totals()
+        return CacheMemory(stored_bytes=self.nbytes(), bf16_bytes=2 * elems, by_component=self.bytes_by_component(),
+                           bits_per_element=self.bits_per_element(), cache_bits_per_element=self.cache_bits_per_element(),
+                           runtime_bytes=self.runtime_bytes(), cache_bytes=qbytes + 2 * (elems - qelems))
 
     def cache_bits_per_element(self) -> float:
         """Bits per element of the whole cache: quantized and full-precision chunks together."""

@@ -143,24 +143,55 @@ class LayerState:
 
 @dataclass(frozen=True)
 class CacheMemory:
-    """What a cache holds, counted from its stored tensors (`KVCache.memory()`; docs/method.md §3.1).
+    """What a cache holds, counted from its stored tensors (`KVCache.memory()`; docs/method.md §3.1). It names
+    two different figures, and every caller prints them from here (`summary()`):
 
-    stored_bytes:   every stored tensor (quantized spans with all their metadata, full-precision chunks)
+    * the quantized spans alone: `span_bits_per_element` (codes plus all their metadata) and `span_compression`
+      (16 / that): 2.5 bits per element is 6.4x;
+    * the whole cache, its full-precision chunks (sink, recent, current) included: `cache_mb` against `bf16_mb`
+      and their ratio `cache_compression` (smaller: 2.16 MB vs 12.00 MB is 5.56x).
+
+    stored_bytes:   every stored tensor, full-precision chunks in their own dtype (float32 counts 4 bytes)
     bf16_bytes:     the same tokens' K and V at 2 bytes per element
     by_component:   stored bytes by component ("k.full", "k.codes", "v.scales", ...)
-    bits_per_element: of the quantized spans alone (nan when nothing is quantized yet)
-    compression:    16 / bits_per_element (1.0 when nothing is quantized)
-    cache_bits_per_element: of the whole cache, full-precision chunks included
+    bits_per_element: of the quantized spans alone (nan when nothing is quantized yet); `span_bits_per_element`
+    cache_bits_per_element: of the whole cache as stored (8 stored_bytes / elements)
     runtime_bytes:  state kept beside the cache, in none of the above (running S, warm-start centroids)
+    cache_bytes:    the whole cache as a BF16 deployment holds it: the quantized spans' bytes plus the
+                    full-precision chunks at 2 bytes per element (what `cache_mb` and `cache_compression` count)
     """
 
     stored_bytes: int
     bf16_bytes: int
     by_component: dict
     bits_per_element: float
-    compression: float
     cache_bits_per_element: float
     runtime_bytes: dict
+    cache_bytes: int
+
+    FIGURES = ("span_bits_per_element", "span_compression", "cache_mb", "bf16_mb", "cache_compression")
+    BYTES = ("stored_bytes", "bf16_bytes", "cache_bytes", "bits_per_element", "cache_bits_per_element")
+
+    @property
+    def span_bits_per_element(self) -> float:
+        """Bits per element of the quantized spans (nan when nothing is quantized)."""
+        return self.bits_per_element
+
+    @property
+    def span_compression(self) -> float:
+        """16 / span_bits_per_element: how much smaller the quantized spans are than BF16 (1.0 when none)."""
+        bpe = self.bits_per_element
+        return 16 / bpe if bpe == bpe and bpe > 0 else 1.0
+
+    @property
+    def compression(self) -> float:
+        """The spans' compression (`span_compression`), by its older name."""
+        return self.span_compression
+
+    @property
+    def cache_compression(self) -> float:
+        """bf16_mb / cache_mb: how much smaller the whole cache is than BF16 (1.0 when empty)."""
+        return self.bf16_bytes / self.cache_bytes if self.cache_bytes else 1.0
 
     @property
     def stored_mb(self) -> float:
@@ -169,6 +200,34 @@ class CacheMemory:
     @property
     def bf16_mb(self) -> float:
         return self.bf16_bytes / 2 ** 20
+
+    @property
+    def cache_mb(self) -> float:
+        return self.cache_bytes / 2 ** 20
+
+    def figures(self) -> dict:
+        """The named figures as plain numbers ({name: value} for `FIGURES`): tables and status lines."""
+        return {name: getattr(self, name) for name in self.FIGURES}
+
+    def summary(self) -> str:
+        """Both figures with their names: "quantized spans 2.50 bits/element (6.40x); whole cache 2.16 MB vs
+        12.00 MB BF16 (5.56x)"."""
+        bpe = self.span_bits_per_element
+        spans = (f"quantized spans {bpe:.2f} bits/element ({self.span_compression:.2f}x)" if bpe == bpe
+                 else "no quantized spans")
+        return (f"{spans}; whole cache {self.cache_mb:.2f} MB vs {self.bf16_mb:.2f} MB BF16 "
+                f"({self.cache_compression:.2f}x)")
+
+    def to_dict(self) -> dict:
+        """What a record keeps (run files' `memory`): the counts it is rebuilt from (`from_dict`) and, for readers
+        of the JSON, the named figures."""
+        return {**{name: getattr(self, name) for name in self.BYTES}, **self.figures()}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CacheMemory:
+        """A report rebuilt from `to_dict()` (by component and runtime state are not kept)."""
+        return cls(int(d["stored_bytes"]), int(d["bf16_bytes"]), {}, float(d["bits_per_element"]),
+                   float(d["cache_bits_per_element"]), {}, int(d["cache_bytes"]))
 
 
 @dataclass(frozen=True)
