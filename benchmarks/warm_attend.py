@@ -9,7 +9,9 @@ denoising passes attend over it:
 1. on CUDA under `torch.cuda.set_sync_debug_mode("error")` (any host-device sync raises), and on any device
    counted by `quantwm.core.backend.HostSyncs`; no kernel view may be built (`layouts.views_built`);
 2. on CUDA, captured in a CUDA graph and replayed: the replay must equal an eager attend on the same inputs;
-   the eager and replayed times per attend are printed.
+   the eager and replayed times per attend are printed. The graph holds the attend with `observe=False`: the
+   running S is updated outside it (`cache.observe`), since its weight n / (count + n) is a Python number that a
+   replay would repeat unchanged.
 
 Prints one line per check and exits 1 if one fails. `--method` and `--budget` choose another cache.
 """
@@ -26,9 +28,9 @@ if "--dry-run" in sys.argv:  # the interpreter must be set before the kernels ar
 
 import torch  # noqa: E402
 
-from quantwm.core.backend import HostSyncs  # noqa: E402
 from quantwm.core.cache import CacheConfig, KVCache  # noqa: E402
 from quantwm.core.layouts import views_built  # noqa: E402
+from quantwm.core.syncs import HostSyncs  # noqa: E402
 
 
 def warm_cache(method: str, budget: float | None, H: int, D: int, N: int, chunks: int, device) -> KVCache:
@@ -86,15 +88,16 @@ def main(argv=None) -> int:
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs asks
-        cache.attend(0, q, k, v, chunk=chunks)
+        cache.attend(0, q, k, v, chunk=chunks, observe=False)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = cache.attend(0, q, k, v, chunk=chunks)
+        out = cache.attend(0, q, k, v, chunk=chunks, observe=False)
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(passes):
         graph.replay()
+        cache.observe(0, q)  # S outside the graph
     torch.cuda.synchronize()
     graph_ms = (time.perf_counter() - t) / passes * 1e3
     same = torch.allclose(out.float(), eager.float(), rtol=0, atol=1e-3)

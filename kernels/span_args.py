@@ -10,7 +10,7 @@ A span has a key side and a value side, each in one of three forms:
   (code - (2^(b-1) - 1)) * scale when symmetric.
 * CHANNELS: per-channel grids over the whole span with 0-8 bits each (QuantWM's allocator). `data` is one uint8
   buffer with every stream's codes; `meta` (S, D) int64 holds each channel's byte offset in it times 16 plus
-  its bits; `scales` are the grid steps and `zeros` the low ends (S, D) fp32 (a single mean row per stream,
+  its bits; `scales` are the grid steps (S, D) as stored (fp16) and `zeros` the low ends (S, D) fp32 (a single mean row per stream,
   when the span kept one, already folded in). Code j of a b-bit channel sits at bits [j b, j b + b) from the
   channel's offset, little-endian, so it may straddle two bytes. `max_bits` is the widest channel.
 

@@ -16,7 +16,7 @@ every span (flash-decoding): a chunk with few queries still fills the GPU, and t
 splits at the end. m is kept in log2 units (logits times log2(e)).
 
 `lowp` ("int8" or "e4m3") runs both products on 8-bit operands, accumulating in fp32, at the rounding points
-of quantwm/core/fp8.py. QKᵀ: quantized keys that fp8.reads_codes accepts enter as their integer codes, exact,
+of quantwm/core/fp8.py. QKᵀ: quantized keys whose layout `reads_codes` (quantwm/core/layouts) enter as their integer codes, exact,
 against the queries rounded with one scale per row (per-token channel groups: one 3-D dot over the groups,
 each group's product times its scale; token groups: the queries times the block's channel scales, rounded per
 block; over the allocator's per-channel grids, in two terms), with q·z' and the query's codebook products
@@ -179,7 +179,8 @@ def capability(t: torch.Tensor) -> tuple[int, int] | None:
 def _loadable(t: torch.Tensor | None, fp8: bool, dummy: torch.Tensor) -> torch.Tensor:
     """t as the kernel may load it (`dummy` for an absent tensor): fp8 tensors (stored scales, codebooks) widened
     to fp16 on GPUs without fp8 loads (compute capability below 8.9: Triton has no e4m3 there). Exact: every e4m3
-    value is an fp16 value."""
+    value is an fp16 value. A fallback for sides built elsewhere: the layouts widen their sides once, when they
+    build them (quantwm/core/layouts/base.py), so this copies nothing for theirs."""
     if t is None:
         return dummy
     return t.half().contiguous() if not fp8 and t.dtype == torch.float8_e4m3fn else t.contiguous()

@@ -129,7 +129,7 @@ def cmd_memory(a) -> int:
         print("  configuration: " + "; ".join(f"{k}: {v}" for k, v in r["configuration"].items()))
     rt = r["runtime_bytes"]
     print(f"  runtime state (not in the cache figures): running S {rt['query_stats'] / 2**20:.1f} MiB, warm-start "
-          f"centroids {rt['warm_start_centroids'] / 2**20:.1f} MiB, kernel views {rt['kernel_views'] / 2**20:.1f} MiB")
+          f"centroids {rt['method_state'] / 2**20:.1f} MiB, kernel views {rt['kernel_views'] / 2**20:.1f} MiB")
     return 0
 
 
@@ -232,8 +232,8 @@ def cmd_record(a) -> int:
 
     from .evaluation.limits import Limits
     from .evaluation.runfile import write_run
-    from .evaluation.runs import make_run
-    from .evaluation.workbench import RunKey, Workbench
+    from .drivers.views import make_run
+    from .drivers.workbench import RunKey, Workbench
 
     layers = _ints(a.logit_layers, "--logit-layers") if a.logit_layers else []
     heads = _ints(a.logit_heads, "--logit-heads") if a.logit_heads else []
@@ -298,8 +298,10 @@ def cmd_app(argv: list[str]) -> int:
 
 
 def cmd_figures(a) -> int:
-    from .evaluation.figures import check_formats, run_figures
-    from .evaluation.workbench import RunKey, Workbench
+    from .drivers.registry import RunRegistry
+    from .drivers.run_figures import run_figures
+    from .drivers.workbench import RunKey, Workbench
+    from .evaluation.figures import check_formats
 
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     kinds = [k.strip() for k in a.kinds.split(",") if k.strip()]
@@ -309,7 +311,7 @@ def cmd_figures(a) -> int:
     check_formats(formats)
     key = RunKey(a.seed, a.trajectory, a.method, a.target, a.bits, a.frames)
     methods = _methods(a.methods) if a.methods.strip() else []
-    paths = run_figures(Workbench(a.weights), key, a.out_dir, kinds, formats, frame=a.frame, pixel=pixel,
+    paths = run_figures(RunRegistry(Workbench(a.weights)), key, a.out_dir, kinds, formats, frame=a.frame, pixel=pixel,
                         layer=a.layer, head=a.head, methods=methods, progress=_progress("figures"))
     print("\n".join(f"wrote {p}" for p in paths))
     return 0
@@ -317,7 +319,7 @@ def cmd_figures(a) -> int:
 
 def cmd_frontier(a) -> int:
     from .evaluation.figures import check_formats
-    from .evaluation.frontier import GRID, QUICK_GRID, describe_leads, frontier_figure, leads, make_tasks, summarise, sweep, within
+    from .drivers.frontier import GRID, QUICK_GRID, describe_leads, frontier_figure, leads, make_tasks, summarise, sweep, within
 
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     check_formats(formats)

@@ -130,3 +130,19 @@ def test_bad_budgets_are_refused_by_name(bad):
 def test_a_budget_the_tables_cannot_fit_says_so():
     with pytest.raises(ValueError, match="quantwm cannot fit 0.1 bits per element on spans of 8 tokens"):
         get_method("quantwm", budget=0.1).encode(torch.randn(1, 8, 64), "k", SpanContext())
+
+
+def test_a_span_whose_channels_all_get_zero_bits_decodes_to_its_centroids():
+    x = _span(2, 4096, 64, seed=11)
+    enc = get_method("quantwm", budget=0.02).encode(x, "v", SpanContext())  # the tables alone nearly fill it
+    assert enc.residual.codes.numel() == 0 and enc.residual.max_bits == 0
+    assert torch.equal(enc.decode(), enc.rows()) and enc.code_form().u.abs().sum() == 0
+
+
+def test_a_budget_runs_the_allocator_with_options_of_the_fixed_configuration_left_aside():
+    m = get_method("quantwm", budget=2.5, lam=4.0, psac=False, qsac=False)
+    assert m.name == "quantwm-alloc" and m.budget == 2.5 and m.qsac is False  # lam and psac do not apply to it
+    from quantwm.core.budget import configure
+
+    opts, bits = configure("quantwm", 2.5, 64, 256, "k", options={"lam": 4.0})
+    assert "budget" in opts and bits <= 2.5

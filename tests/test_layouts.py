@@ -9,11 +9,10 @@ import re
 import pytest
 import torch
 
-from quantwm.core import attention
-from quantwm.core.backend import HostSyncs
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.layouts import Layout, views_built
 from quantwm.core.methods import REGISTRY, SpanContext, get_method
+from quantwm.core.syncs import HostSyncs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 # the names of stored span tensors and of the old side dicts' entries (generic words such as "bits" are left out:
@@ -75,15 +74,27 @@ def test_every_stored_span_decodes_itself_and_counts_its_bytes(name, kind):
     assert enc.describe()
 
 
-@pytest.mark.parametrize("method, budget", [("quantwm", 2.5), ("kivi", None), ("qvg", None)])
-def test_warm_attends_make_no_host_sync_and_build_no_kernel_view(method, budget, monkeypatch):
-    """20 denoising passes over a warm cache on the fused path (the kernel replaced by a recorder: the
-    interpreter itself copies to the host) make no host sync and build no kernel view: each quantized span's
-    view was built at its commit and is the very object the launcher receives."""
+@pytest.mark.parametrize("method, budget, lowp", [("quantwm", 2.5, None), ("kivi", None, None), ("qvg", None, None),
+                                                 ("quantwm", None, None), ("quantwm+jensen", None, None),
+                                                 ("quantwm", 2.5, "int8"), ("quantwm", 2.5, "e4m3"), ("kivi", None, "e4m3")])
+def test_warm_attends_make_no_host_sync_and_build_no_kernel_view(method, budget, lowp, monkeypatch):
+    """20 denoising passes over a warm cache on the fused path make no host sync and build no kernel view: each
+    quantized span's view was built at its commit and is the very object the launcher receives. The real launcher
+    runs; only the compiled kernel's launch is replaced by a recorder (the interpreter's own work is not ours)."""
+    from quantwm.kernels import span_attention as sa
+
     monkeypatch.setenv("QUANTWM_KERNELS", "triton")
-    launched = []
-    monkeypatch.setattr(attention, "kernel", lambda name: lambda *a, **kw: launched.append((a[4], a[5])))
-    cache = KVCache(CacheConfig(method, budget=budget, check_inputs=False), 1)
+    launched, launcher = [], sa.span_attention
+
+    def recorded(q, acc, m, l, k, v, *args, **kwargs):
+        launched.append((k, v))
+        return launcher(q, acc, m, l, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(sa, "span_attention", recorded)
+    grids = []
+    monkeypatch.setattr(sa, "_span_attention_kernel", type("Launch", (), {
+        "__getitem__": lambda self, grid: grids.append(grid) or (lambda *a, **kw: None)})())
+    cache = KVCache(CacheConfig(method, budget=budget, check_inputs=False, lowp=lowp), 1)
     g = torch.Generator().manual_seed(0)
     for i in range(5):
         q, k, v = (torch.randn(1, 2, 64, 64, generator=g) for _ in range(3))
@@ -91,12 +102,12 @@ def test_warm_attends_make_no_host_sync_and_build_no_kernel_view(method, budget,
     quantized = [c for c in cache.spans(0) if c.quantized]
     assert quantized and all(c.k_enc.kernel_side is not None for c in quantized)
     q, k, v = (torch.randn(1, 2, 64, 64, generator=g) for _ in range(3))
-    built, launched[:] = views_built(), []
+    built, launched[:], grids[:] = views_built(), [], []
     with HostSyncs() as counter:
         for _ in range(20):
             cache.attend(0, q, k, v, chunk=5)
     assert counter.calls == [] and views_built() == built
-    assert len(launched) == 20 * len(cache.spans(0))
+    assert len(launched) == len(grids) == 20 * len(cache.spans(0))
     sides = {id(c.k_enc.kernel_side) for c in quantized} | {id(c.v_enc.kernel_side) for c in quantized}
     assert sides <= {id(s) for pair in launched for s in pair}
 

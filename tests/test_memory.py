@@ -48,6 +48,6 @@ def test_memory_reports_runtime_state_and_a_drifting_query_stream_stores_more_ba
     still = memory_report("tiny", 16, "quantwm", queries="none")
     assert drift["bytes"]["k.psac_basis"] > still["bytes"]["k.psac_basis"]  # a basis whenever S moves
     assert drift["runtime_bytes"]["query_stats"] == 2 * 2 * 64 * 64 * 8  # layers x heads x D x D float64
-    assert drift["runtime_bytes"]["warm_start_centroids"] > 0
+    assert drift["runtime_bytes"]["method_state"] > 0
     with pytest.raises(ValueError, match="query stream"):
         memory_report("tiny", 8, "rtn", queries="calibrated")

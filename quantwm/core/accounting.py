@@ -35,16 +35,19 @@ class MemoryAccounting:
 
     def runtime_bytes(self) -> dict[str, int]:
         """Working state a deployment keeps beside the stored cache (not in nbytes): the running S per layer
-        (float64, pending per-chunk statistics included), warm-start centroids (k-means state) and what the read
-        path derived from the stored spans at commit (kernel views' tables, the 8-bit path's centres)."""
+        (float64, pending per-chunk statistics included), the methods' state kept for later spans (k-means
+        warm-start centroids; a PSAC basis only where no stored span holds it) and what the read path derived from
+        the stored spans at commit (kernel views' tables, the 8-bit path's centres)."""
         stats = sum(x.second.numel() * x.second.element_size()
                     for st in self.layers for x in ([st.stats] if st.stats else []) + list(st.pending.values()))
         stored = {id(t) for st in self.layers for c in st.chunks for e in (c.k_enc, c.v_enc) if e is not None
                   for t in e.shared().values()}  # a PSAC basis the spans store is counted there
         warm = sum(t.numel() * t.element_size() for st in self.layers for t in st.method_state.values()
                    if id(t) not in stored)
-        views = sum(e.view_bytes() for st in self.layers for c in st.chunks for e in (c.k_enc, c.v_enc) if e is not None)
-        return {"query_stats": stats, "warm_start_centroids": warm, "kernel_views": views}
+        derived = {t.data_ptr(): t for st in self.layers for c in st.chunks for e in (c.k_enc, c.v_enc) if e is not None
+                   for t in e.view_tensors()}
+        views = sum(t.numel() * t.element_size() for t in derived.values())
+        return {"query_stats": stats, "method_state": warm, "kernel_views": views}
 
     def nbytes(self) -> int:
         return sum(n for _, n, _ in self._stored())

@@ -6,10 +6,6 @@
                             import of kernels/ (this is how the tests drive the kernels through the cache)
 
 Triton is imported lazily, on first use, so `import quantwm` works on machines without it.
-
-`HostSyncs` counts the calls that would make the host wait on a CUDA device (values copied to the host, host
-lists copied to the device), on any device: tests and benchmarks/warm_attend.py check the sync-free attend with
-it on the CPU, where `torch.cuda.set_sync_debug_mode` does not apply.
 """
 from __future__ import annotations
 
@@ -19,7 +15,6 @@ from collections.abc import Callable
 from functools import cache
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 MODES = ("auto", "ref", "triton")
 
@@ -61,22 +56,3 @@ def device_name() -> str:
         return f"cuda:0 ({torch.cuda.get_device_name(0)})"
     return "cpu"
 
-
-class HostSyncs(TorchFunctionMode):
-    """Within `with HostSyncs() as h:`, h.calls lists every call that copies tensor values to the host (a
-    host-device sync on CUDA: .item(), .tolist(), bool/int/float of a tensor, .cpu(), nonzero, unique, ...) or a
-    host list to the device (`torch.tensor`)."""
-
-    SYNCS = frozenset({"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "cpu", "numpy", "nonzero",
-                       "unique", "tensor", "masked_select", "_local_scalar_dense"})
-
-    def __init__(self):
-        super().__init__()
-        self.calls: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in self.SYNCS or (name == "to" and "cpu" in map(str, (*args[1:], *kwargs.values()))):
-            self.calls.append(name)
-        return func(*args, **kwargs)

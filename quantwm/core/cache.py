@@ -249,16 +249,19 @@ class KVCache(MemoryAccounting, QueryHistory):
     def _quantize(self, layer: int, st: LayerState, c: Chunk) -> None:
         B, H, N, D = c.k.shape
         ctx = self._span_context(layer, st, c)
+        fused = self.config.rope == "post" and (self.config.lowp is not None or use_kernels(c.k))  # read by kernels
         if self.quantize_k:
             self._budgeted("k", c.k.reshape(B * H, N, D))
             c.exact_k = c.k if self.config.keep_exact else None  # diagnostics only, not counted in nbytes
             c.k_enc, c.k = self.k_method.encode(c.k.reshape(B * H, N, D), "k", ctx), None
-            c.k_enc.prepare(self.config.lowp)  # the kernel's view, built once (layouts/base.py)
+            if fused:
+                c.k_enc.prepare(self.config.lowp)  # the kernel's view, built once (layouts/base.py)
         if self.quantize_v:
             self._budgeted("v", c.v.reshape(B * H, N, D))
             c.exact_v = c.v if self.config.keep_exact else None
             c.v_enc, c.v = self.v_method.encode(c.v.reshape(B * H, N, D), "v", ctx), None
-            c.v_enc.prepare()
+            if fused:
+                c.v_enc.prepare()
 
     # ---- reading --------------------------------------------------------------------------------
     def _chunks(self, st: LayerState) -> list[Chunk]:

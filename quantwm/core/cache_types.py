@@ -156,7 +156,8 @@ class CacheMemory:
     by_component:   stored bytes by component ("k.full", "k.codes", "v.scales", ...)
     bits_per_element: of the quantized spans alone (nan when nothing is quantized yet); `span_bits_per_element`
     cache_bits_per_element: of the whole cache as stored (8 stored_bytes / elements)
-    runtime_bytes:  state kept beside the cache, in none of the above (running S, warm-start centroids)
+    runtime_bytes:  state kept beside the cache, in none of the above: "query_stats" (running S), "method_state"
+                    (warm-start centroids), "kernel_views" (the read path's tables built at commit)
     cache_bytes:    the whole cache as a BF16 deployment holds it: the quantized spans' bytes plus the
                     full-precision chunks at 2 bytes per element (what `cache_mb` and `cache_compression` count)
     """

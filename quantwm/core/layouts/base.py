@@ -40,7 +40,7 @@ class CodeForm(NamedTuple):
     ids: torch.Tensor | None = None
 
 
-def _loadable(side: SideArgs) -> SideArgs:
+def _widened_for_device(side: SideArgs) -> SideArgs:
     """The side with its fp8 tensors (scales, zeros, codebook) widened to fp16 on GPUs without fp8 loads (compute
     capability below 8.9: Triton has no e4m3 there), once, here, rather than at every launch. Exact: every e4m3
     value is an fp16 value. Elsewhere the side as it is."""
@@ -88,17 +88,18 @@ class Layout:
         return type(self).__name__
 
     # ---- the fused read path ------------------------------------------------------------------
-    def _kernel_side(self) -> SideArgs | None:
-        """Build the kernel's view (subclasses); None when the kernel cannot read this form."""
+    def make_kernel_side(self) -> SideArgs | None:
+        """Build the kernel's view, uncached (subclasses; `kernel_side` keeps it); None when the kernel cannot
+        read this form."""
         return None
 
     @cached_property
     def kernel_side(self) -> SideArgs | None:
         """The kernel's view of this span (kernels/span_args.py), built once; None: the reference path reads it."""
-        side = self._kernel_side()
+        side = self.make_kernel_side()
         if side is not None and self.quantized:
             _built[0] += 1
-            side = _loadable(side)
+            side = _widened_for_device(side)
         return side
 
     @property
@@ -124,18 +125,20 @@ class Layout:
     def center(self) -> torch.Tensor:
         """A per-channel centre (S, D) float32 of the span read off its stored parameters (no decode pass): the
         8-bit path subtracts it from keys it rounds. Any centre keeps the logits exact but for rounding."""
-        return self._center()
+        return self.make_center()
 
-    def _center(self) -> torch.Tensor:
+    def make_center(self) -> torch.Tensor:
+        """The centre, uncached (subclasses read it off their stored parameters; `center` keeps it)."""
         return self.decode().mean(1)
 
-    def view_bytes(self) -> int:
-        """Bytes of what the read path derived from this span and keeps with it (the kernel view's own tables, the
-        8-bit path's centre), tensors the span stores excluded: runtime state, not in its stored bytes."""
+    def view_tensors(self) -> list[torch.Tensor]:
+        """What the read path derived from this span and keeps with it (the kernel view's own tables, the 8-bit
+        path's centre), tensors the span stores excluded: runtime state, not in its stored bytes. Tensors several
+        spans share (a PSAC basis in fp32) are the same objects in each; the cache counts them once."""
         stored = {t.data_ptr() for t in {**self.components(), **self.shared()}.values()}
         side = self.__dict__.get("kernel_side")
         derived = [t for t in (side or ()) if isinstance(t, torch.Tensor)] + [self.__dict__.get("center")]
-        return sum(t.numel() * t.element_size() for t in derived if t is not None and t.data_ptr() not in stored)
+        return [t for t in derived if t is not None and t.data_ptr() not in stored]
 
     def prepare(self, lowp: str | None = None) -> None:
         """Build what the read path needs now (at commit), so that attends over a warm cache build nothing."""

@@ -7,8 +7,9 @@ channel's first byte, little-endian, so codes of 3, 5, 6 or 7 bits straddle byte
 low + code * step; a 0-bit channel decodes to 0 (its centroid alone).
 
 Worked example, N = 5 tokens, one stream, widths (2, 0, 3): channel 0 takes ceil(5·2/8) = 2 bytes at offset 0,
-channel 1 none, channel 2 takes ceil(5·3/8) = 2 bytes at offset 2; its code 3 sits at bits 9-11 of those two
-bytes: bit 1 of byte 3 to bit 3 of byte 3. The kernel's table holds offset * 16 + bits: (0·16+2, 0, 2·16+3).
+channel 1 none (its offset is 2, where the next channel starts), channel 2 takes ceil(5·3/8) = 2 bytes at offset
+2; its code 3 sits at bits 9-11 of those two bytes: bits 1-3 of byte 3. The kernel's table holds offset * 16 +
+bits: (0·16+2, 2·16+0, 2·16+3) = (2, 32, 35).
 """
 from __future__ import annotations
 
@@ -73,7 +74,7 @@ class Channels(Layout):
         bits = self.bits.long()
         off = channel_offsets(self.bits, self.n_tokens)
         pos = torch.arange(self.n_tokens, device=bits.device)[None, :, None] * bits[:, None, :]  # bit positions
-        buf = torch.nn.functional.pad(self.codes.long(), (0, 1))
+        buf = torch.nn.functional.pad(self.codes.long(), (0, 2))  # a code's second byte; an empty buffer reads 0
         byte = torch.where(bits[:, None, :] > 0, off[:, None, :] + pos // 8, 0)
         return ((buf[byte] | (buf[byte + 1] << 8)) >> (pos % 8)) & ((1 << bits[:, None, :]) - 1)
 
@@ -93,7 +94,7 @@ class Channels(Layout):
         """The low ends as the kernel reads them: 0 on 0-bit channels (code 0 there)."""
         return torch.where(self.bits > 0, self.low.float(), 0.0)
 
-    def _kernel_side(self) -> SideArgs:
+    def make_kernel_side(self) -> SideArgs:
         meta = channel_offsets(self.bits, self.n_tokens) * 16 + self.bits.long()
         return SideArgs(CHANNELS, self.codes, self.n_tokens, self.step_, self._low_read(), meta,
                         max_bits=self.max_bits)
@@ -109,6 +110,6 @@ class Channels(Layout):
         return CodeForm(self.int_codes().float() - half, sc, self._low_read()[:, None, :] + half * sc, self.n_tokens,
                         True, two_term=True)
 
-    def _center(self) -> torch.Tensor:
+    def make_center(self) -> torch.Tensor:
         """Low end plus half the grid."""
         return self._low_read() + self.step_.float() * (2.0 ** self.bits.float() - 1) / 2

@@ -44,10 +44,10 @@ class Full(Layout):
     def describe(self) -> str:
         return f"full precision ({str(self.data.dtype).removeprefix('torch.')})"
 
-    def _kernel_side(self) -> SideArgs:
+    def make_kernel_side(self) -> SideArgs:
         return SideArgs(FULL, self.data, self.data.shape[1])
 
-    def _center(self) -> torch.Tensor:
+    def make_center(self) -> torch.Tensor:
         return self.data.float().mean(1)
 
 
@@ -74,7 +74,7 @@ class Grouped(Layout):
         q = self.q
         return f"{q.bits}-bit {'symmetric' if q.symmetric else 'asymmetric'} groups of {q.group_size} along {q.axis}s"
 
-    def _kernel_side(self) -> SideArgs | None:
+    def make_kernel_side(self) -> SideArgs | None:
         q, D = self.q, self.shape[-1]
         G = q.group_size
         if q.bits not in (2, 4, 8) or (q.axis == "channel" and (D % G or G & (G - 1))):
@@ -86,7 +86,7 @@ class Grouped(Layout):
         """Codes that fit the format (any width in INT8, up to 4 bits in e4m3), grouped along channels in groups of
         at least 16 (a tensor-core dot per group) or along tokens in whole key tiles (one group per tile)."""
         q, D = self.q, self.shape[-1]
-        if self._kernel_side() is None or (qk == "e4m3" and q.bits > 4):
+        if self.make_kernel_side() is None or (qk == "e4m3" and q.bits > 4):
             return False
         return q.group_size >= 16 and D % q.group_size == 0 if q.axis == "channel" else q.group_size % BLOCK_N == 0
 
@@ -98,7 +98,7 @@ class Grouped(Layout):
         zp = sc if q.symmetric else q.zero.float() + sc * half
         return CodeForm(u, sc, zp, q.group_size, q.axis == "token")
 
-    def _center(self) -> torch.Tensor:
+    def make_center(self) -> torch.Tensor:
         """The mid-grid value of every group (its zero plus half the grid; 0 on a symmetric grid), averaged over
         the span."""
         q = self.q
@@ -148,8 +148,8 @@ class Codebook(Layout):
         K = self.stages[0][0].shape[1]
         return f"{len(self.stages)} codebook stage(s) of {K} rows; residual: {self.residual.describe()}"
 
-    def _kernel_side(self) -> SideArgs | None:
-        side = self.residual._kernel_side()
+    def make_kernel_side(self) -> SideArgs | None:
+        side = self.residual.make_kernel_side()
         if side is None or len(self.stages) != 1:
             return None
         codebook, ids = self.stages[0]
@@ -167,5 +167,5 @@ class Codebook(Layout):
             return form._replace(offsets=form.offsets + codebook.float())
         return form._replace(codebook=codebook, ids=ids)
 
-    def _center(self) -> torch.Tensor:
-        return self.residual._center() + sum(codebook.float().mean(1) for codebook, _ in self.stages)
+    def make_center(self) -> torch.Tensor:
+        return self.residual.make_center() + sum(codebook.float().mean(1) for codebook, _ in self.stages)

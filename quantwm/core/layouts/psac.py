@@ -11,6 +11,7 @@ coefficients of 2, 4 or 8 bits and R ≤ 16; other forms are read by the referen
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -22,6 +23,16 @@ from ..quant import GroupQuant, dequantize_groups
 from .base import CodeForm, Layout
 
 MAX_FUSED_RANK = 16
+_FP32_BASES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def fp32_basis(U: torch.Tensor) -> torch.Tensor:
+    """U in fp32, one copy per stored basis however many spans share it (alive while a span holds it)."""
+    key = (id(U), U.data_ptr())
+    wide = _FP32_BASES.get(key)
+    if wide is None:
+        wide = _FP32_BASES[key] = U.float()
+    return wide
 
 
 @dataclass(frozen=True, eq=False)
@@ -63,23 +74,29 @@ class Compensated(Layout):
         c = self.coeffs
         return c.axis == "token" and not c.symmetric and c.bits in (2, 4, 8) and self.basis.shape[-1] <= MAX_FUSED_RANK
 
-    def _kernel_side(self) -> SideArgs | None:
-        return self.base._kernel_side() if self._fused_coeffs() else None
+    def make_kernel_side(self) -> SideArgs | None:
+        return self.base.make_kernel_side() if self._fused_coeffs() else None
 
     @cached_property
     def _direction_terms(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(U (S, D, R), scales (S, R), zeros (S, R)) in fp32: one scale and zero per direction."""
-        return self.basis.float(), self.coeffs.scale.float()[:, 0], self.coeffs.zero.float()[:, 0]
+        return fp32_basis(self.basis), self.coeffs.scale.float()[:, 0], self.coeffs.zero.float()[:, 0]
 
     def prepare(self, lowp: str | None = None) -> None:
         super().prepare(lowp)
         if self.kernel_side is not None:
             _ = self._direction_terms
 
+    def view_tensors(self) -> list[torch.Tensor]:
+        return super().view_tensors() + (list(self.__dict__["_direction_terms"]) if "_direction_terms" in self.__dict__
+                                         else [])
+
     def keys_read(self) -> Layout:
         return self.base
 
-    def psac_args(self, q: torch.Tensor) -> PsacArgs:
+    def psac_args(self, q: torch.Tensor) -> PsacArgs | None:
+        if not self._fused_coeffs():  # per-token or symmetric coefficients: the reference path decodes them
+            return None
         U, scales, zeros = self._direction_terms
         pq = torch.bmm(q.float(), U)  # (S, Nq, D) @ (S, D, R) -> (S, Nq, R)
         return PsacArgs(pq * scales[:, None], (pq * zeros[:, None]).sum(-1), self.coeffs.codes, self.coeffs.bits)
@@ -90,8 +107,8 @@ class Compensated(Layout):
     def code_form(self) -> CodeForm:
         return self.base.code_form()
 
-    def _center(self) -> torch.Tensor:
-        return self.base._center()
+    def make_center(self) -> torch.Tensor:
+        return self.base.make_center()
 
 
 @dataclass(frozen=True, eq=False)

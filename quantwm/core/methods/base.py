@@ -15,6 +15,7 @@ methods such as KIVI and QuantWM treat Keys and Values differently.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -103,8 +104,10 @@ def get_method(name: str, **overrides) -> Method:
     """Build a method by registry name (a '+jensen' suffix is accepted and ignored here)."""
     base, _ = parse_method_name(name)
     cls = REGISTRY[base]
-    if "budget" in overrides and cls.at_budget:  # `--set budget=B`: the family's allocator
-        cls = REGISTRY[cls.at_budget]
+    if "budget" in overrides and cls.at_budget:  # `--set budget=B`: the family's allocator, which takes the options
+        cls = REGISTRY[cls.at_budget]               # it has (budget, qsac, its centroids); the fixed configuration's
+        own = {f.name for f in dataclasses.fields(cls)}  # (lam, psac, ...) do not apply to it
+        overrides = {k: v for k, v in overrides.items() if k in own}
     try:
         return cls(**overrides)
     except TypeError as e:
