@@ -96,9 +96,8 @@ def worker(a) -> dict:
             times.append(time.perf_counter() - t0)
             peak_cache = max(peak_cache, cache.nbytes())
             latents.append(x.float().cpu())
-    comp = cache.bytes_by_component()
-    full = sum(n for k, n in comp.items() if k.endswith(".full"))
-    quant = sum(comp.values()) - full
+    quant = cache.quantized_bytes()
+    full = cache.nbytes() - quant
     frames = lambda quantized: sum(c.n_tokens for c in cache.inspect(0) if c.quantized == quantized) // tpf
     total_frames = a.chunks * a.chunk_frames
     if a.latents_out:

@@ -3,6 +3,7 @@ fused kernel its view, built once; nothing outside the layouts tests a span's te
 warm cache builds no view and waits on nothing."""
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 
@@ -15,41 +16,84 @@ from quantwm.core.methods import REGISTRY, SpanContext, get_method
 from quantwm.core.syncs import HostSyncs
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-# the names of stored span tensors and of the old side dicts' entries (generic words such as "bits" are left out:
-# plain dicts of the app and the reports use them)
-NAMES = r"(alloc_\w*|codes|scales|zeros|codebook\d*|centroid_ids\d*|ids|full|psac_\w*|center|block_scales|" \
-        r"tensor_scales)"
-TESTS_OF_NAMES = [
-    re.compile(r"""["']\.?""" + NAMES + r"""(\.\{?\w*\}?)?["']\s+(not\s+)?in\b"""),  # "codes" in side
-    re.compile(r"""\b\w+\s*\[\s*f?["']""" + NAMES + r"""["'\.{]"""),  # side["codes"], t[f"codebook{s}"]
-    re.compile(r"\.(tensors|shared)\s*\["),  # enc.tensors[...]
-    re.compile(r"""\.get\(\s*["']""" + NAMES + r"""["']"""),  # side.get("zeros")
-]
+NAME_CALLS = {"get", "pop", "setdefault", "startswith", "endswith", "getattr", "hasattr", "removeprefix"}
+
+
+def _base(name: str) -> str:
+    """A component name without its stage digits, stream suffix or half: "codebook0" -> "codebook",
+    "psac_codes.3" -> "psac_codes", "k.alloc_codes" -> "alloc_codes", f"codebook{s}" -> "codebook"."""
+    name = re.sub(r"\.\d+$", "", name.split("{")[0]).strip(".")
+    name = re.sub(r"^[kv]\.", "", name)
+    return re.sub(r"^(codebook|centroid_ids)\d+$", r"\1", name)
+
+
+def _span_names() -> set[str]:
+    """Every component name a registered method's layout stores, plus the entries of the side dicts the layouts
+    replaced; a name that is also a method's ("bf16") is left out."""
+    stats = torch.eye(64).expand(2, 64, 64) + 0.1
+    x = torch.randn(2, 128, 64, generator=torch.Generator().manual_seed(1))
+    names = {"full", "center", "alloc_meta", "alloc_codes", "psac", "centroids", "codebook", "ids"}
+    for name in REGISTRY:
+        for kind in "kv":
+            options = {"psac_energy": 0.9} if name == "quantwm" else {}
+            enc = get_method(name, **options).encode(x, kind, SpanContext(stats=stats, history=10))
+            names |= {_base(n) for n in {**enc.components(), **enc.shared()}}
+    return names - set(REGISTRY)  # "bf16" names a method too
+
+
+def _offences(text: str, names: set[str]) -> list[str]:
+    """Lines that test a string naming a span tensor: compared (`in`, `==`), used as a subscript, or passed to
+    get/pop/setdefault/startswith/endswith/getattr (read from the AST: any spelling of the expression counts)."""
+    found = []
+
+    def named(node) -> bool:
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            return _base(node.value) in names
+        if isinstance(node, ast.JoinedStr) and node.values and isinstance(node.values[0], ast.Constant):
+            return _base(str(node.values[0].value)) in names
+        if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+            return any(named(e) for e in node.elts)
+        return False
+
+    for node in ast.walk(ast.parse(text)):
+        parts = []
+        if isinstance(node, ast.Compare):
+            parts = [node.left, *node.comparators]
+        elif isinstance(node, ast.Subscript):
+            parts = [node.slice]
+        elif isinstance(node, ast.Call):
+            f = node.func
+            called = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
+            parts = node.args if called in NAME_CALLS else []
+        if any(named(p) for p in parts):
+            found.append(f"{node.lineno}: {ast.get_source_segment(text, node)}")
+    return found
 
 
 def _code_files():
+    yield ROOT / "app.py"
     for top in ("quantwm", "kernels", "app", "benchmarks"):
         for path in sorted((ROOT / top).rglob("*.py")):
             if "layouts" not in path.relative_to(ROOT).parts:
                 yield path
 
 
-def _offences(text: str) -> list[str]:
-    return [line.strip() for line in text.splitlines() if any(p.search(line) for p in TESTS_OF_NAMES)]
-
-
 def test_nothing_outside_the_layouts_tests_a_spans_tensor_names():
-    found = {str(p.relative_to(ROOT)): o for p in _code_files() if (o := _offences(p.read_text()))}
+    names = _span_names()
+    found = {str(p.relative_to(ROOT)): o for p in _code_files() if (o := _offences(p.read_text(), names))}
     assert not found, found
 
 
 def test_the_name_check_sees_the_old_ways():
-    assert _offences('if "alloc_codes" in side:')
-    assert _offences('codes = side["codes"]')
-    assert _offences('x = enc.tensors["scales"]')
-    assert _offences('zero = side.get("zeros")')
-    assert _offences('c = t[f"codebook{s}"]')
-    assert not _offences('out = layout.decode()')
+    names = _span_names()
+    assert {"codes", "scales", "zeros", "codebook", "centroid_ids", "alloc_bits", "psac_basis", "psac_codes"} <= names
+    for old in ('if "alloc_codes" in side: pass', 'codes = side["codes"]', 'x = enc.tensors["scales"]',
+                'zero = side.get("zeros")', 'c = t[f"codebook{s}"]', 'n = sum(1 for k in t if ".centroids" in k)',
+                'b = by_component["k.alloc_codes"]', 'f = name.endswith(".full")', 'p = side.pop("psac", None)',
+                'ok = name == "codes" or key in ("codes", "scales")', 'c = getattr(side, "codebook")',
+                'r = enc.components()["psac_codes.0"]'):
+        assert _offences(old, names), old
+    assert not _offences("out = layout.decode()\nname = 'codes_of_something'\nd = {'codes': 1}", names)
 
 
 SPAN = torch.randn(2, 97, 64, generator=torch.Generator().manual_seed(0)) * 2 + 0.5

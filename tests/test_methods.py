@@ -356,7 +356,7 @@ def test_qvg_warm_start_state_per_kind_and_stage(name, gauss):
     centroids = {k: v for k, v in state.items() if ".centroids" in k}
     assert set(centroids) == {f"{kind}.centroids{s}" for kind in "kv" for s in range(m.stages)}
     assert all(c.shape == (S, K, D) for c in centroids.values())
-    assert set(state) - set(centroids) == ({"k.psac_basis"} if getattr(m, "psac", False) else set())
+    assert set(state) - set(centroids) == ({"k.basis"} if getattr(m, "psac", False) else set())
 
 
 def test_qvg_warm_start_reuses_centroids(gauss):

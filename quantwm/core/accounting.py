@@ -52,6 +52,11 @@ class MemoryAccounting:
     def nbytes(self) -> int:
         return sum(n for _, n, _ in self._stored())
 
+    def quantized_bytes(self) -> int:
+        """Bytes of the quantized spans' stored tensors (codes and all their metadata; full-precision chunks and
+        halves excluded)."""
+        return self._quantized_totals()[0]
+
     def _quantized_totals(self) -> tuple[int, int]:
         """(bytes, elements) of the quantized halves of the committed chunks."""
         nbytes = sum(n for _, n, quantized in self._stored() if quantized)

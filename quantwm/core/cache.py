@@ -50,7 +50,7 @@ this module touches the cache's private fields:
     cache.next_chunk(layer); cache.next_token(layer)    # where the next chunk goes (chunk index, token position)
     cache.reset()                        # empty every layer for a new video
     cache.memory()                       # `CacheMemory`: stored and BF16 bytes, bits per element, compression
-    cache.nbytes(); bytes_by_component(); runtime_bytes(); bits_per_element()
+    cache.nbytes(); bytes_by_component(); quantized_bytes(); runtime_bytes(); bits_per_element()
 
 `CacheConfig(method="qvg", jensen=True)` and `CacheConfig(method="qvg+jensen")` are the same configuration.
 `CacheConfig(method="kivi", budget=2.5)` lets the method choose its configuration from the budget (bits per
@@ -84,7 +84,7 @@ PUBLIC = ("n_layers", "config", "rope", "quantize_k", "quantize_v", "uses_querie
           "attend", "write",
           "commit", "evict_span", "observe", "load_query_stats", "seq_len", "inspect", "positions", "keys", "values",
           "query_stats", "key_steps", "logit_bias", "next_chunk", "next_token", "reset", "memory", "nbytes",
-          "bytes_by_component", "runtime_bytes", "bits_per_element", "cache_bits_per_element")
+          "bytes_by_component", "runtime_bytes", "bits_per_element", "cache_bits_per_element", "quantized_bytes")
 
 RopeFn = Callable[..., torch.Tensor]
 

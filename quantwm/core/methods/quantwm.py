@@ -100,9 +100,9 @@ class QuantWM(QVGBudget):
         span = Codebook(stages, Grouped(q))
         if not self.psac or no_history:
             return span
-        U = psac_basis(stats, self.psac_rank, ctx.state.get("k.psac_basis"), self.basis_reuse,
+        U = psac_basis(stats, self.psac_rank, ctx.state.get("k.basis"), self.basis_reuse,
                        SCALE_DTYPES[self.psac_basis_dtype])
-        ctx.state["k.psac_basis"] = U
+        ctx.state["k.basis"] = U  # the next span reuses it while the query subspace holds
         err = r - dequantize_groups(q)
         if self.psac_energy is not None:
             ranks = spectrum_ranks(stats, self.psac_energy, U.shape[-1])
