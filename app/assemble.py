@@ -1,6 +1,7 @@
 """Assembles the QuantWM diagnostics app: `gr.Blocks` from the tabs of this package around the compute side
-(`quantwm.evaluation.workbench.Workbench`: the built-in world model, loaded once); the numerical work lives
-in quantwm/. With no trace given, the trace tab analyses the built-in synthetic world trace (made at
+(`quantwm.drivers.workbench.Workbench`: the built-in world model, loaded once, and
+`quantwm.drivers.registry.RunRegistry`: every run shown, built-in or opened); the numerical work lives in
+quantwm/. With no trace given, the trace tab analyses the built-in synthetic world trace (made at
 start-up, no downloads). Started by app/main.py.
 """
 from __future__ import annotations
@@ -14,10 +15,11 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
+from quantwm.drivers.registry import RunRegistry  # noqa: E402
+from quantwm.drivers.workbench import Workbench  # noqa: E402
 from quantwm.evaluation.figures import FORMATS  # noqa: E402
 from quantwm.evaluation.synthetic import make_synthetic_trace  # noqa: E402
 from quantwm.evaluation.trace import read_trace  # noqa: E402
-from quantwm.evaluation.workbench import Workbench  # noqa: E402
 
 from . import handlers  # noqa: E402
 from . import world_handlers as wh
@@ -57,14 +59,16 @@ def _bind(fn, *args, **kwargs):
 
 
 def build_app(trace: str | None = None, workbench: Workbench | None = None, frames: int = 32,
-              delete_cache: tuple[int, int] = (300, 1800), live=None) -> gr.Blocks:
+              delete_cache: tuple[int, int] = (300, 1800), live=None, runs: RunRegistry | None = None) -> gr.Blocks:
     """The app. `delete_cache` (every, age) in seconds: Gradio's copies of served files (videos, frames)
     older than `age` are deleted every `every` seconds, and all of them when the server stops. `live`: a
     real model's backend for generating on demand (`adapters.self_forcing.SelfForcingLive`; app/main.py
-    `--model self-forcing`)."""
+    `--model self-forcing`). `runs`: the run registry (with run files already opened), else one made over
+    `workbench`."""
     trace_path = default_trace(trace, wh.app_files().root)
-    wb = workbench or Workbench()
-    wh.track_evictions(wb)
+    runs = runs or RunRegistry(workbench or Workbench())
+    wb = runs.wb
+    wh.track_evictions(runs)
     facts = wb.model_facts()
     methods = wb.methods()  # what the built-in model can run; the trace tab takes the same list
     check = wb.limits.check_upload
@@ -75,22 +79,22 @@ def build_app(trace: str | None = None, workbench: Workbench | None = None, fram
                     f"{wb.limits.describe()} One generation runs at a time; others wait in the queue.",
                     elem_id="header")
         with gr.Tab("Generate & play"):
-            controls = build_playback_tab(_bind(wh.generate_handler, wb), _bind(wh.scrub_handler, wb),
-                                          _bind(wh.trace_pixel_handler, wb), _bind(wh.click_pixel_handler, wb),
-                                          _bind(wh.export_handler, wb), methods, facts, FORMATS,
+            controls = build_playback_tab(_bind(wh.generate_handler, runs), _bind(wh.scrub_handler, runs),
+                                          _bind(wh.trace_pixel_handler, runs), _bind(wh.click_pixel_handler, runs),
+                                          _bind(wh.export_handler, runs), methods, facts, FORMATS,
                                           min(frames, wb.limits.max_frames), wb.limits.max_frames,
-                                          _bind(wh.open_run_handler, wb), wb.opened_runs(),
+                                          _bind(wh.open_run_handler, runs), runs.opened(),
                                           None if live is None else {
                                               "kind": live.kind, "device": live.device_name,
                                               "latent_frames": live.LATENT_FRAMES,
-                                              "generate": _bind(wh.live_generate_handler, wb, live)})
+                                              "generate": _bind(wh.live_generate_handler, runs, live)})
         with gr.Tab("Query energy"):
-            build_energy_tab(_bind(wh.energy_handler, wb), controls, facts["layers"])
+            build_energy_tab(_bind(wh.energy_handler, runs), controls, facts["layers"])
         with gr.Tab("Key vs Value"):
             baselines = [m for m in methods if m != "bf16" and not m.startswith("quantwm")]
-            build_key_value_tab(_bind(wh.key_value_handler, wb), controls, baselines, KV_BASELINE)
+            build_key_value_tab(_bind(wh.key_value_handler, runs), controls, baselines, KV_BASELINE)
         with gr.Tab("Methods"):
-            build_methods_tab(_bind(wh.methods_handler, wb), _bind(wh.export_methods_handler, wb), methods,
+            build_methods_tab(_bind(wh.methods_handler, runs), _bind(wh.export_methods_handler, runs), methods,
                               controls, FORMATS)
         with gr.Tab("Trace analysis"):
             build_analysis_tab(partial(handlers.analyze_handler, check_upload=check), methods, trace_path,

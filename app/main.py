@@ -123,8 +123,9 @@ def main(argv: list[str] | None = None, restart: bool = True) -> None:
         files = TempFiles()
         atexit.register(files.close)
         os.environ.setdefault("GRADIO_TEMP_DIR", os.path.join(files.root, "gradio"))
+        from quantwm.drivers.registry import RunRegistry
+        from quantwm.drivers.workbench import Workbench
         from quantwm.evaluation.limits import Limits
-        from quantwm.evaluation.workbench import Workbench
 
         from . import world_handlers
         from .assemble import build_app, launch_options
@@ -134,10 +135,11 @@ def main(argv: list[str] | None = None, restart: bool = True) -> None:
         wb.set_limits(Limits.from_machine(
             wb.cfg, len(wb.methods()), wb.calibrate(), memory_mb=a.memory_mb, max_seconds=a.max_seconds,
             max_frames=a.max_frames, max_methods=a.max_methods, max_upload_mb=a.max_upload_mb, cache_mb=a.cache_mb))
+        runs = RunRegistry(wb)
         for path in a.run:
-            wb.open_run(path)  # a bad file stops the start here, with its reason
+            runs.open(path)  # a bad file stops the start here, with its reason
         print(f"quantwm app: {wb.limits.describe()}", flush=True)
-        app = build_app(a.trace, wb, delete_cache=(max(1, a.file_age // 6), a.file_age), live=live)
+        app = build_app(a.trace, delete_cache=(max(1, a.file_age // 6), a.file_age), live=live, runs=runs)
     except ValueError as e:
         print(f"quantwm app: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -1,6 +1,7 @@
 """Handlers of the world-model tabs: plain values in, a dict of plain values out (no torch, no gradio).
 
-Every handler takes the compute object (`quantwm.evaluation.workbench.Workbench`) first; app.py binds it. Bad input
+Every handler takes the run registry first (`quantwm.drivers.registry.RunRegistry`: every run shown, built-in
+or opened, by run id, and the Workbench as `runs.wb`); app/assemble.py binds it. Bad input
 never raises: the dict then holds an "**Error:** ..." status and None for every output it leaves alone
 (the tabs turn None into "no change"). Anything else that goes wrong inside a handler (`guarded`) also
 ends in a message, with the traceback on the server's stderr: the app stays up for everyone.
@@ -42,9 +43,10 @@ def app_files() -> media.TempFiles:
     return FILES or use_files(media.TempFiles())
 
 
-def track_evictions(wb) -> None:
-    """Delete a run's videos when the workbench's results cache evicts it."""
-    wb.on_evict.append(lambda key: app_files().forget(getattr(key, "id", key)))  # a RunKey, or an opened run's id
+def track_evictions(runs) -> None:
+    """Delete a run's videos when the workbench's results cache evicts it or the registry drops an opened run."""
+    runs.wb.on_evict.append(lambda key: app_files().forget(key.id))
+    runs.on_evict.append(lambda run_id: app_files().forget(run_id))
 
 
 def error(message: str, **keep) -> dict:
@@ -74,7 +76,7 @@ def _choice(value, name: str):
 
 
 def _key(seed, trajectory, method, target, bits, frames):
-    from quantwm.evaluation.workbench import RunKey
+    from quantwm.drivers.runs import RunKey
 
     return RunKey(integer(seed, "world seed"), name(trajectory, "trajectory"), name(method, "method"),
                   name(target, "target"), integer(bits, "bits"), integer(frames, "frames"))
@@ -94,13 +96,16 @@ def _fmt(x, digits=4):
     return None if x is None else round(float(x), digits)
 
 
-def generate_handler(wb, seed, trajectory, method, target, bits, frames, budget=None,
+def generate_handler(runs, seed, trajectory, method, target, bits, frames, budget=None,
                      progress: Callable | None = None) -> dict:
     """Generate (or fetch) BF16 and the method: videos, per-frame figure, summary, the worst frame. With a
     budget (bits per element; 0 or empty: none), the method configures itself within it instead of running at
     `bits`."""
     from dataclasses import replace
 
+    from quantwm.drivers import studies
+
+    wb = runs.wb
     try:
         key = _key(seed, trajectory, method, target, bits, frames)
         if budget is not None and str(budget).strip() not in ("", "0", "0.0"):  # 0 or empty: run at `bits`
@@ -108,36 +113,36 @@ def generate_handler(wb, seed, trajectory, method, target, bits, frames, budget=
         wb.check_frames(key.frames)
         cached = wb.cached(key) and wb.cached(key.reference())
         start = time.perf_counter()
-        cmp = wb.compare(key, progress)
+        cmp = studies.compare(wb, key, progress)
         seconds = time.perf_counter() - start  # this request's wall time, waits and both rollouts included
     except ValueError as e:
         return error(str(e))
     origin = "from the cache" if cached else f"generated in {seconds:.1f} s"
     size = f"{key.bits}-bit" if key.budget is None else f"within {key.budget:g} bits"
     if key.budget is not None:
-        origin += f"; configuration within {key.budget:g} bits: {wb.configuration(key)}"
+        origin += f"; configuration within {key.budget:g} bits: {studies.configuration(wb, key)}"
     return _shown(cmp, key.id, wb.model_facts()["context_frames"], origin, f"{key.method} {size}")
 
 
 def _shown(cmp: dict, run_id: str, ctx: int, origin: str, method: str) -> dict:
-    """The Generate tab's outputs for a comparison (`Workbench.compare` or a loaded run's); `method` names the
-    quantized side ("kivi 3-bit") for its panel's label, which adds the measured bits per element."""
+    """The Generate tab's outputs for a comparison (`RunView.compare`, a built-in or an opened run's); `method`
+    names the quantized side ("kivi 3-bit") for its panel's label, which adds the spans' bits per element. The
+    status names both memory figures (`CacheMemory.summary`): the quantized spans' and the whole cache's."""
     s = cmp["summary"]
     worst = cmp["worst"][0] + ctx if cmp["worst"] else ctx
     worst_frames = [t + ctx for t in cmp["worst"]]
     status = (f"**{run_id}** ({origin}): "
               f"PSNR vs BF16 {s['psnr']:.2f} dB, SSIM {s['ssim']:.4f}, tdiff {s['tdiff']:.4f}, "
-              f"top-1 shift rate {s['shift_rate']:.1%}, {s['bits_per_element']:.2f} bits/element "
-              f"({s['compression']:.2f}x), cache {s['memory_mb']:.2f} MB vs {s['memory_bf16_mb']:.2f} MB BF16. "
+              f"top-1 shift rate {s['shift_rate']:.1%}; {cmp['memory']}. "
               f"Worst flicker frames: {', '.join(map(str, worst_frames)) or 'none'}.")
     return {"status": status, "run_id": run_id, "bf16_video": _video(run_id, "bf16", cmp["bf16"]),
-            "method_label": f"{method}, {s['bits_per_element']:.2f} bits/element",
+            "method_label": f"{method}, {s['span_bits_per_element']:.2f} bits/element",
             "method_video": _video(run_id, "method", cmp["method"]), "frames": len(cmp["bf16"]),
             "figure": plots.frame_series_figure(cmp["series"], worst_frames, ctx), "frame": worst,
             "worst_frames": worst_frames, "summary": {k: _fmt(v) for k, v in s.items()}}
 
 
-def live_generate_handler(wb, live, embeddings, seed, method, target, bits, latent_frames, prompt=None,
+def live_generate_handler(runs, live, embeddings, seed, method, target, bits, latent_frames, prompt=None,
                           progress: Callable | None = None) -> dict:
     """Generate BF16 and `method` live with a real model's backend (`live`, e.g. adapters.self_forcing.
     SelfForcingLive) from a prompt or a prompt-embeddings file, and show the pair like an opened run."""
@@ -147,34 +152,34 @@ def live_generate_handler(wb, live, embeddings, seed, method, target, bits, late
         method, target = name(method, "method"), name(target, "target")
         live.check(seed, method, target, bits, n, prompt, embeddings)
         if embeddings:
-            embeddings = readable_file(embeddings, "prompt embeddings file", wb.limits.check_upload)
-        with wb.generation():  # one generation at a time, shared with the built-in model's
+            embeddings = readable_file(embeddings, "prompt embeddings file", runs.wb.limits.check_upload)
+        with runs.wb.generation():  # one generation at a time, shared with the built-in model's
             run = live.generate(seed, method, target, bits, n, prompt, embeddings, progress=progress)
     except ValueError as e:
         return error(str(e))
     run_id = live.run_id(seed, method, target, bits, n)
-    wb.add_run(run, run_id)
-    r = open_run_handler(wb, run_id, files=False)
+    runs.add(run, run_id)
+    r = open_run_handler(runs, run_id, files=False)
     if r.get("run_id"):
         r["status"] = r["status"].replace("(opened:", "(generated live:", 1)
     return r
 
 
-def open_run_handler(wb, path, files: bool = True) -> dict:
+def open_run_handler(runs, path, files: bool = True) -> dict:
     """Open a run file (`quantwm record`; an uploaded file's path, or the id of a run already open) and show it
     like a generated run: videos, per-frame plot, and every view (scrub, overlays, pixel trace, energy).
     `files=False` accepts only ids of opened runs (what the page's run list sends)."""
     try:
         if not path:
             raise ValueError("no run file given")
-        if wb.loaded(str(path)) is not None:
+        if runs.is_opened(str(path)):
             run_id = str(path)
         elif not files:
-            raise ValueError(f"{str(path)!r:.120} is not an opened run; opened: {', '.join(wb.opened_runs()) or 'none'} "
+            raise ValueError(f"{str(path)!r:.120} is not an opened run; opened: {', '.join(runs.opened()) or 'none'} "
                              "(upload the file, or start the app with --run FILE)")
         else:
-            run_id = wb.open_run(readable_file(path, "run file", wb.limits.check_upload))
-        lr = wb.loaded(run_id)
+            run_id = runs.open(readable_file(path, "run file", runs.wb.limits.check_upload))
+        lr = runs.view(run_id)
         cmp = lr.compare()
     except (ValueError, TypeError) as e:
         return error(str(e))
@@ -192,7 +197,7 @@ def open_run_handler(wb, path, files: bool = True) -> dict:
             **shown_layers, "controls": controls}
 
 
-def scrub_handler(wb, run_id, frame, overlays=(), layer="all", head="all") -> dict:
+def scrub_handler(runs, run_id, frame, overlays=(), layer="all", head="all") -> dict:
     """Both runs at `frame`, enlarged, with the chosen overlays on the method's frame."""
     overlays = list(overlays or [])
     try:
@@ -201,7 +206,7 @@ def scrub_handler(wb, run_id, frame, overlays=(), layer="all", head="all") -> di
             raise ValueError(f"unknown overlay {unknown[0]!r}; choose from {', '.join(OVERLAYS)}")
         if frame is None:
             raise ValueError("no frame given")
-        v = wb.frame_view(str(run_id or ""), integer(frame, "frame"), _choice(layer, "layer"), _choice(head, "head"))
+        v = runs.view(run_id).frame_view(integer(frame, "frame"), _choice(layer, "layer"), _choice(head, "head"))
     except ValueError as e:
         return error(str(e))
     method = v["method"]
@@ -230,14 +235,14 @@ def scrub_handler(wb, run_id, frame, overlays=(), layer="all", head="all") -> di
             "method": media.enlarge(method, f), "frame": v["frame"]}
 
 
-def trace_pixel_handler(wb, run_id, frame, x, y, layer=0, head=0) -> dict:
+def trace_pixel_handler(runs, run_id, frame, x, y, layer=0, head=0) -> dict:
     """Twin of the click: trace frame pixel (x, y) (0..63) of `frame` to its Query's top-1 cached source."""
     try:
         for name, val in (("frame", frame), ("x", x), ("y", y), ("layer", layer), ("head", head)):
             if val is None or val == "":
                 raise ValueError(f"no {name} given")
-        r = wb.pixel_trace(str(run_id or ""), *(integer(v, n) for n, v in (("frame", frame), ("x", x), ("y", y),
-                                                                             ("layer", layer), ("head", head))))
+        r = runs.view(run_id).pixel_trace(*(integer(v, n) for n, v in (("frame", frame), ("x", x), ("y", y),
+                                                                        ("layer", layer), ("head", head))))
     except ValueError as e:
         return error(str(e))
     key_method = r["method"]
@@ -267,22 +272,22 @@ def trace_pixel_handler(wb, run_id, frame, x, y, layer=0, head=0) -> dict:
                        "source_bf16": list(eb), "source_method": list(em), "jumped": bool(r["jumped"]), **mg}}
 
 
-def click_pixel_handler(wb, run_id, frame, index, layer=0, head=0) -> dict:
+def click_pixel_handler(runs, run_id, frame, index, layer=0, head=0) -> dict:
     """A click at `index` = (x, y) on the enlarged frame image: the trace of that frame pixel."""
     if not index or len(index) != 2:
         return error("no pixel clicked")
     try:
-        f = factor_for(wb.frame_size(str(run_id or "")))
+        f = factor_for(runs.frame_size(run_id))
         x, y = integer(index[0], "x") // f, integer(index[1], "y") // f
     except ValueError as e:
         return error(str(e))
-    return {**trace_pixel_handler(wb, run_id, frame, x, y, layer, head), "pixel": (x, y)}
+    return {**trace_pixel_handler(runs, run_id, frame, x, y, layer, head), "pixel": (x, y)}
 
 
-def energy_handler(wb, run_id, layer=0) -> dict:
+def energy_handler(runs, run_id, layer=0) -> dict:
     """Eigen spectrum and cumulative energy of the history-Query second moment, per head; top-8 table."""
     try:
-        spectra = wb.energy(str(run_id or ""))
+        spectra = runs.view(run_id).energy()
         layer = integer(layer, "layer")
         if not 0 <= layer < len(spectra):
             raise ValueError(f"layer {layer} out of range: the model has {len(spectra)} layers")
@@ -315,9 +320,12 @@ def _kv_finding(method: str, k: dict, v: dict) -> str:
     return head + "Keys-only is not the more damaging half here."
 
 
-def key_value_handler(wb, seed, trajectory, baseline, bits, frames, progress: Callable | None = None) -> dict:
+def key_value_handler(runs, seed, trajectory, baseline, bits, frames, progress: Callable | None = None) -> dict:
     """Keys-only vs Values-only for `baseline` and for quantwm beside it: reconstruction errors beside the
     damage each causes."""
+    from quantwm.drivers import studies
+
+    wb = runs.wb
     try:
         key = _key(seed, trajectory, baseline, "kv", bits, frames)
         if key.method == "bf16":
@@ -327,7 +335,7 @@ def key_value_handler(wb, seed, trajectory, baseline, bits, frames, progress: Ca
         rows = []
         for i, m in enumerate(names):
             step = (lambda a, n, i=i: progress(i * n + a, len(names) * n)) if progress else None
-            rows += [{"method": m, **r} for r in wb.key_vs_value(_key(seed, trajectory, m, "kv", bits, frames), step)]
+            rows += [{"method": m, **r} for r in studies.key_vs_value(wb, _key(seed, trajectory, m, "kv", bits, frames), step)]
     except ValueError as e:
         return error(str(e))
     by = {(r["method"], r["target"]): r for r in rows}
@@ -345,8 +353,9 @@ def key_value_handler(wb, seed, trajectory, baseline, bits, frames, progress: Ca
                                         "Keys only (k) vs Values only (v)")}
 
 
-METHOD_COLUMNS = ("method", "bits_per_element", "fits", "configuration", "compression", "memory_bf16_mb", "memory_mb",
-                  "shift_rate", "psnr", "ssim", "lpips", "tdiff")
+# the memory figures by their `CacheMemory` names: the quantized spans' bits and compression, the whole cache's
+METHOD_COLUMNS = ("method", "span_bits_per_element", "fits", "configuration", "span_compression", "cache_compression",
+                  "bf16_mb", "cache_mb", "shift_rate", "psnr", "ssim", "lpips", "tdiff")
 DEFAULT_BUDGET = 2.5  # bits per element the Methods tab compares at
 
 
@@ -361,29 +370,33 @@ def budget_value(value) -> float:
     return check_budget(b, shown=value)
 
 
-def methods_handler(wb, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET,
+def methods_handler(runs, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET,
                     progress: Callable | None = None) -> dict:
     """Every chosen method on one world at one budget: each configured within it by its own rule (the
-    configuration column), in order of measured bits per element; compression, memory (MB), shift rate and
-    frame metrics vs BF16. A method that cannot fit the budget is named with its reason, not run."""
+    configuration column), in order of the spans' measured bits per element; both compressions, memory (MB),
+    shift rate and frame metrics vs BF16. A method that cannot fit the budget is named with its reason, not run."""
     from dataclasses import replace
+
+    from quantwm.drivers import studies
 
     try:
         b = budget_value(budget)
         key = replace(_key(seed, trajectory, "bf16", target, 2, frames), budget=b)
         left_out: dict = {}
-        rows = wb.methods_table(key, list(methods or []), progress, left_out)
+        rows = studies.methods_table(runs.wb, key, list(methods or []), progress, left_out)
     except ValueError as e:
         return error(str(e))
-    rows = sorted(rows, key=lambda r: r["bits_per_element"])  # in order of measured bits
+    rows = sorted(rows, key=lambda r: r["span_bits_per_element"])  # in order of measured bits
     for r in rows:  # measured from stored bytes; the rule keeps every method within the budget
-        r["fits"] = "yes" if r["bits_per_element"] <= b + 1e-9 and r["memory_mb"] < r["memory_bf16_mb"] else "OVER"
+        r["fits"] = "yes" if r["span_bits_per_element"] <= b + 1e-9 and r["cache_mb"] < r["bf16_mb"] else "OVER"
     table = [[r["method"], *[r[c] if c in ("fits", "configuration") else _fmt(r[c]) for c in METHOD_COLUMNS[1:]]]
              for r in rows]
     out = "".join(f" Left out: {m} ({why})." for m, why in left_out.items())
     return {"status": f"**At most {b:g} bits per element** (Keys and Values each, counted from stored bytes), seed "
-                      f"{seed}, {trajectory}, target {target}, {frames} frames; memory counts full-precision chunks "
-                      f"(sink, recent) as BF16 and every quantized byte (codes, scales, codebooks, tables).{out}",
+                      f"{seed}, {trajectory}, target {target}, {frames} frames. Two compressions: the quantized spans' "
+                      f"(span_compression = 16 / span_bits_per_element) and the whole cache's (cache_compression = "
+                      f"bf16_mb / cache_mb, cache memory counting full-precision chunks (sink, recent) as BF16 and "
+                      f"every quantized byte: codes, scales, codebooks, tables).{out}",
             "header": list(METHOD_COLUMNS), "rows": table}
 
 
@@ -392,26 +405,21 @@ def _exported(paths) -> dict:
             "files": [str(p) for p in paths]}
 
 
-def export_handler(wb, run_id, frame, x, y, layer=0, head=0, formats=("pdf",), traced=None) -> dict:
+def export_handler(runs, run_id, frame, x, y, layer=0, head=0, formats=("pdf",), traced=None) -> dict:
     """Print figures (matplotlib) of the current run, built-in or opened: per-frame plot, maps, energy and the
     pixel trace. `traced` (the trace panel's result) wins over the frame, pixel, layer and head given: the
     export shows what the trace panel shows."""
-    from quantwm.evaluation.figures import run_figures
-    from quantwm.evaluation.workbench import RunKey
+    from quantwm.drivers.run_figures import run_figures
 
     try:
         if isinstance(traced, dict) and traced.get("frame") is not None and traced.get("run") == str(run_id or ""):
             frame, (x, y), layer, head = traced["frame"], traced["pixel"], traced["layer"], traced["head"]
         run_id = str(run_id or "")
-        opened = wb.loaded(run_id) is not None
-        key = run_id if opened else RunKey.parse(run_id)
-        if not opened:
-            wb.record(key.id)  # generated (not evicted)?
         t = integer(frame, "frame") if frame is not None else None
-        ctx = (wb.loaded(run_id) if opened else wb).model_facts()["context_frames"]
+        ctx = runs.view(run_id).context_frames  # generated (not evicted) or opened?
         generated = t is not None and t >= ctx  # context frames have no probes
         kinds = ["frames", "maps", "energy"] + (["trace"] if generated else [])
-        paths = run_figures(wb, key, app_files().export_dir("run"), kinds, list(formats or []), frame=t,
+        paths = run_figures(runs, run_id, app_files().export_dir("run"), kinds, list(formats or []), frame=t,
                             pixel=[integer(x, "x"), integer(y, "y")], layer=integer(layer, "layer"),
                             head=integer(head, "head"))
     except (ValueError, TypeError) as e:
@@ -419,20 +427,21 @@ def export_handler(wb, run_id, frame, x, y, layer=0, head=0, formats=("pdf",), t
     return _exported(paths)
 
 
-def export_methods_handler(wb, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET, formats=("pdf",),
+def export_methods_handler(runs, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET, formats=("pdf",),
                            progress: Callable | None = None) -> dict:
     """The method comparison at one budget on one world as a print figure, named after the comparison."""
     from dataclasses import replace
 
-    from quantwm.evaluation.figures import run_figures
+    from quantwm.drivers.run_figures import run_figures
 
+    wb = runs.wb
     try:
         if not methods:
             raise ValueError("choose at least one method")
         key = replace(_key(seed, trajectory, list(methods)[0], target, 2, frames), budget=budget_value(budget))
         wb.check_frames(key.frames)
         wb.limits.check_methods(len(methods), key.frames)
-        paths = run_figures(wb, key, app_files().export_dir("methods"), ["methods"], list(formats or []),
+        paths = run_figures(runs, key, app_files().export_dir("methods"), ["methods"], list(formats or []),
                             methods=list(methods), progress=progress)
     except ValueError as e:
         return error(str(e))

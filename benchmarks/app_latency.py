@@ -33,8 +33,8 @@ def main() -> None:
     from gradio_client import Client
 
     from app import assemble as mod
+    from quantwm.drivers.workbench import Workbench
     from quantwm.evaluation.synthetic import make_synthetic_trace
-    from quantwm.evaluation.workbench import Workbench
 
     trace = os.path.join(tempfile.mkdtemp(), "syn.safetensors")
     make_synthetic_trace(seed=0, n_layers=2, n_heads=4).save(trace)

@@ -29,7 +29,7 @@ def main() -> None:
     from playwright.sync_api import sync_playwright
 
     from app import assemble as mod
-    from quantwm.evaluation.workbench import Workbench
+    from quantwm.drivers.workbench import Workbench
 
     out = pathlib.Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)

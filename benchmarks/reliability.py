@@ -101,7 +101,8 @@ def client(url):
 
 # ---- 1. concurrent users ----------------------------------------------------------------------------------
 def concurrent_users(url: str, n: int) -> tuple[int, list[str]]:
-    from quantwm.evaluation.workbench import RunKey, Workbench
+    from quantwm.drivers import studies
+    from quantwm.drivers.workbench import RunKey, Workbench
 
     methods = ["quantwm", "kivi", "qvg", "rtn"]
     keys = [RunKey(seed=500 + i, trajectory="loop", method=methods[i % 4], frames=FRAMES) for i in range(n)]
@@ -128,7 +129,7 @@ def concurrent_users(url: str, n: int) -> tuple[int, list[str]]:
         if i not in results:
             continue
         g, scrub, trace = results[i]
-        want = wb.compare(key)["summary"]
+        want = studies.compare(wb, key)["summary"]
         ok = (g[1] == key.id and f"PSNR vs BF16 {want['psnr']:.2f} dB" in g[0]
               and scrub[0].startswith(f"Frame **{FRAMES - 1}**") and trace[-1]["query"] == [FRAMES - 1, 2, 1])
         served += ok

@@ -230,10 +230,10 @@ def cmd_trace(a) -> int:
 def cmd_record(a) -> int:
     import os
 
-    from .evaluation.limits import Limits
-    from .evaluation.runfile import write_run
     from .drivers.views import make_run
     from .drivers.workbench import RunKey, Workbench
+    from .evaluation.limits import Limits
+    from .evaluation.runfile import write_run
 
     layers = _ints(a.logit_layers, "--logit-layers") if a.logit_layers else []
     heads = _ints(a.logit_heads, "--logit-heads") if a.logit_heads else []
@@ -318,8 +318,8 @@ def cmd_figures(a) -> int:
 
 
 def cmd_frontier(a) -> int:
-    from .evaluation.figures import check_formats
     from .drivers.frontier import GRID, QUICK_GRID, describe_leads, frontier_figure, leads, make_tasks, summarise, sweep, within
+    from .evaluation.figures import check_formats
 
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
     check_formats(formats)

@@ -337,9 +337,9 @@ def upload_run(browser, url, path):
 
 
 def test_an_uploaded_run_file_plays_scrubs_and_traces_like_a_generated_run(browser_and_url, tmp_path):
+    from quantwm.drivers.views import make_run
+    from quantwm.drivers.workbench import RunKey, Workbench
     from quantwm.evaluation.runfile import write_run
-    from quantwm.evaluation.runs import make_run
-    from quantwm.evaluation.workbench import RunKey, Workbench
 
     path = tmp_path / "recorded.safetensors"
     write_run(path, make_run(Workbench(), RunKey(seed=9, method="kivi", frames=FRAMES)))
@@ -493,8 +493,8 @@ if __name__ == "__main__" and "--readme" in sys.argv:
         sys.exit(0)
     trace = os.path.join(tempfile.mkdtemp(), "syn.safetensors")
     make_synthetic_trace(seed=0, n_layers=2, n_heads=4).save(trace)
+    from quantwm.drivers.workbench import Workbench
     from quantwm.evaluation.limits import Limits
-    from quantwm.evaluation.workbench import Workbench
 
     wb = Workbench()  # the limits `python app.py` shows: with its start-up speed calibration
     wb.set_limits(Limits.from_machine(wb.cfg, len(wb.methods()), wb.calibrate()))
@@ -512,18 +512,21 @@ if __name__ == "__main__" and "--readme" in sys.argv:
     demo.close()
 
 
-def test_methods_flags_a_row_measured_over_the_budget(browser_and_url, small_trace_path):
+def test_methods_flags_a_row_measured_over_the_budget(browser_and_url, small_trace_path, monkeypatch):
     """The budget rules keep every method within the budget on the span they check, so an overrun comes from a
     later span (qvg at 2.5 bits stores 2.5011 over a 32-frame run of the built-in model). Here qvg's measured
     bits are raised past the budget as such a span would; the page must flag that row, and only that row."""
-    from quantwm.evaluation.workbench import Workbench
+    from quantwm.drivers import studies
+    from quantwm.drivers.workbench import Workbench
 
-    class Overrun(Workbench):
-        def methods_table(self, key, methods, *args, **kwargs):
-            rows = super().methods_table(key, methods, *args, **kwargs)
-            return [{**r, "bits_per_element": key.budget + 0.0011} if r["method"] == "qvg" else r for r in rows]
+    real = studies.methods_table
 
-    demo, url = launch(str(small_trace_path), FRAMES, Overrun())  # its own app, on the module's browser
+    def overrun(wb, key, methods, *args, **kwargs):
+        rows = real(wb, key, methods, *args, **kwargs)
+        return [{**r, "span_bits_per_element": key.budget + 0.0011} if r["method"] == "qvg" else r for r in rows]
+
+    monkeypatch.setattr(studies, "methods_table", overrun)
+    demo, url = launch(str(small_trace_path), FRAMES, Workbench())  # its own app, on the module's browser
     try:
         page = new_user(browser_and_url[0], url)
         page.get_by_role("tab", name="Methods").click()

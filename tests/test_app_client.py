@@ -10,7 +10,7 @@ FRAMES = 10
 
 @pytest.fixture(scope="module")
 def workbench():
-    from quantwm.evaluation.workbench import Workbench
+    from quantwm.drivers.workbench import Workbench
 
     return Workbench()
 
@@ -118,12 +118,12 @@ def test_generate_at_a_budget_names_its_configuration(client):
 def test_methods_table(client):
     status, table = client.predict(4, "loop", "kv", FRAMES, ["rtn", "quantwm", "nvfp4"], 2.5, api_name="/methods_table")
     header, rows = table["headers"], table["data"]
-    assert sorted(r[0] for r in rows) == ["quantwm", "rtn"] and header[:4] == ["method", "bits_per_element", "fits",
+    assert sorted(r[0] for r in rows) == ["quantwm", "rtn"] and header[:4] == ["method", "span_bits_per_element", "fits",
                                                                              "configuration"]
     bits = [r[1] for r in rows]
     assert bits == sorted(bits) and all(0 < b <= 2.5 for b in bits) and all(r[2] == "yes" for r in rows)
     assert any("budget=2.5" in r[3] for r in rows) and any("bits=2" in r[3] for r in rows)  # what each chose
-    mb, bf16 = header.index("memory_mb"), header.index("memory_bf16_mb")
+    mb, bf16 = header.index("cache_mb"), header.index("bf16_mb")
     assert all(0 < r[mb] < r[bf16] for r in rows) and "memory" in status and "At most 2.5 bits" in status
     assert "Left out: nvfp4 (nvfp4 cannot fit 2.5 bits per element" in status
     from gradio_client.exceptions import AppError
@@ -193,9 +193,9 @@ def test_a_second_generation_waits_in_the_queue_while_views_stay_served(server, 
 def test_a_recorded_run_opens_over_the_api_and_every_view_answers(client, tmp_path):
     from gradio_client import handle_file
 
+    from quantwm.drivers.views import make_run
+    from quantwm.drivers.workbench import RunKey, Workbench
     from quantwm.evaluation.runfile import write_run
-    from quantwm.evaluation.runs import make_run
-    from quantwm.evaluation.workbench import RunKey, Workbench
 
     path = tmp_path / "rec.safetensors"
     write_run(path, make_run(Workbench(), RunKey(seed=8, method="rtn", frames=FRAMES)))

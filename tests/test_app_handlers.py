@@ -1,12 +1,17 @@
 """The world-model and trace-inspection handlers, called as plain functions (no browser, no server)."""
+import re
+
 import imageio_ffmpeg
 import numpy as np
 import pytest
 
 from app import handlers
 from app import world_handlers as wh
+from quantwm.core.cache import CacheMemory
+from quantwm.drivers import studies
+from quantwm.drivers.registry import RunRegistry
+from quantwm.drivers.workbench import RunKey, Workbench
 from quantwm.evaluation.synthetic import make_synthetic_trace
-from quantwm.evaluation.workbench import RunKey, Workbench
 
 FRAMES = 10
 SETTINGS = (3, "pan-return", "qvg-budget", "k", 2, FRAMES)  # lossy here (qvg's 256 centroids hold every key)
@@ -18,9 +23,14 @@ def wb():
 
 
 @pytest.fixture(scope="module")
-def generated(wb):
+def runs(wb):
+    return RunRegistry(wb)
+
+
+@pytest.fixture(scope="module")
+def generated(runs):
     calls = []
-    r = wh.generate_handler(wb, *SETTINGS, progress=lambda done, total: calls.append((done, total)))
+    r = wh.generate_handler(runs, *SETTINGS, progress=lambda done, total: calls.append((done, total)))
     return r, calls
 
 
@@ -39,9 +49,39 @@ def test_generate_returns_h264_videos_plot_and_worst_frame(generated):
     assert calls and calls[-1][0] == calls[-1][1]  # the progress bar reached its end
 
 
-def test_generate_again_is_served_from_the_cache(wb, generated):
-    again = wh.generate_handler(wb, *SETTINGS)
+def test_generate_again_is_served_from_the_cache(runs, generated):
+    again = wh.generate_handler(runs, *SETTINGS)
     assert "from the cache" in again["status"] and again["bf16_video"] == generated[0]["bf16_video"]
+
+
+STATUS_MEMORY = re.compile(r"quantized spans ([\d.]+) bits/element \(([\d.]+)x\); whole cache ([\d.]+) MB vs "
+                           r"([\d.]+) MB BF16 \(([\d.]+)x\)")
+
+
+def status_memory(status: str) -> dict:
+    """The memory figures a status line shows, by their `CacheMemory` names."""
+    m = STATUS_MEMORY.search(status)
+    assert m, status
+    return dict(zip(CacheMemory.FIGURES, map(float, m.groups())))
+
+
+def test_the_status_line_names_both_compressions_as_cache_memory_counts_them(runs, generated, tmp_path):
+    """A built-in run and the same run opened from its run file: the status line's quantized-spans and whole-cache
+    figures are the cache's `CacheMemory`, each under its name, and the two compressions differ."""
+    from quantwm.drivers.views import make_run
+    from quantwm.evaluation.runfile import read_run, run_memory, write_run
+
+    rid = generated[0]["run_id"]
+    path = tmp_path / "run.safetensors"
+    write_run(path, make_run(runs.wb, RunKey.parse(rid), (), ()))
+    opened = wh.open_run_handler(runs, str(path))
+    built_in, from_file = runs.wb.record(rid).memory, run_memory(read_run(path).meta)
+    assert from_file.figures() == built_in.figures()
+    for status, mem in ((generated[0]["status"], built_in), (opened["status"], from_file)):
+        assert mem.summary() in status
+        shown = status_memory(status)
+        assert shown == pytest.approx(mem.figures(), abs=0.0051)
+        assert shown["span_compression"] > shown["cache_compression"] > 1  # the spans' 16 / bits is not the cache's
 
 
 @pytest.mark.parametrize("settings, needle", [
@@ -51,27 +91,27 @@ def test_generate_again_is_served_from_the_cache(wb, generated):
     ((3, "loop", "qvg", "k", 5, FRAMES), "bits"),
     (("x", "loop", "qvg", "k", 2, FRAMES), "world seed must be an integer, got 'x'"),
 ])
-def test_generate_bad_input_is_a_message(wb, settings, needle):
-    r = wh.generate_handler(wb, *settings)
+def test_generate_bad_input_is_a_message(runs, settings, needle):
+    r = wh.generate_handler(runs, *settings)
     assert r["status"].startswith("**Error:**") and needle in r["status"] and r.get("run_id") is None
 
 
-def test_scrub_enlarges_both_frames_and_overlays_change_only_the_method_frame(wb, generated):
+def test_scrub_enlarges_both_frames_and_overlays_change_only_the_method_frame(runs, generated):
     rid, t = generated[0]["run_id"], FRAMES - 1
-    plain = wh.scrub_handler(wb, rid, t, [])
+    plain = wh.scrub_handler(runs, rid, t, [])
     assert plain["bf16"].shape == (256, 256, 3) and plain["method"].shape == (256, 256, 3)
-    assert np.array_equal(plain["bf16"][::4, ::4], wb.frame_view(rid, t)["bf16"])  # nearest-neighbour 4x
-    both = wh.scrub_handler(wb, rid, t, list(wh.OVERLAYS), "all", "all")
+    assert np.array_equal(plain["bf16"][::4, ::4], runs.view(rid).frame_view(t)["bf16"])  # nearest-neighbour 4x
+    both = wh.scrub_handler(runs, rid, t, list(wh.OVERLAYS), "all", "all")
     assert np.array_equal(both["bf16"], plain["bf16"]) and not np.array_equal(both["method"], plain["method"])
     assert f"Frame **{t}**" in both["status"] and "top-1 moved" in both["status"]
     assert "overlay scales: red from 0 to full at a flicker of 0.25" in both["status"]  # each overlay's colour scale
     assert "cyan by the share of the chosen layers and heads whose top-1 moved" in both["status"]
     assert "overlay scales" not in plain["status"]
-    warp = wh.scrub_handler(wb, rid, t, ["warping error"])  # the motion-compensated flicker overlay alone
+    warp = wh.scrub_handler(runs, rid, t, ["warping error"])  # the motion-compensated flicker overlay alone
     assert "mean warping error" in warp["status"] and not np.array_equal(warp["method"], plain["method"])
-    assert np.array_equal(wh.scrub_handler(wb, rid, 0, ["warping error", "flicker map"])["method"],
-                          wh.scrub_handler(wb, rid, 0, [])["method"])  # frame 0: no previous frame, nothing to tint
-    ctx = wh.scrub_handler(wb, rid, 2, ["top-1 jumps"])
+    assert np.array_equal(wh.scrub_handler(runs, rid, 0, ["warping error", "flicker map"])["method"],
+                          wh.scrub_handler(runs, rid, 0, [])["method"])  # frame 0: no previous frame, nothing to tint
+    ctx = wh.scrub_handler(runs, rid, 2, ["top-1 jumps"])
     assert "context" in ctx["status"] and "no top-1 jump map" in ctx["status"]
 
 
@@ -83,8 +123,8 @@ def test_scrub_enlarges_both_frames_and_overlays_change_only_the_method_frame(wb
     ("", 5, [], "Generate a run first"),
     ("seed=1 loop rtn kv 2-bit 10f", 5, [], "press Generate"),
 ])
-def test_scrub_bad_input_is_a_message(wb, generated, run_id, frame, overlays, needle):
-    r = wh.scrub_handler(wb, run_id.format(rid=generated[0]["run_id"]), frame, overlays)
+def test_scrub_bad_input_is_a_message(runs, generated, run_id, frame, overlays, needle):
+    r = wh.scrub_handler(runs, run_id.format(rid=generated[0]["run_id"]), frame, overlays)
     assert r["status"].startswith("**Error:**") and needle in r["status"] and "bf16" not in r
 
 
@@ -96,10 +136,10 @@ def assert_markers_on_maxima(fig):
         assert z[mark.y[0], mark.x[0]] == z.max()
 
 
-def test_trace_pixel_twin_and_click_agree(wb, generated):
+def test_trace_pixel_twin_and_click_agree(runs, generated):
     rid = generated[0]["run_id"]
-    twin = wh.trace_pixel_handler(wb, rid, FRAMES - 1, 45, 10, 2, 1)
-    click = wh.click_pixel_handler(wb, rid, FRAMES - 1, [45 * wh.FACTOR + 3, 10 * wh.FACTOR + 1], 2, 1)
+    twin = wh.trace_pixel_handler(runs, rid, FRAMES - 1, 45, 10, 2, 1)
+    click = wh.click_pixel_handler(runs, rid, FRAMES - 1, [45 * wh.FACTOR + 3, 10 * wh.FACTOR + 1], 2, 1)
     assert twin["result"] == click["result"]
     res = twin["result"]
     assert res["query"] == [FRAMES - 1, 1, 5] and res["layer"] == 2 and res["head"] == 1
@@ -121,38 +161,38 @@ def test_trace_pixel_twin_and_click_agree(wb, generated):
     (FRAMES - 1, 3, 3, 4, "layer/head (4, 0) out of range"),
     (FRAMES - 1, None, 3, 0, "no x given"),
 ])
-def test_trace_pixel_bad_input_is_a_message(wb, generated, frame, x, y, layer, needle):
-    r = wh.trace_pixel_handler(wb, generated[0]["run_id"], frame, x, y, layer, 0)
+def test_trace_pixel_bad_input_is_a_message(runs, generated, frame, x, y, layer, needle):
+    r = wh.trace_pixel_handler(runs, generated[0]["run_id"], frame, x, y, layer, 0)
     assert r["status"].startswith("**Error:**") and needle in r["status"] and "figure" not in r
 
 
-def test_click_outside_the_enlarged_frame_is_a_message(wb, generated):
-    r = wh.click_pixel_handler(wb, generated[0]["run_id"], FRAMES - 1, [64 * wh.FACTOR + 2, 5], 0, 0)
+def test_click_outside_the_enlarged_frame_is_a_message(runs, generated):
+    r = wh.click_pixel_handler(runs, generated[0]["run_id"], FRAMES - 1, [64 * wh.FACTOR + 2, 5], 0, 0)
     assert r["status"].startswith("**Error:**") and "outside" in r["status"]
 
 
-def test_energy_handler_table_and_bad_layer(wb, generated):
-    r = wh.energy_handler(wb, generated[0]["run_id"], 1)
+def test_energy_handler_table_and_bad_layer(runs, wb, generated):
+    r = wh.energy_handler(runs, generated[0]["run_id"], 1)
     assert r["header"][0] == "layer" and len(r["rows"]) == wb.cfg.layers and len(r["rows"][0]) == 1 + wb.cfg.heads
     assert "top 8 of 64" in r["status"] and len(r["figure"].data) == 2 * wb.cfg.heads
     data = r["figure"].data  # one colour per head in both panels, and one legend entry per head
     assert all(data[2 * h].line.color == data[2 * h + 1].line.color for h in range(wb.cfg.heads))
     assert len({data[2 * h].line.color for h in range(wb.cfg.heads)}) == wb.cfg.heads
     assert sum(bool(t.showlegend is not False) for t in data) == wb.cfg.heads
-    assert wh.energy_handler(wb, generated[0]["run_id"], 9)["status"].startswith("**Error:** layer 9")
+    assert wh.energy_handler(runs, generated[0]["run_id"], 9)["status"].startswith("**Error:** layer 9")
 
 
-def test_key_value_handler_shows_the_baseline_and_quantwm_beside_it(wb):
-    r = wh.key_value_handler(wb, 3, "pan-return", "qvg", 2, FRAMES)
+def test_key_value_handler_shows_the_baseline_and_quantwm_beside_it(runs):
+    r = wh.key_value_handler(runs, 3, "pan-return", "qvg", 2, FRAMES)
     assert [row[:2] for row in r["rows"]] == [["qvg", "k"], ["qvg", "v"], ["quantwm", "k"], ["quantwm", "v"]]
     assert r["header"] == list(wh.KV_COLUMNS)
     for k, v in (r["rows"][:2], r["rows"][2:]):
         assert k[3] == 0 and v[2] == 0  # Keys-only leaves V exact, Values-only leaves K exact
     assert "qvg: Keys only: Key error" in r["status"] and "quantwm: Keys only" in r["status"]
     assert "With Keys only, quantwm is" in r["status"]
-    only = wh.key_value_handler(wb, 3, "pan-return", "quantwm", 2, FRAMES)
+    only = wh.key_value_handler(runs, 3, "pan-return", "quantwm", 2, FRAMES)
     assert [row[:2] for row in only["rows"]] == [["quantwm", "k"], ["quantwm", "v"]]
-    assert wh.key_value_handler(wb, 3, "loop", "bf16", 2, FRAMES)["status"].startswith("**Error:** bf16")
+    assert wh.key_value_handler(runs, 3, "loop", "bf16", 2, FRAMES)["status"].startswith("**Error:** bf16")
 
 
 def test_kv_finding_is_computed_from_the_numbers():
@@ -163,27 +203,29 @@ def test_kv_finding_is_computed_from_the_numbers():
     assert "not the more damaging" in wh._kv_finding("x", {**k, "psnr": 31.0}, v)
 
 
-def test_methods_handler(wb):
-    r = wh.methods_handler(wb, 3, "pan-return", "k", FRAMES, ["qvg-budget", "rtn"], 2.5)
+def test_methods_handler(runs):
+    r = wh.methods_handler(runs, 3, "pan-return", "k", FRAMES, ["qvg-budget", "rtn"], 2.5)
     assert sorted(row[0] for row in r["rows"]) == ["qvg-budget", "rtn"] and r["header"] == list(wh.METHOD_COLUMNS)
-    bf16_mb, mb = r["header"].index("memory_bf16_mb"), r["header"].index("memory_mb")
+    bf16_mb, mb = r["header"].index("bf16_mb"), r["header"].index("cache_mb")
     assert all(row[mb] < row[bf16_mb] for row in r["rows"]) and all(row[2] == "yes" for row in r["rows"])
-    assert "unknown method" in wh.methods_handler(wb, 3, "loop", "k", FRAMES, ["zzz"], 2.5)["status"]
-    assert "at least one method" in wh.methods_handler(wb, 3, "loop", "k", FRAMES, [], 2.5)["status"]
+    spans, cache = r["header"].index("span_compression"), r["header"].index("cache_compression")
+    assert all(row[spans] > row[cache] > 1 for row in r["rows"]) and "Two compressions" in r["status"]
+    assert "unknown method" in wh.methods_handler(runs, 3, "loop", "k", FRAMES, ["zzz"], 2.5)["status"]
+    assert "at least one method" in wh.methods_handler(runs, 3, "loop", "k", FRAMES, [], 2.5)["status"]
     for bad in (0, -1, 17, "x", None):
         assert "budget must be a number of bits per element in (0, 16]" in wh.methods_handler(
-            wb, 3, "loop", "k", FRAMES, ["rtn"], bad)["status"]
+            runs, 3, "loop", "k", FRAMES, ["rtn"], bad)["status"]
 
 
-def test_a_row_over_the_budget_or_over_bf16_is_flagged(wb, monkeypatch):
-    real = wb.methods_table
+def test_a_row_over_the_budget_or_over_bf16_is_flagged(runs, monkeypatch):
+    real = studies.methods_table
 
-    def inflated(key, methods, progress=None, left_out=None):  # as if a method overran what it measured
-        rows = real(key, methods, progress, left_out)
-        return [{**r, "bits_per_element": r["bits_per_element"] + 1} for r in rows]
+    def inflated(wb, key, methods, progress=None, left_out=None):  # as if a method overran what it measured
+        rows = real(wb, key, methods, progress, left_out)
+        return [{**r, "span_bits_per_element": r["span_bits_per_element"] + 1} for r in rows]
 
-    monkeypatch.setattr(wb, "methods_table", inflated)
-    r = wh.methods_handler(wb, 3, "pan-return", "k", FRAMES, ["rtn"], 2.5)
+    monkeypatch.setattr(studies, "methods_table", inflated)
+    r = wh.methods_handler(runs, 3, "pan-return", "k", FRAMES, ["rtn"], 2.5)
     assert [row[2] for row in r["rows"]] == ["OVER"]
 
 
@@ -219,28 +261,28 @@ def test_clicking_the_trace_query_frame_selects_that_token_s_query(small_trace_p
         assert bad["status"].startswith("**Error:**") and needle in bad["status"] and "query_index" not in bad
 
 
-def test_export_handlers_write_print_figures_and_refuse_bad_input(wb, generated):
+def test_export_handlers_write_print_figures_and_refuse_bad_input(runs, generated):
     rid = generated[0]["run_id"]
-    r = wh.export_handler(wb, rid, FRAMES - 1, 10, 20, 1, 0, ["svg"])
+    r = wh.export_handler(runs, rid, FRAMES - 1, 10, 20, 1, 0, ["svg"])
     assert sorted(f.rsplit("/", 1)[-1].split("-")[0] for f in r["files"]) == ["energy", "frames", "maps", "trace"]
-    ctx = wh.export_handler(wb, rid, 1, 10, 20, 1, 0, ["png"])  # a context frame has no probes: no trace figure
+    ctx = wh.export_handler(runs, rid, 1, 10, 20, 1, 0, ["png"])  # a context frame has no probes: no trace figure
     assert sorted(f.rsplit("/", 1)[-1].split("-")[0] for f in ctx["files"]) == ["energy", "frames", "maps"]
-    assert wh.export_handler(wb, rid, FRAMES - 1, 10, 20, 1, 0, ["gif"])["status"].startswith("**Error:** unknown figure format")
-    assert wh.export_handler(wb, "not a run", 5, 1, 1)["status"].startswith("**Error:** not a run id")
-    m = wh.export_methods_handler(wb, 3, "pan-return", "k", FRAMES, ["qvg-budget", "rtn"], 2.5, ["pdf"])
+    assert wh.export_handler(runs, rid, FRAMES - 1, 10, 20, 1, 0, ["gif"])["status"].startswith("**Error:** unknown figure format")
+    assert wh.export_handler(runs, "not a run", 5, 1, 1)["status"].startswith("**Error:** not a run id")
+    m = wh.export_methods_handler(runs, 3, "pan-return", "k", FRAMES, ["qvg-budget", "rtn"], 2.5, ["pdf"])
     assert len(m["files"]) == 1 and m["files"][0].endswith("-budget2.5.pdf") and "methods-" in m["files"][0]
-    assert wh.export_methods_handler(wb, 3, "pan-return", "k", FRAMES, [], 2.5, ["pdf"])["status"].startswith("**Error:** choose")
+    assert wh.export_methods_handler(runs, 3, "pan-return", "k", FRAMES, [], 2.5, ["pdf"])["status"].startswith("**Error:** choose")
 
 
-def test_export_shows_what_the_trace_panel_shows(wb, generated):
+def test_export_shows_what_the_trace_panel_shows(runs, generated):
     rid = generated[0]["run_id"]
-    traced = wh.trace_pixel_handler(wb, rid, FRAMES - 2, 12, 40, 1, 1)["result"]
-    r = wh.export_handler(wb, rid, FRAMES - 1, 10, 20, 0, 0, ["svg"], traced)  # the slider moved on since
+    traced = wh.trace_pixel_handler(runs, rid, FRAMES - 2, 12, 40, 1, 1)["result"]
+    r = wh.export_handler(runs, rid, FRAMES - 1, 10, 20, 0, 0, ["svg"], traced)  # the slider moved on since
     trace = next(f for f in r["files"] if f.rsplit("/", 1)[-1].startswith("trace-"))
     assert trace.endswith(f"-frame{FRAMES - 2}-x12-y40-layer1-head1.svg")
     assert any(f.rsplit("/", 1)[-1].startswith("maps-") and f.endswith(f"-frame{FRAMES - 2}.svg") for f in r["files"])
     stale = {**traced, "run": "seed=9 loop rtn kv 2-bit 10f"}  # a trace of another run is not this run's
-    r = wh.export_handler(wb, rid, FRAMES - 1, 10, 20, 0, 0, ["svg"], stale)
+    r = wh.export_handler(runs, rid, FRAMES - 1, 10, 20, 0, 0, ["svg"], stale)
     assert any(f.endswith(f"-frame{FRAMES - 1}-x10-y20-layer0-head0.svg") for f in r["files"])
 
 
@@ -249,7 +291,7 @@ def test_the_per_frame_plot_tells_revisits_from_invented_places(wb, generated):
 
     assert _coverage_runs([1, 1, 1, 0.5, 0.2, 1, 1], 2) == [("memory", 2, 2), ("invented", 3, 4), ("memory", 5, 6)]
     key = RunKey.parse(generated[0]["run_id"])
-    seen = wb.compare(key)["series"]["seen_by_context"]
+    seen = studies.compare(wb, key)["series"]["seen_by_context"]
     ctx = wb.model_facts()["context_frames"]
     assert len(seen) == FRAMES and seen[:ctx] == [1.0] * ctx and all(0 <= s <= 1 for s in seen)
     fig = frame_series_figure({"tdiff": [0.0] * 6, "seen_by_context": [1, 1, 1, 0.5, 1, 0.0]}, [], 2)

@@ -1,30 +1,21 @@
 """The import directions docs/architecture.md states: every module of quantwm/, kernels/ and app/ imports only
-from its own layer or the layers below it."""
+from its own layer or the layers below it; a module's layer is its folder's, and the doc's layer table names the
+same folders at the same layers."""
 import ast
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-MEASURES = ("trace", "lpips", "limits", "figures", "metrics", "memory", "analyze", "diagnostics", "runfile",
-            "synthetic")
+# docs/architecture.md's layers, lowest first, read from a module's folder (kernels/ and app/ install as
+# quantwm.kernels and quantwm.app); every other module (quantwm/cli.py, quantwm/__init__.py, app/) is layer 5
+FOLDERS = {"kernels": 0, "core": 1, "evaluation": 2, "world": 3, "drivers": 4, "adapters": 4}
+TOP = 5
 
 
 def layer(module: str) -> int:
-    """docs/architecture.md's layers, lowest first."""
+    """The layer of a dotted quantwm module: its folder's, else the top."""
     parts = module.split(".")
-    sub = parts[1] if len(parts) > 1 else ""
-    if sub == "kernels":
-        return 0
-    if sub == "core":
-        return 1
-    if sub == "evaluation" and len(parts) > 2 and parts[2] in MEASURES:
-        return 2
-    if sub == "world":
-        return 3
-    if (sub == "evaluation" and len(parts) > 2) or sub == "adapters":
-        return 4
-    if sub == "evaluation":  # the package's own __init__
-        return 2
-    return 5  # quantwm.cli, quantwm/__init__.py, quantwm.__main__, quantwm.app
+    return FOLDERS.get(parts[1], TOP) if len(parts) > 1 else TOP
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -90,6 +81,28 @@ def test_kernels_import_nothing_of_quantwm_and_the_app_never_imports_kernels():
 
 def test_the_layer_rule_sees_a_violation():
     assert layer("quantwm.core.cache") < layer("quantwm.evaluation.metrics") < layer("quantwm.world.generate")
-    assert layer("quantwm.world.generate") < layer("quantwm.evaluation.workbench") < layer("quantwm.app.main")
+    assert layer("quantwm.world.generate") < layer("quantwm.drivers.workbench") < layer("quantwm.app.main")
+    assert layer("quantwm.core.methods.rtn") == layer("quantwm.core") == 1 and layer("quantwm.kernels.quant") == 0
+    assert layer("quantwm.adapters.sana_wm") == layer("quantwm.drivers.views") and layer("quantwm.cli") == TOP
     cli = ROOT / "quantwm" / "cli.py"
     assert "quantwm.app.main" in set(imported(cli, "quantwm.cli"))  # the scan finds imports inside functions
+
+
+def doc_layers() -> dict[str, int]:
+    """{folder: layer} from docs/architecture.md's layer table: each row's layer and the folders (backticked
+    paths ending in "/") its second column names."""
+    out = {}
+    for line in (ROOT / "docs" / "architecture.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].isdigit():
+            continue
+        for path in re.findall(r"`([\w./]+)/`", cells[1]):
+            out[path.rstrip("/").rsplit("/", 1)[-1]] = int(cells[0])
+    return out
+
+
+def test_the_architecture_doc_names_each_folder_at_its_layer():
+    doc = doc_layers()
+    folders = {p.name for p in (ROOT / "quantwm").iterdir() if (p / "__init__.py").is_file()} | {"kernels", "app"}
+    assert folders == set(doc), f"folders {sorted(folders ^ set(doc))} are missing from the code or the doc's table"
+    assert doc == {**FOLDERS, "app": TOP}, {f: (doc.get(f), layer(f"quantwm.{f}")) for f in folders}

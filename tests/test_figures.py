@@ -1,4 +1,5 @@
-"""Tests for quantwm.evaluation.figures: every figure kind as valid, non-empty PNG, PDF and SVG files."""
+"""Tests for quantwm.evaluation.figures and quantwm.drivers.run_figures: every figure kind as valid, non-empty
+PNG, PDF and SVG files."""
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
@@ -7,8 +8,10 @@ import pytest
 from PIL import Image
 
 from quantwm.cli import main
+from quantwm.drivers.registry import RunRegistry
+from quantwm.drivers.run_figures import run_figures
+from quantwm.drivers.workbench import RunKey, Workbench
 from quantwm.evaluation import figures as FG
-from quantwm.evaluation.workbench import RunKey, Workbench
 
 FRAMES = 10
 
@@ -27,14 +30,14 @@ def assert_valid(path):
 
 
 @pytest.fixture(scope="module")
-def workbench():
-    return Workbench()
+def runs():
+    return RunRegistry(Workbench())
 
 
-def test_run_figures_writes_every_kind_in_every_format(workbench, tmp_path):
+def test_run_figures_writes_every_kind_in_every_format(runs, tmp_path):
     key = RunKey(seed=1, method="quantwm", frames=FRAMES)
-    paths = FG.run_figures(workbench, key, tmp_path, list(FG.FIGURE_KINDS), list(FG.FORMATS), frame=FRAMES - 1,
-                           pixel=[10, 50], methods=["qvg", "quantwm"])
+    paths = run_figures(runs, key, tmp_path, list(FG.FIGURE_KINDS), list(FG.FORMATS), frame=FRAMES - 1,
+                        pixel=[10, 50], methods=["qvg", "quantwm"])
     kinds = {(p.name.split("-")[0], p.suffix[1:]) for p in paths}
     assert kinds == {(k, f) for k in FG.FIGURE_KINDS for f in FG.FORMATS}
     for p in paths:
@@ -43,9 +46,9 @@ def test_run_figures_writes_every_kind_in_every_format(workbench, tmp_path):
 
 def test_figures_reject_unknown_kinds_and_formats_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="choose from png, pdf, svg"):
-        FG.run_figures(None, RunKey(), tmp_path, ["frames"], ["jpg"])
+        run_figures(None, RunKey(), tmp_path, ["frames"], ["jpg"])
     with pytest.raises(ValueError, match="unknown figure kind 'video'"):
-        FG.run_figures(None, RunKey(), tmp_path, ["video"], ["png"])
+        run_figures(None, RunKey(), tmp_path, ["video"], ["png"])
     assert not list(tmp_path.iterdir())
 
 

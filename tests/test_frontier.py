@@ -1,4 +1,4 @@
-"""Tests for quantwm.evaluation.frontier: the resumable sweep, the equal-bits summary, the Ray path."""
+"""Tests for quantwm.drivers.frontier: the resumable sweep, the equal-bits summary, the Ray path."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from quantwm.cli import main
-from quantwm.evaluation import frontier as FR
+from quantwm.drivers import frontier as FR
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,10 @@ import torch
 
 from app import media
 from app import world_handlers as wh
+from quantwm.drivers import studies
+from quantwm.drivers.registry import RunRegistry
+from quantwm.drivers.workbench import RunKey, Workbench
 from quantwm.evaluation.limits import Limits, fit_chunk_seconds, request_bytes, request_seconds, run_bytes
-from quantwm.evaluation.workbench import RunKey, Workbench
 
 FRAMES = 10
 
@@ -20,19 +22,21 @@ def wb():
     return Workbench()
 
 
-def small_cache(wb, runs: float) -> Workbench:
-    """A workbench sharing `wb`'s model whose results cache holds about `runs` records of FRAMES frames."""
-    return Workbench(model=wb.model, limits=Limits.from_machine(
-        wb.cfg, len(wb.methods()), cache_mb=runs * run_bytes(wb.cfg, FRAMES) / 2 ** 20, max_frames=64))
+def small_cache(wb, runs: float) -> RunRegistry:
+    """The registry of a workbench sharing `wb`'s model whose results cache holds about `runs` records of FRAMES
+    frames."""
+    return RunRegistry(Workbench(model=wb.model, limits=Limits.from_machine(
+        wb.cfg, len(wb.methods()), cache_mb=runs * run_bytes(wb.cfg, FRAMES) / 2 ** 20, max_frames=64)))
 
 
 def test_frames_over_the_limit_are_refused_at_once_naming_it(wb):
-    r = wh.generate_handler(wb, 0, "loop", "quantwm", "kv", 2, 100000)
+    runs = RunRegistry(wb)
+    r = wh.generate_handler(runs, 0, "loop", "quantwm", "kv", 2, 100000)
     assert r["status"].startswith("**Error:**") and f"limit of {wb.limits.max_frames} frames" in r["status"]
     assert "--max-frames" in r["status"] and not wb.cached(RunKey(frames=100000 - 100000 % 2))
     for bad in (float("nan"), "many", None, -3, 2.5, True):
-        assert wh.generate_handler(wb, 0, "loop", "quantwm", "kv", 2, bad)["status"].startswith("**Error:**")
-    huge_seed = wh.generate_handler(wb, 10 ** 18, "loop", "quantwm", "kv", 2, FRAMES)["status"]
+        assert wh.generate_handler(runs, 0, "loop", "quantwm", "kv", 2, bad)["status"].startswith("**Error:**")
+    huge_seed = wh.generate_handler(runs, 10 ** 18, "loop", "quantwm", "kv", 2, FRAMES)["status"]
     assert "world seed must lie in [0, 100000)" in huge_seed
 
 
@@ -56,7 +60,7 @@ def test_limits_follow_memory_time_and_overrides(wb):
 
 def test_memory_estimates_bound_the_records_they_describe(wb):
     ref, rec = wb.pair(RunKey(seed=1, method="quantwm", frames=FRAMES))
-    wb.reference_flow(ref)
+    ref.reference_flow()
     for r in (ref, rec):
         assert r.nbytes() <= run_bytes(wb.cfg, FRAMES) <= 1.5 * r.nbytes()
     assert request_bytes(wb.cfg, FRAMES) >= ref.nbytes() + rec.nbytes()
@@ -92,7 +96,7 @@ def test_two_generations_at_once_each_get_their_own_results(wb):
     def client(k):
         import time
         t0 = time.perf_counter()
-        out[k] = wb.compare(k)
+        out[k] = studies.compare(wb, k)
         spans[k] = (t0, time.perf_counter())
 
     threads = [threading.Thread(target=client, args=(k,)) for k in keys]
@@ -103,7 +107,7 @@ def test_two_generations_at_once_each_get_their_own_results(wb):
     assert set(out) == set(keys)
     for k in keys:
         assert out[k]["key"] == k.id
-        solo = wb.compare(k)  # from the cache now: the same numbers
+        solo = studies.compare(wb, k)  # from the cache now: the same numbers
         assert solo["summary"] == out[k]["summary"]
     assert (out[keys[0]]["bf16"] != out[keys[1]]["bf16"]).any()  # different worlds, different frames
 
@@ -120,9 +124,9 @@ def test_eviction_keeps_runs_with_their_references_and_deletes_their_videos(wb, 
         assert os.path.isfile(video)
         for seed in (22, 23, 24):  # another user's runs push mine out
             assert not wh.generate_handler(small, seed, "loop", "kivi", "kv", 2, FRAMES)["status"].startswith("**Error")
-            for k in small._records:  # no run without its reference, ever
-                assert k.reference() in small._records
-        assert small.cached_bytes() <= small.cache_bytes
+            for k in small.wb._records:  # no run without its reference, ever
+                assert k.reference() in small.wb._records
+        assert small.wb.cached_bytes() <= small.wb.cache_bytes
         scrub = wh.scrub_handler(small, mine["run_id"], FRAMES - 1)
         assert "was evicted" in scrub["status"] and "press Generate" in scrub["status"]
         assert not os.path.exists(video) and not os.path.exists(os.path.dirname(video))
@@ -139,7 +143,7 @@ def test_eviction_keeps_runs_with_their_references_and_deletes_their_videos(wb, 
 
 def test_a_generation_that_turns_non_finite_ends_in_a_message(wb, monkeypatch):
     small = small_cache(wb, 8)
-    real = small._rollout
+    real = small.wb._rollout
 
     def poisoned(key, progress):
         rec = real(key, progress)
@@ -147,10 +151,10 @@ def test_a_generation_that_turns_non_finite_ends_in_a_message(wb, monkeypatch):
             rec.frames[3:, 0, 0, 0] = float("nan")
         return rec
 
-    monkeypatch.setattr(small, "_rollout", poisoned)
+    monkeypatch.setattr(small.wb, "_rollout", poisoned)
     r = wh.generate_handler(small, 31, "loop", "rtn", "kv", 2, FRAMES)
-    assert "non-finite frames" in r["status"] and not small.cached(RunKey(31, "loop", "rtn", "kv", 2, FRAMES))
-    assert small.cached(RunKey(31, "loop", "bf16", "kv", 2, FRAMES))  # what was computed is kept
+    assert "non-finite frames" in r["status"] and not small.wb.cached(RunKey(31, "loop", "rtn", "kv", 2, FRAMES))
+    assert small.wb.cached(RunKey(31, "loop", "bf16", "kv", 2, FRAMES))  # what was computed is kept
 
 
 def test_an_unexpected_failure_in_a_handler_is_a_message():

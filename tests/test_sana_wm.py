@@ -137,10 +137,10 @@ def test_a_sana_wm_run_records_both_refinements_with_probes_and_key_positions(re
 def test_the_app_views_of_a_sana_wm_run_map_sources_to_their_latent_frames(recorded):
     import numpy as np
 
-    from quantwm.evaluation.loaded import LoadedRun
+    from quantwm.drivers.views import RunView
 
     _, run = recorded
-    view = LoadedRun(run, "sana")
+    view = RunView(run, "sana")
     assert view.frame_view(0)["jumps"] is None and view.frame_view(0)["context"]  # the sink: never generated
     assert view.frame_view(96)["jumps"].shape == (4, 4)
     t = 1 + 8 * 10  # the first output frame of latent frame 11 (block 3)
@@ -151,7 +151,7 @@ def test_the_app_views_of_a_sana_wm_run_map_sources_to_their_latent_frames(recor
     heat = r["logits_bf16"]
     assert heat.shape == (10, 16) and np.isnan(heat[1:6]).all() and np.isfinite(heat[[0, 6, 7, 8, 9]]).all()
     summary = view.compare()["summary"]
-    assert 0 <= summary["shift_rate"] <= 1 and summary["bits_per_element"] > 2
+    assert 0 <= summary["shift_rate"] <= 1 and summary["span_bits_per_element"] > 2
 
 
 def test_sana_wm_record_refuses_bad_input(recorded, tmp_path, capsys):
@@ -173,21 +173,22 @@ def test_sana_wm_record_refuses_bad_input(recorded, tmp_path, capsys):
 
 def test_the_apps_pixel_trace_handler_draws_a_sana_wm_run(recorded):
     from app import world_handlers as wh
-    from quantwm.evaluation.workbench import Workbench
+    from quantwm.drivers.registry import RunRegistry
+    from quantwm.drivers.workbench import Workbench
 
     root, _ = recorded
-    wb = Workbench()
-    rid = wb.open_run(str(root / "run.safetensors"))
-    assert wh.open_run_handler(wb, rid, files=False)["frame_hw"] == (128, 128)  # the page's pixel boxes follow it
-    r = wh.trace_pixel_handler(wb, rid, 1 + 8 * 10, 40, 72, 1, 1)
+    runs = RunRegistry(Workbench())
+    rid = runs.open(str(root / "run.safetensors"))
+    assert wh.open_run_handler(runs, rid, files=False)["frame_hw"] == (128, 128)  # the page's pixel boxes follow it
+    r = wh.trace_pixel_handler(runs, rid, 1 + 8 * 10, 40, 72, 1, 1)
     assert r["status"].startswith("Query frame 11, row 2, col 1") and r["figure"] is not None, r["status"]
     assert r["bf16_source"].shape == r["method_source"].shape  # thumbnails of the source frames
-    assert "not generated with probes" in wh.trace_pixel_handler(wb, rid, 0, 40, 72, 1, 1)["status"]
+    assert "not generated with probes" in wh.trace_pixel_handler(runs, rid, 0, 40, 72, 1, 1)["status"]
 
 
 def test_a_short_last_block_is_recorded_and_read_back(recorded, tmp_path):
     from quantwm.adapters.sana_wm import record_sana_wm
-    from quantwm.evaluation.loaded import LoadedRun
+    from quantwm.drivers.views import RunView
     from quantwm.evaluation.runfile import read_run, write_run
 
     root, _ = recorded
@@ -196,5 +197,5 @@ def test_a_short_last_block_is_recorded_and_read_back(recorded, tmp_path):
     write_run(tmp_path / "short.safetensors", run)
     back = read_run(tmp_path / "short.safetensors")
     assert sorted(back.top1) == [0, 1, 2, 3] and back.top1[3][0].shape == (2, 2, 2 * 16)
-    r = LoadedRun(back, "short").pixel_trace(1 + 8 * 10, 8, 8, layer=0, head=0)  # latent frame 11, the last
+    r = RunView(back, "short").pixel_trace(1 + 8 * 10, 8, 8, layer=0, head=0)  # latent frame 11, the last
     assert r["query"] == (11, 0, 0) and r["source_bf16"][0] in (0, 6, 7, 8, 9)

@@ -10,8 +10,9 @@ import torch
 diffusers = pytest.importorskip("diffusers")
 
 from quantwm.adapters.self_forcing import SelfForcingLive, load_self_forcing, record_self_forcing, sigmas  # noqa: E402
+from quantwm.drivers.registry import RunRegistry  # noqa: E402
+from quantwm.drivers.workbench import Workbench  # noqa: E402
 from quantwm.evaluation.runfile import read_run, write_run  # noqa: E402
-from quantwm.evaluation.workbench import Workbench  # noqa: E402
 
 LATENT_FRAMES, HEIGHT, WIDTH = 12, 32, 64  # 4 chunks of 3 latent frames; latent 4x8, tokens 2x4 per frame
 
@@ -103,22 +104,21 @@ def test_a_self_forcing_run_records_both_generations_with_probes(recorded):
 
 def test_the_app_views_map_output_pixels_to_latent_tokens(recorded):
     _, path = recorded
-    wb = Workbench()
-    rid = wb.open_run(str(path))
-    lr = wb.loaded(rid)
+    runs = RunRegistry(Workbench())
+    lr = runs.view(runs.open(str(path)))
     cmp = lr.compare()
-    assert len(cmp["series"]["psnr"]) == 45 and cmp["summary"]["bits_per_element"] < 16
-    v = wb.frame_view(rid, 44, None, None)
+    assert len(cmp["series"]["psnr"]) == 45 and cmp["summary"]["span_bits_per_element"] < 16
+    v = lr.frame_view(44, None, None)
     assert v["jumps"].shape == (2, 4) and v["bf16"].shape == (32, 64, 3)
-    assert wb.frame_view(rid, 3)["jumps"] is None  # latent frame 1: chunk 0, not probed
-    tr = wb.pixel_trace(rid, 44, 63, 31, 1, 1)  # output frame 44 = latent frame 11; pixel -> token (1, 3)
+    assert lr.frame_view(3)["jumps"] is None  # latent frame 1: chunk 0, not probed
+    tr = lr.pixel_trace(44, 63, 31, 1, 1)  # output frame 44 = latent frame 11; pixel -> token (1, 3)
     assert tr["query"] == (11, 1, 3) and tr["logits_bf16"].shape == (9, 8)
     assert tr["frames"].shape == (12, 32, 64, 3)  # one thumbnail per latent frame
     f, r, c = tr["source_bf16"]
     assert tr["logits_bf16"][f, r * 4 + c] == pytest.approx(tr["logits_bf16"].max(), abs=1e-2)
     with pytest.raises(ValueError, match="outside the 64x32 frame"):
-        wb.pixel_trace(rid, 44, 64, 0, 1, 0)
-    assert np.isfinite(wb.energy(rid)[0]["eigenvalues"]).all()
+        lr.pixel_trace(44, 64, 0, 1, 0)
+    assert np.isfinite(lr.energy()[0]["eigenvalues"]).all()
 
 
 def test_bad_inputs_are_refused(released, tmp_path):
@@ -208,12 +208,12 @@ def test_the_live_backend_generates_on_demand_and_shows_the_run(released):
 
     ckpt, base, emb, _ = released
     live = SelfForcingLive(load_self_forcing(ckpt, base), "cpu", HEIGHT, WIDTH)
-    wb = Workbench()
-    r = wh.live_generate_handler(wb, live, str(emb), 3, "quantwm", "kv", 2, 6)
+    runs = RunRegistry(Workbench())
+    r = wh.live_generate_handler(runs, live, str(emb), 3, "quantwm", "kv", 2, 6)
     assert r["run_id"] == "live=Self-Forcing seed=3 quantwm kv 2-bit 6lf" and "generated live" in r["status"]
     assert r["layers"] == 2 and r["heads"] == 2 and r["frames"] == 21 and r["logit_layers"] == [1]
-    assert "top-1 moved" in wh.scrub_handler(wb, r["run_id"], 20, ["top-1 jumps"])["status"]
-    tr = wh.trace_pixel_handler(wb, r["run_id"], 20, 40, 20, 1, 0)
+    assert "top-1 moved" in wh.scrub_handler(runs, r["run_id"], 20, ["top-1 jumps"])["status"]
+    tr = wh.trace_pixel_handler(runs, r["run_id"], 20, 40, 20, 1, 0)
     assert tr["status"].startswith("Query frame 5, row 1, col 2")  # output frame 20 = latent frame 5
     for args, needle in (((None, 0, "quantwm", "kv", 2, 6), "no prompt and no prompt embeddings file"),
                          ((str(emb), 0, "quantwm", "kv", 2, 6, "a red car"), "not both"),
@@ -221,15 +221,15 @@ def test_the_live_backend_generates_on_demand_and_shows_the_run(released):
                          ((str(emb), 0, "quantwm", "kv", 2, 7), "latent frames must be one of"),
                          ((str(emb), 0, "nope", "kv", 2, 6), "unknown method"),
                          ((str(emb), -1, "quantwm", "kv", 2, 6), "noise seed must be >= 0")):
-        assert needle in wh.live_generate_handler(wb, live, *args)["status"]
+        assert needle in wh.live_generate_handler(runs, live, *args)["status"]
     if not (base / "tokenizer").is_dir():
         save_tiny_umt5(base)
     live.base = base  # a prompt: the base model's UMT5 encodes it (loaded at the first prompt)
-    r = wh.live_generate_handler(wb, live, None, 3, "quantwm", "kv", 2, 6, "a red car")
+    r = wh.live_generate_handler(runs, live, None, 3, "quantwm", "kv", 2, 6, "a red car")
     assert r["run_id"] == "live=Self-Forcing seed=3 quantwm kv 2-bit 6lf" and live.text_encoder is not None
     from app.assemble import build_app
 
-    demo = build_app(None, wb, live=live)  # the page grows the live controls and their endpoint
+    demo = build_app(None, live=live, runs=runs)  # the page grows the live controls and their endpoint
     fns = demo.fns.values() if isinstance(demo.fns, dict) else demo.fns
     assert "generate_live" in {f.api_name for f in fns}
     a = Namespace(model="self-forcing", checkpoint=str(ckpt), base=str(base), height=HEIGHT, width=WIDTH)

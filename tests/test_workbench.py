@@ -1,10 +1,15 @@
+"""The drivers over one results cache: the Workbench (quantwm/drivers/workbench.py), the views of its runs
+(views.py, through registry.py) and the studies (studies.py); one module-scoped Workbench serves them all, so
+each run is generated once."""
 import threading
 import time
 
 import pytest
 
+from quantwm.drivers import studies
+from quantwm.drivers.registry import RunRegistry
+from quantwm.drivers.workbench import RunKey, Workbench
 from quantwm.evaluation.diagnostics import trace_energy, trace_query_view
-from quantwm.evaluation.workbench import RunKey, Workbench
 
 FRAMES = 10
 
@@ -12,6 +17,11 @@ FRAMES = 10
 @pytest.fixture(scope="module")
 def wb():
     return Workbench()
+
+
+@pytest.fixture(scope="module")
+def runs(wb):
+    return RunRegistry(wb)
 
 
 @pytest.fixture(scope="module")
@@ -37,19 +47,21 @@ def test_run_key_id_roundtrip_and_validation(key):
 
 
 def test_compare_caches_runs_and_reports_series(wb, key):
-    cmp = wb.compare(key)
+    cmp = studies.compare(wb, key)
     assert wb.cached(key) and wb.cached(key.reference())
     rec = wb.record(key.id)
-    assert wb.compare(key)["summary"] == cmp["summary"] and wb.record(key.id) is rec  # from the cache
+    assert studies.compare(wb, key)["summary"] == cmp["summary"] and wb.record(key.id) is rec  # from the cache
     s = cmp["series"]
     assert len(s["psnr"]) == len(s["tdiff"]) == len(s["shift_rate"]) == FRAMES
     assert cmp["bf16"].shape == cmp["method"].shape == (FRAMES, 64, 64, 3) and cmp["bf16"].dtype.name == "uint8"
     summ = cmp["summary"]
-    assert 0 < summ["shift_rate"] < 1 and summ["psnr"] < 100 and summ["compression"] > 1
-    assert summ["memory_mb"] < summ["memory_bf16_mb"]
+    assert 0 < summ["shift_rate"] < 1 and summ["psnr"] < 100
+    # the two compressions, by name: the quantized spans' (2-bit codes plus scales) above the whole cache's
+    assert summ["span_compression"] > summ["cache_compression"] > 1 and summ["cache_mb"] < summ["bf16_mb"]
+    assert {k: summ[k] for k in rec.memory.FIGURES} == rec.memory.figures() and cmp["memory"] == rec.memory.summary()
     # BF16 bytes: K and V, every layer, every cached token, 2 bytes per element
     c = wb.cfg
-    assert summ["memory_bf16_mb"] == pytest.approx(2 * c.layers * FRAMES * c.tokens_per_frame * c.dim * 2 / 2 ** 20)
+    assert summ["bf16_mb"] == pytest.approx(2 * c.layers * FRAMES * c.tokens_per_frame * c.dim * 2 / 2 ** 20)
 
 
 def test_a_second_generation_waits_for_the_running_one(wb):
@@ -65,14 +77,15 @@ def test_a_second_generation_waits_for_the_running_one(wb):
     assert got and got[0].key == key and wb.cached(key)
 
 
-def test_frame_view_and_pixel_trace(wb, key):
-    wb.compare(key)
-    v = wb.frame_view(key.id, FRAMES - 1)
+def test_frame_view_and_pixel_trace(wb, runs, key):
+    studies.compare(wb, key)
+    view = runs.view(key.id)
+    v = view.frame_view(FRAMES - 1)
     assert v["flicker"].shape == (64, 64) and v["jumps"].shape == (8, 8) and not v["context"]
-    assert wb.frame_view(key.id, 1)["jumps"] is None
+    assert view.frame_view(1)["jumps"] is None
     with pytest.raises(ValueError, match="out of range"):
-        wb.frame_view(key.id, FRAMES)
-    tr = wb.pixel_trace(key.id, FRAMES - 1, 20, 50, layer=1, head=2)
+        view.frame_view(FRAMES)
+    tr = view.pixel_trace(FRAMES - 1, 20, 50, layer=1, head=2)
     assert tr["query"] == (FRAMES - 1, 6, 2)
     assert tr["logits_bf16"].shape == tr["logits_method"].shape == ((FRAMES - 2) , 64)
     f, r, c = tr["source_bf16"]
@@ -81,22 +94,22 @@ def test_frame_view_and_pixel_trace(wb, key):
     assert tr["logits_method"][f, r * 8 + c] == tr["logits_method"].max()
     assert tr["jumped"] == (tr["source_bf16"] != tr["source_method"])
     with pytest.raises(ValueError, match="context frame"):
-        wb.pixel_trace(key.id, 0, 1, 1)
+        view.pixel_trace(0, 1, 1)
     with pytest.raises(ValueError, match="outside"):
-        wb.pixel_trace(key.id, FRAMES - 1, 64, 1)
+        view.pixel_trace(FRAMES - 1, 64, 1)
     with pytest.raises(ValueError, match="press Generate"):
-        wb.pixel_trace(RunKey(seed=77, frames=FRAMES).id, FRAMES - 1, 1, 1)
+        runs.view(RunKey(seed=77, frames=FRAMES).id)
 
 
-def test_energy_per_layer(wb, key):
-    wb.compare(key)
-    e = wb.energy(key.id)
+def test_energy_per_layer(wb, runs, key):
+    studies.compare(wb, key)
+    e = runs.view(key.id).energy()
     assert len(e) == wb.cfg.layers and e[0]["eigenvalues"].shape == (wb.cfg.heads, wb.cfg.head_dim)
     assert all(0 < f <= 1 for s in e for f in s["top_fraction"])
 
 
 def test_key_vs_value_isolates_each_half(wb, key):
-    k, v = wb.key_vs_value(key)
+    k, v = studies.key_vs_value(wb, key)
     assert (k["target"], v["target"]) == ("k", "v")
     assert k["k_rel_err"] > 0 and k["v_rel_err"] == 0 and v["k_rel_err"] == 0 and v["v_rel_err"] > 0
     assert v["shift_rate"] == 0 and k["shift_rate"] > 0  # only Key errors move the top-1 source
@@ -104,27 +117,25 @@ def test_key_vs_value_isolates_each_half(wb, key):
 
 
 def test_methods_table_rows_and_unknown_method(wb, key):
-    rows = wb.methods_table(key, ["rtn", "kivi"])
+    rows = studies.methods_table(wb, key, ["rtn", "kivi"])
     assert [r["method"] for r in rows] == ["rtn", "kivi"]
-    assert all(r["compression"] > 1 and r["memory_mb"] < r["memory_bf16_mb"] for r in rows)
+    assert all(r["span_compression"] > r["cache_compression"] > 1 and r["cache_mb"] < r["bf16_mb"] for r in rows)
     with pytest.raises(ValueError, match="unknown method"):
-        wb.methods_table(key, ["rtn", "bogus"])
+        studies.methods_table(wb, key, ["rtn", "bogus"])
     with pytest.raises(ValueError, match="at least one"):
-        wb.methods_table(key, [])
+        studies.methods_table(wb, key, [])
 
 
 def test_methods_table_at_a_budget_configures_sorts_and_leaves_out(wb, key):
     from dataclasses import replace
 
-    from quantwm.evaluation.workbench import RunKey
-
     at = replace(key, budget=2.5)
     assert RunKey.parse(at.id) == at and "budget=2.5" in at.id and at.reference().budget is None
     left_out = {}
-    rows = wb.methods_table(at, ["quantwm", "kivi", "nvfp4"], left_out=left_out)
+    rows = studies.methods_table(wb, at, ["quantwm", "kivi", "nvfp4"], left_out=left_out)
     assert [r["method"] for r in rows] == sorted(["quantwm", "kivi"], key=lambda m: next(
-        r["bits_per_element"] for r in rows if r["method"] == m))
-    assert all(r["bits_per_element"] <= 2.5 + 1e-9 for r in rows)
+        r["span_bits_per_element"] for r in rows if r["method"] == m))
+    assert all(r["span_bits_per_element"] <= 2.5 + 1e-9 for r in rows)
     assert "budget=2.5" in next(r["configuration"] for r in rows if r["method"] == "quantwm")
     assert list(left_out) == ["nvfp4"] and "cannot fit 2.5" in left_out["nvfp4"]
 

@@ -240,8 +240,7 @@ def record_sana_wm(base, latents, prompt: str, method: str = "quantwm", target: 
                    pipe=None):
     """The run file contents (`runfile.Run`) of SANA-WM's refiner with `method`'s cache against BF16, from the
     same stage-1 latents and noise. `base`: a `SanaWMLTX2Refiner` folder with a vae; `pipe`: one already loaded."""
-    from ..evaluation.runfile import Run, RunFacts
-    from ..evaluation.runs import cache_memory_mb
+    from ..evaluation.runfile import Run, RunFacts, memory_meta
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device on this machine")
@@ -291,8 +290,8 @@ def record_sana_wm(base, latents, prompt: str, method: str = "quantwm", target: 
                      vae_spatial=spatial, patch=cfg.patch_size, vae_temporal=temporal, chunk_start=sink_size)
     stats = torch.stack([cache.query_stats(layer).float().cpu() for layer in range(layers)])
     top1 = probe.top1()
-    meta = {"method": method, "target": target, "bits": bits, "bits_per_element": cache.bits_per_element(),
-            "memory_mb": cache_memory_mb(cache), "logit_layers": list(logit_layers), "logit_heads": list(logit_heads),
+    meta = {"method": method, "target": target, "bits": bits, **memory_meta(cache.memory()),
+            "logit_layers": list(logit_layers), "logit_heads": list(logit_heads),
             "source": {"base": str(base), "latents": str(latents) if not torch.is_tensor(latents) else "tensor",
                        "prompt": prompt, "seed": seed, "block_size": block_size, "kv_max_frames": kv_max_frames,
                        "sink_size": sink_size, "fps": fps}}

@@ -252,8 +252,7 @@ def record_self_forcing(checkpoint, base, embeddings, method: str = "quantwm", t
                         progress: Callable | None = None, models=None):
     """The run file contents (`runfile.Run`) of Self-Forcing with `method`'s cache against BF16.
     `models`: an already loaded (transformer, vae) pair instead of checkpoint/base."""
-    from ..evaluation.runfile import Run, RunFacts
-    from ..evaluation.runs import cache_memory_mb
+    from ..evaluation.runfile import Run, RunFacts, memory_meta
 
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda: no CUDA device on this machine")
@@ -285,8 +284,8 @@ def record_self_forcing(checkpoint, base, embeddings, method: str = "quantwm", t
     facts = RunFacts("Self-Forcing (Wan2.1 causal, diffusers WanTransformer3DModel)", layers, heads,
                      cfg_t.attention_head_dim, (lat_hw[0] // ph, lat_hw[1] // pw), chunk_frames, 0,
                      vae_spatial=spatial, patch=ph, vae_temporal=temporal)
-    meta = {"method": method, "target": target, "bits": bits, "bits_per_element": cache.bits_per_element(),
-            "memory_mb": cache_memory_mb(cache), "logit_layers": list(logit_layers), "logit_heads": list(logit_heads),
+    meta = {"method": method, "target": target, "bits": bits, **memory_meta(cache.memory()),
+            "logit_layers": list(logit_layers), "logit_heads": list(logit_heads),
             "source": {"checkpoint": str(checkpoint), "base": str(base), "seed": seed, "latent_frames": latent_frames,
                        "steps": list(DENOISING_STEPS), "shift": SHIFT}}
     return Run(facts, meta, ref_frames, frames, stats, probe.top1(), probe.logits())

@@ -1,2 +1,3 @@
-"""Measures and drivers: metrics, trace and run files, trace analysis, memory accounting, figures, the app's
-compute side (workbench) and the frontier sweep (docs/method.md §4, docs/architecture.md)."""
+"""Measures (layer 2): metrics, trace and run files, trace analysis, memory accounting, figures and the request
+limits, independent of any model (docs/method.md §4, docs/architecture.md). The drivers that run them are in
+quantwm/drivers/."""

@@ -1,10 +1,8 @@
 """Print figures (matplotlib): every figure the app draws, saved as PNG, PDF or SVG for a paper.
 
-    paths = run_figures(Workbench(), RunKey(seed=0, method="quantwm"), "figs", FIGURE_KINDS, ["pdf"])
-
-The drawing functions take the same plain values the app's plotly figures take (lists, numpy arrays,
-dicts from `Workbench`) and return a `matplotlib.figure.Figure` (no pyplot: safe in the app's threads).
-`run_figures` generates (or reuses) a run through the Workbench and writes each kind:
+The drawing functions take the same plain values the app's plotly figures take (lists, numpy arrays, dicts
+from a run's views) and return a `matplotlib.figure.Figure` (no pyplot: safe in the app's threads).
+`quantwm.drivers.run_figures` writes these kinds of one run:
 
 * "frames":  the per-frame panels: flicker tdiff-L1, motion-compensated warping error, PSNR vs BF16 (frames
              identical to BF16 marked, not drawn at a cap), top-1 shift rate
@@ -16,7 +14,6 @@ dicts from `Workbench`) and return a `matplotlib.figure.Figure` (no pyplot: safe
 """
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -172,60 +169,3 @@ def save_figure(fig, stem: str | Path, formats: list[str]) -> list[Path]:
         fig.savefig(path, format=f, dpi=200, metadata={"Creator": "quantwm"} if f != "png" else None)
         paths.append(path)
     return paths
-
-
-def run_figures(wb, key, out_dir: str | Path, kinds: list[str], formats: list[str], frame: int | None = None,
-                pixel: list[int] | None = None, layer: int = 1, head: int = 0, methods: list[str] = (),
-                progress: Callable | None = None) -> list[Path]:
-    """Write the chosen figure kinds of a run: `key` a RunKey (generated, or reused, with the Workbench) or the
-    id of a run opened in it (a recorded run: every kind but "methods"). File names say what is drawn: the
-    run, and for maps and traces the frame, pixel, layer and head."""
-    unknown = [k for k in kinds if k not in FIGURE_KINDS]
-    if unknown or not kinds:
-        raise ValueError(f"unknown figure kind {(unknown or ['(none)'])[0]!r}; choose from {', '.join(FIGURE_KINDS)}")
-    check_formats(formats)  # before any work
-    opened = wb.loaded(key) if isinstance(key, str) else None
-    if isinstance(key, str) and opened is None:
-        raise ValueError(f"no opened run {key!r}")
-    facts = (opened or wb).model_facts()
-    cmp = opened.compare() if opened else wb.compare(key, progress)
-    run_id = key if opened else key.id
-    ctx = facts["context_frames"]
-    worst = [t + ctx for t in cmp["worst"]]
-    t = frame if frame is not None else (worst[0] if worst else ctx)
-    size = facts["frame_size"]
-    x, y = pixel if pixel is not None else (size // 2, size // 2)
-    tag = _file_tag(run_id)
-    method = opened.run.meta["method"] if opened else key.method
-    out, paths = Path(out_dir), []
-    for kind in kinds:
-        name = f"{kind}-{tag}"
-        if kind == "frames":
-            fig = frame_series_figure(cmp["series"], worst, ctx, run_id)
-        elif kind == "maps":
-            fig, name = maps_figure(wb.frame_view(run_id, t), f"{run_id}, frame {t}"), f"{name}-frame{t}"
-        elif kind == "trace":
-            r = wb.pixel_trace(run_id, t, x, y, layer, head)
-            fig = logit_heatmaps_figure(r["logits_bf16"], r["logits_method"], r["source_bf16"], r["source_method"],
-                                        method, facts["grid"][1],
-                                        f"query frame {t}, pixel ({x}, {y}), layer {layer}, head {head}")
-            name = f"{name}-frame{t}-x{x}-y{y}-layer{layer}-head{head}"
-        elif kind == "energy":
-            fig, name = energy_figure(wb.energy(run_id), layer, title=run_id), f"{name}-layer{layer}"
-        else:
-            if not methods or opened:
-                continue
-            rows = wb.methods_table(key, list(methods))
-            at = f"{key.bits}-bit" if key.budget is None else f"within {key.budget:g} bits per element"
-            amount = f"{key.bits}bit" if key.budget is None else f"budget{key.budget:g}"
-            fig = bars_figure(rows, "method", ["psnr", "shift_rate", "warp_error", "bits_per_element"],
-                              f"{len(rows)} methods {at}: seed {key.seed}, {key.trajectory}, target {key.target}")
-            name = f"methods-{'-'.join(r['method'] for r in rows)}-seed{key.seed}-{key.trajectory}-{key.target}-{amount}"
-        paths += save_figure(fig, out / name, formats)
-    return paths
-
-
-def _file_tag(run_id: str) -> str:
-    """A run id as a file-name part: "seed=3 loop kivi kv 2-bit 32f" -> "seed3-loop-kivi-kv-2bit-32f"."""
-    keep = "".join(ch if ch.isalnum() or ch in ".+-" else "-" for ch in run_id.replace("=", "").replace("-bit", "bit"))
-    return "-".join(part for part in keep.split("-") if part)

@@ -17,8 +17,10 @@ One safetensors file (`write_run` / `read_run`). Tensors:
 Metadata (strings): `quantwm_run_version`="1" and `run` (JSON): `model` (name), `layers`, `heads`, `head_dim`,
 `latent_grid` [h, w], `chunk_frames` and `context_frames` (latent frames), optional `chunk_start` (the latent
 frame where chunk 0 begins; 0 unless the first frames are a sink, as SANA-WM's), `vae_spatial`, `patch`,
-`vae_temporal`, `method`, `target`, `bits`, `bits_per_element`, `memory_mb` {bf16, stored}, `logit_layers`,
-`logit_heads`, `probed_chunks`, and free-form `source` (seed, prompt, command).
+`vae_temporal`, `method`, `target`, `bits`, `bits_per_element` (of the quantized spans), `memory_mb` {bf16, stored}
+(stored: the whole cache, full-precision chunks counted as BF16), optional `memory` (the cache's
+`CacheMemory.to_dict()`: exact byte counts and the named figures), `logit_layers`, `logit_heads`, `probed_chunks`,
+and free-form `source` (seed, prompt, command). `memory_meta` writes the memory keys, `run_memory` reads them back.
 
 How tokens map to pixels (`RunFacts`): a latent token is `vae_spatial * patch` output pixels square; latent
 frame 0 decodes to output frame 0 and latent frame f > 0 to output frames 1 + vae_temporal (f - 1) ...
@@ -35,6 +37,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from ..core.cache_types import CacheMemory
 from .trace import read_safetensors
 
 RUN_VERSION = "1"
@@ -102,6 +105,22 @@ class Run:
         return sum(t.numel() * t.element_size() for t in ts)
 
 
+def memory_meta(memory: CacheMemory) -> dict:
+    """A cache's memory as run-file metadata: `bits_per_element`, `memory_mb` and `memory` (see the module)."""
+    return {"bits_per_element": memory.span_bits_per_element,
+            "memory_mb": {"bf16": memory.bf16_mb, "stored": memory.cache_mb}, "memory": memory.to_dict()}
+
+
+def run_memory(meta: dict) -> CacheMemory:
+    """The memory report a run file holds: its `memory`, or for a file without one, the same figures from
+    `bits_per_element` and `memory_mb` (exact: MB are bytes / 2**20)."""
+    if "memory" in meta:
+        return CacheMemory.from_dict(meta["memory"])
+    bf16, cache = (int(round(float(meta["memory_mb"][k]) * 2 ** 20)) for k in ("bf16", "stored"))
+    return CacheMemory(cache, bf16, {}, float(meta["bits_per_element"]), 8 * cache / (bf16 / 2) if bf16 else float("nan"),
+                       {}, cache)
+
+
 def write_run(path: str | Path, run: Run) -> None:
     tensors = {"frames.bf16": run.bf16.contiguous(), "frames.method": run.method.contiguous(),
                "stats": run.stats.float().contiguous()}
@@ -145,6 +164,10 @@ def read_run(path: str | Path) -> Run:
             raise _invalid(path, "model facts must be positive integers (context_frames, chunk_start >= 0)")
     except (KeyError, TypeError, json.JSONDecodeError) as e:
         raise _invalid(path, f"bad metadata ({e})") from None
+    try:
+        run_memory(meta)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise _invalid(path, f"bad memory figures ({e!r})") from None
     for name in ("frames.bf16", "frames.method", "stats"):
         if name not in tensors:
             raise _invalid(path, f"missing tensor {name!r}")

@@ -1,14 +1,17 @@
 """A rollout's name and its compact record: `RunKey` (the settings that determine a rollout, printable and
-parseable as a run id) and `Record` (what the app shows and recomputes from), plus the memory figures every
-recorder reports (`cache_memory_mb`), and the run file of a built-in run (`make_run`)."""
+parseable as a run id), `Record` (what the app shows and recomputes from, its memory a `CacheMemory`), the
+attention logits of a probed chunk (`probe_logits`) and a built-in run's pair of records as the contents of a run
+file (`builtin_run`), which `views.RunView` shows like any opened run."""
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
 
-from ..core.cache import CacheConfig
+from ..core.cache import CacheConfig, CacheMemory, jensen_bias
+from ..evaluation import diagnostics as D
+from ..evaluation import metrics as M
+from ..evaluation.runfile import Run, RunFacts, memory_meta
 from ..world.scene import TRAIN_SEED_BASE, TRAJECTORIES
 
 MiB = 2 ** 20
@@ -35,8 +38,9 @@ class RunKey:
         self.cache_config()  # validates method, target and bits with the cache's own messages
 
     def cache_config(self) -> CacheConfig:
+        """The rollout's cache; it keeps the history queries' S for every method (the energy view reads it)."""
         return CacheConfig(method=self.method, target=self.target, k_bits=self.bits, v_bits=self.bits,
-                           budget=None if self.method == "bf16" else self.budget)
+                           budget=None if self.method == "bf16" else self.budget, track_queries=True)
 
     @property
     def id(self) -> str:
@@ -76,8 +80,7 @@ class Record:
     v_stored: list
     stats: list  # per layer S (H, D, D)
     k_steps: list | None  # per layer Δ of the stored keys (H, L, D) for +jensen methods (its logit bias), else None
-    bits_per_element: float
-    memory_mb: dict  # {"bf16": ..., "stored": ...}, full-precision chunks counted at 2 bytes per element
+    memory: CacheMemory  # the cache's memory report at the end of the rollout
     seconds: float
     flow: torch.Tensor | None = None  # BF16 records: the optical flow every warping error against it uses
     budget_choice: dict | None = None  # the cache's {kind: options} a budget chose (`KVCache.budget_choice`)
@@ -92,41 +95,49 @@ class Record:
                 tensors += getattr(p, name)
         return sum(t.numel() * t.element_size() for t in tensors)
 
+    def reference_flow(self) -> torch.Tensor:
+        """Optical flow (T-1, H, W, 2) of a BF16 record's frames, computed once and kept with the record."""
+        if self.flow is None:
+            self.flow = M.reference_flow(self.frames)
+        return self.flow
 
-def cache_memory_mb(cache) -> dict:
-    """{"bf16": MB the cache's K and V would take in BF16, "stored": MB as stored}, full-precision chunks
-    (sink, recent) counted at 2 bytes per element, every quantized byte (codes, scales, codebooks, PSAC)."""
-    m = cache.memory()
-    full = sum(n for name, n in m.by_component.items() if name.endswith(".full"))
-    qbytes = m.stored_bytes - full
-    qelems = 8 * qbytes / m.bits_per_element if m.bits_per_element == m.bits_per_element else 0
-    return {"bf16": m.bf16_mb, "stored": (qbytes + m.bf16_bytes - 2 * qelems) / MiB}
+    def frames_uint8(self) -> torch.Tensor:
+        return (self.frames * 255).round().to(torch.uint8)
 
 
-def make_run(wb, key: RunKey, logit_layers=(1,), logit_heads=(0,), source: dict | None = None,
-             progress: Callable | None = None):
-    """The run file contents (`runfile.Run`) of `key` against BF16, from the same rollouts the Workbench `wb`
-    shows (the built-in model's `quantwm record`)."""
-    from .runfile import Run, RunFacts
+def probe_logits(rec: Record, probe, layer: int, head: int, chunk_tokens: int,
+                 queries=slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n_queries, n_cached) attention logits of a probed chunk's queries (`queries`: an index or slice of the
+    chunk's N; default all) in (layer, head) over the cache that chunk saw, under exact and under stored keys
+    (with the +jensen bias where the method applies it)."""
+    k_seen = D.seen_by_chunk(rec.k_exact[layer], rec.k_stored[layer], probe.chunk, chunk_tokens, 1)
+    q = probe.q[layer][head][queries].cpu()
+    bias = None
+    if rec.k_steps is not None:  # +jensen: the logits the method compares carry its bias
+        steps = D.seen_by_chunk(torch.zeros_like(rec.k_steps[layer]), rec.k_steps[layer], probe.chunk, chunk_tokens, 1)
+        bias = jensen_bias(q, steps[head], 1.0)
+    return M.probe_logits(q, rec.k_exact[layer][head, :k_seen.shape[1]], k_seen[head], 1.0, bias)
 
-    c = wb.cfg
-    for name, vals, n in (("logit layer", logit_layers, c.layers), ("logit head", logit_heads, c.heads)):
-        bad = [v for v in vals if not 0 <= v < n]
-        if bad:
-            raise ValueError(f"{name} {bad[0]} out of range: the model has {n}")
-    ref, rec = wb.pair(key, progress)
-    shown = wb.compare(key)  # the numbers the app shows for this run, from the float frames
-    facts = RunFacts("quantwm built-in world model", c.layers, c.heads, c.head_dim, (c.view, c.view),
-                     c.chunk_frames, c.context_frames, vae_spatial=1, patch=c.patch, vae_temporal=1)
+
+def builtin_facts(cfg) -> RunFacts:
+    """The built-in model's facts in a run file's terms (no VAE: one output frame per latent frame)."""
+    return RunFacts("quantwm built-in world model", cfg.layers, cfg.heads, cfg.head_dim, (cfg.view, cfg.view),
+                    cfg.chunk_frames, cfg.context_frames, vae_spatial=1, patch=cfg.patch, vae_temporal=1)
+
+
+def builtin_run(cfg, ref: Record, rec: Record, logit_layers=(), logit_heads=(), extra: dict | None = None) -> Run:
+    """The run file contents (`runfile.Run`) of a built-in method record `rec` against its BF16 record `ref`, with
+    the logits of `logit_layers` x `logit_heads` (none by default: `RunView.of_records` computes any on demand);
+    `extra`: more metadata (summary, series, source)."""
+    key = rec.key
+    chunk_tokens = cfg.chunk_frames * cfg.tokens_per_frame
     top1, logits = {}, {}
     for p in rec.probes:
         top1[p.chunk] = (torch.stack(p.top1_exact).int(), torch.stack(p.top1_quant).int())
         if logit_layers and logit_heads:
-            pairs = [[wb.probe_logits(rec, p, l, h) for h in logit_heads] for l in logit_layers]
+            pairs = [[probe_logits(rec, p, l, h, chunk_tokens) for h in logit_heads] for l in logit_layers]
             logits[p.chunk] = tuple(torch.stack([torch.stack([hh[i] for hh in row]) for row in pairs]) for i in (0, 1))
-    meta = {"method": key.method, "target": key.target, "bits": key.bits, "bits_per_element": rec.bits_per_element,
-            "memory_mb": rec.memory_mb, "logit_layers": list(logit_layers), "logit_heads": list(logit_heads),
-            "summary": shown["summary"], "series": shown["series"],
-            "source": {"seed": key.seed, "trajectory": key.trajectory, "frames": key.frames, **(source or {})}}
-    return Run(facts, meta, torch.from_numpy(wb.frames_uint8(ref)), torch.from_numpy(wb.frames_uint8(rec)),
-               torch.stack(rec.stats).float(), top1, logits)
+    meta = {"method": key.method, "target": key.target, "bits": key.bits, **memory_meta(rec.memory),
+            "logit_layers": list(logit_layers), "logit_heads": list(logit_heads), **(extra or {})}
+    return Run(builtin_facts(cfg), meta, ref.frames_uint8(), rec.frames_uint8(), torch.stack(rec.stats).float(),
+               top1, logits)

@@ -78,7 +78,7 @@ def source_shape(source: str) -> tuple[int, int]:
 
         c = load_world_model().cfg
         return c.head_dim, c.chunk_frames * c.tokens_per_frame
-    from .trace import read_trace
+    from ..evaluation.trace import read_trace
 
     trace = read_trace(source.removeprefix("trace:"))
     k = next(iter(trace.layers.values()))["k"]
@@ -140,8 +140,8 @@ def _measure(task: dict) -> dict:
         keys = ("bits_per_element", "shift_rate", "place_shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error",
                 "attn_out_rel_err")
         return {k: m[k] for k in keys + ("configuration",) if k in m}
-    from .analyze import analyze_trace
-    from .trace import read_trace
+    from ..evaluation.analyze import analyze_trace
+    from ..evaluation.trace import read_trace
 
     path = task["source"].removeprefix("trace:")
     r = analyze_trace(read_trace(path), [task["method"]], task["target"], task["bits"], method_options=opts,
@@ -311,7 +311,7 @@ def frontier_figure(summary: dict, path_stem: str | Path, formats: list[str]) ->
     """One panel per source: shift rate against bits per element, every point, each method's Pareto front."""
     from matplotlib.ticker import NullLocator
 
-    from .figures import _figure, save_figure
+    from ..evaluation.figures import _figure, save_figure
 
     sources = list(summary)
     fig = _figure(4.2 * len(sources), 3.6)

@@ -1,0 +1,86 @@
+"""Studies over the built-in model's runs, each generated (or reused) through the Workbench `wb`: one method
+against BF16 (`compare`, the Generate tab), Keys only against Values only (`key_vs_value`) and every method at one
+budget (`methods_table`). Rows carry the clip metrics against BF16 and the cache's memory figures by name
+(`CacheMemory.FIGURES`: the quantized spans' bits per element and compression, the whole cache's MB and ratio).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from ..core.quant import BudgetError
+from ..evaluation import diagnostics as D
+from ..evaluation import metrics as M
+from .runs import Record, RunKey
+from .views import RunView
+
+
+def compare(wb, key: RunKey, progress: Callable | None = None) -> dict:
+    """BF16 and the method from the same seeds (generated now or from the results cache): per-frame series, the
+    summary numbers, both videos' frames and the memory figures (`RunView.compare`)."""
+    ref, rec = wb.pair(key, progress)
+    return {**RunView.of_records(wb.cfg, ref, rec).compare(), "seconds": ref.seconds + rec.seconds}
+
+
+def attention_error(wb, rec: Record) -> float:
+    """Relative error of the attention output over the cache, stored vs exact K/V, every probed chunk."""
+    return D.probed_attention_error(rec.probes, rec.k_exact, rec.k_stored, rec.v_exact, rec.v_stored,
+                                    wb.cfg.chunk_frames * wb.cfg.tokens_per_frame)
+
+
+def _steps(progress: Callable | None, i: int, n_runs: int) -> Callable | None:
+    """The progress of run i of n_runs as a share of the whole study."""
+    return (lambda a, n: progress(i * n + a, n_runs * n)) if progress else None
+
+
+def key_vs_value(wb, key: RunKey, progress: Callable | None = None) -> list[dict]:
+    """The method with Keys only and Values only quantized: errors of K and V beside what they cause."""
+    rows = []
+    for i, k in enumerate([replace(key, target="k"), replace(key, target="v")]):
+        ref, rec = wb.pair(k, _steps(progress, i, 2))
+        ke = sum(M.rel_err(s, e) for s, e in zip(rec.k_stored, rec.k_exact)) / len(rec.k_exact)
+        ve = sum(M.rel_err(s, e) for s, e in zip(rec.v_stored, rec.v_exact)) / len(rec.v_exact)
+        rows.append({"target": k.target, "k_rel_err": ke, "v_rel_err": ve, "attn_out_rel_err": attention_error(wb, rec),
+                     **RunView.of_records(wb.cfg, ref, rec).summary(lpips=True)})
+    return rows
+
+
+def methods_table(wb, key: RunKey, methods: list[str], progress: Callable | None = None,
+                  left_out: dict | None = None) -> list[dict]:
+    """Every method in `methods` on key's world, trajectory, target and bits, or, when the key carries a
+    budget, each method configured within it (its "configuration" column says how; a method that cannot
+    fit is skipped and its one-line reason put in `left_out`). Rows come in order of bits per element."""
+    if not methods:
+        raise ValueError("choose at least one method")
+    left_out = left_out if left_out is not None else {}
+    keys = [replace(key, method=m) for m in methods]  # validates every name before any work
+    wb.check_frames(key.frames)
+    if key.budget is not None:
+        from ..core.budget import fit_methods
+
+        span = wb.cfg.chunk_frames * wb.cfg.tokens_per_frame
+        fitting, out = fit_methods(list(methods), key.budget, key.budget, wb.cfg.head_dim, span, key.target)
+        left_out.update(out)
+        keys = [k for k in keys if k.method in fitting]
+    wb.limits.check_methods(len(keys), key.frames)
+    rows = []
+    for i, k in enumerate(keys):
+        try:
+            ref, rec = wb.pair(k, _steps(progress, i, len(keys)))
+        except BudgetError as e:  # fits a Gaussian span of the shape, not this world's data
+            left_out[k.method] = str(e).splitlines()[0]
+            continue
+        rows.append({"method": k.method, **RunView.of_records(wb.cfg, ref, rec).summary(lpips=True),
+                     "configuration": configuration(wb, k)})
+    return sorted(rows, key=lambda r: r["span_bits_per_element"]) if key.budget is not None else rows
+
+
+def configuration(wb, key: RunKey) -> str:
+    """What the key's generated run ran as: its grid at `bits`, or what its cache chose within the budget for
+    each quantized half (read from the run's record: the choice the cache made on its first span)."""
+    if key.method == "bf16":
+        return "bf16"
+    if key.budget is None:
+        return f"{key.bits}-bit"
+    chosen = wb.record(key.id).budget_choice or {}
+    return "; ".join(f"{kind}: {chosen.get(kind, '?')}" for kind in "kv" if kind in key.target)
