@@ -122,9 +122,8 @@ def cmd_memory(a) -> int:
     _write_json(r, a.json)
     print(f"{a.method} on {a.preset}, {a.latent_frames} latent frames, spans of {a.span_chunks} chunk(s), "
           f"queries {a.queries} ({r['layers_quantized']} layer(s) quantized); grid: {r['grid']}")
-    print(f"  bits/element {r['bits_per_element']:.3f}  compression {r['compression']:.3f}x  "
-          f"whole cache {r['cache_compression']:.3f}x  ({r['total_bytes'] / 2**30:.3f} GiB vs "
-          f"{r['bf16_bytes'] / 2**30:.3f} GiB BF16)")
+    print(f"  quantized spans {r['bits_per_element']:.3f} bits/element ({r['compression']:.3f}x); whole cache "
+          f"{r['total_bytes'] / 2**30:.3f} GiB vs {r['bf16_bytes'] / 2**30:.3f} GiB BF16 ({r['cache_compression']:.3f}x)")
     if any(b is not None for b in _budget(a)):
         print("  configuration: " + "; ".join(f"{k}: {v}" for k, v in r["configuration"].items()))
     rt = r["runtime_bytes"]
@@ -197,7 +196,7 @@ def cmd_eval(a) -> int:
                       budget=_budget(a))
     _write_json(report, a.json)
     keys = ("psnr", "ssim", "lpips", "tdiff", "warp_error", "shift_rate", "place_shift_rate", "k_rel_err",
-            "v_rel_err", "bits_per_element", "compression")
+            "v_rel_err", "bits_per_element", "compression", "cache_compression")
     print(f"eval: target={a.target}, bits={a.bits}, seeds={a.seeds}, {a.frames} frames, {a.trajectory}, "
           f"{a.world} world{_photo_note(a)}, "
           f"{report['config']['seconds']:.0f} s")

@@ -1,5 +1,7 @@
 import pytest
+import torch
 
+from quantwm.core.cache import CacheConfig, CacheMemory, KVCache
 from quantwm.evaluation.memory import PRESETS, memory_report
 
 
@@ -17,6 +19,35 @@ def test_memory_counts_quantized_components_and_current_chunk():
     assert "v.psac_basis" not in r["bytes"]  # PSAC is for keys only
     assert r["total_bytes"] == sum(r["bytes"].values())
     assert r["compression"] == pytest.approx(16 / r["bits_per_element"])
+
+
+def test_cache_memory_names_the_spans_and_the_whole_cache_apart():
+    """rtn at 2 bits, groups of 64 over D=64: the spans store 2.5 bits per element (6.4x); the whole cache keeps the
+    sink, the recent and the current chunk in full precision (counted as BF16 even when written in float32)."""
+    cache = KVCache(CacheConfig("rtn"), 1)
+    g = torch.Generator().manual_seed(0)
+    for i in range(5):  # sink, 2 quantized, recent, current: 4 of 10 halves quantized
+        k, v, q = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(3))
+        cache.attend(0, q, k, v, chunk=i, commit=i < 4)
+    m = cache.memory()
+    elems = 2 * 5 * 2 * 16 * 64  # K and V of 5 chunks
+    assert m.span_bits_per_element == pytest.approx(2.5) and m.span_compression == pytest.approx(6.4)
+    assert m.cache_bytes == 2 * (2 * 16 * 64) * 2.5 / 8 * 2 + 2 * (elems - 2 * 2 * 2 * 16 * 64)
+    assert m.bf16_bytes == 2 * elems and m.stored_bytes > m.cache_bytes  # float32 chunks stored at 4 bytes
+    assert m.cache_compression == pytest.approx(m.bf16_mb / m.cache_mb) and 1 < m.cache_compression < m.span_compression
+    assert m.summary() == (f"quantized spans 2.50 bits/element (6.40x); whole cache {m.cache_mb:.2f} MB vs "
+                           f"{m.bf16_mb:.2f} MB BF16 ({m.cache_compression:.2f}x)")
+    assert CacheMemory.from_dict(m.to_dict()).figures() == m.figures() and set(m.figures()) == set(CacheMemory.FIGURES)
+    assert KVCache(CacheConfig("rtn"), 1).memory().summary().startswith("no quantized spans; whole cache 0.00 MB")
+
+
+def test_memory_report_figures_are_its_cache_memory():
+    r = memory_report("tiny", 16, "kivi")
+    m = CacheMemory.from_dict(r["memory"])
+    assert (r["bits_per_element"], r["compression"], r["cache_compression"]) == (
+        m.span_bits_per_element, m.span_compression, m.cache_compression)
+    assert m.cache_bytes == r["total_bytes"] and m.bf16_bytes == r["bf16_bytes"] and r["summary"] == m.summary()
+    assert r["compression"] > r["cache_compression"] > 1
 
 
 def test_memory_sampled_layers_scale_exactly():

@@ -10,7 +10,9 @@ whose 8-dimensional subspace drifts from chunk to chunk (a real model's subspace
 bases are stored as a deployment would store them; `queries="none"` leaves S the identity (one basis per layer:
 the best case). `sample_layers` may quantize fewer layers and scale the counts (the report says how many).
 The report also gives the runtime state a deployment keeps beside the stored cache (the running S, warm-start
-centroids), which the compression figures do not include.
+centroids), which the compression figures do not include. Its figures are a `CacheMemory`'s (`memory`): the
+quantized spans' bits per element and compression (`bits_per_element`, `compression`) and the whole cache's bytes
+and ratio (`total_bytes`, `bf16_bytes`, `cache_compression`).
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.budget import fit_methods
-from ..core.cache import CacheConfig, KVCache
+from ..core.cache import CacheConfig, CacheMemory, KVCache
 
 
 @dataclass(frozen=True)
@@ -79,23 +81,24 @@ def memory_report(preset: str, latent_frames: int, method: str, target: str = "k
     run_frames = need * p.chunk_frames if quantizing and chunks < need else latent_frames
     cache = _simulate(p, config, run_frames, n_layers, seed, queries, progress)
     factor = p.layers / n_layers
-    bpe = cache.bits_per_element()
     runtime = {k: int(round(v * factor)) for k, v in cache.runtime_bytes().items()}
     bf16 = 2 * p.layers * latent_frames * p.tokens_per_frame * p.heads * p.head_dim * 2
     if run_frames == latent_frames:
         comp = {k: int(round(v * factor)) for k, v in cache.bytes_by_component().items()}
     else:  # nothing of the requested video is quantized: every chunk is BF16
         comp = {"k.full": bf16 // 2, "v.full": bf16 // 2}
-    total = sum(comp.values())
+    total = sum(comp.values())  # full-precision chunks are BF16 here: what is stored is what BF16 holds
+    mem = CacheMemory(stored_bytes=total, bf16_bytes=bf16, by_component=comp, bits_per_element=cache.bits_per_element(),
+                      cache_bits_per_element=8 * total / (bf16 / 2), runtime_bytes=runtime, cache_bytes=total)
     return {"preset": p.__dict__, "method": method, "target": target, "bits": bits, "latent_frames": latent_frames,
             "span_chunks": span_chunks, "queries": queries, "grid": cache.configuration["k" if cache.quantize_k else "v"],
             "runtime_bytes": runtime,
             "budget": {"k": budget[0], "v": budget[1]}, "configuration": cache.configuration,
             "quantized_figures_from_latent_frames": run_frames,
             "chunks": chunks, "layers_quantized": n_layers, "bytes": comp,
-            "total_bytes": total, "bf16_bytes": bf16, "bits_per_element": bpe,
-            "compression": 16 / bpe if bpe == bpe else 1.0, "cache_compression": bf16 / total,
-            "bf16_bytes_per_latent_frame": bf16 / latent_frames}
+            "total_bytes": total, "bf16_bytes": bf16, "bits_per_element": mem.span_bits_per_element,
+            "compression": mem.span_compression, "cache_compression": mem.cache_compression,
+            "memory": mem.to_dict(), "summary": mem.summary(), "bf16_bytes_per_latent_frame": bf16 / latent_frames}
 
 
 def _simulate(p: Preset, config: CacheConfig, latent_frames: int, n_layers: int, seed: int, queries: str,

@@ -7,7 +7,8 @@ and the motion-compensated warping error against BF16, the top-1 shift rate (sam
 state, exact vs stored keys, every layer, head and query of every generated chunk) and the place shift rate
 (only the top-1 changes that land on another world place; overall and per layer), Key/Value relative
 reconstruction errors, the attention-output error they cause (every probed chunk and layer, exact vs
-stored K/V), bits per element and compression of the quantized chunks. The BF16 run also
+stored K/V), and the cache's memory figures (`CacheMemory`): the quantized spans' bits per element and
+compression, and the whole cache's compression with its full-precision chunks. The BF16 run also
 reports its memory: PSNR against ground truth on views the context had fully seen, and per layer the
 attention mass each query puts on cached tokens that saw its own world location, and the top-1
 probability. World seeds used here are below TRAIN_SEED_BASE, so never seen in training.
@@ -91,6 +92,14 @@ def memory_stats(run: Rollout) -> dict:
     return {"same_place_mass": mass, "top1_prob": top1}
 
 
+FRAME_METRICS = ("psnr", "ssim", "lpips", "tdiff", "warp_error")  # per generated frame, against BF16
+# per run: shift rates, errors and the cache's memory figures (`CacheMemory`: the spans' bits and compression, the
+# whole cache's ratio)
+RUN_METRICS = ("shift_rate", "place_shift_rate", "bits_per_element", "compression", "cache_compression", "k_rel_err",
+               "v_rel_err", "attn_out_rel_err")
+PHOTOS = {None: None, "all": "training", "matched": "training-matched"}
+
+
 def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: list[int] = (0, 1), n_frames: int = 32,
              bits: int = 2, trajectory_kind: str = "loop", steps: int = 4, progress: Callable | None = None,
              training_seeds: bool = False, world: str = "photo", method_options: tuple = (),
@@ -108,96 +117,121 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
 
     `budget`: (Keys, Values) bits per element: each method configures itself within it (docs/method.md §3.1);
     one that cannot is left out, with its reason in report["config"]["left_out"]."""
+    seeds = _check_worlds(seeds, training_seeds, training_photos, world)
+    configs, left_out = _configs(model, methods, target, bits, method_options, budget)
+    rollout = dict(steps=steps, world=world, photos=PHOTOS[training_photos])
+    lpips_note = M.lpips_unavailable()
+    per = {m: {k: [] for k in (*FRAME_METRICS, *RUN_METRICS, "place_shift_rate_per_layer")} for m in configs}
+    bf16: dict = {k: [] for k in ("revisit_psnr_vs_gt", "psnr_vs_gt", "same_place_mass", "top1_prob", "revisited_frames")}
+    configuration: dict = {}
+    total, done, t0 = len(seeds) * (1 + len(configs)), 0, time.time()
+
+    def step(what: str):
+        nonlocal done
+        done += 1
+        if progress:
+            progress(done, total, what)
+
+    for seed in seeds:
+        ref = generate(model, seed, trajectory_kind, n_frames, CacheConfig(), **rollout)
+        flow = _measure_reference(ref, bf16)
+        step(f"seed {seed} bf16")
+        for m, cc in list(configs.items()):
+            try:
+                run = generate(model, seed, trajectory_kind, n_frames, cc, **rollout)
+            except BudgetError as e:  # a budget the method's configurations fit on a Gaussian span, not on these
+                left_out[m] = str(e).splitlines()[0]
+                del configs[m]
+                continue
+            _measure_run(run, ref, flow, lpips_note, per[m])
+            configuration[m] = run.cache.configuration
+            step(f"seed {seed} {m}")
+    config = {"target": target, "bits": bits, "seeds": list(seeds), "frames": n_frames, "trajectory": trajectory_kind,
+              "world": world, "photos": rollout["photos"] or "by seed", "method_options": dict(method_options),
+              "steps": steps, "context_frames": model.cfg.context_frames, "lpips_note": lpips_note,
+              "model": model.config_dict(), "budget": {"k": budget[0], "v": budget[1]}, "left_out": left_out,
+              "configuration": configuration, "seconds": time.time() - t0}
+    return {"methods": {m: _method_report(per[m]) for m in configs}, "bf16": _bf16_report(bf16, model.cfg.layers),
+            "config": config}
+
+
+def _check_worlds(seeds, training_seeds: bool, training_photos: str | None, world: str) -> list[int]:
+    """The world seeds to run (training ones when asked); ValueError for a combination that means nothing."""
     if any(s >= TRAIN_SEED_BASE or s < 0 for s in seeds):
         raise ValueError(f"evaluation world seeds must lie in [0, {TRAIN_SEED_BASE}) (training uses the rest)")
     if training_seeds:
         seeds = [s + TRAIN_SEED_BASE for s in seeds]
     if not seeds:
         raise ValueError("give at least one seed")
-    if training_photos not in (None, "all", "matched"):
+    if training_photos not in PHOTOS:
         raise ValueError(f"training_photos must be None, 'all' or 'matched', got {training_photos!r}")
     if training_photos and (training_seeds or world != "photo"):
         raise ValueError("training_photos applies to the photographic world, without training_seeds")
-    photos = {None: None, "all": "training", "matched": "training-matched"}[training_photos]
+    return list(seeds)
+
+
+def _configs(model: WorldModel, methods, target: str, bits: int, method_options: tuple,
+             budget: tuple) -> tuple[dict, dict]:
+    """({method: CacheConfig} of the methods that fit the budget, {method: why} of those left out); every name and
+    option is validated before any work."""
     mc = model.cfg
     methods, left_out = fit_methods(methods, *budget, mc.head_dim, mc.chunk_frames * mc.tokens_per_frame, target,
                                     dict(method_options))
     configs = {m: CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits, method_options=method_options,
-                              budget_k=budget[0], budget_v=budget[1]) for m in methods}  # validates names
+                              budget_k=budget[0], budget_v=budget[1]) for m in methods}
     for c in configs.values():
-        KVCache(c, 1)  # validates the options for every method before any work
-    ctx = model.cfg.context_frames
-    per: dict = {m: {k: [] for k in ("psnr", "ssim", "lpips", "tdiff", "warp_error")} for m in methods}
-    lpips_note = M.lpips_unavailable()
-    scalars: dict = {m: {k: [] for k in ("shift_rate", "place_shift_rate", "bits_per_element", "k_rel_err",
-                                         "v_rel_err", "attn_out_rel_err")} for m in methods}
-    place_layers: dict = {m: [] for m in methods}
-    configuration: dict = {}
-    bf16: dict = {"revisit_psnr_vs_gt": [], "psnr_vs_gt": [], "same_place_mass": [], "top1_prob": [], "revisited_frames": []}
-    total, done, t0 = len(seeds) * (1 + len(methods)), 0, time.time()
-    for seed in seeds:
-        ref = generate(model, seed, trajectory_kind, n_frames, CacheConfig(), steps=steps, world=world, photos=photos)
-        revisit = ref.revisited()
-        bf16["revisited_frames"].append(revisit)
-        if revisit:
-            bf16["revisit_psnr_vs_gt"].append(ref.revisit_psnr())
-        bf16["psnr_vs_gt"].append(M.psnr(ref.frames[ctx:], ref.ground_truth[ctx:]).tolist())
-        flow = M.reference_flow(ref.frames[ctx - 1:])  # one flow per seed serves every method's warping error
-        mem = memory_stats(ref)
-        bf16["same_place_mass"].append(mem["same_place_mass"]), bf16["top1_prob"].append(mem["top1_prob"])
-        done += 1
-        if progress:
-            progress(done, total, f"seed {seed} bf16")
-        for m, cc in list(configs.items()):
-            try:
-                run = generate(model, seed, trajectory_kind, n_frames, cc, steps=steps, world=world, photos=photos)
-            except BudgetError as e:  # a budget the method's configurations fit on a Gaussian span, not on these
-                left_out[m] = str(e).splitlines()[0]
-                del configs[m]
-                continue
-            x, r = run.frames[ctx:], ref.frames[ctx:]
-            per[m]["psnr"].append(M.psnr(x, r).tolist())
-            per[m]["ssim"].append(M.ssim(x, r).tolist())
-            per[m]["lpips"].append([math.nan] * len(x) if lpips_note else M.lpips(x, r).tolist())
-            per[m]["tdiff"].append(M.tdiff(run.frames[ctx - 1:], ref.frames[ctx - 1:]).tolist())
-            per[m]["warp_error"].append(M.warp_error(run.frames[ctx - 1:], ref.frames[ctx - 1:], flow).tolist())
-            configuration[m] = run.cache.configuration
-            ke, ve = rel_errors(run)
-            place, per_layer = place_shift_rate(run)
-            place_layers[m].append(per_layer)
-            for k, v in (("shift_rate", shift_rate(run)), ("place_shift_rate", place),
-                         ("attn_out_rel_err", attention_error(run)),
-                         ("bits_per_element", run.cache.bits_per_element()),
-                         ("k_rel_err", ke), ("v_rel_err", ve)):
-                scalars[m][k].append(v)
-            done += 1
-            if progress:
-                progress(done, total, f"seed {seed} {m}")
-    out: dict = {"methods": {}, "bf16": {}, "config": {
-        "target": target, "bits": bits, "seeds": list(seeds), "frames": n_frames, "trajectory": trajectory_kind,
-        "world": world, "photos": photos or "by seed", "method_options": dict(method_options), "steps": steps, "context_frames": ctx,
-        "lpips_note": lpips_note, "model": model.config_dict(), "budget": {"k": budget[0], "v": budget[1]},
-        "left_out": left_out, "configuration": configuration,
-        "seconds": time.time() - t0}}
-    for m in configs:
-        frame_means = {k: [sum(col) / len(col) for col in zip(*v)] for k, v in per[m].items()}
-        mean = {k: _nanmean(sum(v, [])) for k, v in per[m].items()}
-        # PSNR of the clip: from the mean MSE over all generated frames (frames identical to BF16, e.g. before
-        # anything is quantized, would otherwise enter a per-frame mean at the 100 dB cap)
-        mse = [10 ** (-p / 10) if p < 100 else 0.0 for p in sum(per[m]["psnr"], [])]
-        mean["psnr"] = min(100.0, -10 * math.log10(max(sum(mse) / len(mse), 1e-10)))
-        mean.update({k: _nanmean(v) for k, v in scalars[m].items()})
-        bpe = mean["bits_per_element"]
-        mean["compression"] = 16 / bpe if bpe == bpe else 1.0
-        out["methods"][m] = {"mean": mean, "per_frame": frame_means,
-                             "place_shift_rate_per_layer": [_nanmean(col) for col in zip(*place_layers[m])]}
-    n_layers = model.cfg.layers
-    out["bf16"] = {
-        "revisit_psnr_vs_gt": _nanmean(bf16["revisit_psnr_vs_gt"]),
-        "psnr_vs_gt_per_frame": [sum(col) / len(col) for col in zip(*bf16["psnr_vs_gt"])],
-        "same_place_mass_per_layer": [_nanmean(s[l] for s in bf16["same_place_mass"]) for l in range(n_layers)],
-        "top1_prob_per_layer": [_nanmean(s[l] for s in bf16["top1_prob"]) for l in range(n_layers)],
-        "revisited_frames": bf16["revisited_frames"],
-    }
-    return out
+        KVCache(c, 1)
+    return configs, left_out
 
+
+def _measure_reference(ref: Rollout, bf16: dict) -> torch.Tensor:
+    """Add the BF16 run's own figures to `bf16`; returns the optical flow every method's warping error uses."""
+    ctx = ref.config.context_frames
+    revisit = ref.revisited()
+    bf16["revisited_frames"].append(revisit)
+    if revisit:
+        bf16["revisit_psnr_vs_gt"].append(ref.revisit_psnr())
+    bf16["psnr_vs_gt"].append(M.psnr(ref.frames[ctx:], ref.ground_truth[ctx:]).tolist())
+    mem = memory_stats(ref)
+    bf16["same_place_mass"].append(mem["same_place_mass"]), bf16["top1_prob"].append(mem["top1_prob"])
+    return M.reference_flow(ref.frames[ctx - 1:])
+
+
+def _measure_run(run: Rollout, ref: Rollout, flow: torch.Tensor, lpips_note: str | None, out: dict) -> None:
+    """Append one method run's figures against `ref` to `out` (lists by metric)."""
+    ctx = run.config.context_frames
+    x, r = run.frames[ctx:], ref.frames[ctx:]
+    out["psnr"].append(M.psnr(x, r).tolist())
+    out["ssim"].append(M.ssim(x, r).tolist())
+    out["lpips"].append([math.nan] * len(x) if lpips_note else M.lpips(x, r).tolist())
+    out["tdiff"].append(M.tdiff(run.frames[ctx - 1:], ref.frames[ctx - 1:]).tolist())
+    out["warp_error"].append(M.warp_error(run.frames[ctx - 1:], ref.frames[ctx - 1:], flow).tolist())
+    ke, ve = rel_errors(run)
+    place, per_layer = place_shift_rate(run)
+    mem = run.cache.memory()
+    out["place_shift_rate_per_layer"].append(per_layer)
+    for k, v in (("shift_rate", shift_rate(run)), ("place_shift_rate", place), ("attn_out_rel_err", attention_error(run)),
+                 ("bits_per_element", mem.span_bits_per_element), ("compression", mem.span_compression),
+                 ("cache_compression", mem.cache_compression), ("k_rel_err", ke), ("v_rel_err", ve)):
+        out[k].append(v)
+
+
+def _method_report(per: dict) -> dict:
+    """A method's means over seeds and frames, its per-frame means and its place shift rate per layer."""
+    frame_means = {k: [sum(col) / len(col) for col in zip(*per[k])] for k in FRAME_METRICS}
+    mean = {k: _nanmean(sum(per[k], [])) for k in FRAME_METRICS}
+    # PSNR of the clip: from the mean MSE over all generated frames (frames identical to BF16, e.g. before
+    # anything is quantized, would otherwise enter a per-frame mean at the 100 dB cap)
+    mse = [10 ** (-p / 10) if p < 100 else 0.0 for p in sum(per["psnr"], [])]
+    mean["psnr"] = min(100.0, -10 * math.log10(max(sum(mse) / len(mse), 1e-10)))
+    mean.update({k: _nanmean(per[k]) for k in RUN_METRICS})
+    return {"mean": mean, "per_frame": frame_means,
+            "place_shift_rate_per_layer": [_nanmean(col) for col in zip(*per["place_shift_rate_per_layer"])]}
+
+
+def _bf16_report(bf16: dict, n_layers: int) -> dict:
+    return {"revisit_psnr_vs_gt": _nanmean(bf16["revisit_psnr_vs_gt"]),
+            "psnr_vs_gt_per_frame": [sum(col) / len(col) for col in zip(*bf16["psnr_vs_gt"])],
+            "same_place_mass_per_layer": [_nanmean(s[l] for s in bf16["same_place_mass"]) for l in range(n_layers)],
+            "top1_prob_per_layer": [_nanmean(s[l] for s in bf16["top1_prob"]) for l in range(n_layers)],
+            "revisited_frames": bf16["revisited_frames"]}
