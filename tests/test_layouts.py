@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 
+from quantwm.core import selfcheck
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.layouts import Layout, views_built
 from quantwm.core.methods import REGISTRY, SpanContext, get_method
@@ -124,7 +125,8 @@ def test_every_stored_span_decodes_itself_and_counts_its_bytes(name, kind):
 def test_warm_attends_make_no_host_sync_and_build_no_kernel_view(method, budget, lowp, monkeypatch):
     """20 denoising passes over a warm cache on the fused path make no host sync and build no kernel view: each
     quantized span's view was built at its commit and is the very object the launcher receives. The real launcher
-    runs; only the compiled kernel's launch is replaced by a recorder (the interpreter's own work is not ours)."""
+    runs; after the warm-up (whose first uses run the self-check) the compiled kernel's launch is replaced by a
+    recorder (the interpreter's own work is not ours)."""
     from quantwm.kernels import span_attention as sa
 
     monkeypatch.setenv("QUANTWM_KERNELS", "triton")
@@ -135,14 +137,16 @@ def test_warm_attends_make_no_host_sync_and_build_no_kernel_view(method, budget,
         return launcher(q, acc, m, l, k, v, *args, **kwargs)
 
     monkeypatch.setattr(sa, "span_attention", recorded)
+    monkeypatch.setattr(selfcheck, "_VERDICTS", {})
+    cache = KVCache(CacheConfig(method, budget=budget, check_inputs=False, lowp=lowp), 1)
+    g = torch.Generator().manual_seed(0)
+    for i in range(5):  # the real kernel, checked against its reference on first use of each layout
+        q, k, v = (torch.randn(1, 2, 64, 64, generator=g) for _ in range(3))
+        cache.attend(0, q, k, v, chunk=i, commit=True)
+    assert selfcheck.verdicts() and not selfcheck.fallbacks()
     grids = []
     monkeypatch.setattr(sa, "_span_attention_kernel", type("Launch", (), {
         "__getitem__": lambda self, grid: grids.append(grid) or (lambda *a, **kw: None)})())
-    cache = KVCache(CacheConfig(method, budget=budget, check_inputs=False, lowp=lowp), 1)
-    g = torch.Generator().manual_seed(0)
-    for i in range(5):
-        q, k, v = (torch.randn(1, 2, 64, 64, generator=g) for _ in range(3))
-        cache.attend(0, q, k, v, chunk=i, commit=True)
     quantized = [c for c in cache.spans(0) if c.quantized]
     assert quantized and all(c.k_enc.kernel_side is not None for c in quantized)
     q, k, v = (torch.randn(1, 2, 64, 64, generator=g) for _ in range(3))

@@ -6,6 +6,7 @@ nothing else. Every memory figure of the project (the CLI, the app, the adapters
 """
 from __future__ import annotations
 
+from . import selfcheck
 from .cache_types import CacheMemory
 
 
@@ -76,7 +77,8 @@ class MemoryAccounting:
         qbytes, qelems = self._quantized_totals()
         return CacheMemory(stored_bytes=self.nbytes(), bf16_bytes=2 * elems, by_component=self.bytes_by_component(),
                            bits_per_element=self.bits_per_element(), cache_bits_per_element=self.cache_bits_per_element(),
-                           runtime_bytes=self.runtime_bytes(), cache_bytes=qbytes + 2 * (elems - qelems))
+                           runtime_bytes=self.runtime_bytes(), cache_bytes=qbytes + 2 * (elems - qelems),
+                           kernel_fallbacks=tuple(v.line() for v in selfcheck.fallbacks()))
 
     def cache_bits_per_element(self) -> float:
         """Bits per element of the whole cache: quantized and full-precision chunks together."""

@@ -24,8 +24,10 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
-from ..kernels.span_args import PsacArgs
+from ..kernels.span_args import CHANNELS, GROUPED, PsacArgs
+from . import selfcheck
 from .backend import kernel
 from .fp8 import code_dots, lowp_dots, pv_fold
 from .layouts import Full, Layout
@@ -90,6 +92,13 @@ def span_attention_ref(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: t
     m[:, 0] = m_new
 
 
+def jensen_bias(q: torch.Tensor, steps: torch.Tensor | None, scale: float) -> torch.Tensor | None:
+    """-(τ²/24) Σ_i q_i² Δ_{j,i}²: q (..., Nq, D), steps Δ (..., L, D) -> (..., Nq, L); None without steps."""
+    if steps is None:
+        return None
+    return -(scale ** 2 / 24) * (q.float().square() @ steps.float().square().transpose(-1, -2))
+
+
 def new_state(S: int, P: int, Nq: int, D: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """An empty softmax state of P splits: acc (S, P, Nq, D) 0, m (S, P, Nq) -inf, l (S, P, Nq) 0."""
     return (torch.zeros(S, P, Nq, D, device=device), torch.full((S, P, Nq), float("-inf"), device=device),
@@ -119,14 +128,73 @@ def fused_attention(cache, layer: int, q: torch.Tensor, scale: float, use_kernel
     B, H, Nq, D = q.shape
     qs = q.reshape(B * H, Nq, D)
     acc, m, l = new_state(B * H, n_splits(B * H, Nq) if use_kernel else 1, Nq, D, q.device)
-    jensen = cache.config.jensen
     for k, v in spans:
-        psac = k.psac_args(qs)
-        center = k.center if lowp is not None else None
+        jensen = cache.config.jensen and k.quantized
         if use_kernel:
-            kernel("span_attention")(qs, acc, m, l, k.kernel_side, v.kernel_side, scale, psac=psac,
-                                     jensen=jensen and k.quantized, lowp=lowp, center=center)
+            fold_checked(qs, (acc, m, l), k, v, scale, jensen, lowp)
         else:
-            span_attention_ref(qs, acc, m, l, k.keys_read(), v, scale, psac=psac, jensen=jensen and k.quantized,
-                               lowp=lowp)
+            span_attention_ref(qs, acc, m, l, k.keys_read(), v, scale, psac=k.psac_args(qs), jensen=jensen, lowp=lowp)
     return merge_splits(acc, m, l).reshape(B, H, Nq, D)
+
+
+def side_key(side) -> str:
+    """A kernel side's form as the self-check keys it: what decides which code the kernel runs."""
+    if side.form != CHANNELS and side.form != GROUPED:
+        return "full"
+    if side.form == CHANNELS:
+        return "channels" + (" +codebook" if side.codebook is not None else "")
+    grid = "symmetric" if side.symmetric else "asymmetric"
+    along = "tokens" if side.axis_token else "channels"
+    return f"{side.bits}-bit {grid} groups of {side.group_size} along {along}" + (
+        " +codebook" if side.codebook is not None else "")
+
+
+def fold_checked(qs: torch.Tensor, state: tuple, k: Layout, v: Layout, scale: float, jensen: bool,
+                 lowp: str | None) -> None:
+    """One span through the kernel, its first use per (layout, dtype, device) checked against the reference on
+    the first queries (quantwm/core/selfcheck.py); a layout whose check failed folds through the reference."""
+    acc, m, l = state
+    psac = k.psac_args(qs)
+    layout = (f"k: {side_key(k.kernel_side)}" + (" +psac" if psac is not None else "") + (" +jensen" if jensen else "")
+              + f"; v: {side_key(v.kernel_side)}" + (f"; lowp={lowp}" if lowp else ""))
+
+    def fast():
+        kernel("span_attention")(qs, acc, m, l, k.kernel_side, v.kernel_side, scale, psac=psac, jensen=jensen,
+                                 lowp=lowp, center=k.center if lowp is not None else None)
+
+    def ref():
+        span_attention_ref(qs, acc, m, l, k.keys_read(), v, scale, psac=psac, jensen=jensen, lowp=lowp)
+
+    selfcheck.run("span_attention", layout, qs, fast, ref, lambda: attention_check(qs, k, v, scale, jensen, lowp))
+
+
+def attention_check(qs: torch.Tensor, k: Layout, v: Layout, scale: float, jensen: bool,
+                    lowp: str | None) -> tuple[float, float, str]:
+    """(the kernel's error, the error allowed, shapes) on the first SAMPLE_QUERIES queries over span (k, v) alone,
+    one split: against float64 attention over the decoded span, the kernel may err twice as much as the same
+    attention in the input dtype (plus ATTENTION_FLOOR of the output); with `lowp`, against its emulation."""
+    q = qs[:, :selfcheck.SAMPLE_QUERIES]
+    S, Nq, D = q.shape
+
+    def fold(fn, **kw) -> torch.Tensor:
+        acc, m, l = new_state(S, 1, Nq, D, q.device)
+        fn(acc, m, l, **kw)
+        return merge_splits(acc, m, l).double()
+
+    out = fold(lambda acc, m, l: kernel("span_attention")(q, acc, m, l, k.kernel_side, v.kernel_side, scale,
+                                                           psac=k.psac_args(q), jensen=jensen, lowp=lowp,
+                                                           center=k.center if lowp is not None else None))
+    shapes = f"{S} streams x {Nq} queries x {k.shape[1]} keys x {D}"
+    if lowp is not None:
+        emulated = fold(lambda acc, m, l: span_attention_ref(q, acc, m, l, k.keys_read(), v, scale,
+                                                             psac=k.psac_args(q), jensen=jensen, lowp=lowp))
+        return float((out - emulated).abs().max()), selfcheck.LOWP_TOLERANCE * float(emulated.abs().max()), shapes
+    K, V = k.decode(), v.decode()
+    bias = jensen_bias(q, k.step(), scale) if jensen else None
+    exact = F.scaled_dot_product_attention(q.double(), K.double(), V.double(), scale=scale,
+                                           attn_mask=None if bias is None else bias.double())
+    low = F.scaled_dot_product_attention(q, K.to(q.dtype), V.to(q.dtype), scale=scale,
+                                         attn_mask=None if bias is None else bias.to(q.dtype))
+    err_low = float((low.double() - exact).abs().max())
+    allowed = 2 * err_low + selfcheck.ATTENTION_FLOOR * float(exact.abs().max())
+    return float((out - exact).abs().max()), allowed, shapes

@@ -4,6 +4,7 @@
     QUANTWM_KERNELS=ref     references everywhere: the switch for debugging a suspected kernel bug
     QUANTWM_KERNELS=triton  kernels everywhere, CPU included; on CPU set TRITON_INTERPRET=1 before the first
                             import of kernels/ (this is how the tests drive the kernels through the cache)
+    QUANTWM_KERNELS=trust   as auto, without the kernels' first-use self-check (quantwm/core/selfcheck.py)
 
 Triton is imported lazily, on first use, so `import quantwm` works on machines without it.
 """
@@ -16,7 +17,7 @@ from functools import cache
 
 import torch
 
-MODES = ("auto", "ref", "triton")
+MODES = ("auto", "ref", "triton", "trust")
 
 
 def mode() -> str:

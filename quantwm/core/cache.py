@@ -68,8 +68,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from . import selfcheck
 from .accounting import MemoryAccounting
-from .attention import fused_attention
+from .attention import fused_attention, jensen_bias
 from .backend import use_kernels
 from .cache_types import LAYOUTS, ROPE_MODES, TARGETS, CacheConfig, CacheMemory, Chunk, LayerState, SpanView
 from .methods import make_method
@@ -87,13 +88,6 @@ PUBLIC = ("n_layers", "config", "rope", "quantize_k", "quantize_v", "uses_querie
           "bytes_by_component", "runtime_bytes", "bits_per_element", "cache_bits_per_element", "quantized_bytes")
 
 RopeFn = Callable[..., torch.Tensor]
-
-
-def jensen_bias(q: torch.Tensor, steps: torch.Tensor | None, scale: float) -> torch.Tensor | None:
-    """-(τ²/24) Σ_i q_i² Δ_{j,i}²: q (..., Nq, D), steps Δ (..., L, D) -> (..., Nq, L); None without steps."""
-    if steps is None:
-        return None
-    return -(scale ** 2 / 24) * (q.float().square() @ steps.float().square().transpose(-1, -2))
 
 
 class KVCache(MemoryAccounting, QueryHistory):
@@ -220,7 +214,8 @@ class KVCache(MemoryAccounting, QueryHistory):
         n = self.config.span_chunks
         while len(ready) >= n:  # spans of `span_chunks` chunks, quantized together once all have left the window
             run, ready = ready[:n], ready[n:]
-            self._quantize(layer, st, run[0] if n == 1 else self._merge(st, run))
+            with selfcheck.enabled(self.config.selfcheck):
+                self._quantize(layer, st, run[0] if n == 1 else self._merge(st, run))
         limit = self.config.max_chunks
         while limit is not None and sum(x.n_chunks for x in st.chunks) > limit:
             victim = next(i for i, x in enumerate(st.chunks) if x.index >= self.config.sink_chunks)
@@ -401,7 +396,8 @@ class KVCache(MemoryAccounting, QueryHistory):
         out = None
         if self.config.rope == "post" and (use_kernels(qb) or self.config.lowp):
             # None when a span's format has no fused kernel; lowp off the kernels: its emulation
-            out = fused_attention(self, layer, qb, scale, use_kernel=use_kernels(qb), lowp=self.config.lowp)
+            with selfcheck.enabled(self.config.selfcheck):
+                out = fused_attention(self, layer, qb, scale, use_kernel=use_kernels(qb), lowp=self.config.lowp)
         if out is None:
             K = self._rotate(self._gather(layer, "k", False), self.positions(layer))  # (B, H, L, D), internal layout
             V = self._gather(layer, "v", False)

@@ -43,6 +43,7 @@ class CacheConfig:
     lowp:          the fused path's 8-bit products: None, "int8" (QKᵀ INT8, PV e4m3) or "e4m3" (core/fp8.py)
     track_queries: keep the running S of the history queries: None (default) where a quantizing method reads it,
                    True also for diagnostics that ask (`KVCache.query_stats`), False never
+    selfcheck:     check each kernel against its reference on first use (core/selfcheck.py); False: trust them
     """
 
     method: str = "bf16"
@@ -67,6 +68,7 @@ class CacheConfig:
     budget_v: float | None = None
     lowp: str | None = None  # the fused path's 8-bit products: None, "int8" (QKᵀ INT8, PV e4m3) or "e4m3" (core/fp8.py)
     track_queries: bool | None = None  # keep S: None where a method reads it, True also for diagnostics
+    selfcheck: bool = True  # the kernels' first-use self-check against their references (core/selfcheck.py)
 
     def __post_init__(self):
         base, suffix = parse_method_name(self.method)
@@ -160,6 +162,8 @@ class CacheMemory:
                     (warm-start centroids), "kernel_views" (the read path's tables built at commit)
     cache_bytes:    the whole cache as a BF16 deployment holds it: the quantized spans' bytes plus the
                     full-precision chunks at 2 bytes per element (what `cache_mb` and `cache_compression` count)
+    kernel_fallbacks: the kernels of this process that failed their first-use self-check and run their PyTorch
+                    reference instead, one line each (core/selfcheck.py); empty when every kernel checked out
     """
 
     stored_bytes: int
@@ -169,6 +173,7 @@ class CacheMemory:
     cache_bits_per_element: float
     runtime_bytes: dict
     cache_bytes: int
+    kernel_fallbacks: tuple = ()
 
     FIGURES = ("span_bits_per_element", "span_compression", "cache_mb", "bf16_mb", "cache_compression")
     BYTES = ("stored_bytes", "bf16_bytes", "cache_bytes", "bits_per_element", "cache_bits_per_element")

@@ -13,7 +13,8 @@ from collections.abc import Callable
 
 import torch
 
-from .backend import kernel, use_kernels
+from .backend import use_kernels
+from .selfcheck import checked_exact
 
 AssignFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -35,7 +36,8 @@ def kmeans_assign_ref(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 def kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
     """Euclidean nearest centroid: kernels/kmeans_assign.py on the fast path, else `kmeans_assign_ref`."""
-    return kernel("kmeans_assign")(x, c) if use_kernels(x) else kmeans_assign_ref(x, c)
+    return checked_exact("kmeans_assign", "euclidean", kmeans_assign_ref, x, c) if use_kernels(x) else \
+        kmeans_assign_ref(x, c)
 
 
 def init_centroids(x: torch.Tensor, n_clusters: int, seed: int) -> torch.Tensor:

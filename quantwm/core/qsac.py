@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from .backend import kernel, use_kernels
+from .backend import use_kernels
 from .kmeans import weighted_sqdist
+from .selfcheck import checked_exact
 
 
 def channel_sensitivity(stats: torch.Tensor) -> torch.Tensor:
@@ -78,5 +79,7 @@ def qsac_assign(x: torch.Tensor, c: torch.Tensor, w: torch.Tensor, group_size: i
     method's definition, so it runs `qsac_assign_ref` (torch, on the tensors' device) everywhere."""
     exact = candidates is None or candidates >= c.shape[1]
     if exact and distance == 1.0 and use_kernels(x) and not group_size & (group_size - 1):
-        return kernel("qsac_assign")(x, c, w, group_size, bits, lam)
+        exact_ref = lambda *a: qsac_assign_ref(*a, candidates=None)  # noqa: E731  (the kernel's rule: J on all)
+        return checked_exact("qsac_assign", f"groups of {group_size}, {bits}-bit", exact_ref, x, c, w, group_size, bits,
+                             lam)
     return qsac_assign_ref(x, c, w, group_size, bits, lam, candidates, distance)

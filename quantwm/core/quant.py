@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .backend import kernel, use_kernels
+from .backend import use_kernels
+from .selfcheck import checked_exact
 
 SUPPORTED_BITS = (2, 3, 4, 8)
 PACK_BITS = tuple(range(1, 9))
@@ -253,9 +254,11 @@ def quantize_groups(x: torch.Tensor, bits: int = 2, group_size: int = 64, axis: 
     scale = scale.squeeze(-1)
     if bits in (2, 4, 8) and use_kernels(x):
         *lead, T, D = x.shape
-        packed = kernel("quantize_pack")(x.reshape(-1, T, D), scale.reshape(-1, *scale.shape[-2:]),
-                                         None if zero is None else zero.reshape(-1, *zero.shape[-2:]),
-                                         bits, group_size, axis, symmetric).reshape(*lead, T, -1)
+        layout = f"{bits}-bit {'symmetric' if symmetric else 'asymmetric'} groups of {group_size} along {axis}s"
+        packed = checked_exact("quantize_pack", layout, quantize_pack_ref, x.reshape(-1, T, D),
+                               scale.reshape(-1, *scale.shape[-2:]),
+                               None if zero is None else zero.reshape(-1, *zero.shape[-2:]),
+                               bits, group_size, axis, symmetric).reshape(*lead, T, -1)
     else:
         packed = quantize_pack_ref(x, scale, zero, bits, group_size, axis, symmetric)
     return GroupQuant(packed, scale, zero, tuple(x.shape), bits, group_size, axis, symmetric)
@@ -278,7 +281,9 @@ def dequantize_groups(q: GroupQuant, dtype: torch.dtype = torch.float32) -> torc
     """Rebuild (..., T, D) from a GroupQuant."""
     *lead, T, D = q.shape
     if q.bits in (2, 4, 8) and use_kernels(q.codes):
-        codes = kernel("unpack_bits")(q.codes, q.bits, D).float()
+        rows = q.codes.reshape(-1, q.codes.shape[-1])  # (rows, bytes): the kernel's view
+        codes = checked_exact("unpack_bits", f"{q.bits}-bit", unpack_bits_ref, rows, q.bits, D).reshape(
+            *q.codes.shape[:-1], D).float()
     else:
         codes = unpack_bits_ref(q.codes, q.bits, D).float()
     g = _group_view(codes, q.group_size, q.axis)
