@@ -3,6 +3,7 @@ and click-a-pixel attention tracing. Layout and wiring only; the handlers come f
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import SimpleNamespace
 
 import gradio as gr
 
@@ -31,68 +32,109 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     `opened`: the ids of run files opened at start-up (`--run`);
     live: {"kind", "device", "latent_frames", "generate"(embeddings, seed, method, target, bits, latent_frames, prompt, progress)}: a real
     model loaded for generating on demand (`python app.py --model self-forcing`), or None."""
-    size = facts["frame_size"]
     gr.Markdown("Pick a world and a quantization method, press **Generate**: the BF16 reference and the "
                 "quantized run use the same world, trajectory and noise, so they differ only by the KV cache. "
                 "Click a pixel of either frame to trace its Query to the cached token it attends to most.")
-    with gr.Row():
-        seed = Number(DEFAULT_SEED, label="World seed (0..99999, held-out photographs)", elem_id="seed")
-        trajectory = gr.Dropdown(list(TRAJECTORIES), value="loop", label="Trajectory")
-        method = gr.Dropdown(methods, value="quantwm", label="Method")
-        target = gr.Radio(TARGET_CHOICES, value="kv", label="Quantize")
-        bits = gr.Dropdown([2, 3, 4, 8], value=2, label="Bits")
-        budget = Number(0, label="Or a budget (bits per element; 0: use Bits)", step=0.25, elem_id="budget")
-        frames = Number(default_frames, label=f"Frames (at most {max_frames})" if max_frames else "Frames",
-                        step=facts["chunk_frames"], elem_id="frames")
-    with gr.Row():
-        go = gr.Button("Generate", variant="primary", elem_id="generate-btn")
-        run_id = gr.Textbox(label="Current run", interactive=False, elem_id="run-id")
+    ui = _settings(methods, facts, default_frames, max_frames)
     if open_run is not None:
-        with gr.Accordion("Open a recorded run (any model: `quantwm record`)", open=bool(opened)):
-            with gr.Row():
-                run_choice = gr.Dropdown(list(opened), value=opened[0] if opened else None, label="Opened runs",
-                                         elem_id="run-choice", allow_custom_value=True)
-                open_btn = gr.Button("Show this run", elem_id="open-run-btn")
-                run_upload = gr.File(label="Upload a run file (.safetensors)", file_types=[".safetensors"],
-                                     type="filepath", elem_id="run-upload")
+        _open_run_panel(ui, opened)
     if live is not None:
-        with gr.Accordion(f"Generate live with {live['kind']} on {live['device']} (method, target and bits from "
-                          "above)", open=True):
-            with gr.Row():
-                live_prompt = gr.Textbox(label="Prompt (the base model's UMT5 encodes it)", elem_id="live-prompt",
-                                         lines=2)
-                live_embeddings = gr.File(label="or prompt embeddings (.safetensors with prompt_embeds)",
-                                          type="filepath", file_types=[".safetensors"], elem_id="live-embeddings")
-                live_seed = Number(0, label="Noise seed")
-                live_frames = gr.Dropdown(list(live["latent_frames"]), value=live["latent_frames"][-1],
-                                          label="Latent frames (21: 81 video frames)")
-                live_btn = gr.Button("Generate live", variant="primary", elem_id="live-btn")
-    status = gr.Markdown(elem_id="generate-status")
+        _live_panel(ui, live)
+    _frames_panel(ui, facts, default_frames)
+    _trace_panel(ui, facts)
+    _export_panel(ui, figure_formats)
+    shown = _wire_generate(ui, generate, scrub, facts, rerun_pickers=open_run is not None or live is not None)
+    if open_run is not None:
+        _wire_open_run(ui, open_run, opened, shown)
+    if live is not None:
+        _wire_live(ui, live, shown)
+    _wire_views(ui, scrub, trace_pixel, click_pixel, export)
+    return {n: getattr(ui, n) for n in ("seed", "trajectory", "method", "target", "bits", "frames", "run_id")}
+
+
+GEN_NAMES = ["status", "run_id", "bf16_video", "method_video", "figure", "frame_slider"]
+SCRUB_NAMES = ["status", "bf16", "method"]
+TRACE_NAMES = ["status", "query_image", "bf16_source", "method_source", "figure", "result"]
+VIEW = dict(concurrency_limit=4, concurrency_id="view")  # the views' events: four at a time, beside generations
+
+
+# ---- layout -------------------------------------------------------------------------------------------
+def _settings(methods: list[str], facts: dict, default_frames: int, max_frames: int | None) -> SimpleNamespace:
+    """The run's settings, Generate and the current run id."""
+    ui = SimpleNamespace()
+    with gr.Row():
+        ui.seed = Number(DEFAULT_SEED, label="World seed (0..99999, held-out photographs)", elem_id="seed")
+        ui.trajectory = gr.Dropdown(list(TRAJECTORIES), value="loop", label="Trajectory")
+        ui.method = gr.Dropdown(methods, value="quantwm", label="Method")
+        ui.target = gr.Radio(TARGET_CHOICES, value="kv", label="Quantize")
+        ui.bits = gr.Dropdown([2, 3, 4, 8], value=2, label="Bits")
+        ui.budget = Number(0, label="Or a budget (bits per element; 0: use Bits)", step=0.25, elem_id="budget")
+        ui.frames = Number(default_frames, label=f"Frames (at most {max_frames})" if max_frames else "Frames",
+                           step=facts["chunk_frames"], elem_id="frames")
+    with gr.Row():
+        ui.go = gr.Button("Generate", variant="primary", elem_id="generate-btn")
+        ui.run_id = gr.Textbox(label="Current run", interactive=False, elem_id="run-id")
+    return ui
+
+
+def _open_run_panel(ui: SimpleNamespace, opened: list[str]) -> None:
+    with gr.Accordion("Open a recorded run (any model: `quantwm record`)", open=bool(opened)):
+        with gr.Row():
+            ui.run_choice = gr.Dropdown(list(opened), value=opened[0] if opened else None, label="Opened runs",
+                                        elem_id="run-choice", allow_custom_value=True)
+            ui.open_btn = gr.Button("Show this run", elem_id="open-run-btn")
+            ui.run_upload = gr.File(label="Upload a run file (.safetensors)", file_types=[".safetensors"],
+                                    type="filepath", elem_id="run-upload")
+
+
+def _live_panel(ui: SimpleNamespace, live: dict) -> None:
+    with gr.Accordion(f"Generate live with {live['kind']} on {live['device']} (method, target and bits from "
+                      "above)", open=True):
+        with gr.Row():
+            ui.live_prompt = gr.Textbox(label="Prompt (the base model's UMT5 encodes it)", elem_id="live-prompt",
+                                        lines=2)
+            ui.live_embeddings = gr.File(label="or prompt embeddings (.safetensors with prompt_embeds)",
+                                         type="filepath", file_types=[".safetensors"], elem_id="live-embeddings")
+            ui.live_seed = Number(0, label="Noise seed")
+            ui.live_frames = gr.Dropdown(list(live["latent_frames"]), value=live["latent_frames"][-1],
+                                         label="Latent frames (21: 81 video frames)")
+            ui.live_btn = gr.Button("Generate live", variant="primary", elem_id="live-btn")
+
+
+def _frames_panel(ui: SimpleNamespace, facts: dict, default_frames: int) -> None:
+    """The status, both videos, the per-frame plot, the frame slider with its overlays and both frames."""
+    size = facts["frame_size"]
+    ui.status = gr.Markdown(elem_id="generate-status")
     img_kw = dict(format="png", interactive=False, height=size * FACTOR + 2, width=size * FACTOR + 2, buttons=[])
     with gr.Row():
-        bf16_video = gr.Video(label="BF16 (reference)", elem_id="video-bf16", autoplay=False, loop=True, height=300)
-        method_video = gr.Video(label="Quantized", elem_id="video-method", autoplay=False, loop=True, height=300)
-        plot = gr.Plot(label="Per-frame flicker, PSNR and shift rate (click a point to jump)", elem_id="frame-plot")
-    frame = Slider(0, default_frames - 1, value=0, step=1, label="Frame (scrubs both)", elem_id="frame-slider")
+        ui.bf16_video = gr.Video(label="BF16 (reference)", elem_id="video-bf16", autoplay=False, loop=True, height=300)
+        ui.method_video = gr.Video(label="Quantized", elem_id="video-method", autoplay=False, loop=True, height=300)
+        ui.plot = gr.Plot(label="Per-frame flicker, PSNR and shift rate (click a point to jump)", elem_id="frame-plot")
+    ui.frame = Slider(0, default_frames - 1, value=0, step=1, label="Frame (scrubs both)", elem_id="frame-slider")
     with gr.Row():
-        overlays = gr.CheckboxGroup(list(OVERLAYS), value=[], label="Overlays on the quantized frame (red: flicker "
-                                    "vs BF16; orange: warping error, motion-compensated; cyan: tokens whose top-1 "
-                                    "source moved)")
-        jump_layer = gr.Dropdown(["all", *map(str, range(facts["layers"]))], value="all", label="Jump map layer")
-        jump_head = gr.Dropdown(["all", *map(str, range(facts["heads"]))], value="all", label="Jump map head")
-    frame_info = gr.Markdown(elem_id="frame-info")
+        ui.overlays = gr.CheckboxGroup(list(OVERLAYS), value=[], label="Overlays on the quantized frame (red: flicker "
+                                       "vs BF16; orange: warping error, motion-compensated; cyan: tokens whose top-1 "
+                                       "source moved)")
+        ui.jump_layer = gr.Dropdown(["all", *map(str, range(facts["layers"]))], value="all", label="Jump map layer")
+        ui.jump_head = gr.Dropdown(["all", *map(str, range(facts["heads"]))], value="all", label="Jump map head")
+    ui.frame_info = gr.Markdown(elem_id="frame-info")
     with gr.Row():
-        bf16_img = gr.Image(label="BF16 frame (click a pixel)", elem_id="frame-bf16", **img_kw)
-        method_img = gr.Image(label="Quantized frame (click a pixel)", elem_id="frame-method", **img_kw)
-        result = gr.JSON(label="Trace result", elem_id="trace-result", height=280)
+        ui.bf16_img = gr.Image(label="BF16 frame (click a pixel)", elem_id="frame-bf16", **img_kw)
+        ui.method_img = gr.Image(label="Quantized frame (click a pixel)", elem_id="frame-method", **img_kw)
+        ui.result = gr.JSON(label="Trace result", elem_id="trace-result", height=280)
+
+
+def _trace_panel(ui: SimpleNamespace, facts: dict) -> None:
+    """The pixel trace: layer, head and pixel, the query and both sources' thumbnails, the logit heatmaps."""
+    size = facts["frame_size"]
     with gr.Accordion("Pixel trace: Query → top-1 cached source", open=True):
         with gr.Row():
-            trace_layer = gr.Dropdown(list(range(facts["layers"])), value=1, label="Trace layer")
-            trace_head = gr.Dropdown(list(range(facts["heads"])), value=0, label="Trace head")
-            px = Number(size // 2, label=f"x (0..{size - 1})")
-            py = Number(size // 2, label=f"y (0..{size - 1})")
-            trace_btn = gr.Button("Trace pixel", elem_id="trace-btn")
-        trace_status = gr.Markdown(elem_id="trace-status")
+            ui.trace_layer = gr.Dropdown(list(range(facts["layers"])), value=1, label="Trace layer")
+            ui.trace_head = gr.Dropdown(list(range(facts["heads"])), value=0, label="Trace head")
+            ui.px = Number(size // 2, label=f"x (0..{size - 1})")
+            ui.py = Number(size // 2, label=f"y (0..{size - 1})")
+            ui.trace_btn = gr.Button("Trace pixel", elem_id="trace-btn")
+        ui.trace_status = gr.Markdown(elem_id="trace-status")
         with gr.Row():
             # captions above the thumbnails, not Gradio's label badge on them: a source in the top rows stays visible
             thumb_kw = dict(format="png", interactive=False, height=size * 2 + 2, width=size * 2 + 2, buttons=[],
@@ -103,33 +145,28 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
                 with gr.Column(min_width=size * 2 + 2):
                     gr.Markdown(f"**{caption}**", elem_id=f"{elem}-caption")
                     thumbs.append(gr.Image(label=caption, elem_id=elem, **thumb_kw))
-            q_img, src_bf16, src_method = thumbs
-        heatmap = gr.Plot(label="Attention logits over the cache (frames x positions)", elem_id="trace-heatmap")
+        ui.heatmap = gr.Plot(label="Attention logits over the cache (frames x positions)", elem_id="trace-heatmap")
+    ui.trace_out = [ui.trace_status, *thumbs, ui.heatmap, ui.result]
+
+
+def _export_panel(ui: SimpleNamespace, figure_formats: tuple) -> None:
     with gr.Accordion("Export figures for print (matplotlib: per-frame plot, maps, logit heatmaps, energy)", open=False):
         with gr.Row():
-            export_formats = gr.CheckboxGroup(list(figure_formats), value=["pdf"], label="Formats")
-            export_btn = gr.Button("Export figures of this run", elem_id="export-btn")
-        export_status = gr.Markdown(elem_id="export-status")
-        export_files = gr.File(label="Figures", file_count="multiple", interactive=False, elem_id="export-files")
+            ui.export_formats = gr.CheckboxGroup(list(figure_formats), value=["pdf"], label="Formats")
+            ui.export_btn = gr.Button("Export figures of this run", elem_id="export-btn")
+        ui.export_status = gr.Markdown(elem_id="export-status")
+        ui.export_files = gr.File(label="Figures", file_count="multiple", interactive=False, elem_id="export-files")
 
-    gen_names = ["status", "run_id", "bf16_video", "method_video", "figure", "frame_slider"]
 
-    # Every event's function names its parameters as an API user would guess them (gradio_client shows them).
-    def on_generate(seed, trajectory, method, target, bits, frames, budget=None, progress=gr.Progress()):
-        r = generate(seed, trajectory, method, target, bits, frames, budget,
-                     progress=progress_callback(progress, "generating BF16 and the method"))
-        return shown(r)
-
-    scrub_names = ["status", "bf16", "method"]
-    trace_names = ["status", "query_image", "bf16_source", "method_source", "figure", "result"]
-    trace_out = [trace_status, q_img, src_bf16, src_method, heatmap, result]
-    scrub_in = [run_id, frame, overlays, jump_layer, jump_head]
-
-    def do_scrub(run_id, frame, overlays, layer, head):
-        return unpack(scrub(run_id, frame, overlays, layer, head), scrub_names)
-    view = dict(concurrency_limit=4, concurrency_id="view")
-
+# ---- events -------------------------------------------------------------------------------------------
+# Every event's function names its parameters as an API user would guess them (gradio_client shows them).
+def _wire_generate(ui: SimpleNamespace, generate: Callable, scrub: Callable, facts: dict,
+                   rerun_pickers: bool) -> Callable:
+    """Generate, then the frame it lands on; returns `shown` (a comparison's outputs on the page)."""
     labels: dict[str, str] = {}  # run id -> its quantized side's label ("kivi 3-bit, 2.50 bits/element")
+    ui.scrub_in = [ui.run_id, ui.frame, ui.overlays, ui.jump_layer, ui.jump_head]
+    ui.gen_out = [ui.status, ui.run_id, ui.bf16_video, ui.method_video, ui.plot, ui.frame]
+    ui.pickers = [ui.jump_layer, ui.jump_head, ui.trace_layer, ui.trace_head, ui.px, ui.py]
 
     def shown(r):
         """A comparison on the page: the slider sized to it, the quantized panels labelled with what they show."""
@@ -140,40 +177,38 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
             labels[r["run_id"]] = r["method_label"]
             while len(labels) > 256:  # the labels of recent runs only
                 labels.pop(next(iter(labels)), None)
-        return unpack(r, gen_names)
+        return unpack(r, GEN_NAMES)
+
+    def do_scrub(run_id, frame, overlays, layer, head):
+        return unpack(scrub(run_id, frame, overlays, layer, head), SCRUB_NAMES)
 
     def frame_label(run_id):
         """The quantized frame's panel named after the run shown."""
         name = labels.get(str(run_id or ""))
         return gr.Image(label=f"{name} (click a pixel)" if name else "Quantized frame (click a pixel)")
 
-    gen_out = [status, run_id, bf16_video, method_video, plot, frame]
-    ev = go.click(on_generate, [seed, trajectory, method, target, bits, frames, budget], gen_out, api_name="generate",
-                  trigger_mode="multiple", concurrency_limit=1, concurrency_id="generate")
-    ev.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name="show_frame", **view).then(
-        frame_label, [run_id], [method_img], api_name=False, **view)
-    pickers = [jump_layer, jump_head, trace_layer, trace_head, px, py]
+    def on_generate(seed, trajectory, method, target, bits, frames, budget=None, progress=gr.Progress()):
+        r = generate(seed, trajectory, method, target, bits, frames, budget,
+                     progress=progress_callback(progress, "generating BF16 and the method"))
+        return shown(r)
 
-    settings = [seed, trajectory, method, target, bits, frames]
+    ui.do_scrub, ui.frame_label = do_scrub, frame_label
+    settings = [ui.seed, ui.trajectory, ui.method, ui.target, ui.bits, ui.frames, ui.budget]
+    ev = ui.go.click(on_generate, settings, ui.gen_out, api_name="generate", trigger_mode="multiple",
+                     concurrency_limit=1, concurrency_id="generate")
+    ev.then(do_scrub, ui.scrub_in, [ui.frame_info, ui.bf16_img, ui.method_img], api_name="show_frame", **VIEW).then(
+        frame_label, [ui.run_id], [ui.method_img], api_name=False, **VIEW)
+    if rerun_pickers:
+        ev.then(_builtin_pickers(facts), [ui.run_id], ui.pickers, api_name=False, **VIEW)
+    return shown
 
-    def settings_for(r):
-        """An opened run sets the controls to the settings it was made with (what it holds of them)."""
-        c = r.get("controls") or {}
-        return tuple(c.get(n, gr.skip()) for n in ("seed", "trajectory", "method", "target", "bits", "frames"))
 
-    def pixel_boxes(h: int, w: int):
-        return (gr.Number(w // 2, label=f"x (0..{w - 1})"), gr.Number(h // 2, label=f"y (0..{h - 1})"))
+def _pixel_boxes(h: int, w: int):
+    return (gr.Number(w // 2, label=f"x (0..{w - 1})"), gr.Number(h // 2, label=f"y (0..{h - 1})"))
 
-    def controls_for(r):
-        """The layer/head pickers and the pixel boxes sized to an opened or live run (trace defaults: a layer and
-        head with logits, the frame's centre)."""
-        if not r.get("run_id"):
-            return (gr.skip(),) * 6
-        L, H = r["layers"], r["heads"]
-        return (gr.Dropdown(choices=["all", *map(str, range(L))], value="all"),
-                gr.Dropdown(choices=["all", *map(str, range(H))], value="all"),
-                gr.Dropdown(choices=list(range(L)), value=(r["logit_layers"] or [0])[0]),
-                gr.Dropdown(choices=list(range(H)), value=(r["logit_heads"] or [0])[0]), *pixel_boxes(*r["frame_hw"]))
+
+def _builtin_pickers(facts: dict) -> Callable:
+    size = facts["frame_size"]
 
     def builtin_pickers(run_id):
         """Back to the built-in model's layers, heads and frame size after a generated run (if another run
@@ -183,60 +218,89 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
         return (gr.Dropdown(choices=["all", *map(str, range(facts["layers"]))]),
                 gr.Dropdown(choices=["all", *map(str, range(facts["heads"]))]),
                 gr.Dropdown(choices=list(range(facts["layers"]))), gr.Dropdown(choices=list(range(facts["heads"]))),
-                *pixel_boxes(size, size))
+                *_pixel_boxes(size, size))
+    return builtin_pickers
 
-    if open_run is not None or live is not None:
-        ev.then(builtin_pickers, [run_id], pickers, api_name=False, **view)
-    if open_run is not None:
-        known = list(opened)  # the run ids this page lists: start-up runs, then uploads
 
-        def on_open(run):
-            r = open_run(run, files=False)
-            return (*shown(r), *controls_for(r), *settings_for(r))
+def _controls_for(r):
+    """The layer/head pickers and the pixel boxes sized to an opened or live run (trace defaults: a layer and
+    head with logits, the frame's centre)."""
+    if not r.get("run_id"):
+        return (gr.skip(),) * 6
+    L, H = r["layers"], r["heads"]
+    return (gr.Dropdown(choices=["all", *map(str, range(L))], value="all"),
+            gr.Dropdown(choices=["all", *map(str, range(H))], value="all"),
+            gr.Dropdown(choices=list(range(L)), value=(r["logit_layers"] or [0])[0]),
+            gr.Dropdown(choices=list(range(H)), value=(r["logit_heads"] or [0])[0]), *_pixel_boxes(*r["frame_hw"]))
 
-        def on_upload(path):
-            r = open_run(path)
-            if r.get("run_id") and r["run_id"] not in known:
-                known.append(r["run_id"])
-            pick = gr.Dropdown(choices=known, value=r["run_id"]) if r.get("run_id") else gr.skip()
-            return (*shown(r), *controls_for(r), *settings_for(r), pick)
 
-        for e in (open_btn.click(on_open, [run_choice], [*gen_out, *pickers, *settings], api_name="open_run", **view),
-                  run_upload.upload(on_upload, [run_upload], [*gen_out, *pickers, *settings, run_choice],
-                                    api_name="upload_run", **view)):
-            e.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name=False, **view).then(
-                frame_label, [run_id], [method_img], api_name=False, **view)
-    if live is not None:
-        def on_live(embeddings, seed, method, target, bits, latent_frames, prompt, progress=gr.Progress()):
-            r = live["generate"](embeddings, seed, method, target, bits, latent_frames, prompt,
-                                 progress=progress_callback(progress, f"generating BF16 and the method ({live['kind']})"))
-            return (*shown(r), *controls_for(r))
+def _settings_for(r):
+    """An opened run sets the controls to the settings it was made with (what it holds of them)."""
+    c = r.get("controls") or {}
+    return tuple(c.get(n, gr.skip()) for n in ("seed", "trajectory", "method", "target", "bits", "frames"))
 
-        e = live_btn.click(on_live, [live_embeddings, live_seed, method, target, bits, live_frames, live_prompt],
-                           [*gen_out, *pickers],
-                           api_name="generate_live", concurrency_limit=1, concurrency_id="generate")
-        e.then(do_scrub, scrub_in, [frame_info, bf16_img, method_img], api_name=False, **view).then(
-            frame_label, [run_id], [method_img], api_name=False, **view)
-    gr.on([frame.change, overlays.change, jump_layer.change, jump_head.change], do_scrub, scrub_in,
-          [frame_info, bf16_img, method_img], api_name="scrub", trigger_mode="always_last", **view)
+
+def _then_show_frame(ui: SimpleNamespace, event) -> None:
+    event.then(ui.do_scrub, ui.scrub_in, [ui.frame_info, ui.bf16_img, ui.method_img], api_name=False, **VIEW).then(
+        ui.frame_label, [ui.run_id], [ui.method_img], api_name=False, **VIEW)
+
+
+def _wire_open_run(ui: SimpleNamespace, open_run: Callable, opened: list[str], shown: Callable) -> None:
+    known = list(opened)  # the run ids this page lists: start-up runs, then uploads
+    settings = [ui.seed, ui.trajectory, ui.method, ui.target, ui.bits, ui.frames]
+
+    def on_open(run):
+        r = open_run(run, files=False)
+        return (*shown(r), *_controls_for(r), *_settings_for(r))
+
+    def on_upload(path):
+        r = open_run(path)
+        if r.get("run_id") and r["run_id"] not in known:
+            known.append(r["run_id"])
+        pick = gr.Dropdown(choices=known, value=r["run_id"]) if r.get("run_id") else gr.skip()
+        return (*shown(r), *_controls_for(r), *_settings_for(r), pick)
+
+    outputs = [*ui.gen_out, *ui.pickers, *settings]
+    _then_show_frame(ui, ui.open_btn.click(on_open, [ui.run_choice], outputs, api_name="open_run", **VIEW))
+    _then_show_frame(ui, ui.run_upload.upload(on_upload, [ui.run_upload], [*outputs, ui.run_choice],
+                                              api_name="upload_run", **VIEW))
+
+
+def _wire_live(ui: SimpleNamespace, live: dict, shown: Callable) -> None:
+    def on_live(embeddings, seed, method, target, bits, latent_frames, prompt, progress=gr.Progress()):
+        r = live["generate"](embeddings, seed, method, target, bits, latent_frames, prompt,
+                             progress=progress_callback(progress, f"generating BF16 and the method ({live['kind']})"))
+        return (*shown(r), *_controls_for(r))
+
+    inputs = [ui.live_embeddings, ui.live_seed, ui.method, ui.target, ui.bits, ui.live_frames, ui.live_prompt]
+    _then_show_frame(ui, ui.live_btn.click(on_live, inputs, [*ui.gen_out, *ui.pickers], api_name="generate_live",
+                                           concurrency_limit=1, concurrency_id="generate"))
+
+
+def _wire_views(ui: SimpleNamespace, scrub: Callable, trace_pixel: Callable, click_pixel: Callable,
+                export: Callable) -> None:
+    """Scrubbing, clicking or tracing a pixel, exporting figures."""
+    gr.on([ui.frame.change, ui.overlays.change, ui.jump_layer.change, ui.jump_head.change], ui.do_scrub, ui.scrub_in,
+          [ui.frame_info, ui.bf16_img, ui.method_img], api_name="scrub", trigger_mode="always_last", **VIEW)
 
     def on_click(run_id, frame, layer, head, evt: gr.SelectData):
         r = click_pixel(run_id, frame, evt.index, layer, head)
         x, y = r.get("pixel", (None, None))
-        return (*unpack(r, trace_names), x if x is not None else gr.skip(), y if y is not None else gr.skip())
+        return (*unpack(r, TRACE_NAMES), x if x is not None else gr.skip(), y if y is not None else gr.skip())
 
-    for img, name in ((method_img, "click_pixel"), (bf16_img, "click_pixel_bf16")):
-        img.select(on_click, [run_id, frame, trace_layer, trace_head], [*trace_out, px, py], api_name=name, **view)
+    for img, name in ((ui.method_img, "click_pixel"), (ui.bf16_img, "click_pixel_bf16")):
+        img.select(on_click, [ui.run_id, ui.frame, ui.trace_layer, ui.trace_head], [*ui.trace_out, ui.px, ui.py],
+                   api_name=name, **VIEW)
+
     def do_trace(run_id, frame, x, y, layer, head):
-        return unpack(trace_pixel(run_id, frame, x, y, layer, head), trace_names)
+        return unpack(trace_pixel(run_id, frame, x, y, layer, head), TRACE_NAMES)
 
-    trace_btn.click(do_trace, [run_id, frame, px, py, trace_layer, trace_head], trace_out, api_name="trace_pixel", **view)
+    ui.trace_btn.click(do_trace, [ui.run_id, ui.frame, ui.px, ui.py, ui.trace_layer, ui.trace_head], ui.trace_out,
+                       api_name="trace_pixel", **VIEW)
 
     def do_export(run_id, frame, x, y, layer, head, formats, traced=None):
         r = export(run_id, frame, x, y, layer, head, formats, traced)
         return r["status"], r.get("files")
 
-    export_btn.click(do_export, [run_id, frame, px, py, trace_layer, trace_head, export_formats, result],
-                     [export_status, export_files], api_name="export_figures", **view)
-    return {"seed": seed, "trajectory": trajectory, "method": method, "target": target, "bits": bits,
-            "frames": frames, "run_id": run_id}
+    ui.export_btn.click(do_export, [ui.run_id, ui.frame, ui.px, ui.py, ui.trace_layer, ui.trace_head, ui.export_formats,
+                                    ui.result], [ui.export_status, ui.export_files], api_name="export_figures", **VIEW)
