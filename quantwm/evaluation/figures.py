@@ -69,7 +69,7 @@ def frame_series_figure(series: dict, worst: list[int], context_frames: int, tit
 
 
 def maps_figure(view: dict, title: str = ""):
-    """One frame (`Workbench.frame_view`): BF16, method, flicker, warping-error and top-1 jump maps."""
+    """One frame (`RunView.frame_view`): BF16, method, flicker, warping-error and top-1 jump maps."""
     panels = [("BF16", view["bf16"], None), ("method", view["method"], None),
               ("flicker |Δx − Δr|", view["flicker"], "Reds"), ("warping error", view["warp"], "RdBu_r")]
     if view.get("jumps") is not None:

@@ -55,7 +55,7 @@ def machine_memory() -> tuple[int, int]:
 
 
 def run_bytes(cfg, frames: int) -> int:
-    """Upper estimate of one rollout record (`workbench.Record`) of the built-in model over `frames`."""
+    """Upper estimate of one rollout record (`drivers.runs.Record`) of the built-in model over `frames`."""
     n, L, H, D = cfg.tokens_per_frame, cfg.layers, cfg.heads, cfg.head_dim
     size = cfg.view * cfg.patch
     tokens = frames * n

@@ -39,7 +39,7 @@ def _nanmean(xs) -> float:
 
 def shift_rate(run) -> float:
     """Fraction of (chunk, layer, head, query) whose top-1 cached token differs between exact and stored keys;
-    `run` is anything with the rollout's `probes` (a Rollout, or the app's workbench Record)."""
+    `run` is anything with the rollout's `probes` (a Rollout, a `drivers.runs.Record`, a `drivers.views.RunView`)."""
     changed = total = 0
     for p in run.probes:
         for e, q in zip(p.top1_exact, p.top1_quant):
