@@ -15,125 +15,23 @@ and prints time, achieved bandwidth (bytes the call must read: stored K/V plus Q
 ratio to bf16 from the same run. It also times quantizing one committed chunk (k-means / QSAC assignment,
 residual packing, PSAC) and puts it beside (steps + 1) x the BF16 attention time of that chunk: a lower
 bound on the chunk's generation time in this layer, so the percentage printed is an upper bound.
-This script, unlike the kernels, imports quantwm: it measures the library's fast path end to end.
+This script, unlike the kernels, imports quantwm: it measures the library's fast path end to end. The timing
+itself is quantwm/evaluation/kernel_timing.py, which `quantwm selfcheck` runs too.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports kernels/
 
-import torch.nn.functional as F  # noqa: E402
-
-from quantwm.core.attention import fused_attention  # noqa: E402
 from quantwm.core.backend import device_name  # noqa: E402
-from quantwm.core.cache import CacheConfig, KVCache  # noqa: E402
-
-PRESETS = {
-    "wan-1.3b": dict(heads=12, head_dim=128, chunk=4680, lengths=(8192, 32768, 65536), reps=10),
-    "tiny": dict(heads=2, head_dim=64, chunk=64, lengths=(192, 320), reps=1),
-}
-
-
-def _timer(device: torch.device):
-    def run(fn, reps: int) -> float:
-        fn()  # warm-up (compiles kernels)
-        times = []
-        for _ in range(reps):
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-    return run
-
-
-def build_cache(method: str, length: int, heads: int, head_dim: int, chunk: int, device, dtype,
-                budget: float | None = None):
-    """A one-layer cache holding about `length` committed tokens (at `budget` bits per element when given), plus
-    the seconds each quantizing commit took."""
-    cache = KVCache(CacheConfig(method, budget=budget), 1)
-    g = torch.Generator(device="cpu").manual_seed(0)
-    n_chunks = max(1, -(-length // chunk))
-    commit_times = []
-    for i in range(n_chunks):
-        k, v = (torch.randn(1, heads, chunk, head_dim, generator=g).to(device, dtype) for _ in range(2))
-        q = torch.randn(1, heads, chunk, head_dim, generator=g).to(device, dtype)
-        cache.write(0, k, v, i)
-        cache.observe(0, q)  # history queries feed QSAC/PSAC, as in generation
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t = time.perf_counter()
-        cache.commit(0, i)  # quantizes the chunk that leaves the BF16 recent window
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if i >= 2:  # commits 0 and 1 quantize nothing (sink, recent)
-            commit_times.append(time.perf_counter() - t)
-    return cache, n_chunks, commit_times
-
-
-def bf16_attention(q, k, v):
-    """The BF16 baseline: SDPA, restricted to its flash backend on CUDA (FlashAttention-2) so the baseline is
-    the one a deployment runs; the CPU has no flash backend and uses its default."""
-    if q.is_cuda:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-            return F.scaled_dot_product_attention(q, k, v)
-    return F.scaled_dot_product_attention(q, k, v)
-
-
-def bench(preset: str, method: str, steps: int, reps: int | None = None, budget: float | None = None) -> list[dict]:
-    p = PRESETS[preset]
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = torch.bfloat16
-    H, D, N = p["heads"], p["head_dim"], p["chunk"]
-    reps = reps or p["reps"]
-    timed = _timer(device)
-    fused_mode = "auto" if device.type == "cuda" else "triton"
-    rows = []
-    for length in p["lengths"]:
-        cache, n_chunks, commit_times = build_cache(method, length, H, D, N, device, dtype, budget)
-        L = n_chunks * N
-        g = torch.Generator(device="cpu").manual_seed(1)
-        q, k, v = (torch.randn(1, H, N, D, generator=g).to(device, dtype) for _ in range(3))
-        Kb = torch.randn(1, H, L + N, D, generator=g).to(device, dtype)
-        Vb = torch.randn(1, H, L + N, D, generator=g).to(device, dtype)
-
-        def attend(mode: str):
-            os.environ["QUANTWM_KERNELS"] = mode
-            return lambda: cache.attend(0, q, k, v, chunk=n_chunks, observe=False)
-
-        t_bf16 = timed(lambda: bf16_attention(q, Kb, Vb), reps)
-        t_deq = timed(attend("ref"), reps)
-        t_fused = timed(attend(fused_mode), reps)
-        attend(fused_mode)()  # the current chunk written; the 8-bit paths read the same spans
-        os.environ["QUANTWM_KERNELS"] = "auto"
-        t_lowp = {f: timed(lambda f=f: fused_attention(cache, 0, q, D ** -0.5, lowp=f), reps) for f in ("int8", "e4m3")}
-        qo = 2 * q.numel() * q.element_size()  # read Q, write O
-        stored = cache.nbytes()  # committed spans as stored + the current chunk (written by attend)
-        bf16_bytes = 2 * Kb.numel() * Kb.element_size() + qo
-        t_quant = statistics.median(commit_times) if commit_times else float("nan")
-        for name, t, nbytes in (("bf16", t_bf16, bf16_bytes), ("dequant+sdpa", t_deq, stored + qo),
-                                ("fused", t_fused, stored + qo), ("fused int8", t_lowp["int8"], stored + qo),
-                                ("fused e4m3", t_lowp["e4m3"], stored + qo)):
-            rows.append({"cache_tokens": L, "path": name, "ms": 1e3 * t, "GB/s": nbytes / t / 1e9,
-                         "bytes": nbytes, "vs_bf16": t / t_bf16})
-        rows.append({"cache_tokens": L, "path": f"quantize chunk ({method})", "ms": 1e3 * t_quant, "GB/s": float("nan"),
-                     "bytes": 0, "vs_bf16": t_quant / t_bf16,
-                     "pct_of_chunk_attention": 100 * t_quant / ((steps + 1) * t_bf16)})
-    return rows
+from quantwm.evaluation.kernel_timing import PRESETS, print_rows, time_paths  # noqa: E402
 
 
 def main(argv=None) -> None:
@@ -148,11 +46,8 @@ def main(argv=None) -> None:
     a = ap.parse_args(argv)
     print(f"device: {device_name()}  torch {torch.__version__}  preset {a.preset}  method {a.method}"
           f"{'' if a.budget is None else f' at {a.budget:g} bits'}", flush=True)
-    rows = bench(a.preset, a.method, a.steps, a.reps, a.budget)
-    print(f"{'cache tokens':>12}  {'path':<24} {'ms':>10} {'GB/s':>8} {'x bf16 time':>11}")
-    for r in rows:
-        extra = f"  ({r['pct_of_chunk_attention']:.2f}% of the chunk's BF16 attention time)" if "pct_of_chunk_attention" in r else ""
-        print(f"{r['cache_tokens']:>12}  {r['path']:<24} {r['ms']:>10.3f} {r['GB/s']:>8.1f} {r['vs_bf16']:>11.3f}{extra}")
+    rows = time_paths(a.preset, a.method, a.steps, a.reps, a.budget)
+    print_rows(rows)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"device": device_name(), "preset": a.preset, "method": a.method, "budget": a.budget,
