@@ -125,9 +125,8 @@ def generate_handler(runs, seed, trajectory, method, target, bits, frames, budge
 
 
 def _shown(cmp: dict, run_id: str, ctx: int, origin: str, method: str) -> dict:
-    """The Generate tab's outputs for a comparison (`RunView.compare`, a built-in or an opened run's); `method`
-    names the quantized side ("kivi 3-bit") for its panel's label, which adds the spans' bits per element. The
-    status names both memory figures (`CacheMemory.summary`): the quantized spans' and the whole cache's."""
+    """The Generate tab's outputs for a comparison (`RunView.compare`, built-in or opened); `method` names the
+    quantized side ("kivi 3-bit") for its label. The status names both memory figures (`CacheMemory.summary`)."""
     s = cmp["summary"]
     worst = cmp["worst"][0] + ctx if cmp["worst"] else ctx
     worst_frames = [t + ctx for t in cmp["worst"]]
@@ -394,9 +393,8 @@ def methods_handler(runs, seed, trajectory, target, frames, methods, budget=DEFA
     out = "".join(f" Left out: {m} ({why})." for m, why in left_out.items())
     return {"status": f"**At most {b:g} bits per element** (Keys and Values each, counted from stored bytes), seed "
                       f"{seed}, {trajectory}, target {target}, {frames} frames. Two compressions: the quantized spans' "
-                      f"(span_compression = 16 / span_bits_per_element) and the whole cache's (cache_compression = "
-                      f"bf16_mb / cache_mb, cache memory counting full-precision chunks (sink, recent) as BF16 and "
-                      f"every quantized byte: codes, scales, codebooks, tables).{out}",
+                      f"and the whole cache's (bf16_mb / cache_mb; cache memory counts every quantized byte and the "
+                      f"full-precision chunks as BF16).{out}",
             "header": list(METHOD_COLUMNS), "rows": table}
 
 

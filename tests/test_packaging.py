@@ -29,7 +29,7 @@ def test_wheel_ships_the_weights_and_runtime_data(wheel):
     weights = wheel.getinfo("quantwm/assets/world_model.safetensors")
     assert weights.file_size == (ROOT / "assets" / "world_model.safetensors").stat().st_size > 1_000_000
     assert {"quantwm/app/page.js", "quantwm/app/main.py", "quantwm/kernels/span_attention.py",
-            "quantwm/core/cache.py", "quantwm/evaluation/figures.py"} <= names
+            "quantwm/core/cache.py", "quantwm/evaluation/figures.py", "quantwm/drivers/workbench.py"} <= names
 
 
 def test_wheel_claims_no_top_level_name_but_quantwm(wheel):
