@@ -287,6 +287,22 @@ def cmd_methods(a) -> int:
     return 0
 
 
+def cmd_selfcheck(a) -> int:
+    import json
+
+    from .evaluation.kernel_report import report
+
+    for name in ("heads", "head_dim", "chunk_tokens"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(a, name)}")
+    out = report(a.model, a.heads, a.head_dim, a.chunk_tokens, _ints(a.lengths, "--lengths") if a.lengths else None,
+                 a.method, a.budget)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
 def cmd_app(argv: list[str]) -> int:
     try:
         from .app.main import main as app_main
@@ -352,7 +368,7 @@ def cmd_frontier(a) -> int:
 
 COMMANDS = {"analyze": cmd_analyze, "memory": cmd_memory, "synth-trace": cmd_synth, "eval": cmd_eval,
             "trace": cmd_trace, "record": cmd_record, "figures": cmd_figures, "frontier": cmd_frontier,
-            "query-stats": cmd_query_stats, "methods": cmd_methods}
+            "query-stats": cmd_query_stats, "methods": cmd_methods, "selfcheck": cmd_selfcheck}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -177,5 +177,15 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--trace", required=True)
     s.add_argument("--out", required=True)
     s = sub.add_parser("methods", help="list the registered methods")
+    s = sub.add_parser("selfcheck", help="on this machine: the device, which path each method takes, every kernel "
+                                         "checked against its reference, and a timing table",
+                       parents=[method_flag(), json_out])
+    s.add_argument("--model", choices=["wan-1.3b", "wan-14b", "tiny"], default=None,
+                   help="shapes to time (default: wan-1.3b on a GPU, tiny on a CPU)")
+    s.add_argument("--heads", type=int, default=None, help="attention heads (overrides --model)")
+    s.add_argument("--head-dim", type=int, default=None, help="head dim (overrides --model)")
+    s.add_argument("--chunk-tokens", type=int, default=None, help="tokens of a chunk (overrides --model)")
+    s.add_argument("--lengths", default=None, help="cached tokens to time at, e.g. 8192,32768 (overrides --model)")
+    s.add_argument("--budget", type=float, default=None, help="bits per element of the timed method")
     sub.add_parser("app", help="start the diagnostics app (options: quantwm app --help)", add_help=False)
     return p

@@ -84,6 +84,25 @@ def test_the_status_line_names_both_compressions_as_cache_memory_counts_them(run
         assert shown["span_compression"] > shown["cache_compression"] > 1  # the spans' 16 / bits is not the cache's
 
 
+def test_a_kernel_that_failed_its_self_check_shows_in_the_status_line_and_the_run_file(runs, tmp_path, monkeypatch):
+    """The self-check's fallbacks (quantwm/core/selfcheck.py; caught kernels are tested in tests/test_selfcheck.py)
+    reach the user: the generation's status line says which kernel ran its reference, and so does the run file's
+    status when it is opened again."""
+    from quantwm.core import selfcheck
+    from quantwm.drivers.views import make_run
+    from quantwm.evaluation.runfile import write_run
+
+    failed = selfcheck.Verdict("span_attention", "k: channels; v: channels", "bfloat16", "cuda:0", False, 0.5, 0.01,
+                               "2 streams x 64 queries x 256 keys x 128")
+    monkeypatch.setattr(selfcheck, "_VERDICTS", {("span_attention", failed.layout, "bfloat16", "cuda:0"): failed})
+    r = wh.generate_handler(runs, 5, "loop", "kivi", "k", 2, FRAMES)
+    assert "KERNEL SELF-CHECK FAILED for 1 kernel(s)" in r["status"] and failed.line() in r["status"]
+    path = tmp_path / "run.safetensors"
+    write_run(path, make_run(runs.wb, RunKey.parse(r["run_id"]), (), ()))
+    monkeypatch.setattr(selfcheck, "_VERDICTS", {})
+    assert failed.line() in wh.open_run_handler(runs, str(path))["status"]
+
+
 @pytest.mark.parametrize("settings, needle", [
     ((3, "pan-return", "nope", "k", 2, FRAMES), "unknown method 'nope'"),
     ((3, "spiral", "qvg", "k", 2, FRAMES), "unknown trajectory"),

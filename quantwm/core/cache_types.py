@@ -221,19 +221,22 @@ class CacheMemory:
         bpe = self.span_bits_per_element
         spans = (f"quantized spans {bpe:.2f} bits/element ({self.span_compression:.2f}x)" if bpe == bpe
                  else "no quantized spans")
+        fell = (f"; KERNEL SELF-CHECK FAILED for {len(self.kernel_fallbacks)} kernel(s), their PyTorch references "
+                f"ran instead: {' | '.join(self.kernel_fallbacks)}" if self.kernel_fallbacks else "")
         return (f"{spans}; whole cache {self.cache_mb:.2f} MB vs {self.bf16_mb:.2f} MB BF16 "
-                f"({self.cache_compression:.2f}x)")
+                f"({self.cache_compression:.2f}x){fell}")
 
     def to_dict(self) -> dict:
         """What a record keeps (run files' `memory`): the counts it is rebuilt from (`from_dict`) and, for readers
         of the JSON, the named figures."""
-        return {**{name: getattr(self, name) for name in self.BYTES}, **self.figures()}
+        return {**{name: getattr(self, name) for name in self.BYTES}, **self.figures(),
+                "kernel_fallbacks": list(self.kernel_fallbacks)}
 
     @classmethod
     def from_dict(cls, d: dict) -> CacheMemory:
         """A report rebuilt from `to_dict()` (by component and runtime state are not kept)."""
         return cls(int(d["stored_bytes"]), int(d["bf16_bytes"]), {}, float(d["bits_per_element"]),
-                   float(d["cache_bits_per_element"]), {}, int(d["cache_bytes"]))
+                   float(d["cache_bits_per_element"]), {}, int(d["cache_bytes"]), tuple(d.get("kernel_fallbacks", ())))
 
 
 @dataclass(frozen=True)
