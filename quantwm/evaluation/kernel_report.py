@@ -27,7 +27,8 @@ from ..core import selfcheck
 from ..core.attention import chunk_spans
 from ..core.backend import device_name
 from ..core.cache import CacheConfig, KVCache
-from .kernel_timing import PRESETS as TIMING, print_rows, time_paths
+from .kernel_timing import PRESETS as TIMING
+from .kernel_timing import print_rows, time_paths
 from .memory import PRESETS as MODELS
 
 PATH_METHODS = ("bf16", "rtn", "kivi", "qvg", "qvg-pro", "quantwm", "quantwm+jensen", "quantwm@2.5", "quantwm-paper",
