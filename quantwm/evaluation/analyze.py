@@ -93,7 +93,7 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
                   method_options: tuple = (), budget: tuple = (None, None)) -> dict:
     """The `quantwm analyze` report: {"methods": {name: {"mean", "layers"}}, "query_energy_top8", "trace"}.
     `budget`: (Keys, Values) bits per element: each method configures itself within it (docs/method.md §3.1);
-    one that cannot is left out, with its reason in report["config"]["left_out"]."""
+    one that cannot is left out, with its reason in `report["config"]["left_out"]`."""
     for m in methods:
         parse_method_name(m)
     if chunk_frames is None:

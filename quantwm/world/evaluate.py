@@ -116,7 +116,7 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
       and trajectories too, so the difference also holds the seeds' spread).
 
     `budget`: (Keys, Values) bits per element: each method configures itself within it (docs/method.md §3.1);
-    one that cannot is left out, with its reason in report["config"]["left_out"]."""
+    one that cannot is left out, with its reason in `report["config"]["left_out"]`."""
     seeds = _check_worlds(seeds, training_seeds, training_photos, world)
     configs, left_out = _configs(model, methods, target, bits, method_options, budget)
     rollout = dict(steps=steps, world=world, photos=PHOTOS[training_photos])
