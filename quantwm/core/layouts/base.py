@@ -2,7 +2,8 @@
 
 A layout is frozen: a committed span never changes, so what is derived from it (the kernel's view, the 8-bit
 path's centre) is computed on first use and kept (`functools.cached_property`). The cache asks for both when
-it commits the span (`prepare`), so an attend over a warm cache builds nothing and makes no host-device sync.
+it commits a span the fused path may read (`prepare`; on CUDA, or with QUANTWM_KERNELS=triton or `lowp`), so an
+attend over a warm cache builds nothing and makes no host-device sync.
 """
 from __future__ import annotations
 
