@@ -17,6 +17,10 @@ its knobs; the first whose stored bits per element fit the budget is chosen:
   within each, PSAC rank 16, 8, 4, 2 with 8- then 4-bit coefficients, then PSAC off (QSAC alone); groups of
   64, then 128 channels where the head allows.
 * `quantwm-paper`: bits 4, 3, 2, each with 256, 16, 4 centroids.
+* `span-rtn`: bits 8, 4, 3, 2 (every channel alike).
+* `turboquant`: TurboQuant's widths, richest first: 4 bits, its "3.5-bit" split (a quarter of the channels, 32
+  of 128, at 4 bits, the rest at 3), 3 bits, its "2.5-bit" split (3 and 2), 2 bits, 1 bit. A split stores a
+  second norm per token and its channel list, which the measured bits count (2.5 + 256 / (N·D) at D = 128).
 * `nvfp4` (4.5 bits), `int8k-fp8v` (about 8), `bf16` (16): their one configuration, when it fits.
 
 Bits per element are measured, not estimated: each candidate encodes one seeded Gaussian span of the given
@@ -54,6 +58,14 @@ def candidates(method: str, head_dim: int, kind: str = "k") -> list[dict]:
         return [{"bits": b} for b in (4, 3, 2)]
     if base == "quantwm-paper":
         return [{"bits": b, "n_centroids": k} for b in (4, 3, 2) for k in (256, 16, 4)]
+    if base == "span-rtn":
+        return [{"bits": b} for b in (8, 4, 3, 2)]
+    if base == "turboquant":
+        k = head_dim // 4  # the paper's 32 outlier channels of 128
+
+        def split(b):
+            return [{"bits": b, "outlier_channels": k, "outlier_bits": b + 1}] if k else []
+        return [{"bits": 4}, *split(3), {"bits": 3}, *split(2), {"bits": 2}, {"bits": 1}]
     if base == "quantwm-alloc":  # the budget itself is its one configuration (`configure` tries it first)
         return []
     if base in ("quantwm", "quantwm-qsac", "quantwm-psac"):
