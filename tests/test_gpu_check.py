@@ -1,5 +1,5 @@
 """benchmarks/gpu_check.sh: the device check runs end to end on the CPU (--dry-run), and its budget skips steps;
-the dry run's kernel benchmark (benchmarks/kernel_bench.py --preset tiny) is checked here too."""
+the dry run's kernel benchmark (`quantwm selfcheck --model tiny`, the user's command) is checked here too."""
 import json
 import math
 import subprocess
@@ -23,7 +23,15 @@ def test_the_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     assert " passed" in steps["cuda tests"]["figures"]["summary"]
     assert any(k.startswith("fused @ ") for k in steps["kernel bench"]["figures"])
     assert any(k.startswith("fused int8 @ ") for k in steps["kernel bench"]["figures"])
-    check_kernel_bench(json.loads((tmp_path / "kernel_bench.json").read_text())["rows"], steps["kernel bench"]["tail"])
+    selfcheck = json.loads((tmp_path / "kernel_bench.json").read_text())
+    check_kernel_bench(selfcheck["rows"], steps["kernel bench"]["tail"])
+    # quantwm selfcheck on a CPU: each method's path, every kernel's first-use check (all passed), its table
+    assert selfcheck["paths"]["quantwm@2.5"] == "fused kernel" and selfcheck["paths"]["qvg-pro"].startswith("reference")
+    checks = selfcheck["selfcheck"]
+    assert len(checks) >= 10 and all(v["ok"] for v in checks)
+    assert {v["kernel"] for v in checks} >= {"span_attention", "quantize_pack", "kmeans_assign", "unpack_bits"}
+    assert any(v["layout"].startswith("k: channels") for v in checks)
+    assert ", 0 failed" in steps["kernel bench"]["tail"]
     assert steps["real shapes"]["figures"]["quantwm"]["quantized_bytes_per_latent_frame"] > 0
     live = steps["live rollout"]["figures"]
     assert live["frames"] == 45 and live["frame_hw"] == [32, 64] and live["bits_per_element"] > 2
