@@ -929,24 +929,12 @@ def test_reset_next_chunk_next_token_and_memory_are_the_public_contract():
 
 
 def _host_syncs(cache, q, k, v, chunk):
-    """Tensor-to-host conversions (.item(), .tolist(), bool/int/float of a tensor) during one attend call."""
-    names = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__")
-    orig = {n: getattr(torch.Tensor, n) for n in names}
-    calls = []
+    """The calls that would make the host wait on a device (quantwm/core/syncs.py) during one attend call."""
+    from quantwm.core.syncs import HostSyncs
 
-    def spy(n):
-        def f(self, *a, **kw):
-            calls.append(n)
-            return orig[n](self, *a, **kw)
-        return f
-    for n in names:
-        setattr(torch.Tensor, n, spy(n))
-    try:
+    with HostSyncs() as syncs:
         cache.attend(0, q, k, v, chunk=chunk)
-    finally:
-        for n, f in orig.items():
-            setattr(torch.Tensor, n, f)
-    return calls
+    return syncs.calls
 
 
 @pytest.mark.parametrize("method", ["bf16", "rtn", "kivi", "qvg", "quantwm", "quantwm+jensen"])
