@@ -32,11 +32,6 @@ CLIPS = (1.0, 0.85, 0.7, 0.55, 0.42, 0.32)  # range shrink factors tried per (ch
 SAMPLE_TOKENS = 1024  # the error tables are measured on at most this many (evenly strided) tokens of a span
 
 
-def side_bytes(n_streams: int, head_dim: int) -> int:
-    """Bytes of the per-channel tables: bits (uint8), low end and step (fp16 each)."""
-    return n_streams * head_dim * 5
-
-
 def _grid(r: torch.Tensor, bits: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(low, step) per (stream, channel) of a `bits` grid over r (S, N, D) with its range shrunk by alpha about
     the middle; both already rounded to their fp16 storage."""

@@ -27,6 +27,11 @@ def channel_bytes(n_tokens, bits):
     return (n_tokens * bits + 7) // 8
 
 
+def table_bytes(n_streams: int, head_dim: int) -> int:
+    """Bytes of the per-channel tables `Channels` stores beside its codes: bits (uint8), low end and step (fp16)."""
+    return n_streams * head_dim * (1 + 2 + 2)
+
+
 def channel_offsets(bits: torch.Tensor, n_tokens: int) -> torch.Tensor:
     """Each channel's first byte in the buffer, (S, D) int64, from the widths (S, D)."""
     nbytes = channel_bytes(n_tokens, bits.long()).flatten()

@@ -13,10 +13,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..allocate import allocate, encode_channels, error_tables, side_bytes
+from ..allocate import allocate, encode_channels, error_tables
 from ..kmeans import weighted_sqdist
 from ..layouts import Codebook, Layout
-from ..layouts.channels import channel_bytes
+from ..layouts.channels import channel_bytes, table_bytes
 from ..qsac import channel_sensitivity
 from ..quant import SCALE_DTYPES, BudgetError, check_budget, to_storage
 from .base import Method, SpanContext, register
@@ -67,7 +67,7 @@ class QuantWMAlloc(QVGBudget):
         best = None
         for r, stages in self.smoothings(x, kind, ctx, w):
             fixed = sum(t.numel() * t.element_size() for stage in stages for t in stage if t is not None)
-            available = torch.full((S,), self.budget * N * D - 8 * (fixed + side_bytes(S, D)) / S)
+            available = torch.full((S,), self.budget * N * D - 8 * (fixed + table_bytes(S, D)) / S)
             if bool((available < 0).any()):
                 continue
             E, alpha = error_tables(r)
