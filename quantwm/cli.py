@@ -1,4 +1,4 @@
-"""Command line: `python -m quantwm {analyze,memory,eval,trace,record,figures,frontier,synth-trace,query-stats,
+"""Command line: `python -m quantwm {analyze,memory,plan,eval,trace,record,figures,frontier,synth-trace,query-stats,
 methods,app} ...` (also installed as `quantwm`).
 
 Long work shows a progress bar on stderr. Bad arguments or files print one line on stderr and exit 2.
@@ -129,6 +129,57 @@ def cmd_memory(a) -> int:
     rt = r["runtime_bytes"]
     print(f"  runtime state (not in the cache figures): running S {rt['query_stats'] / 2**20:.1f} MiB, warm-start "
           f"centroids {rt['method_state'] / 2**20:.1f} MiB, kernel views {rt['kernel_views'] / 2**20:.1f} MiB")
+    return 0
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 / 10 else f"{n / 2**20:.1f} MiB"
+
+
+def _count(frames: float) -> str:
+    """Latent frames (and their video frames) or 'any length'."""
+    from .evaluation.plan import video_frames
+
+    return "any length" if math.isinf(frames) else f"{int(frames)} ({video_frames(int(frames))} video)"
+
+
+def cmd_plan(a) -> int:
+    from .evaluation.plan import FRONTIER, latent_frames, plan, preset_with
+
+    p = preset_with(a.model, layers=a.layers, heads=a.heads, head_dim=a.head_dim, tokens_per_frame=a.tokens_per_frame,
+                    chunk_frames=a.chunk_frames)
+    frames = latent_frames(a.frames) if a.frames is not None else a.latent_frames
+    r = plan(p, frames, a.memory_gb, a.window, a.sink_chunks, a.recent_chunks, Path(a.frontier) if a.frontier else FRONTIER)
+    _write_json(r, a.json)
+    h = r["held"]
+    window = f"a window of {a.window} chunk(s) after {a.sink_chunks} sink chunk(s)" if a.window else "no window"
+    print(f"{p.name}: {p.layers} layers x {p.heads} heads x {p.head_dim}, {p.tokens_per_frame} tokens per latent frame, "
+          f"chunks of {p.chunk_frames}; {frames} latent frames ({r['video_frames']} video), {window}; "
+          f"limit {a.memory_gb:g} GiB")
+    print(f"  at its peak the cache holds {h['full_chunks']} BF16 chunk(s) + the current chunk ({h['current_frames']} "
+          f"frame(s)) = {_gib(r['full_precision_bytes'])}, and {h['quantized_chunks']} chunk(s) to quantize; "
+          f"all BF16: {_gib(r['bf16_bytes'])}")
+    need = r["bits_needed"]
+    if need is None:
+        print("  bits per element needed: none fits (the full-precision chunks alone exceed the limit)")
+    elif need >= 16:
+        print("  bits per element needed: 16 (BF16 fits; no quantization needed)")
+    else:
+        print(f"  bits per element needed: {need:.3f}; budget: "
+              + (f"{r['budget']:g} (the largest measured budget at or below it)" if r["budget"] else "none of the rows"))
+    rows = [["bits/element", "bytes per latent frame", "cache at peak", "fits", "latent frames that fit"]]
+    rows += [["16 (BF16)" if x["bits"] >= 16 else f"{x['bits']:g}", _gib(x["bytes_per_frame"]), _gib(x["peak_bytes"]),
+              "yes" if x["fits"] else "no", _count(x["frames_that_fit"])] for x in r["rows"]]
+    print(_table(rows))
+    q = r["quality"]
+    if r["budget"] is not None and r["budget"] < 16:
+        if q is None:
+            print(f"  quality at {r['budget']:g} bits: none measured (no frontier envelope at {r['frontier']})")
+        else:
+            print(f"  quality at {q['budget']:g} bits, from {q['source']} (the built-in model, not {p.name}):")
+            for metric, v in ((m, q[m]) for m in ("psnr", "place_shift_rate")):
+                other = f"; best other {v['other_method']}: {_fmt(v['other'])}" if v["other_method"] else ""
+                print(f"    {metric}: quantwm {_fmt(v['quantwm'])}{other}")
     return 0
 
 
@@ -366,7 +417,7 @@ def cmd_frontier(a) -> int:
     return 0
 
 
-COMMANDS = {"analyze": cmd_analyze, "memory": cmd_memory, "synth-trace": cmd_synth, "eval": cmd_eval,
+COMMANDS = {"analyze": cmd_analyze, "memory": cmd_memory, "plan": cmd_plan, "synth-trace": cmd_synth, "eval": cmd_eval,
             "trace": cmd_trace, "record": cmd_record, "figures": cmd_figures, "frontier": cmd_frontier,
             "query-stats": cmd_query_stats, "methods": cmd_methods, "selfcheck": cmd_selfcheck}
 

@@ -11,6 +11,7 @@ import sys
 
 from .core.cache_types import TARGETS
 from .evaluation.figures import FIGURE_KINDS
+from .evaluation.memory import PRESETS
 from .world.scene import WORLDS
 
 
@@ -85,6 +86,21 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--span-chunks", type=int, default=1, help="chunks quantized together as one span (QVG: 8)")
     s.add_argument("--queries", choices=("drift", "none"), default="drift",
                    help="drift: a synthetic query stream whose subspace moves (as deployed); none: S stays identity")
+    s = sub.add_parser("plan", help="bits per element a rollout or window needs to fit a memory limit, frames that "
+                                    "fit, and the quality the frontier measured at that budget", parents=[json_out])
+    s.add_argument("--model", default="wan-1.3b", help=f"shape preset: {', '.join(PRESETS)}")
+    for flag in ("layers", "heads", "head-dim", "tokens-per-frame", "chunk-frames"):
+        s.add_argument(f"--{flag}", type=int, default=None, help=f"{flag.replace('-', ' ')} (overrides --model)")
+    length = s.add_mutually_exclusive_group(required=True)
+    length.add_argument("--frames", type=int, help="rollout length in video frames (81: 21 latent frames)")
+    length.add_argument("--latent-frames", type=int, help="rollout length in latent frames")
+    s.add_argument("--window", type=int, default=None,
+                   help="rolling window: the sink plus this many most recent chunks (default: the whole rollout)")
+    s.add_argument("--sink-chunks", type=int, default=1)
+    s.add_argument("--recent-chunks", type=int, default=1, help="most recent committed chunks kept BF16")
+    s.add_argument("--memory-gb", type=float, required=True, help="memory limit for the KV cache, GiB")
+    s.add_argument("--frontier", default=None, help="frontier file whose envelope gives the quality figures "
+                                                   "(default: docs/frontier/world.json of this checkout)")
     s = sub.add_parser("synth-trace", help="write the synthetic world-memory trace")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--layers", type=int, default=4)

@@ -38,6 +38,10 @@ class Preset:
 PRESETS = {p.name: p for p in (
     Preset("wan-1.3b", 30, 12, 128, 1560, 3),  # Wan 2.1 1.3B at 480x832: 30x52 latent patches per frame
     Preset("wan-14b", 40, 40, 128, 1560, 3),
+    # LingBot-World (Wan 2.2 A14B): 40 layers, 40 heads of 128, chunks of 3 latent frames, 480x832
+    Preset("lingbot-world", 40, 40, 128, 1560, 3),
+    # Matrix-Game-2 (Wan 2.1 1.3B): 30 layers, 12 heads of 128, chunks of 3 latent frames, 352x640: 22x40 patches
+    Preset("matrix-game-2", 30, 12, 128, 880, 3),
     Preset("tiny", 2, 2, 64, 64, 2),  # for tests
 )}
 
