@@ -105,7 +105,8 @@ def cmd_analyze(a) -> int:
     keys = ("shift_rate", "topk_overlap", "attn_kl", "logit_rmse", "k_rel_err", "v_rel_err", "out_rel_err",
             "bits_per_element")
     rows = [["method", *keys]] + [[m, *(_fmt(e["mean"][k]) for k in keys)] for m, e in report["methods"].items()]
-    print(f"trace {a.trace} ({trace.meta['model']}), target={a.target}, "
+    kind = f", kind {trace.meta['kind']}" if "kind" in trace.meta else ""
+    print(f"trace {a.trace} ({trace.meta['model']}{kind}), target={a.target}, "
           + (f"budget K {_budget(a)[0]} / V {_budget(a)[1]} bits per element" if any(b is not None for b in _budget(a))
              else f"bits={a.bits}"))
     _report_budget(report["config"])
@@ -191,7 +192,8 @@ def cmd_synth(a) -> int:
     except ValueError:
         raise ValueError(f"--grid takes ROWSxCOLS tokens per frame (e.g. 24x24), got {a.grid!r}") from None
     make_synthetic_trace(a.seed, n_layers=a.layers, n_heads=a.heads, head_dim=a.head_dim, grid=(h, w),
-                         cached_frames=a.cached_frames, chunk_frames=a.chunk_frames, content_dim=a.query_dims).save(a.out)
+                         cached_frames=a.cached_frames, chunk_frames=a.chunk_frames, content_dim=a.query_dims,
+                         kind=a.kind).save(a.out)
     print(f"wrote {a.out}")
     return 0
 

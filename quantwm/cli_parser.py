@@ -12,6 +12,7 @@ import sys
 from .core.cache_types import TARGETS
 from .evaluation.figures import FIGURE_KINDS
 from .evaluation.memory import PRESETS
+from .evaluation.synthetic import KINDS
 from .world.scene import WORLDS
 
 
@@ -108,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--head-dim", type=int, default=128)
     s.add_argument("--query-dims", type=int, default=8,
                    help="dimension of the query subspace: 8 / 12 / 22 give ~97%% / ~71%% / ~45%% top-8 energy")
+    s.add_argument("--kind", choices=KINDS, default="aligned",
+                   help="how the heads' channels carry the world: aligned (query energy on the slow RoPE channels), "
+                        "flat, rotated, norope, outliers (quantwm/evaluation/synthetic.py)")
     s.add_argument("--grid", default="12x16", help="tokens per frame as ROWSxCOLS (Wan-1.3B at 480p: 30x52)")
     s.add_argument("--chunk-frames", type=int, default=3, help="frames per chunk: a span holds grid x this many tokens")
     s.add_argument("--cached-frames", type=int, default=24, help="frames in the cache (a multiple of --chunk-frames)")

@@ -62,6 +62,7 @@ def test_cli_shared_flags_keep_each_commands_defaults(argv, defaults):
     (["memory", "--preset", "nope"], "unknown preset"),
     (["memory", "--preset", "tiny", "--bits", "5"], "unsupported bits"),
     (["memory", "--preset", "tiny", "--latent-frames", "zero"], "invalid int"),
+    (["synth-trace", "--kind", "skewed", "--out", "{garbage}"], "invalid choice"),
     (["frobnicate"], "invalid choice"),
 ])
 def test_cli_errors_are_one_line_exit_2(argv, needle, trace_file, tmp_path, capsys):
@@ -86,6 +87,18 @@ def test_the_command_exits_2_with_one_line(argv, needle):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in p.stderr
+
+
+def test_cli_synth_trace_kind_reaches_the_trace_and_analyze(tmp_path, capsys):
+    from quantwm.evaluation.trace import read_trace
+
+    assert build_parser().parse_args(["synth-trace", "--out", "o"]).kind == "aligned"
+    out = tmp_path / "rotated.safetensors"
+    assert main(["synth-trace", "--seed", "100001", "--kind", "rotated", "--layers", "1", "--heads", "1",
+                 "--head-dim", "64", "--grid", "4x4", "--cached-frames", "6", "--out", str(out)]) == 0
+    assert read_trace(out).meta["kind"] == "rotated"
+    assert main(["analyze", "--trace", str(out), "--methods", "rtn"]) == 0
+    assert "kind rotated" in capsys.readouterr().out
 
 
 def test_cli_set_passes_method_options(trace_file, tmp_path):

@@ -1,18 +1,109 @@
-"""Tests for quantwm.evaluation.synthetic: the query subspace's dimension sets the trace's top-8 energy."""
+"""Tests for quantwm.evaluation.synthetic: the query subspace's dimension sets the trace's top-8 energy; the
+kinds build, `aligned` is the trace as it always was, and each other kind breaks what it says it breaks."""
+import hashlib
+
 import pytest
+import torch
 
 from quantwm.evaluation.metrics import query_energy, second_moment
-from quantwm.evaluation.synthetic import QUERY_DIMS_FOR_TOP8, make_synthetic_trace
+from quantwm.evaluation.synthetic import KINDS, QUERY_DIMS_FOR_TOP8, loud_tokens, make_synthetic_trace
+
+SMALL = dict(n_layers=1, n_heads=2, head_dim=64, grid=(4, 4), cached_frames=6, chunk_frames=3)
+# sha256 of SMALL's tensors at seed 0, from the generator before kinds existed: aligned must never move
+ALIGNED_SMALL_SHA256 = "6035474a6e3204ba13da3570d42b168c131ebca788ec517e5fdd681db9759030"
+
+
+def tensors_sha256(writer) -> str:
+    h = hashlib.sha256()
+    for layer, t in sorted(writer.layers.items()):
+        for name in sorted(t):
+            h.update(f"{layer}.{name}".encode())
+            h.update(t[name].contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def diag_top24(writer) -> float:
+    """Share of diag(S) in its 24 largest channels, averaged over heads."""
+    (t,) = writer.layers.values()
+    d = torch.diagonal(second_moment(t["q_hist"].float()), dim1=-2, dim2=-1)
+    return float((d.topk(24, -1).values.sum(-1) / d.sum(-1)).mean())
+
+
+def top8(writer) -> float:
+    (t,) = writer.layers.values()
+    return float(query_energy(second_moment(t["q_hist"].float()))[1].mean())
 
 
 @pytest.mark.parametrize("target", sorted(QUERY_DIMS_FOR_TOP8))
 def test_query_dims_give_the_named_top8_energy(target):
     w = make_synthetic_trace(seed=11, n_layers=1, n_heads=4, content_dim=QUERY_DIMS_FOR_TOP8[target])
-    (t,) = w.layers.values()
-    top8 = float(query_energy(second_moment(t["q_hist"].float()))[1].mean())
-    assert top8 == pytest.approx(float(target.rstrip("%")) / 100, abs=0.04)
+    assert top8(w) == pytest.approx(float(target.rstrip("%")) / 100, abs=0.04)
 
 
 def test_query_dims_outside_the_slow_rope_channels_are_refused():
     with pytest.raises(ValueError, match="must lie in 1..24"):
         make_synthetic_trace(content_dim=25)
+
+
+def test_aligned_is_the_trace_from_before_kinds_bit_for_bit():
+    assert tensors_sha256(make_synthetic_trace(seed=0, **SMALL)) == ALIGNED_SMALL_SHA256
+    assert tensors_sha256(make_synthetic_trace(seed=0, kind="aligned", **SMALL)) == ALIGNED_SMALL_SHA256
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kind_builds_and_records_its_kind(kind):
+    w = make_synthetic_trace(seed=100_001, kind=kind, **SMALL)
+    (t,) = w.layers.values()
+    assert t["q"].shape == (2, 16 * 3, 64) and t["k"].shape == t["v"].shape == (2, 16 * 6, 64)
+    assert all(torch.isfinite(x).all() for x in t.values())
+    assert w.extra_meta["kind"] == kind
+    if kind != "aligned":
+        assert tensors_sha256(w) != tensors_sha256(make_synthetic_trace(seed=100_001, **SMALL))
+
+
+def test_kinds_share_the_world_values_and_history_chunks():
+    base = make_synthetic_trace(seed=100_001, **SMALL).layers[0]
+    for kind in KINDS:
+        t = make_synthetic_trace(seed=100_001, kind=kind, **SMALL).layers[0]
+        assert torch.equal(t["v"], base["v"]) and torch.equal(t["q_hist_chunk"], base["q_hist_chunk"])
+
+
+def test_rotated_spreads_query_energy_over_channels_but_keeps_the_spectrum():
+    kw = dict(seed=100_001, n_layers=1, n_heads=4, grid=(8, 8), cached_frames=12)
+    aligned, rotated = make_synthetic_trace(**kw), make_synthetic_trace(kind="rotated", **kw)
+    assert diag_top24(aligned) > 0.95
+    assert diag_top24(rotated) < 0.5
+    assert top8(rotated) == pytest.approx(top8(aligned), abs=1e-3)
+    a, r = aligned.layers[0], rotated.layers[0]
+    logits = lambda t: t["q"].float() @ t["k"].float().transpose(1, 2)  # noqa: E731
+    torch.testing.assert_close(logits(r), logits(a), rtol=1e-4, atol=1e-3)
+
+
+def test_flat_spreads_query_energy_over_channels():
+    kw = dict(seed=100_001, n_layers=1, n_heads=4, grid=(8, 8), cached_frames=12)
+    assert diag_top24(make_synthetic_trace(kind="flat", **kw)) < 0.5
+
+
+def test_norope_is_aligned_before_rope():
+    from quantwm.core.rope import Rope3D
+    aligned, norope = make_synthetic_trace(seed=100_001, **SMALL), make_synthetic_trace(seed=100_001, kind="norope", **SMALL)
+    k = norope.layers[0]["k"].float()
+    rope = Rope3D(64, SMALL["grid"])
+    torch.testing.assert_close(rope(k[None], torch.arange(k.shape[1]))[0], aligned.layers[0]["k"].float())
+
+
+def test_outliers_has_the_stated_count_of_loud_keys():
+    w = make_synthetic_trace(seed=100_001, kind="outliers", n_layers=2, n_heads=2, head_dim=64, grid=(8, 8),
+                             cached_frames=12)
+    for t in w.layers.values():
+        norm = t["k"].float().norm(dim=-1)  # (H, Nk)
+        loud = norm > 4 * norm.median(-1, keepdim=True).values
+        n = loud_tokens(t["k"].shape[1])
+        assert n == round(0.01 * 8 * 8 * 12)
+        assert loud.sum(-1).tolist() == [n, n]
+        assert torch.equal(loud[0], loud[1])  # the same tokens in every head
+
+
+def test_unknown_kind_is_refused_naming_the_kinds():
+    with pytest.raises(ValueError, match="valid kinds: aligned, flat, rotated, norope, outliers"):
+        make_synthetic_trace(kind="skewed")

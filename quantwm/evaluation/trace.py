@@ -6,8 +6,9 @@ One safetensors file. Per captured layer l: `L{l}.q` (H, Nq, D) the queries of t
 that issued each history query (a backward-compatible v1 extension: with it `quantwm analyze` builds S
 causally, as a run does). Optionally `frames` (T, height, width, 3) uint8.
 Metadata (strings): quantwm_trace_version="1", tokens_per_frame, frame_grid="h,w", softmax_scale,
-rope="post"|"pre", model; optional extras such as chunk_frames (frames per committed chunk). Cached tokens
-run frame by frame, row-major inside a frame: token j is (frame j // (h*w), row (j % (h*w)) // w, col j % w).
+rope="post"|"pre", model; optional extras such as chunk_frames (frames per committed chunk) and kind (a
+synthetic trace's kind, `quantwm synth-trace --kind`). Cached tokens run frame by frame, row-major inside a
+frame: token j is (frame j // (h*w), row (j % (h*w)) // w, col j % w).
 
     w = TraceWriter(tokens_per_frame=64, frame_grid=(8, 8), softmax_scale=0.125, model="mine")
     w.record(layer, q, k, v)          # from inside any attention function; (H, N, D) or (1, H, N, D)
