@@ -11,13 +11,16 @@ from quantwm.core.cache import TARGETS
 from quantwm.world.scene import TRAJECTORIES
 
 from .ui import Number, Slider, progress_callback, unpack
-from .world_handlers import FACTOR, OVERLAYS
+from .world_handlers import DEFAULT_BUDGET, FACTOR, OVERLAYS
 
 # The world the page opens on: of seeds 0-15, the one whose first frame has the most detail (pixel standard
 # deviation 0.31; seed 0's is a flat sky, 0.09). A choice of what to show first, not of any result.
 DEFAULT_SEED = 4
 
 TARGET_CHOICES = [("Keys and Values", "kv"), ("Keys only", "k"), ("Values only", "v")]
+# The page opens on equal memory: every method configured within one budget by its own rule (quantwm/core/budget.py);
+# fixed bits per element are the explicit other mode (a grid's "2-bit" stores from 2.5 to over 16 bits per element).
+SIZING_CHOICES = [("Equal memory: a budget", "budget"), ("Fixed bits", "bits")]
 assert {v for _, v in TARGET_CHOICES} == set(TARGETS)
 
 
@@ -34,6 +37,9 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     model loaded for generating on demand (`python app.py --model self-forcing`), or None."""
     gr.Markdown("Pick a world and a quantization method, press **Generate**: the BF16 reference and the "
                 "quantized run use the same world, trajectory and noise, so they differ only by the KV cache. "
+                "Methods are compared at equal memory by default: each configures itself within the budget (bits "
+                "per element, counted from stored bytes) by its own rule; a run over its budget or over BF16's "
+                "bytes is flagged OVER. "
                 "Click a pixel of either frame to trace its Query to the cached token it attends to most.")
     ui = _settings(methods, facts, default_frames, max_frames)
     if open_run is not None:
@@ -67,8 +73,11 @@ def _settings(methods: list[str], facts: dict, default_frames: int, max_frames: 
         ui.trajectory = gr.Dropdown(list(TRAJECTORIES), value="loop", label="Trajectory")
         ui.method = gr.Dropdown(methods, value="quantwm", label="Method")
         ui.target = gr.Radio(TARGET_CHOICES, value="kv", label="Quantize")
-        ui.bits = gr.Dropdown([2, 3, 4, 8], value=2, label="Bits")
-        ui.budget = Number(0, label="Or a budget (bits per element; 0: use Bits)", step=0.25, elem_id="budget")
+        ui.sizing = gr.Radio(SIZING_CHOICES, value="budget", label="Memory", elem_id="sizing")
+        ui.budget = Number(DEFAULT_BUDGET, label="Budget (bits per element; each method by its rule)", step=0.25,
+                           elem_id="budget")
+        ui.bits = gr.Dropdown([2, 3, 4, 8], value=2, label="Bits (fixed-bits mode)", interactive=False,
+                              elem_id="bits")
         ui.frames = Number(default_frames, label=f"Frames (at most {max_frames})" if max_frames else "Frames",
                            step=facts["chunk_frames"], elem_id="frames")
     with gr.Row():
@@ -113,7 +122,7 @@ def _frames_panel(ui: SimpleNamespace, facts: dict, default_frames: int) -> None
     ui.frame = Slider(0, default_frames - 1, value=0, step=1, label="Frame (scrubs both)", elem_id="frame-slider")
     with gr.Row():
         ui.overlays = gr.CheckboxGroup(list(OVERLAYS), value=[], label="Overlays on the quantized frame (red: flicker "
-                                       "vs BF16; orange: warping error, motion-compensated; cyan: tokens whose top-1 "
+                                       "vs BF16; orange: warping error above BF16's, motion-compensated; cyan: tokens whose top-1 "
                                        "source moved)")
         ui.jump_layer = gr.Dropdown(["all", *map(str, range(facts["layers"]))], value="all", label="Jump map layer")
         ui.jump_head = gr.Dropdown(["all", *map(str, range(facts["heads"]))], value="all", label="Jump map head")
@@ -187,13 +196,19 @@ def _wire_generate(ui: SimpleNamespace, generate: Callable, scrub: Callable, fac
         name = labels.get(str(run_id or ""))
         return gr.Image(label=f"{name} (click a pixel)" if name else "Quantized frame (click a pixel)")
 
-    def on_generate(seed, trajectory, method, target, bits, frames, budget=None, progress=gr.Progress()):
-        r = generate(seed, trajectory, method, target, bits, frames, budget,
+    def on_generate(seed, trajectory, method, target, bits, frames, budget=DEFAULT_BUDGET, sizing="budget",
+                    progress=gr.Progress()):
+        """sizing "budget": every method within `budget` bits per element; "bits" (or budget 0): a fixed grid."""
+        r = generate(seed, trajectory, method, target, bits, frames, 0 if sizing == "bits" else budget,
                      progress=progress_callback(progress, "generating BF16 and the method"))
         return shown(r)
 
+    def on_sizing(sizing):
+        return gr.update(interactive=sizing == "budget"), gr.update(interactive=sizing == "bits")
+
+    ui.sizing.change(on_sizing, [ui.sizing], [ui.budget, ui.bits], api_name=False, queue=False)
     ui.do_scrub, ui.frame_label = do_scrub, frame_label
-    settings = [ui.seed, ui.trajectory, ui.method, ui.target, ui.bits, ui.frames, ui.budget]
+    settings = [ui.seed, ui.trajectory, ui.method, ui.target, ui.bits, ui.frames, ui.budget, ui.sizing]
     ev = ui.go.click(on_generate, settings, ui.gen_out, api_name="generate", trigger_mode="multiple",
                      concurrency_limit=1, concurrency_id="generate")
     ev.then(do_scrub, ui.scrub_in, [ui.frame_info, ui.bf16_img, ui.method_img], api_name="show_frame", **VIEW).then(

@@ -15,7 +15,7 @@ def frame_series_figure(series: dict, worst: list[int], context_frames: int, cur
     n = len(series["tdiff"])
     x = list(range(n))
     panels = [("tdiff", "#d62728", "flicker (tdiff-L1 vs BF16; higher = worse)"),
-              ("warp_error", "#ff7f0e", "extra warping error vs BF16 (above 0 = worse)"),
+              ("warp_error", "#ff7f0e", "warping error above BF16's (0 = BF16; lower is better)"),
               ("psnr", "#1f77b4", "PSNR vs BF16 (dB)"), ("shift_rate", "#9467bd", "top-1 shift rate")]
     panels = [p for p in panels if p[0] in series]
     fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.05,

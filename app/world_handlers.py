@@ -29,6 +29,7 @@ THUMB = 3  # source thumbnails: 192 x 192 for the built-in 64 x 64 frames, each 
 FLICKER_FULL_SCALE = 0.25  # a flicker of a quarter of the intensity range shows full red
 WARP_FULL_SCALE = 0.15  # a warping error of 0.15 shows full orange
 OVERLAYS = ("flicker map", "warping error", "top-1 jumps")
+DEFAULT_BUDGET = 2.5  # bits per element the Generate and Methods tabs open on: every method at equal memory
 FILES: media.TempFiles | None = None  # made by `use_files` (the app, at start-up) or on first use
 
 
@@ -99,8 +100,9 @@ def _fmt(x, digits=4):
 def generate_handler(runs, seed, trajectory, method, target, bits, frames, budget=None,
                      progress: Callable | None = None) -> dict:
     """Generate (or fetch) BF16 and the method: videos, per-frame figure, summary, the worst frame. With a
-    budget (bits per element; 0 or empty: none), the method configures itself within it instead of running at
-    `bits`."""
+    budget (bits per element; 0 or empty: none, run at `bits`), the method configures itself within it by its
+    rule (the page's default: equal memory for every method). The status says what the method chose and flags a
+    run over its budget or over BF16's bytes (`memory_flag`, as the Methods table does)."""
     from dataclasses import replace
 
     from quantwm.drivers import studies
@@ -119,26 +121,43 @@ def generate_handler(runs, seed, trajectory, method, target, bits, frames, budge
         return error(str(e))
     origin = "from the cache" if cached else f"generated in {seconds:.1f} s"
     size = f"{key.bits}-bit" if key.budget is None else f"within {key.budget:g} bits"
-    if key.budget is not None:
-        origin += f"; configuration within {key.budget:g} bits: {studies.configuration(wb, key)}"
-    return _shown(cmp, key.id, wb.model_facts()["context_frames"], origin, f"{key.method} {size}")
+    if key.method != "bf16":
+        origin += (f"; fixed {key.bits}-bit grid, no budget" if key.budget is None else
+                   f"; configuration within {key.budget:g} bits: {studies.configuration(wb, key)}")
+    return _shown(cmp, key.id, wb.model_facts()["context_frames"], origin, f"{key.method} {size}", key.budget,
+                  key.method != "bf16")
 
 
-def _shown(cmp: dict, run_id: str, ctx: int, origin: str, method: str) -> dict:
+def memory_flag(summary: dict, budget: float | None) -> str | None:
+    """Why a run's memory is out of bounds, or None: its quantized spans over `budget` bits per element, or its
+    spans or whole cache bigger than BF16's (the Generate tab's flag and the Methods table's `fits`)."""
+    bpe, over = summary["span_bits_per_element"], []
+    if budget is not None and bpe > budget + 1e-9:
+        over.append(f"its quantized spans store {bpe:.2f} bits/element, over the budget of {budget:g}")
+    if bpe > 16 + 1e-9 or summary["cache_mb"] > summary["bf16_mb"]:
+        over.append(f"it stores more than BF16 (spans {bpe:.2f} bits/element vs 16; whole cache "
+                    f"{summary['cache_mb']:.2f} MB vs {summary['bf16_mb']:.2f} MB)")
+    return "; ".join(over) or None
+
+
+def _shown(cmp: dict, run_id: str, ctx: int, origin: str, method: str, budget: float | None = None,
+           quantized: bool = True) -> dict:
     """The Generate tab's outputs for a comparison (`RunView.compare`, built-in or opened); `method` names the
-    quantized side ("kivi 3-bit") for its label. The status names both memory figures (`CacheMemory.summary`)."""
+    quantized side ("kivi 3-bit") for its label. The status names both memory figures (`CacheMemory.summary`)
+    and leads with the flag of a run over its budget or over BF16's bytes."""
     s = cmp["summary"]
     worst = cmp["worst"][0] + ctx if cmp["worst"] else ctx
     worst_frames = [t + ctx for t in cmp["worst"]]
-    status = (f"**{run_id}** ({origin}): "
+    flag = memory_flag(s, budget) if quantized else None
+    status = ((f"**OVER: {flag}.** " if flag else "") + f"**{run_id}** ({origin}): "
               f"PSNR vs BF16 {s['psnr']:.2f} dB, SSIM {s['ssim']:.4f}, tdiff {s['tdiff']:.4f}, "
-              f"top-1 shift rate {s['shift_rate']:.1%}; {cmp['memory']}. "
+              f"top-1 shift rate {s['shift_rate']:.1%}; memory (CacheMemory): {cmp['memory']}. "
               f"Worst flicker frames: {', '.join(map(str, worst_frames)) or 'none'}.")
     return {"status": status, "run_id": run_id, "bf16_video": _video(run_id, "bf16", cmp["bf16"]),
-            "method_label": f"{method}, {s['span_bits_per_element']:.2f} bits/element",
+            "method_label": f"{method}, spans {s['span_bits_per_element']:.2f} bits/element" + (" OVER" if flag else ""),
             "method_video": _video(run_id, "method", cmp["method"]), "frames": len(cmp["bf16"]),
             "figure": plots.frame_series_figure(cmp["series"], worst_frames, ctx), "frame": worst,
-            "worst_frames": worst_frames, "summary": {k: _fmt(v) for k, v in s.items()}}
+            "worst_frames": worst_frames, "summary": {k: _fmt(v) for k, v in s.items()}, "over": flag}
 
 
 def live_generate_handler(runs, live, embeddings, seed, method, target, bits, latent_frames, prompt=None,
@@ -210,11 +229,12 @@ def scrub_handler(runs, run_id, frame, overlays=(), layer="all", head="all") -> 
         return error(str(e))
     method = v["method"]
     notes = [f"Frame **{v['frame']}**" + (" (context: given, identical in both runs)" if v["context"] else ""),
-             f"mean flicker {float(v['flicker'].mean()):.4f}", f"mean warping error {float(v['warp'].mean()):.4f}"]
+             f"mean flicker {float(v['flicker'].mean()):.4f}",
+             f"mean warping error {float(v['warp'].mean()):.4f} (above BF16's, per pixel; 0 = BF16, lower is better)"]
     if "flicker map" in overlays:
         method = media.tint(method, media.normalise(v["flicker"], FLICKER_FULL_SCALE), media.RED)
     if "warping error" in overlays:
-        method = media.tint(method, media.normalise(np.maximum(v["warp"], 0), WARP_FULL_SCALE), media.ORANGE)
+        method = media.tint(method, media.normalise(v["warp"], WARP_FULL_SCALE), media.ORANGE)
     if "top-1 jumps" in overlays:
         if v["jumps"] is None:
             notes.append("no top-1 jump map for a context frame")
@@ -223,7 +243,8 @@ def scrub_handler(runs, run_id, frame, overlays=(), layer="all", head="all") -> 
     if v["jumps"] is not None:
         notes.append(f"tokens whose top-1 moved: {float(v['jumps'].mean()):.1%} (layer {layer}, head {head})")
     scales = {"flicker map": f"red from 0 to full at a flicker of {FLICKER_FULL_SCALE:g} or more",
-              "warping error": f"orange from 0 to full at a warping error of {WARP_FULL_SCALE:g} or more",
+              "warping error": f"orange from 0 (BF16's own warping residual or less) to full at {WARP_FULL_SCALE:g} "
+                               "or more above it",
               "top-1 jumps": "cyan by the share of the chosen layers and heads whose top-1 moved at that token "
                              "(0 to 100%)"}
     shown = [scales[o] for o in overlays if o in scales and (o != "top-1 jumps" or v["jumps"] is not None)]
@@ -355,7 +376,6 @@ def key_value_handler(runs, seed, trajectory, baseline, bits, frames, progress: 
 # the memory figures by their `CacheMemory` names: the quantized spans' bits and compression, the whole cache's
 METHOD_COLUMNS = ("method", "span_bits_per_element", "fits", "configuration", "span_compression", "cache_compression",
                   "bf16_mb", "cache_mb", "shift_rate", "psnr", "ssim", "lpips", "tdiff")
-DEFAULT_BUDGET = 2.5  # bits per element the Methods tab compares at
 
 
 def budget_value(value) -> float:
@@ -387,7 +407,7 @@ def methods_handler(runs, seed, trajectory, target, frames, methods, budget=DEFA
         return error(str(e))
     rows = sorted(rows, key=lambda r: r["span_bits_per_element"])  # in order of measured bits
     for r in rows:  # measured from stored bytes; the rule keeps every method within the budget
-        r["fits"] = "yes" if r["span_bits_per_element"] <= b + 1e-9 and r["cache_mb"] < r["bf16_mb"] else "OVER"
+        r["fits"] = "OVER" if memory_flag(r, b) else "yes"
     table = [[r["method"], *[r[c] if c in ("fits", "configuration") else _fmt(r[c]) for c in METHOD_COLUMNS[1:]]]
              for r in rows]
     out = "".join(f" Left out: {m} ({why})." for m, why in left_out.items())

@@ -180,12 +180,12 @@ def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifa
     page = browser_page
     page.locator("#frame-slider input[type='number']").fill("0")  # start away from where Generate will land
     generate(page)
-    assert run_id(page) == f"seed=4 loop quantwm kv 2-bit {FRAMES}f"  # the default world, a detailed one
+    assert run_id(page) == f"seed=4 loop quantwm kv budget=2.5 {FRAMES}f"  # the default world, at equal memory
     assert "PSNR vs BF16" in page.locator("#generate-status").inner_text()
     assert page.locator("#video-bf16 video").count() == 1 and page.locator("#video-method video").count() == 1
     for panel in ("#video-method", "#frame-method"):  # the quantized panels say what they show
         label = page.locator(f"{panel} [data-testid=block-label]").inner_text()
-        assert re.search(r"quantwm 2-bit, \d\.\d\d bits/element", label), label
+        assert re.search(r"quantwm within 2\.5 bits, spans \d\.\d\d bits/element", label), label
     worst = int(re.search(r"Worst flicker frames: (\d+)", page.locator("#generate-status").inner_text()).group(1))
     page.wait_for_function("(t) => ['#video-bf16 video', '#video-method video'].every(s => "
                            "Math.abs(document.querySelector(s).currentTime - t) < 0.01)", arg=(worst + 0.5) / 8,
@@ -228,6 +228,27 @@ def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifa
     wait_text(page, "#export-status", "file(s)")
     files = page.locator("#export-status").inner_text()
     assert f"-frame{FRAMES - 1}-x21-y42-layer1-head0.pdf" in files and "trace-seed4-loop-quantwm" in files
+
+
+def test_the_page_opens_on_equal_memory_and_flags_a_fixed_bits_run_over_bf16(browser_and_url):
+    """The page opens on a budget of 2.5 bits per element (Bits greyed out) and its run is not over it; fixed bits
+    is the explicit other mode, and qvg's "2-bit" there (more bytes than BF16) is flagged OVER, status and label."""
+    page = new_user(*browser_and_url)
+    assert page.locator("#sizing input[value=budget]").is_checked()
+    assert page.locator("#budget input").input_value() == "2.5" and page.locator("#bits input").is_disabled()
+    generate(page)
+    status = page.locator("#generate-status").inner_text()
+    assert "configuration within 2.5 bits: k: allocator, bits per channel" in status and "OVER" not in status
+    page.locator("#sizing input[value=bits]").check()
+    page.wait_for_function("() => !document.querySelector('#bits input').disabled", timeout=WAIT)
+    method = page.get_by_role("combobox", name="Method", exact=True)
+    method.fill("qvg")
+    page.get_by_role("option", name="qvg", exact=True).click()
+    generate(page)
+    assert run_id(page) == f"seed=4 loop qvg kv 2-bit {FRAMES}f"
+    assert page.locator("#generate-status").inner_text().startswith("OVER: it stores more than BF16")
+    assert page.locator("#video-method [data-testid=block-label]").inner_text().endswith("OVER")
+    page.context.close()
 
 
 def test_trace_outside_the_frame_shows_an_error_and_the_page_stays_usable(browser_page):
@@ -317,7 +338,7 @@ def test_two_users_at_once_each_see_their_own_run(browser_and_url):
         settle(page)
     srcs = []
     for seed, page in pages:
-        assert run_id(page) == f"seed={seed} loop quantwm kv 2-bit {FRAMES}f"
+        assert run_id(page) == f"seed={seed} loop quantwm kv budget=2.5 {FRAMES}f"
         assert f"seed={seed} loop" in page.locator("#generate-status").inner_text()
         srcs.append(page.locator("#frame-bf16 img").get_attribute("src"))
     assert srcs[0] != srcs[1]  # different worlds on the two screens

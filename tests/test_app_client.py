@@ -39,7 +39,7 @@ def generated(client):
 
 
 API_PARAMETERS = {
-    "/generate": ["seed", "trajectory", "method", "target", "bits", "frames", "budget"],
+    "/generate": ["seed", "trajectory", "method", "target", "bits", "frames", "budget", "sizing"],
     "/open_run": ["run"],
     "/upload_run": ["path"],
     "/show_frame": ["run_id", "frame", "overlays", "layer", "head"],
@@ -77,8 +77,9 @@ def test_export_figures_endpoint_writes_print_files(client, generated):
 
 def test_generate_returns_run_id_videos_plot_and_slider(generated):
     status, run_id, bf16_video, method_video, plot, slider = generated
-    assert run_id == f"seed=4 loop quantwm kv 2-bit {FRAMES}f" and "PSNR vs BF16" in status
-    assert method_video.get("label", "").startswith("quantwm 2-bit, ") and "bits/element" in method_video["label"]
+    assert run_id == f"seed=4 loop quantwm kv budget=2.5 {FRAMES}f" and "PSNR vs BF16" in status  # equal memory
+    assert method_video.get("label", "").startswith("quantwm within 2.5 bits, spans ") and "bits/element" in method_video["label"]
+    assert "configuration within 2.5 bits: k: allocator, bits per channel " in status and not status.startswith("**OVER")
     for video in (bf16_video, method_video):
         video = video.get("value", video) if isinstance(video, dict) else video  # an update carries its value
         path = video["video"] if isinstance(video, dict) else video
@@ -108,6 +109,13 @@ def test_pixel_trace_bad_pixel_is_a_message(client, generated):
     assert status.startswith("**Error:**") and "outside the 64x64 frame" in status
 
 
+def test_generate_at_fixed_bits_is_the_explicit_mode_and_flags_a_run_over_bf16(client):
+    """sizing="bits" runs the grid as named; qvg's "2-bit" stores more than BF16 here, and the status says so."""
+    status, run_id = client.predict(4, "loop", "qvg", "kv", 2, FRAMES, 2.5, "bits", api_name="/generate")[:2]
+    assert run_id == f"seed=4 loop qvg kv 2-bit {FRAMES}f" and "fixed 2-bit grid, no budget" in status
+    assert status.startswith("**OVER: it stores more than BF16"), status
+
+
 def test_generate_at_a_budget_names_its_configuration(client):
     status, run_id = client.predict(4, "loop", "kivi", "kv", 2, FRAMES, 2.5, api_name="/generate")[:2]
     assert "budget=2.5" in run_id and "configuration within 2.5 bits: k: bits=2" in status
@@ -122,7 +130,7 @@ def test_methods_table(client):
                                                                              "configuration"]
     bits = [r[1] for r in rows]
     assert bits == sorted(bits) and all(0 < b <= 2.5 for b in bits) and all(r[2] == "yes" for r in rows)
-    assert any("budget=2.5" in r[3] for r in rows) and any("bits=2" in r[3] for r in rows)  # what each chose
+    assert any("allocator, bits per channel" in r[3] for r in rows) and any("bits=2" in r[3] for r in rows)  # chosen
     mb, bf16 = header.index("cache_mb"), header.index("bf16_mb")
     assert all(0 < r[mb] < r[bf16] for r in rows) and "memory" in status and "At most 2.5 bits" in status
     assert "Left out: nvfp4 (nvfp4 cannot fit 2.5 bits per element" in status
@@ -186,8 +194,8 @@ def test_a_second_generation_waits_in_the_queue_while_views_stay_served(server, 
         wb._rollout = real
     first = long_job.result()
     second = waiting.result()
-    assert first[1] == "seed=5 random-walk rtn kv 2-bit 12f"
-    assert second[1] == f"seed=6 loop kivi kv 2-bit {FRAMES}f" and not second[0].startswith("**Error")
+    assert first[1] == "seed=5 random-walk rtn kv budget=2.5 12f"
+    assert second[1] == f"seed=6 loop kivi kv budget=2.5 {FRAMES}f" and not second[0].startswith("**Error")
 
 
 def test_a_recorded_run_opens_over_the_api_and_every_view_answers(client, tmp_path):

@@ -103,6 +103,43 @@ def test_a_kernel_that_failed_its_self_check_shows_in_the_status_line_and_the_ru
     assert failed.line() in wh.open_run_handler(runs, str(path))["status"]
 
 
+def test_generate_at_a_budget_says_what_quantwm_chose_as_a_histogram_of_channel_widths(runs):
+    """quantwm's allocator gives each channel its own width: the status shows their shares over every stored span
+    (the cache's `channel_bits`), summing to 100%, and the run keeps its budget (no OVER flag)."""
+    r = wh.generate_handler(runs, 3, "pan-return", "quantwm", "kv", 2, FRAMES, 2.5)
+    assert r["run_id"] == f"seed=3 pan-return quantwm kv budget=2.5 {FRAMES}f" and r["over"] is None
+    m = re.search(r"configuration within 2.5 bits: k: allocator, bits per channel ([\d:%< ]+); v: allocator, "
+                  r"bits per channel ([\d:%< ]+)\)", r["status"])
+    assert m, r["status"]
+    widths = runs.wb.record(r["run_id"]).channel_bits
+    for kind, shown in zip("kv", m.groups()):
+        assert [int(p.split(":")[0]) for p in shown.split()] == sorted(widths[kind])  # every width taken, in order
+        assert sum(int(p.split(":")[1][:-1]) for p in shown.split() if "<" not in p) == pytest.approx(100, abs=5)
+    assert r["method_label"].startswith("quantwm within 2.5 bits, spans 2.")
+    assert studies.bits_histogram({2: 336, 3: 48, 8: 1}) == "bits per channel 2:87% 3:12% 8:<1%"
+
+
+def test_a_run_over_its_budget_or_over_bf16_is_flagged_on_the_generate_tab(runs, monkeypatch):
+    """The Generate tab flags as the Methods table does (`memory_flag`): a budget run whose spans measure over
+    it, and a fixed-bits run that stores more than BF16 (qvg's "2-bit": 256 centroids per span)."""
+    real = studies.compare
+
+    def overrun(wb, key, progress=None):
+        cmp = real(wb, key, progress)
+        return {**cmp, "summary": {**cmp["summary"], "span_bits_per_element": 2.61}}
+
+    monkeypatch.setattr(studies, "compare", overrun)
+    r = wh.generate_handler(runs, 3, "pan-return", "kivi", "k", 2, FRAMES, 2.5)
+    assert r["status"].startswith("**OVER: its quantized spans store 2.61 bits/element, over the budget of 2.5.**")
+    assert r["method_label"].endswith("OVER")
+    monkeypatch.setattr(studies, "compare", real)
+    fixed = wh.generate_handler(runs, 3, "pan-return", "qvg", "kv", 2, FRAMES, 0)
+    assert fixed["status"].startswith("**OVER: it stores more than BF16") and "fixed 2-bit grid" in fixed["status"]
+    assert wh.memory_flag({"span_bits_per_element": 2.5, "cache_mb": 1.0, "bf16_mb": 4.0}, 2.5) is None
+    assert wh.memory_flag({"span_bits_per_element": 2.0, "cache_mb": 5.0, "bf16_mb": 4.0}, None).startswith(
+        "it stores more than BF16")
+
+
 @pytest.mark.parametrize("settings, needle", [
     ((3, "pan-return", "nope", "k", 2, FRAMES), "unknown method 'nope'"),
     ((3, "spiral", "qvg", "k", 2, FRAMES), "unknown trajectory"),

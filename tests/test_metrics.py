@@ -201,6 +201,17 @@ def test_warp_error_ranks_a_flickering_sequence_worse():
     assert m.shape == (len(ref) - 1, 64, 64) and m.mean() > 0.05
 
 
+def test_warp_error_cannot_reward_a_smoothed_run_bf16_is_its_floor():
+    """A blurred run (degraded, and smoother than BF16: its warping residual falls below BF16's) scores at least
+    BF16's 0 on every pixel and frame, never below (docs/method.md §4)."""
+    world, poses, ref = _pan()
+    from quantwm.world import scene
+
+    blurred = scene.render(F.avg_pool2d(world[None], 5, 1, 2, count_include_pad=False)[0], poses)
+    assert M.warp_error_map(blurred, ref).min().item() >= 0 and M.warp_error(blurred, ref).min().item() >= 0
+    assert M.warp_error(ref, ref).max().item() == 0.0
+
+
 def test_warp_error_rejects_a_flow_of_the_wrong_shape():
     _, _, ref = _pan(frames=3)
     with pytest.raises(ValueError, match="flow must be"):

@@ -6,6 +6,8 @@ nothing else. Every memory figure of the project (the CLI, the app, the adapters
 """
 from __future__ import annotations
 
+import torch
+
 from . import selfcheck
 from .cache_types import CacheMemory
 
@@ -33,6 +35,20 @@ class MemoryAccounting:
         for key, n, _ in self._stored():
             out[key] = out.get(key, 0) + n
         return out
+
+    def channel_bits(self, which: str) -> dict[int, int]:
+        """{bits: channels} over every quantized span of every layer whose `which` ("k" or "v") form gives each
+        channel a width of its own (the allocator's; `Layout.channel_bits`), one count per (stream, channel) of a
+        span; empty where one grid serves all."""
+        out: dict[int, int] = {}
+        for st in self.layers:
+            for c in self._chunks(st):
+                enc = c.k_enc if which == "k" else c.v_enc
+                bits = enc.channel_bits() if enc is not None else None
+                if bits is not None:
+                    for b, n in zip(*torch.unique(bits.cpu(), return_counts=True)):
+                        out[int(b)] = out.get(int(b), 0) + int(n)
+        return dict(sorted(out.items()))
 
     def runtime_bytes(self) -> dict[str, int]:
         """Working state a deployment keeps beside the stored cache (not in nbytes): the running S per layer

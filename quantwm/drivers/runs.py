@@ -85,6 +85,7 @@ class Record:
     flow: torch.Tensor | None = None  # BF16 records: the optical flow every warping error against it uses
     budget_choice: dict | None = None  # the cache's {kind: options} a budget chose (`KVCache.budget_choice`)
     coverage: list | None = None  # per frame, the share of its view the context frames saw (1: a revisit)
+    channel_bits: dict | None = None  # {kind: {bits: channels}} where channels have widths of their own (the allocator)
 
     def nbytes(self) -> int:
         """Bytes of every tensor the record holds (what it costs the results cache)."""

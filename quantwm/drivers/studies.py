@@ -77,10 +77,21 @@ def methods_table(wb, key: RunKey, methods: list[str], progress: Callable | None
 
 def configuration(wb, key: RunKey) -> str:
     """What the key's generated run ran as: its grid at `bits`, or what its cache chose within the budget for
-    each quantized half (read from the run's record: the choice the cache made on its first span)."""
+    each quantized half (read from the run's record: the choice the cache made on its first span); where the
+    channels took widths of their own (quantwm's allocator), their histogram over every stored span."""
     if key.method == "bf16":
         return "bf16"
     if key.budget is None:
         return f"{key.bits}-bit"
-    chosen = wb.record(key.id).budget_choice or {}
-    return "; ".join(f"{kind}: {chosen.get(kind, '?')}" for kind in "kv" if kind in key.target)
+    rec = wb.record(key.id)
+    chosen, widths = rec.budget_choice or {}, rec.channel_bits or {}
+    return "; ".join(f"{kind}: {'allocator, ' + bits_histogram(widths[kind]) if widths.get(kind) else chosen.get(kind, '?')}"
+                     for kind in "kv" if kind in key.target)
+
+
+def bits_histogram(counts: dict) -> str:
+    """{bits: channels} as one short line: "bits per channel 0:4% 1:11% 2:52% 3:28% 4:5%" (shares of every
+    (stream, channel) of every stored span; "<1%" for a width some but under 0.5% of them took)."""
+    total = sum(counts.values())
+    share = {b: n / total for b, n in sorted(counts.items()) if n}
+    return "bits per channel " + " ".join(f"{b}:{'<1%' if s < 0.005 else f'{s:.0%}'}" for b, s in share.items())

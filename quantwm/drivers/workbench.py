@@ -203,7 +203,8 @@ class Workbench:
         return Record(key, run.frames.cpu(), run.probes, k_exact, [c.keys(l)[0].cpu() for l in range(L)],
                       v_exact, [c.values(l)[0].cpu() for l in range(L)],
                       [c.query_stats(l).cpu() for l in range(L)], steps, c.memory(), time.time() - t0,
-                      budget_choice=c.budget_choice, coverage=run.coverage())
+                      budget_choice=c.budget_choice, coverage=run.coverage(),
+                      channel_bits={kind: c.channel_bits(kind) for kind in "kv"})
 
     def pair(self, key: RunKey, progress: Callable | None = None) -> tuple[Record, Record]:
         """(BF16 record, method record) with the same world, trajectory and noise."""

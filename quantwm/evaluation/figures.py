@@ -71,7 +71,7 @@ def frame_series_figure(series: dict, worst: list[int], context_frames: int, tit
 def maps_figure(view: dict, title: str = ""):
     """One frame (`RunView.frame_view`): BF16, method, flicker, warping-error and top-1 jump maps."""
     panels = [("BF16", view["bf16"], None), ("method", view["method"], None),
-              ("flicker |Δx − Δr|", view["flicker"], "Reds"), ("warping error", view["warp"], "RdBu_r")]
+              ("flicker |Δx − Δr|", view["flicker"], "Reds"), ("warping error above BF16's", view["warp"], "Oranges")]
     if view.get("jumps") is not None:
         panels.append(("top-1 jumps (share of layers·heads)", view["jumps"], "Blues"))
     fig = _figure(2.0 * len(panels), 2.4)
@@ -79,9 +79,8 @@ def maps_figure(view: dict, title: str = ""):
         if cmap is None:
             ax.imshow(img, interpolation="nearest")
         else:
-            lim = float(np.abs(img).max()) or 1.0
-            lo = -lim if cmap == "RdBu_r" else 0.0
-            im = ax.imshow(img, cmap=cmap, vmin=lo, vmax=lim if cmap != "Blues" else 1.0, interpolation="nearest")
+            lim = float(np.abs(img).max()) or 1.0  # every map here is >= 0 (the warping error's floor is BF16)
+            im = ax.imshow(img, cmap=cmap, vmin=0.0, vmax=lim if cmap != "Blues" else 1.0, interpolation="nearest")
             fig.colorbar(im, ax=ax, shrink=0.7)
         ax.set_title(name, fontsize=8)
         ax.set_xticks([]), ax.set_yticks([])

@@ -214,7 +214,7 @@ def _warp_residual(frames: torch.Tensor, flow: torch.Tensor) -> tuple[torch.Tens
 
 
 def _warp_terms(x, ref, flow: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(|x_t - W(x_{t-1})| - |r_t - W(r_{t-1})|, mask of pixels whose flow stays inside the frame)."""
+    """(max(0, |x_t - W(x_{t-1})| - |r_t - W(r_{t-1})|), mask of pixels whose flow stays inside the frame)."""
     x, ref = _pair(x, ref)
     if x.shape[0] < 2:
         raise ValueError("the warping error needs at least 2 frames")
@@ -223,13 +223,15 @@ def _warp_terms(x, ref, flow: torch.Tensor | None) -> tuple[torch.Tensor, torch.
         raise ValueError(f"flow must be (T-1, H, W, 2) = {(x.shape[0] - 1, *x.shape[1:3], 2)}, got {tuple(flow.shape)}")
     ex, mask = _warp_residual(x, flow)
     er, _ = _warp_residual(ref, flow)
-    return torch.where(mask, ex - er, torch.zeros_like(ex)), mask
+    return torch.where(mask, (ex - er).clamp_min(0), torch.zeros_like(ex)), mask  # BF16's own residual: the floor
 
 
 def warp_error_map(x, ref, flow: torch.Tensor | None = None) -> torch.Tensor:
-    """Per-pixel motion-compensated flicker (T-1, H, W): |x_t - W(x_{t-1})| - |r_t - W(r_{t-1})|, with W the
-    warp by the reference's optical flow (`reference_flow`, or `flow` when given); 0 where the flow leaves
-    the frame. Positive where the method's frame changes more than the reference's motion explains."""
+    """Per-pixel motion-compensated flicker (T-1, H, W): max(0, |x_t - W(x_{t-1})| - |r_t - W(r_{t-1})|), with
+    W the warp by the reference's optical flow (`reference_flow`, or `flow` when given); 0 where the flow leaves
+    the frame. Lower is better and BF16 is the floor (0): only what the method's frame changes beyond the
+    reference's own residual counts, so a smoothed (degraded) run, whose residual falls below BF16's, scores 0
+    there, never below (docs/method.md §4)."""
     return _warp_terms(x, ref, flow)[0]
 
 

@@ -88,6 +88,11 @@ class Layout:
         """One line naming the form, for reports."""
         return type(self).__name__
 
+    def channel_bits(self) -> torch.Tensor | None:
+        """(S, D) bits of each channel where the form gives every channel a width of its own (the allocator's
+        `Channels`), else None: one grid for all."""
+        return None
+
     # ---- the fused read path ------------------------------------------------------------------
     def make_kernel_side(self) -> SideArgs | None:
         """Build the kernel's view, uncached (subclasses; `kernel_side` keeps it); None when the kernel cannot

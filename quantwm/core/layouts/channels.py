@@ -71,6 +71,9 @@ class Channels(Layout):
     def shape(self) -> tuple[int, int, int]:
         return (*self.bits.shape[:1], self.n_tokens, self.bits.shape[1])
 
+    def channel_bits(self) -> torch.Tensor:
+        return self.bits
+
     def components(self) -> dict[str, torch.Tensor]:
         return {"alloc_bits": self.bits, "alloc_low": self.low, "alloc_step": self.step_, "alloc_codes": self.codes}
 

@@ -131,6 +131,9 @@ class Codebook(Layout):
     def shared(self) -> dict[str, torch.Tensor]:
         return self.residual.shared()
 
+    def channel_bits(self) -> torch.Tensor | None:
+        return self.residual.channel_bits()
+
     def rows(self) -> torch.Tensor:
         """Σ over stages of every token's codebook row, (S, N, D) float32."""
         out = torch.zeros(self.shape, device=self.stages[0][0].device)
