@@ -104,3 +104,33 @@ def test_the_fused_kernel_reads_span_rtn_spans_as_its_torch_twin(bits):
             span_attention_ref(q, acc, m, l, ks, vs, 0.125)
         outs.append(merge_splits(acc, m, l).cpu())
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+
+
+# --- values="channels": the baselines' Values in this format -----------------------------------------
+
+@pytest.mark.parametrize("name, options", [("rtn", {}), ("kivi", {}), ("kivi-pre", {}), ("turboquant", {}),
+                                           ("turboquant", {"outlier_channels": 16, "outlier_bits": 3}), ("oscar", {})])
+@pytest.mark.parametrize("bits", [2, 3])
+def test_values_channels_changes_only_the_values(name, options, bits):
+    x, ctx = _spread_channels(N=200), lambda: SpanContext(stats=torch.eye(64).expand(2, 64, 64) * 2, history=3)
+    own, channels = get_method(name, bits=bits, **options), get_method(name, bits=bits, values="channels", **options)
+    assert torch.equal(channels.encode(x, "k", ctx()).decode(), own.encode(x, "k", ctx()).decode())  # Keys alike
+    v = channels.encode(x, "v", ctx())
+    assert isinstance(v, Channels) and (v.bits == bits).all()
+    assert torch.equal(v.decode(), get_method("span-rtn", bits=bits).encode(x, "v", SpanContext()).decode())
+    assert not isinstance(own.encode(x, "v", ctx()), Channels)  # the default keeps the method's own Values
+    assert "Values span-rtn's per-channel grids" in channels.grid() and "span-rtn" not in own.grid()
+
+
+def test_values_option_names_its_choices_and_needs_a_width_span_rtn_codes():
+    with pytest.raises(ValueError, match="own, channels"):
+        get_method("kivi", values="tokens")
+    with pytest.raises(ValueError, match="bits=1"):
+        get_method("turboquant", bits=1, values="channels")
+    assert get_method("turboquant", bits=1).values == "own"
+
+
+def test_a_budget_measures_values_channels_in_span_rtns_format():
+    opts, bits = configure("kivi", 2.5, 128, 1728, "v", options={"values": "channels"})
+    assert opts == {"bits": 2, "group_size": 32, "values": "channels"}  # KIVI's own Values would take groups of 64
+    assert bits == pytest.approx(2 + 8 * 5 * 128 / (1728 * 128))  # span-rtn's 2 bits plus its per-channel tables

@@ -21,10 +21,17 @@ its knobs; the first whose stored bits per element fit the budget is chosen:
 * `turboquant`: TurboQuant's widths, richest first: 4 bits, its "3.5-bit" split (a quarter of the channels, 32
   of 128, at 4 bits, the rest at 3), 3 bits, its "2.5-bit" split (3 and 2), 2 bits, 1 bit. A split stores a
   second norm per token and its channel list, which the measured bits count (2.5 + 256 / (N·D) at D = 128).
+* `oscar`: bits 4, 3, 2 (the release's INT2 last), one group of the head dim. Its rotation is one per layer, fitted
+  once and kept by every later span (`Method.layer_constants`): the rule counts a span's own bytes (codes, scales,
+  zeros; 2.25 bits per element at 2 bits), and the cache's measured bits count the rotation's D² fp16 values once
+  per layer on top (0.15 bits per element over two spans of 4 heads × 1728 tokens at D = 128), so a budget within
+  that margin of a width's own bits can be exceeded by the rotation's share.
 * `nvfp4` (4.5 bits), `int8k-fp8v` (about 8), `bf16` (16): their one configuration, when it fits.
 
 Bits per element are measured, not estimated: each candidate encodes one seeded Gaussian span of the given
-shape, and its stored bytes (codes and every piece of metadata, a PSAC basis counted in full) are counted.
+shape, and its stored bytes (codes and every piece of metadata, a PSAC basis counted in full; oscar's per-layer
+rotation left out, above) are counted. A baseline's `values="channels"` (span-rtn's Value format) is a fixed option:
+its candidates are measured with it.
 A method none of whose candidates fits raises `BudgetError` (a ValueError) naming its cheapest configuration.
 """
 from __future__ import annotations
@@ -60,6 +67,8 @@ def candidates(method: str, head_dim: int, kind: str = "k") -> list[dict]:
         return [{"bits": b, "n_centroids": k} for b in (4, 3, 2) for k in (256, 16, 4)]
     if base == "span-rtn":
         return [{"bits": b} for b in (8, 4, 3, 2)]
+    if base == "oscar":
+        return [{"bits": b} for b in (4, 3, 2)]
     if base == "turboquant":
         k = head_dim // 4  # the paper's 32 outlier channels of 128
 
@@ -91,7 +100,8 @@ def measured_bits(method: str, options: tuple, head_dim: int, span_tokens: int, 
     x = torch.randn(1, span_tokens, head_dim, generator=g)
     stats = torch.eye(head_dim)[None] + 0.1 * torch.ones(1, head_dim, head_dim)  # a history: PSAC stores a basis
     enc = m.encode(x, kind, SpanContext(stats=stats, history=1))
-    return 8 * enc.nbytes() / x.numel()
+    stored = sum(t.numel() * t.element_size() for t in enc.components().values()) if m.layer_constants else enc.nbytes()
+    return 8 * stored / x.numel()
 
 
 def on_span(method: str, options: dict, span: torch.Tensor, kind: str) -> float:

@@ -32,12 +32,15 @@ class SpanContext:
     state:   per-(layer, kind) mutable dict that persists across spans (k-means warm start).
     seed:    seed for anything random (k-means initialisation).
     history: how many history queries `stats` holds (0: none yet, stats is the identity).
+    span:    scratch shared by this span's Keys' and Values' encodes, which the cache runs in that order with one
+             context (oscar's key weights for its Value covariance); it ends with the span.
     """
 
     stats: torch.Tensor | None = None
     state: dict = field(default_factory=dict)
     seed: int = 0
     history: int = 0
+    span: dict = field(default_factory=dict)
 
     def stats_or_identity(self, S: int, D: int, device: torch.device) -> torch.Tensor:
         if self.stats is None:
@@ -56,6 +59,9 @@ class Method:
     pre_rope = False  # True: the method is defined on keys stored before RoPE (the cache must run rope="pre")
     takes_bits = True  # False: the format fixes its own bits (bf16, nvfp4, int8k-fp8v); k_bits/v_bits do not apply
     at_budget: str | None = None  # the registry name of this family's method that takes `budget=B` (its allocator)
+    source = ""  # where the method comes from: its paper's arXiv id and released code, or "this project"
+    layer_constants = False  # True: its layouts' shared tensors are one per layer, computed once and kept by every
+    # later span (oscar's rotation): a budget counts a span's own bytes; the cache counts those once per layer
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
         raise NotImplementedError
@@ -90,6 +96,13 @@ def register(name: str):
 
 def known_methods() -> list[str]:
     return sorted(REGISTRY) + [n + JENSEN_SUFFIX for n in sorted(REGISTRY) if n != "bf16"]
+
+
+def method_sources() -> list[tuple[str, str, str]]:
+    """(name, bits, source) of every registered method, by name: bits "bits" where `bits` applies, else "fixed"
+    (`quantwm methods` prints them). A preset's source is its own class's `source`, never its parent's (a preset
+    built on another's code is not that one's paper); "-" where none is given."""
+    return [(n, "bits" if c.takes_bits else "fixed", vars(c).get("source") or "-") for n, c in sorted(REGISTRY.items())]
 
 
 def parse_method_name(name: str) -> tuple[str, bool]:

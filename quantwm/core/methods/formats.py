@@ -54,6 +54,7 @@ def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class NVFP4(Method):
     name = "nvfp4"
+    source = "NVIDIA NVFP4, the KV-cache format of LongLive-2.0"
     takes_bits = False
 
     def validate(self, x: torch.Tensor, kind: str) -> None:
@@ -82,6 +83,7 @@ class NVFP4(Method):
 @dataclass(frozen=True)
 class Int8KFP8V(Method):
     name = "int8k-fp8v"
+    source = "LightX2V's quantized KV cache (code github.com/ModelTC/LightX2V)"
     takes_bits = False
 
     def grid(self) -> str:

@@ -41,6 +41,7 @@ from .qvg import QVGBudget
 @dataclass(frozen=True)
 class QuantWM(QVGBudget):
     name = "quantwm"
+    source = "this project (docs/method.md §2)"
     uses_queries = True
     at_budget = "quantwm-alloc"
     qsac: bool = True
@@ -115,6 +116,7 @@ class QuantWM(QVGBudget):
 @dataclass(frozen=True)
 class QuantWMQSAC(QuantWM):
     name = "quantwm-qsac"
+    source = "this project: an ablation of quantwm"
     at_budget = None
     psac: bool = False
 
@@ -123,6 +125,7 @@ class QuantWMQSAC(QuantWM):
 @dataclass(frozen=True)
 class QuantWMPSAC(QuantWM):
     name = "quantwm-psac"
+    source = "this project: an ablation of quantwm"
     at_budget = None
     qsac: bool = False
 
@@ -133,6 +136,7 @@ class QuantWMPaper(QuantWM):
     """QuantWM as its paper describes it (module docstring; docs/method.md §2.5)."""
 
     name = "quantwm-paper"
+    source = "arXiv 2609.26425, read through third-party notes (docs/method.md §2.5)"
     at_budget = None
     # QVG's storage (the `qvg` preset)
     n_centroids: int = 256

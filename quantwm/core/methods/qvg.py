@@ -40,6 +40,7 @@ from .rtn import GroupMethod
 @dataclass(frozen=True)
 class QVG(GroupMethod):
     name = "qvg"
+    source = "arXiv 2602.02958; code github.com/svg-project/Quant-VideoGen (read at 0601468)"
     n_centroids: int = 256
     min_tokens_per_centroid: int = 1
     stages: int = 1
@@ -95,6 +96,7 @@ class QVG(GroupMethod):
 @dataclass(frozen=True)
 class QVGAsym(QVG):
     name = "qvg-asym"
+    source = "QVG (arXiv 2602.02958) on the asymmetric grid the paper discusses"
     symmetric: bool = False
 
 
@@ -102,6 +104,7 @@ class QVGAsym(QVG):
 @dataclass(frozen=True)
 class QVGPro(QVG):
     name = "qvg-pro"
+    source = "QVG-Pro as arXiv 2602.02958 describes it"
     stages: int = 4
     group_size: int = 16
 
@@ -110,6 +113,7 @@ class QVGPro(QVG):
 @dataclass(frozen=True)
 class QVGBudget(QVG):
     name = "qvg-budget"
+    source = "this project: QVG's algorithm (arXiv 2602.02958) on QuantWM's storage"
     n_centroids: int = 64
     min_tokens_per_centroid: int = 64
     iters: int = 6

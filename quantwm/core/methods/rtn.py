@@ -9,6 +9,9 @@
   the model's RoPE; `quantwm analyze` builds one for any trace (post-RoPE traces are un-rotated with the
   trace's 3-D RoPE). The built-in world model's RoPE runs over world coordinates the cache does not know, so
   it cannot run kivi-pre.
+
+rtn, kivi and kivi-pre take `values="channels"`: Values in span-rtn's per-channel span grids at the method's bits
+(core/methods/span_rtn.py), Keys as the method codes them.
 """
 from __future__ import annotations
 
@@ -19,12 +22,14 @@ import torch
 from ..layouts import Full, Grouped, Layout
 from ..quant import ROUNDINGS, SCALE_DTYPES, GroupQuant, check_bits, quantize_groups
 from .base import Method, SpanContext, register
+from .span_rtn import channel_values, check_values
 
 
 @register("bf16")
 @dataclass(frozen=True)
 class BF16(Method):
     name = "bf16"
+    source = "the reference: no quantization"
     quantized = False
     takes_bits = False
 
@@ -75,16 +80,37 @@ class GroupMethod(Method):
         return Grouped(self.quantize_residual(x, kind))
 
 
+@dataclass(frozen=True)
+class ValuesOption(GroupMethod):
+    """A group method whose Values may take span-rtn's format instead (`values="channels"`)."""
+
+    values: str = "own"
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_values(self.values, self.bits)
+
+    def grid(self) -> str:
+        own = super().grid()
+        return own if self.values == "own" else f"Keys {own}; Values span-rtn's per-channel grids at {self.bits} bits"
+
+    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
+        values = channel_values(self.values, self.bits, x, kind)
+        return values if values is not None else super().encode(x, kind, ctx)
+
+
 @register("rtn")
 @dataclass(frozen=True)
-class RTN(GroupMethod):
+class RTN(ValuesOption):
     name = "rtn"
+    source = "round-to-nearest, no paper"
 
 
 @register("kivi")
 @dataclass(frozen=True)
-class KIVI(GroupMethod):
+class KIVI(ValuesOption):
     name = "kivi"
+    source = "arXiv 2402.02750; code github.com/jy-yuan/KIVI"
 
     def axis(self, kind: str) -> str:
         return "token" if kind == "k" else "channel"
@@ -94,4 +120,5 @@ class KIVI(GroupMethod):
 @dataclass(frozen=True)
 class KIVIPre(KIVI):
     name = "kivi-pre"
+    source = "KIVI (arXiv 2402.02750) on pre-RoPE keys, after a third-party LongCat-Video reproduction"
     pre_rope = True

@@ -9,6 +9,10 @@ the fused kernel reads as it reads the allocator's spans. The residual is the sp
 subtracted (the allocator's one-mean option), since a per-channel grid over the span already takes its channel's
 offset in its low end; one would add D stored values and change nothing but rounding. Keys and Values alike;
 no query statistics.
+
+`values="channels"`: the option by which the other baselines (rtn, kivi, kivi-pre, turboquant, oscar) code their
+Values in this format at their own `bits` (`channel_values`), so that their Key method is compared apart from their
+Value format. Their default, `values="own"`, is the method's own Value format.
 """
 from __future__ import annotations
 
@@ -18,14 +22,17 @@ import torch
 
 from ..allocate import encode_channels, error_tables
 from ..layouts import Layout
-from ..quant import check_bits
+from ..quant import SUPPORTED_BITS, check_bits
 from .base import Method, SpanContext, register
+
+VALUE_FORMATS = ("own", "channels")  # a baseline's `values` option: its own Value format, or span-rtn's
 
 
 @register("span-rtn")
 @dataclass(frozen=True)
 class SpanRTN(Method):
     name = "span-rtn"
+    source = "this project (issue 33): the allocator's format at one width, no paper"
     bits: int = 2
 
     def __post_init__(self):
@@ -41,3 +48,20 @@ class SpanRTN(Method):
         _, alpha = error_tables(x, (self.bits,))  # (S, D, 1): each channel's best clip at this width
         bits = torch.full((S, D), self.bits, dtype=torch.long)
         return encode_channels(x.float(), bits, alpha[..., 0])
+
+
+def check_values(values: str, bits: int) -> None:
+    """A baseline's `values` option: one of VALUE_FORMATS; "channels" needs a width span-rtn codes."""
+    if values not in VALUE_FORMATS:
+        raise ValueError(f"values must be one of {', '.join(VALUE_FORMATS)}, got {values!r}")
+    if values == "channels" and bits not in SUPPORTED_BITS:
+        raise ValueError(f"values='channels' codes Values at the method's bits, one of "
+                         f"{', '.join(map(str, SUPPORTED_BITS))}; got bits={bits!r}")
+
+
+def channel_values(values: str, bits: int, x: torch.Tensor, kind: str) -> Layout | None:
+    """Values (S, N, D) in span-rtn's format at `bits` where `values="channels"` asks for it; else None (the
+    method codes the span itself)."""
+    if kind != "v" or values != "channels":
+        return None
+    return SpanRTN(bits=bits).encode(x, kind, SpanContext())

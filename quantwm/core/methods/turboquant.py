@@ -7,7 +7,8 @@ where D is a power of two; else a seeded random orthogonal matrix, QR of a Gauss
 ≈ N(0, 1/D), is coded with the `bits`-bit Lloyd-Max quantizer of a Gaussian of that variance
 (core/lloyd_max.py). Keys and Values alike; the layout is `Rotated` (core/layouts/rotated.py).
 
-Options: `bits` 1-4; `seed` (the rotations'; every span, stream and layer shares them, so they cost no bytes);
+Options: `bits` 1-4; `values="channels"` (Values in span-rtn's per-channel span grids at `bits`, core/methods/
+span_rtn.py; Keys as above); `seed` (the rotations'; every span, stream and layer shares them, so they cost no bytes);
 `outlier_channels` k and `outlier_bits` for the paper's non-integer budgets ("2.5 bits": 32 of 128 channels at
 3 bits, the rest at 2; "3.5 bits": 3 and 4), coded as the paper codes them, by two independent instances (each
 with its own rotation and norm). Which channels are outliers the paper does not fix: here, per stream and span,
@@ -31,6 +32,7 @@ from ..layouts.rotated import part_channels, part_rotation
 from ..lloyd_max import LLOYD_MAX_BITS, lloyd_max_codes
 from ..quant import pack_bits_ref, to_storage
 from .base import Method, SpanContext, register
+from .span_rtn import channel_values, check_values
 
 
 def _check_width(name: str, bits) -> None:
@@ -42,13 +44,16 @@ def _check_width(name: str, bits) -> None:
 @dataclass(frozen=True)
 class TurboQuant(Method):
     name = "turboquant"
+    source = "arXiv 2504.19874 (ICLR 2026); no released code read, built from the paper"
     bits: int = 2
     outlier_channels: int = 0
     outlier_bits: int | None = None  # None: bits + 1
     seed: int = 0
+    values: str = "own"
 
     def __post_init__(self):
         _check_width("bits", self.bits)
+        check_values(self.values, self.bits)
         if isinstance(self.outlier_channels, bool) or not isinstance(self.outlier_channels, int) \
                 or self.outlier_channels < 0:
             raise ValueError(f"outlier_channels must be an integer >= 0, got {self.outlier_channels!r}")
@@ -67,8 +72,9 @@ class TurboQuant(Method):
     def grid(self) -> str:
         split = (f"; the {self.outlier_channels} channels of largest mean square at {self.widths[0]} bits, a second "
                  "instance" if self.outlier_channels else "")
-        return (f"TurboQuant-MSE: {self.bits}-bit Lloyd-Max codes ({2 ** self.bits} levels) of randomly rotated unit "
-                f"vectors (seed {self.seed}){split}; an fp16 norm per token and instance")
+        own = (f"TurboQuant-MSE: {self.bits}-bit Lloyd-Max codes ({2 ** self.bits} levels) of randomly rotated unit "
+               f"vectors (seed {self.seed}){split}; an fp16 norm per token and instance")
+        return own if self.values == "own" else f"Keys {own}; Values span-rtn's per-channel grids at {self.bits} bits"
 
     def outliers(self, x: torch.Tensor) -> torch.Tensor | None:
         """Each stream's outlier channels (S, k), ascending, as stored (uint8; int16 past 256 channels), or None."""
@@ -82,6 +88,8 @@ class TurboQuant(Method):
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
         self.validate(x, kind)
+        if (values := channel_values(self.values, self.bits, x, kind)) is not None:
+            return values
         S, N, D = x.shape
         xf = x.float()
         channels = self.outliers(xf)
