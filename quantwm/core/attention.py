@@ -9,7 +9,9 @@ holds P splits of every span (flash-decoding) that `merge_splits` combines at th
 Supported spans: full precision, and every layout with a kernel side: group quantization with 2/4/8-bit codes
 (per-token groups a power of two dividing D) and at most one codebook stage, with PSAC coefficients scaled
 per direction (rtn, kivi, the qvg presets but qvg-pro, quantwm and its ablations, +jensen), and QuantWM's
-allocator at a budget (`Channels`: mixed-width per-channel codes). Anything else (qvg-pro's 4 stages, 3-bit codes,
+allocator at a budget (`Channels`: mixed-width per-channel codes, in the model's basis or, `InBasis`, in the
+history Queries' basis: the span's queries are rotated once per basis, q U, and the kernel reads the coded
+coordinates, (q U)·ŷ = q·k̂). Anything else (qvg-pro's 4 stages, 3-bit codes,
 a group size the kernel cannot take, quantwm-paper's per-token PSAC scales, the deployed formats) takes the
 cache's reference path; the dispatcher only asks the layout. Keys must be stored post-RoPE: with pre-RoPE keys
 the PSAC term would need Uᵀ applied to the query rotated back to every key's position (a D x R product per
@@ -45,7 +47,7 @@ def chunk_spans(cache, layer: int) -> list[tuple[Layout, Layout]] | None:
         B, H, D = c.bhd
         pair = tuple(Full(full.reshape(B * H, c.n_tokens, D)) if full is not None else enc
                      for full, enc in ((c.k, c.k_enc), (c.v, c.v_enc)))
-        if any(p.kernel_side is None for p in pair):
+        if any(p.kernel_side is None for p in pair) or pair[1].coded()[0] is not None:  # outputs sum in one basis
             return None
         out.append(pair)
     return out
@@ -128,12 +130,17 @@ def fused_attention(cache, layer: int, q: torch.Tensor, scale: float, use_kernel
     B, H, Nq, D = q.shape
     qs = q.reshape(B * H, Nq, D)
     acc, m, l = new_state(B * H, n_splits(B * H, Nq) if use_kernel else 1, Nq, D, q.device)
+    rotated = {}  # the queries in each basis a span is coded in, once per basis
     for k, v in spans:
         jensen = cache.config.jensen and k.quantized
+        U, k = k.coded()
+        if U is not None and id(U) not in rotated:
+            rotated[id(U)] = torch.bmm(qs.float(), U).to(qs.dtype)
+        qk = qs if U is None else rotated[id(U)]
         if use_kernel:
-            fold_checked(qs, (acc, m, l), k, v, scale, jensen, lowp)
+            fold_checked(qk, (acc, m, l), k, v, scale, jensen, lowp)
         else:
-            span_attention_ref(qs, acc, m, l, k.keys_read(), v, scale, psac=k.psac_args(qs), jensen=jensen, lowp=lowp)
+            span_attention_ref(qk, acc, m, l, k.keys_read(), v, scale, psac=k.psac_args(qk), jensen=jensen, lowp=lowp)
     return merge_splits(acc, m, l).reshape(B, H, Nq, D)
 
 

@@ -11,6 +11,8 @@ the fused kernel its view (`kernel_side`, built once and kept with the span), th
     Codebook      k-means stages (codebooks and ids) plus a residual layout (qvg, quantwm)
     Compensated   PSAC coefficients along a shared basis on top of a key layout (quantwm); RankCompensated
                   keeps a per-stream rank
+    InBasis       any layout of coordinates in a shared orthogonal basis (QuantWM's allocator's Keys in the
+                  history Queries' basis)
     Rotated       per-token norms and Lloyd-Max codes of randomly rotated vectors (turboquant; no fused kernel)
     E2M1Blocks, TokenBlockInt8, ChannelFP8   the deployed formats (nvfp4, int8k-fp8v)
 
@@ -18,11 +20,12 @@ Only this package knows the names of a layout's tensors; `tests/test_layouts.py`
 tests them.
 """
 from .base import CodeForm, Layout, views_built
+from .basis import InBasis
 from .channels import Channels
 from .floats import ChannelFP8, E2M1Blocks, TokenBlockInt8
 from .grouped import Codebook, Full, Grouped
 from .psac import Compensated, RankCompensated
 from .rotated import Rotated
 
-__all__ = ["ChannelFP8", "Channels", "CodeForm", "Codebook", "Compensated", "E2M1Blocks", "Full", "Grouped", "Layout",
+__all__ = ["ChannelFP8", "Channels", "CodeForm", "Codebook", "Compensated", "E2M1Blocks", "Full", "Grouped", "InBasis", "Layout",
            "RankCompensated", "Rotated", "TokenBlockInt8", "views_built"]

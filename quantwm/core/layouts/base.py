@@ -112,6 +112,11 @@ class Layout:
     def quantized(self) -> bool:
         return True
 
+    def coded(self) -> tuple[torch.Tensor | None, Layout]:
+        """(U, layout): the orthogonal basis the span's vectors are coded in (S, D, D), None for the model's own, and
+        the layout of the coded coordinates. The read path attends with queries q U over that layout."""
+        return None, self
+
     def keys_read(self) -> Layout:
         """The layout whose values the kernel rebuilds tile by tile (PSAC's correction comes apart, `psac_args`)."""
         return self

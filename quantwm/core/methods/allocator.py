@@ -6,6 +6,14 @@ grid with 0-8 bits chosen to minimise the predicted logit (Keys: weights S_ii, w
 or output (Values) error within `budget` bits per element (quantwm.core.allocate). Two smoothings are priced,
 k-means centroids and one mean row per span (a grouped RTN in effect), and the one with the lower predicted error
 is kept. No PSAC: the allocator spends those bits on the channels the queries read.
+
+Keys in the Queries' basis (`query_basis`, on by default; quantwm/core/query_basis.py): with a history, each
+stream's keys are rotated into the eigenbasis of S (top `basis_rank` directions exact, an orthonormal complement
+for the rest) and the same allocation runs on the coordinates with λ_i = u_iᵀ S u_i. The basis is shared with later
+spans while its top directions still capture `basis_reuse` of S's top energy, else a new one is stored. A new basis
+is kept only where its predicted error, its bytes paid, beats the model's own channels. Its bytes are a debt the
+spans that use it pay off, at most `basis_share` of each span's bits, so a 128-token span never pays it all; the
+whole cache stays within the budget once the debt is paid (docs/method.md §2.7 says when it is not).
 """
 from __future__ import annotations
 
@@ -15,10 +23,11 @@ import torch
 
 from ..allocate import allocate, encode_channels, error_tables
 from ..kmeans import weighted_sqdist
-from ..layouts import Codebook, Layout
+from ..layouts import Codebook, InBasis, Layout
 from ..layouts.channels import channel_bytes, table_bytes
 from ..qsac import channel_sensitivity
 from ..quant import SCALE_DTYPES, BudgetError, check_budget, to_storage
+from ..query_basis import basis_bytes, basis_matrix, captured, coordinate_weights, make_reflectors
 from .base import Method, SpanContext, register
 from .qvg import QVGBudget
 
@@ -32,15 +41,24 @@ class QuantWMAlloc(QVGBudget):
     at_budget = "quantwm-alloc"
     budget: float = 2.5
     qsac: bool = True  # False: every channel weighted alike (the ablation)
+    query_basis: bool = True  # Keys in the history Queries' basis (False: the model's channels, the ablation)
+    basis_rank: int = 16  # eigen-directions the stored basis holds exactly
+    basis_reuse: float = 0.95  # a stored basis serves while it captures this share of S's top-rank energy
+    basis_share: float = 0.25  # at most this share of a span's bits pays the basis' debt
 
     def __post_init__(self):
         super().__post_init__()
         check_budget(self.budget)
+        if self.basis_rank < 1 or not 0 < self.basis_reuse <= 1 or not 0 <= self.basis_share < 1:
+            raise ValueError(f"need basis_rank >= 1, basis_reuse in (0, 1] and basis_share in [0, 1), got "
+                             f"{self.basis_rank}, {self.basis_reuse}, {self.basis_share}")
 
     def grid(self) -> str:
+        basis = (f", Keys in the history Queries' basis (top {self.basis_rank} directions, shared while it captures "
+                 f"{self.basis_reuse:.0%})" if self.query_basis and self.qsac else "")
         return (f"allocator at {self.budget:g} bits per element: 0-8 bits per channel by the predicted "
                 f"{'logit' if self.qsac else 'Euclidean'} error, k-means (≤ {self.n_centroids} {self.codebook_dtype} "
-                f"centroids, one per {self.min_tokens_per_centroid} tokens) or one mean per span")
+                f"centroids, one per {self.min_tokens_per_centroid} tokens) or one mean per span{basis}")
 
     def weights(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> torch.Tensor:
         """λ_i per (stream, channel): S_ii (normalised) for Keys with a history, else 1."""
@@ -59,15 +77,15 @@ class QuantWMAlloc(QVGBudget):
                 row = to_storage(x.float().mean(1, keepdim=True), SCALE_DTYPES[self.codebook_dtype])
                 yield x.float() - row.float(), ((row, None),)
 
-    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
-        Method.validate(self, x, kind)  # any head dim: the allocator's grids are per channel, not groups of them
+    def allocated(self, x: torch.Tensor, kind: str, ctx: SpanContext, w: torch.Tensor, charge: float = 0.0):
+        """(predicted error, layout) of the best smoothing of x (S, N, D) with weights w within the budget less
+        `charge` bits per stream; None when nothing fits."""
         S, N, D = x.shape
-        w = self.weights(x, kind, ctx)
         cost = torch.tensor([8.0 * channel_bytes(N, b) for b in range(9)])
         best = None
         for r, stages in self.smoothings(x, kind, ctx, w):
             fixed = sum(t.numel() * t.element_size() for stage in stages for t in stage if t is not None)
-            available = torch.full((S,), self.budget * N * D - 8 * (fixed + table_bytes(S, D)) / S)
+            available = torch.full((S,), self.budget * N * D - 8 * (fixed + table_bytes(S, D)) / S - charge)
             if bool((available < 0).any()):
                 continue
             E, alpha = error_tables(r)
@@ -77,7 +95,55 @@ class QuantWMAlloc(QVGBudget):
             if best is None or predicted < best[0]:
                 best = (predicted, r, stages, levels, torch.gather(alpha, 2, levels[..., None])[..., 0])
         if best is None:
+            return None
+        predicted, r, stages, levels, alpha = best
+        return predicted, Codebook(stages, encode_channels(r, levels, alpha))
+
+    def in_query_basis(self, x: torch.Tensor, ctx: SpanContext, plain):
+        """(predicted error, layout) with the Keys in the Queries' basis, or `plain()` (the channels' result) where
+        a new basis would not pay for itself (a stored basis that holds is used without that comparison); updates
+        the stored basis and its debt in ctx.state."""
+        S, N, D = x.shape
+        stats = ctx.stats_or_identity(S, D, x.device)
+        rank = min(self.basis_rank, D)
+        stored = (ctx.state["k.basis_reflectors"], ctx.state["k.basis_scales"]) if "k.basis_debt" in ctx.state else None
+        debt = float(ctx.state.get("k.basis_debt", 0.0))
+        fresh = stored is None or stored[0].shape != (S, rank, D) or bool(
+            (captured(basis_matrix(*stored), stats, rank) < self.basis_reuse).any())
+        if fresh:
+            stored, debt = make_reflectors(stats, rank), 8.0 * basis_bytes(rank, D)
+        U = basis_matrix(*stored)
+        lam = coordinate_weights(U, stats)
+        w = torch.where(lam.mean(-1, keepdim=True) > 0, lam / lam.mean(-1, keepdim=True).clamp_min(1e-30), 1.0)
+        charge = min(debt, self.basis_share * self.budget * N * D)
+        got = self.allocated(torch.bmm(x.float(), U), "k", ctx, w, charge)
+        if got is None or fresh:
+            channels = plain()
+            if got is None or (channels is not None and channels[0] <= got[0]):
+                return channels
+        ctx.state.update({"k.basis_reflectors": stored[0], "k.basis_scales": stored[1],
+                          "k.basis_debt": torch.tensor(debt - charge, dtype=torch.float64)})  # bits per stream
+        return got[0], InBasis(got[1], *stored)
+
+    def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
+        Method.validate(self, x, kind)  # any head dim: the allocator's grids are per channel, not groups of them
+        S, N, D = x.shape
+        def plain():
+            return self.allocated(x, kind, ctx, self.weights(x, kind, ctx))
+
+        rotate = kind == "k" and self.qsac and self.query_basis and ctx.history
+        best = self.in_query_basis(x, ctx, plain) if rotate else plain()
+        if best is None:
             raise BudgetError(f"quantwm cannot fit {self.budget:g} bits per element on spans of {N} tokens at head "
                               f"dim {D}: its centroids and per-channel tables alone take more")
-        _, r, stages, levels, alpha = best
-        return Codebook(stages, encode_channels(r, levels, alpha))
+        return best[1]
+
+
+@register("quantwm-channels")
+@dataclass(frozen=True)
+class QuantWMChannels(QuantWMAlloc):
+    """The allocator with Keys in the model's own channels (no Queries' basis): the transform's ablation."""
+
+    name = "quantwm-channels"
+    at_budget = "quantwm-channels"
+    query_basis: bool = False

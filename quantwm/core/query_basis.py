@@ -1,0 +1,81 @@
+"""The Queries' basis: an orthogonal transform per stream in which QuantWM's allocator codes Keys (docs/method.md §2.7).
+
+The logit error of a key error e is E[(q·e)²] = eᵀ S e, S = E[q qᵀ] the history Queries' second moment. In S's
+eigenbasis U (S = U Λ Uᵀ) the coordinates y = Uᵀ k of a key weigh λ_i each, and Λ is far more concentrated than
+diag(S) when the Queries look along directions that are not the model's channels (a trained W_q, W_k mixes them
+freely). Coding y instead of k and giving coordinate i bits by λ_i (reverse water-filling) is what a transform
+coder does; any orthogonal U is exact for attention, q·k = (Uᵀq)·(Uᵀk), so the fused kernel reads the coded
+coordinates with the query rotated once per chunk.
+
+Storing a D x D basis per stream would cost 2 D² bytes (32 KiB at D = 128, 8 KiB at D = 64): more than a 128-token
+span's whole budget. Only the top R eigen-directions need to be exact; the rest of the space may be any orthonormal
+complement. So the basis is stored as the R Householder reflectors of the QR factorisation of the top-R
+eigenvectors V (V = H_1 ⋯ H_R [I_R; 0] up to column signs): U = H_1 ⋯ H_R, whose first R columns are V and whose
+last D − R columns complete it. Each reflector v_i is stored in INT8 with one fp16 scale; H_i = I − 2 v̂ v̂ᵀ / (v̂ᵀ v̂)
+from the stored v̂ is exactly orthogonal whatever the rounding, and encoder and decoder build U from the same
+stored bytes. Bytes per stream: R (D + 2): 1056 at D = 64, R = 16; 2080 at D = 128.
+
+A stored basis is shared with later spans while it still holds: its first R columns capture at least `reuse` of
+the energy the new S's top R eigen-directions hold (`captured`). Its bytes are counted once, where stored, and
+paid by the spans that use it (`quantwm-alloc`'s basis debt, quantwm/core/methods/allocator.py).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from .psac import principal_basis
+
+_MATRICES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def basis_bytes(rank: int, head_dim: int) -> int:
+    """Stored bytes of one stream's basis: R INT8 reflectors of D values and R fp16 scales."""
+    return rank * (head_dim + 2)
+
+
+def make_reflectors(stats: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stored form of the basis for S (streams, D, D): reflectors (streams, R, D) int8 and scales (streams, R)
+    fp16, from the Householder QR of S's top-R eigenvectors."""
+    V = principal_basis(stats, rank).double()  # (S, D, R)
+    a, _ = torch.geqrf(V)
+    D, R = V.shape[-2:]
+    v = (a.tril(-1) + torch.eye(D, R, dtype=a.dtype, device=a.device)).transpose(1, 2)  # (S, R, D), v_i[i] = 1
+    scales = (v.abs().amax(-1) / 127).half()  # ≥ 1/127: every reflector holds a 1
+    codes = torch.round(v / scales.double()[..., None]).clamp(-127, 127).to(torch.int8)
+    return codes, scales
+
+
+def basis_matrix(reflectors: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """U = H_1 ⋯ H_R (streams, D, D) float32 from the stored reflectors; one copy per stored basis, however many
+    spans share it (kept while a span holds the reflectors)."""
+    key = (id(reflectors), reflectors.data_ptr())
+    U = _MATRICES.get(key)
+    if U is None:
+        U = _MATRICES[key] = _product(reflectors, scales)
+    return U
+
+
+def _product(reflectors: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    v = reflectors.double() * scales.double()[..., None]  # (S, R, D)
+    S, R, D = v.shape
+    U = torch.eye(D, dtype=torch.float64, device=v.device).expand(S, D, D).clone()
+    for i in reversed(range(R)):  # U <- H_i U, from H_R up to H_1
+        vi = v[:, i]  # (S, D)
+        coef = 2 / vi.square().sum(-1).clamp_min(1e-300)
+        U = U - coef[:, None, None] * vi[:, :, None] * (vi[:, None, :] @ U)
+    return U.float()
+
+
+def coordinate_weights(U: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
+    """λ_i = u_iᵀ S u_i per (stream, coordinate) (streams, D): the Queries' energy along each coded coordinate."""
+    return torch.einsum("sdi,sde,sei->si", U.double(), stats.double(), U.double()).clamp_min(0).float()
+
+
+def captured(U: torch.Tensor, stats: torch.Tensor, rank: int) -> torch.Tensor:
+    """Per stream: the share of the energy S's top-`rank` eigen-directions hold that U's first `rank` columns
+    capture (1 for S's own basis)."""
+    held = coordinate_weights(U[..., :rank], stats).sum(-1).double()
+    top = torch.linalg.eigvalsh(stats.double())[..., -rank:].clamp_min(0).sum(-1)
+    return torch.where(top > 0, held / top.clamp_min(1e-300), torch.ones_like(top))
