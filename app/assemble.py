@@ -89,7 +89,8 @@ def build_app(trace: str | None = None, workbench: Workbench | None = None, fram
                                               "latent_frames": live.LATENT_FRAMES,
                                               "generate": _bind(wh.live_generate_handler, runs, live)})
         with gr.Tab("Query energy"):
-            build_energy_tab(_bind(wh.energy_handler, runs), controls, facts["layers"])
+            build_energy_tab(_bind(wh.energy_handler, runs), controls, facts["layers"],
+                             _bind(wh.export_energy_handler, runs), FORMATS)
         with gr.Tab("Key vs Value"):
             baselines = [m for m in methods if m != "bf16" and not m.startswith("quantwm")]
             build_key_value_tab(_bind(wh.key_value_handler, runs), controls, baselines, KV_BASELINE)

@@ -11,7 +11,7 @@ from quantwm.core.cache import TARGETS
 from quantwm.world.scene import TRAJECTORIES
 
 from .ui import Number, Slider, progress_callback, unpack
-from .world_handlers import DEFAULT_BUDGET, FACTOR, OVERLAYS
+from .world_handlers import DEFAULT_BUDGET, FACTOR, OVERLAYS, trace_of
 
 # The world the page opens on: of seeds 0-15, the one whose first frame has the most detail (pixel standard
 # deviation 0.31; seed 0's is a flat sky, 0.09). A choice of what to show first, not of any result.
@@ -30,7 +30,8 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
                        opened: list[str] = (), live: dict | None = None) -> dict:
     """Build the tab; returns the shared controls (seed, trajectory, method, target, bits, frames, run_id).
 
-    export(run_id, frame, x, y, layer, head, formats) -> {status, files}: print figures of the run;
+    export(run_id, frame, layer, head, formats, traced) -> {status, files}: print figures of what the tab shows
+    (the slider frame's maps with the jump-map layer and head, the trace panel's trace when it is of this run);
     open_run(path or opened run id) -> the same outputs as generate, for a run file (`quantwm record`);
     `opened`: the ids of run files opened at start-up (`--run`);
     live: {"kind", "device", "latent_frames", "generate"(embeddings, seed, method, target, bits, latent_frames, prompt, progress)}: a real
@@ -49,6 +50,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     _frames_panel(ui, facts, default_frames)
     _trace_panel(ui, facts)
     _export_panel(ui, figure_formats)
+    ui.views_of = _views_of(ui, trace_of)
     shown = _wire_generate(ui, generate, scrub, facts, rerun_pickers=open_run is not None or live is not None)
     if open_run is not None:
         _wire_open_run(ui, open_run, opened, shown)
@@ -159,7 +161,8 @@ def _trace_panel(ui: SimpleNamespace, facts: dict) -> None:
 
 
 def _export_panel(ui: SimpleNamespace, figure_formats: tuple) -> None:
-    with gr.Accordion("Export figures for print (matplotlib: per-frame plot, maps, logit heatmaps, energy)", open=False):
+    with gr.Accordion("Export figures for print (matplotlib): the per-frame plot, the maps of the slider's frame "
+                      "(jump-map layer and head as picked), the trace panel's logit heatmaps", open=False):
         with gr.Row():
             ui.export_formats = gr.CheckboxGroup(list(figure_formats), value=["pdf"], label="Formats")
             ui.export_btn = gr.Button("Export figures of this run", elem_id="export-btn")
@@ -213,6 +216,7 @@ def _wire_generate(ui: SimpleNamespace, generate: Callable, scrub: Callable, fac
                      concurrency_limit=1, concurrency_id="generate")
     ev.then(do_scrub, ui.scrub_in, [ui.frame_info, ui.bf16_img, ui.method_img], api_name="show_frame", **VIEW).then(
         frame_label, [ui.run_id], [ui.method_img], api_name=False, **VIEW)
+    ev.then(ui.views_of, [ui.run_id, ui.result], ui.views_out, api_name=False, **VIEW)
     if rerun_pickers:
         ev.then(_builtin_pickers(facts), [ui.run_id], ui.pickers, api_name=False, **VIEW)
     return shown
@@ -256,6 +260,7 @@ def _settings_for(r):
 
 
 def _then_show_frame(ui: SimpleNamespace, event) -> None:
+    event.then(ui.views_of, [ui.run_id, ui.result], ui.views_out, api_name=False, **VIEW)
     event.then(ui.do_scrub, ui.scrub_in, [ui.frame_info, ui.bf16_img, ui.method_img], api_name=False, **VIEW).then(
         ui.frame_label, [ui.run_id], [ui.method_img], api_name=False, **VIEW)
 
@@ -301,21 +306,42 @@ def _wire_views(ui: SimpleNamespace, scrub: Callable, trace_pixel: Callable, cli
     def on_click(run_id, frame, layer, head, evt: gr.SelectData):
         r = click_pixel(run_id, frame, evt.index, layer, head)
         x, y = r.get("pixel", (None, None))
-        return (*unpack(r, TRACE_NAMES), x if x is not None else gr.skip(), y if y is not None else gr.skip())
+        return (*_trace_outputs(r), x if x is not None else gr.skip(), y if y is not None else gr.skip())
 
     for img, name in ((ui.method_img, "click_pixel"), (ui.bf16_img, "click_pixel_bf16")):
         img.select(on_click, [ui.run_id, ui.frame, ui.trace_layer, ui.trace_head], [*ui.trace_out, ui.px, ui.py],
                    api_name=name, **VIEW)
 
     def do_trace(run_id, frame, x, y, layer, head):
-        return unpack(trace_pixel(run_id, frame, x, y, layer, head), TRACE_NAMES)
+        return _trace_outputs(trace_pixel(run_id, frame, x, y, layer, head))
 
     ui.trace_btn.click(do_trace, [ui.run_id, ui.frame, ui.px, ui.py, ui.trace_layer, ui.trace_head], ui.trace_out,
                        api_name="trace_pixel", **VIEW)
 
-    def do_export(run_id, frame, x, y, layer, head, formats, traced=None):
-        r = export(run_id, frame, x, y, layer, head, formats, traced)
+    def do_export(run_id, frame, layer, head, formats, traced=None):
+        """What the tab shows: the run's plot, the slider frame's maps (jump-map layer and head), the panel's trace."""
+        r = export(run_id, frame, layer, head, formats, traced)
         return r["status"], r.get("files")
 
-    ui.export_btn.click(do_export, [ui.run_id, ui.frame, ui.px, ui.py, ui.trace_layer, ui.trace_head, ui.export_formats,
-                                    ui.result], [ui.export_status, ui.export_files], api_name="export_figures", **VIEW)
+    ui.export_btn.click(do_export, [ui.run_id, ui.frame, ui.jump_layer, ui.jump_head, ui.export_formats, ui.result],
+                        [ui.export_status, ui.export_files], api_name="export_figures", **VIEW)
+
+
+def _trace_outputs(r: dict) -> tuple:
+    """The trace panel's outputs; an error empties the panel below its Error line (no other trace stays under it)."""
+    if r.get("result") is None:
+        return (r["status"], None, None, None, None, None)
+    return unpack(r, TRACE_NAMES)
+
+
+def _views_of(ui: SimpleNamespace, trace_of: Callable) -> Callable:
+    """After a run is shown: the trace panel and the exports of another run are emptied (their views belong to
+    the run they were made of); the panel's trace of this same run stays."""
+    def views_of(run_id, traced):
+        if not run_id or trace_of(traced, run_id) is not None:
+            return (gr.skip(),) * 8
+        return (f"Run **{run_id}**: click a pixel of either frame to trace its Query.", None, None, None, None, None,
+                "", None)
+
+    ui.views_out = [*ui.trace_out, ui.export_status, ui.export_files]
+    return views_of

@@ -9,8 +9,10 @@ from .ui import Number, progress_callback, table, unpack
 from .world_handlers import DEFAULT_BUDGET, KV_COLUMNS, METHOD_COLUMNS
 
 
-def build_energy_tab(energy: Callable, controls: dict, layers: int) -> None:
-    """energy(run_id, layer) -> {status, figure, header, rows}."""
+def build_energy_tab(energy: Callable, controls: dict, layers: int, export: Callable | None = None,
+                     figure_formats: tuple = ()) -> None:
+    """energy(run_id, layer) -> {status, figure, header, rows}; export(run_id, layer, formats) -> {status, files}:
+    the shown layer's spectra as a print figure."""
     gr.Markdown("History-Query energy of the current run: eigenvalues of S = E[q qᵀ] (the statistics QSAC and "
                 "PSAC use) per layer and head, and the cumulative energy with the top 8 directions marked. "
                 "Concentrated energy is why correcting only the principal subspace (PSAC) protects the logits.")
@@ -27,6 +29,23 @@ def build_energy_tab(energy: Callable, controls: dict, layers: int) -> None:
 
     gr.on([show.click, layer.change], run, [controls["run_id"], layer], [status, plot, top8], api_name="energy",
           concurrency_limit=4, concurrency_id="view")
+    if export is None:
+        return
+    with gr.Row():
+        formats = gr.CheckboxGroup(list(figure_formats), value=["pdf"], label="Formats")
+        export_btn = gr.Button("Export this layer's spectra", elem_id="energy-export-btn")
+    export_status = gr.Markdown(elem_id="energy-export-status")
+    files = gr.File(label="Figure", file_count="multiple", interactive=False)
+
+    def do_export(run_id, layer, formats):
+        r = export(run_id, layer, formats)
+        return r["status"], r.get("files")
+
+    export_btn.click(do_export, [controls["run_id"], layer, formats], [export_status, files], api_name="export_energy",
+                     concurrency_limit=4, concurrency_id="view")
+    # a new run shown on the Generate tab: this tab's spectra and export were of the run before
+    controls["run_id"].change(lambda run_id: ("", None, None, "", None), [controls["run_id"]],
+                              [status, plot, top8, export_status, files], api_name=False, queue=False)
 
 
 def build_key_value_tab(key_value: Callable, controls: dict, baselines: list[str], default_baseline: str) -> None:

@@ -423,23 +423,53 @@ def _exported(paths) -> dict:
             "files": [str(p) for p in paths]}
 
 
-def export_handler(runs, run_id, frame, x, y, layer=0, head=0, formats=("pdf",), traced=None) -> dict:
-    """Print figures (matplotlib) of the current run, built-in or opened: per-frame plot, maps, energy and the
-    pixel trace. `traced` (the trace panel's result) wins over the frame, pixel, layer and head given: the
-    export shows what the trace panel shows."""
+def trace_of(traced, run_id) -> dict | None:
+    """The trace panel's result (`trace_pixel_handler`'s "result") when it is a trace of run `run_id`, else None:
+    a view, or an export, of one run never shows another run's trace."""
+    if isinstance(traced, dict) and traced.get("frame") is not None and traced.get("run") == str(run_id or ""):
+        return traced
+    return None
+
+
+def export_handler(runs, run_id, frame, layer="all", head="all", formats=("pdf",), traced=None) -> dict:
+    """Print figures (matplotlib) of what the Generate tab shows of the current run, built-in or opened: its
+    per-frame plot; the maps of the slider's `frame` with the jump map of `layer` and `head` (the jump-map
+    pickers; "all" or an index); and the trace panel's trace (`traced`, its result: frame, pixel, layer, head)
+    when it is one of this run, none otherwise. Every file name says the run and what it draws."""
     from quantwm.drivers.run_figures import run_figures
 
     try:
-        if isinstance(traced, dict) and traced.get("frame") is not None and traced.get("run") == str(run_id or ""):
-            frame, (x, y), layer, head = traced["frame"], traced["pixel"], traced["layer"], traced["head"]
         run_id = str(run_id or "")
-        t = integer(frame, "frame") if frame is not None else None
-        ctx = runs.view(run_id).context_frames  # generated (not evicted) or opened?
-        generated = t is not None and t >= ctx  # context frames have no probes
-        kinds = ["frames", "maps", "energy"] + (["trace"] if generated else [])
-        paths = run_figures(runs, run_id, app_files().export_dir("run"), kinds, list(formats or []), frame=t,
-                            pixel=[integer(x, "x"), integer(y, "y")], layer=integer(layer, "layer"),
-                            head=integer(head, "head"))
+        if frame is None or frame == "":
+            raise ValueError("no frame given")
+        t = integer(frame, "frame")
+        view = runs.view(run_id)  # generated (not evicted) or opened?
+        view.check_frame(t)
+        out = app_files().export_dir("run")
+        paths = run_figures(runs, run_id, out, ["frames", "maps"], list(formats or []), frame=t,
+                            map_layer=_choice(layer, "layer"), map_head=_choice(head, "head"))
+        shown = trace_of(traced, run_id)
+        if shown is not None:
+            x, y = shown["pixel"]
+            paths += run_figures(runs, run_id, out, ["trace"], list(formats or []), frame=integer(shown["frame"], "frame"),
+                                 pixel=[integer(x, "x"), integer(y, "y")], layer=integer(shown["layer"], "layer"),
+                                 head=integer(shown["head"], "head"))
+    except (ValueError, TypeError) as e:
+        return error(str(e))
+    return _exported(paths)
+
+
+def export_energy_handler(runs, run_id, layer=0, formats=("pdf",)) -> dict:
+    """The Query-energy tab's spectra of `layer` as a print figure (its file name says the run and the layer)."""
+    from quantwm.drivers.run_figures import run_figures
+
+    try:
+        run_id = str(run_id or "")
+        layers = runs.view(run_id).model_facts()["layers"]
+        li = integer(layer, "layer")
+        if not 0 <= li < layers:
+            raise ValueError(f"layer {li} out of range: the model has {layers} layers")
+        paths = run_figures(runs, run_id, app_files().export_dir("energy"), ["energy"], list(formats or []), layer=li)
     except (ValueError, TypeError) as e:
         return error(str(e))
     return _exported(paths)

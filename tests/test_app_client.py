@@ -47,8 +47,9 @@ API_PARAMETERS = {
     "/click_pixel": ["run_id", "frame", "layer", "head"],
     "/click_pixel_bf16": ["run_id", "frame", "layer", "head"],
     "/trace_pixel": ["run_id", "frame", "x", "y", "layer", "head"],
-    "/export_figures": ["run_id", "frame", "x", "y", "layer", "head", "formats", "traced"],
+    "/export_figures": ["run_id", "frame", "layer", "head", "formats", "traced"],
     "/energy": ["run_id", "layer"],
+    "/export_energy": ["run_id", "layer", "formats"],
     "/key_vs_value": ["seed", "trajectory", "baseline", "bits", "frames"],
     "/methods_table": ["seed", "trajectory", "target", "frames", "methods", "budget"],
     "/export_methods_figure": ["seed", "trajectory", "target", "frames", "methods", "budget", "formats"],
@@ -67,10 +68,15 @@ def test_every_endpoint_names_its_parameters(client):
 
 
 def test_export_figures_endpoint_writes_print_files(client, generated):
-    status, files = client.predict(generated[1], FRAMES - 1, 32, 32, 1, 0, ["pdf", "svg"], api_name="/export_figures")
+    traced = client.predict(generated[1], FRAMES - 1, 32, 32, 1, 0, api_name="/trace_pixel")[-1]
+    status, files = client.predict(generated[1], FRAMES - 1, "all", "all", ["pdf", "svg"], traced,
+                                   api_name="/export_figures")
     names = sorted(pathlib.Path(f).name for f in files)
-    assert len(names) == 8 and all(n.endswith((".pdf", ".svg")) for n in names), status
-    assert {n.split("-")[0] for n in names} == {"frames", "maps", "trace", "energy"}
+    assert len(names) == 6 and all(n.endswith((".pdf", ".svg")) for n in names), status
+    assert {n.split("-")[0] for n in names} == {"frames", "maps", "trace"}
+    assert any(n.endswith(f"-frame{FRAMES - 1}-x32-y32-layer1-head0.pdf") for n in names)
+    energy = client.predict(generated[1], 1, ["svg"], api_name="/export_energy")[1]
+    assert [pathlib.Path(f).name.split("-")[0] for f in energy] == ["energy"] and energy[0].endswith("-layer1.svg")
     pdf = next(f for f in files if f.endswith(".pdf"))
     assert pathlib.Path(pdf).read_bytes().startswith(b"%PDF")
 

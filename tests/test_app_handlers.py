@@ -160,7 +160,8 @@ def test_scrub_enlarges_both_frames_and_overlays_change_only_the_method_frame(ru
     both = wh.scrub_handler(runs, rid, t, list(wh.OVERLAYS), "all", "all")
     assert np.array_equal(both["bf16"], plain["bf16"]) and not np.array_equal(both["method"], plain["method"])
     assert f"Frame **{t}**" in both["status"] and "top-1 moved" in both["status"]
-    assert "overlay scales: red from 0 to full at a flicker of 0.25" in both["status"]  # each overlay's colour scale
+    assert "overlay scales: red from 0 to full at a flicker of 0.25" in both["status"]
+    assert "(above BF16's, per pixel; 0 = BF16, lower is better)" in both["status"]  # each overlay's colour scale
     assert "cyan by the share of the chosen layers and heads whose top-1 moved" in both["status"]
     assert "overlay scales" not in plain["status"]
     warp = wh.scrub_handler(runs, rid, t, ["warping error"])  # the motion-compensated flicker overlay alone
@@ -319,27 +320,57 @@ def test_clicking_the_trace_query_frame_selects_that_token_s_query(small_trace_p
 
 def test_export_handlers_write_print_figures_and_refuse_bad_input(runs, generated):
     rid = generated[0]["run_id"]
-    r = wh.export_handler(runs, rid, FRAMES - 1, 10, 20, 1, 0, ["svg"])
-    assert sorted(f.rsplit("/", 1)[-1].split("-")[0] for f in r["files"]) == ["energy", "frames", "maps", "trace"]
-    ctx = wh.export_handler(runs, rid, 1, 10, 20, 1, 0, ["png"])  # a context frame has no probes: no trace figure
-    assert sorted(f.rsplit("/", 1)[-1].split("-")[0] for f in ctx["files"]) == ["energy", "frames", "maps"]
-    assert wh.export_handler(runs, rid, FRAMES - 1, 10, 20, 1, 0, ["gif"])["status"].startswith("**Error:** unknown figure format")
-    assert wh.export_handler(runs, "not a run", 5, 1, 1)["status"].startswith("**Error:** not a run id")
+    traced = wh.trace_pixel_handler(runs, rid, FRAMES - 1, 10, 20, 1, 0)["result"]
+    r = wh.export_handler(runs, rid, FRAMES - 1, "all", "all", ["svg"], traced)
+    assert sorted(f.rsplit("/", 1)[-1].split("-")[0] for f in r["files"]) == ["frames", "maps", "trace"]
+    bare = wh.export_handler(runs, rid, 1, "all", "all", ["png"])  # no trace in the panel: none exported
+    assert sorted(f.rsplit("/", 1)[-1].split("-")[0] for f in bare["files"]) == ["frames", "maps"]
+    assert wh.export_handler(runs, rid, FRAMES - 1, "all", "all", ["gif"])["status"].startswith(
+        "**Error:** unknown figure format")
+    assert wh.export_handler(runs, "not a run", 5)["status"].startswith("**Error:** not a run id")
+    assert "frame 99 out of range" in wh.export_handler(runs, rid, 99)["status"]
+    e = wh.export_energy_handler(runs, rid, 2, ["pdf"])
+    assert [f.rsplit("/", 1)[-1] for f in e["files"]] == [f"energy-seed3-pan-return-qvg-budget-k-2bit-{FRAMES}f-layer2.pdf"]
+    assert wh.export_energy_handler(runs, rid, 9, ["pdf"])["status"].startswith("**Error:** layer 9 out of range")
     m = wh.export_methods_handler(runs, 3, "pan-return", "k", FRAMES, ["qvg-budget", "rtn"], 2.5, ["pdf"])
     assert len(m["files"]) == 1 and m["files"][0].endswith("-budget2.5.pdf") and "methods-" in m["files"][0]
     assert wh.export_methods_handler(runs, 3, "pan-return", "k", FRAMES, [], 2.5, ["pdf"])["status"].startswith("**Error:** choose")
 
 
-def test_export_shows_what_the_trace_panel_shows(runs, generated):
+def test_export_writes_what_each_panel_shows(runs, generated):
+    """The trace from the trace panel (its frame, pixel, layer, head, not the slider's frame), the maps from the
+    slider's frame with the jump-map pickers' layer and head, and no trace of another run."""
     rid = generated[0]["run_id"]
     traced = wh.trace_pixel_handler(runs, rid, FRAMES - 2, 12, 40, 1, 1)["result"]
-    r = wh.export_handler(runs, rid, FRAMES - 1, 10, 20, 0, 0, ["svg"], traced)  # the slider moved on since
-    trace = next(f for f in r["files"] if f.rsplit("/", 1)[-1].startswith("trace-"))
-    assert trace.endswith(f"-frame{FRAMES - 2}-x12-y40-layer1-head1.svg")
-    assert any(f.rsplit("/", 1)[-1].startswith("maps-") and f.endswith(f"-frame{FRAMES - 2}.svg") for f in r["files"])
+    r = wh.export_handler(runs, rid, FRAMES - 1, 2, "all", ["svg"], traced)  # the slider moved on since
+    names = [f.rsplit("/", 1)[-1] for f in r["files"]]
+    assert any(n.startswith("trace-") and n.endswith(f"-frame{FRAMES - 2}-x12-y40-layer1-head1.svg") for n in names)
+    assert any(n.startswith("maps-") and n.endswith(f"-frame{FRAMES - 1}-layer2-headall.svg") for n in names)
     stale = {**traced, "run": "seed=9 loop rtn kv 2-bit 10f"}  # a trace of another run is not this run's
-    r = wh.export_handler(runs, rid, FRAMES - 1, 10, 20, 0, 0, ["svg"], stale)
-    assert any(f.endswith(f"-frame{FRAMES - 1}-x10-y20-layer0-head0.svg") for f in r["files"])
+    assert wh.trace_of(stale, rid) is None and wh.trace_of(traced, rid) is traced and wh.trace_of(None, rid) is None
+    r = wh.export_handler(runs, rid, FRAMES - 1, "all", "all", ["svg"], stale)
+    assert not any(f.rsplit("/", 1)[-1].startswith("trace-") for f in r["files"])
+
+
+def test_a_new_run_empties_the_trace_panel_and_exports_of_the_run_before(runs, generated):
+    """The tab's hook after a run is shown (`_views_of`): another run's trace, heatmap and exports are emptied;
+    the trace of the run shown stays. A trace error empties the panel under its Error line."""
+    from types import SimpleNamespace
+
+    from app.playback_tab import _trace_outputs, _views_of
+
+    rid = generated[0]["run_id"]
+    traced = wh.trace_pixel_handler(runs, rid, FRAMES - 1, 10, 20, 1, 0)["result"]
+    ui = SimpleNamespace(trace_out=[None] * 6, export_status=None, export_files=None)
+    views_of = _views_of(ui, wh.trace_of)
+    assert len(ui.views_out) == 8
+    cleared = views_of("seed=9 loop rtn kv 2-bit 10f", traced)
+    assert "seed=9 loop rtn kv 2-bit 10f" in cleared[0] and cleared[1:] == (None,) * 5 + ("", None)
+    import gradio as gr
+
+    assert views_of(rid, traced) == (gr.skip(),) * 8  # this run's trace: nothing changes
+    bad = _trace_outputs(wh.trace_pixel_handler(runs, rid, FRAMES - 1, 99, 3, 0, 0))
+    assert bad[0].startswith("**Error:**") and bad[1:] == (None,) * 5
 
 
 def test_the_per_frame_plot_tells_revisits_from_invented_places(wb, generated):

@@ -15,10 +15,13 @@ from .runs import RunKey
 
 def run_figures(runs, key: RunKey | str, out_dir: str | Path, kinds: list[str], formats: list[str],
                 frame: int | None = None, pixel: list[int] | None = None, layer: int = 1, head: int = 0,
-                methods: list[str] = (), progress: Callable | None = None) -> list[Path]:
+                methods: list[str] = (), progress: Callable | None = None, map_layer: int | None = None,
+                map_head: int | None = None) -> list[Path]:
     """Write the chosen figure kinds of a run: `key` a RunKey (generated, or reused, with the registry's
     Workbench) or the id of a run the registry `runs` shows (generated or opened: every kind but "methods").
-    File names say what is drawn: the run, and for maps and traces the frame, pixel, layer and head."""
+    `layer`, `head`: the trace's and the energy spectra's; `map_layer`, `map_head`: the maps' top-1 jump map
+    (None: every layer or head). File names say what is drawn: the run, and for maps and traces the frame,
+    pixel, layer and head."""
     unknown = [k for k in kinds if k not in FG.FIGURE_KINDS]
     if unknown or not kinds:
         raise ValueError(f"unknown figure kind {(unknown or ['(none)'])[0]!r}; choose from {', '.join(FG.FIGURE_KINDS)}")
@@ -36,20 +39,23 @@ def run_figures(runs, key: RunKey | str, out_dir: str | Path, kinds: list[str], 
     for kind in kinds:
         if kind == "methods" and not (methods and built_in):
             continue
-        fig, name = _figure(runs, view, kind, key, cmp, worst, t, (x, y), layer, head, methods)
+        fig, name = _figure(runs, view, kind, key, cmp, worst, t, (x, y), layer, head, methods, (map_layer, map_head))
         paths += FG.save_figure(fig, out / name, formats)
     return paths
 
 
 def _figure(runs, view, kind: str, key, cmp: dict, worst: list, t: int, pixel: tuple, layer: int, head: int,
-            methods: list[str]):
+            methods: list[str], map_scope: tuple = (None, None)):
     """One kind's figure and its file name."""
     run_id, ctx = view.id, view.context_frames
     name = f"{kind}-{_file_tag(run_id)}"
     if kind == "frames":
         return FG.frame_series_figure(cmp["series"], worst, ctx, run_id), name
     if kind == "maps":
-        return FG.maps_figure(view.frame_view(t), f"{run_id}, frame {t}"), f"{name}-frame{t}"
+        ml, mh = map_scope
+        scope = f"layer{'all' if ml is None else ml}-head{'all' if mh is None else mh}"
+        return (FG.maps_figure(view.frame_view(t, ml, mh), f"{run_id}, frame {t}, jumps of {scope}"),
+                f"{name}-frame{t}-{scope}")
     if kind == "trace":
         x, y = pixel
         r = view.pixel_trace(t, x, y, layer, head)
