@@ -10,10 +10,11 @@ is kept. No PSAC: the allocator spends those bits on the channels the queries re
 Keys in the Queries' basis (`query_basis`, on by default; quantwm/core/query_basis.py): with a history, each
 stream's keys are rotated into the eigenbasis of S (top `basis_rank` directions exact, an orthonormal complement
 for the rest) and the same allocation runs on the coordinates with λ_i = u_iᵀ S u_i. The basis is shared with later
-spans while its top directions still capture `basis_reuse` of S's top energy, else a new one is stored. A new basis
-is kept only where its predicted error, its bytes paid, beats the model's own channels. Its bytes are a debt the
-spans that use it pay off, at most `basis_share` of each span's bits, so a 128-token span never pays it all; the
-whole cache stays within the budget once the debt is paid (docs/method.md §2.7 says when it is not).
+spans while its top directions still capture `basis_reuse` of S's top energy. The span that stores a new basis
+pays its bytes in full, out of its own budget (so every span, and the cache, stays within B), and spends at most
+`basis_share` of its bits on it: a 128-token span at head dim 64 affords fewer directions than a long one. A new
+basis is kept only where its predicted error, its bytes paid, beats the stale basis (free) or, before any, the
+model's own channels.
 """
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ class QuantWMAlloc(QVGBudget):
     query_basis: bool = True  # Keys in the history Queries' basis (False: the model's channels, the ablation)
     basis_rank: int = 16  # eigen-directions the stored basis holds exactly
     basis_reuse: float = 0.95  # a stored basis serves while it captures this share of S's top-rank energy
-    basis_share: float = 0.25  # at most this share of a span's bits pays the basis' debt
+    basis_share: float = 0.25  # a span storing a new basis spends at most this share of its bits on it
 
     def __post_init__(self):
         super().__post_init__()
@@ -100,34 +101,37 @@ class QuantWMAlloc(QVGBudget):
         return predicted, Codebook(stages, encode_channels(r, levels, alpha))
 
     def in_query_basis(self, x: torch.Tensor, ctx: SpanContext, plain):
-        """(predicted error, layout) with the Keys in the Queries' basis, or `plain()` (the channels' result) where
-        a new basis would not pay for itself (a stored basis that holds is used without that comparison); updates
-        the stored basis and its debt in ctx.state."""
+        """(predicted error, layout) of the Keys in the Queries' basis. A stored basis that still holds is used as it
+        is. Otherwise a new one (as many directions as `basis_share` of the span's bits buy, at most `basis_rank`),
+        paid in full by this span, is priced against the stale basis or, with none, `plain()` (the model's
+        channels), and the lower predicted error wins. Keeps the basis in use in ctx.state."""
         S, N, D = x.shape
         stats = ctx.stats_or_identity(S, D, x.device)
-        rank = min(self.basis_rank, D)
-        stored = (ctx.state["k.basis_reflectors"], ctx.state["k.basis_scales"]) if "k.basis_debt" in ctx.state else None
-        debt = float(ctx.state.get("k.basis_debt", 0.0))
-        fresh = stored is None or stored[0].shape != (S, rank, D) or bool(
-            (captured(basis_matrix(*stored), stats, rank) < self.basis_reuse).any())
-        if fresh:
-            stored, debt = make_reflectors(stats, rank), 8.0 * basis_bytes(rank, D)
-        U = basis_matrix(*stored)
+        stored = (ctx.state["k.basis_reflectors"], ctx.state["k.basis_scales"]) if "k.basis_scales" in ctx.state else None
+        rank = min(self.basis_rank, D, int(self.basis_share * self.budget * N * D // (8 * basis_bytes(1, D))))
+        if stored is not None and bool((captured(basis_matrix(*stored), stats, stored[0].shape[1]) >= self.basis_reuse).all()):
+            return self.coded_in(x, ctx, stats, stored)  # it holds: shared, already paid for
+        fresh = self.coded_in(x, ctx, stats, make_reflectors(stats, rank), charge=8.0 * basis_bytes(rank, D)) if rank else None
+        other = self.coded_in(x, ctx, stats, stored) if stored is not None else plain()
+        best = min((c for c in (fresh, other) if c is not None), key=lambda c: c[0], default=None)
+        if best is not None and isinstance(best[1], InBasis):
+            ctx.state.update({"k.basis_reflectors": best[1].reflectors, "k.basis_scales": best[1].scales})
+        return best
+
+    def coded_in(self, x: torch.Tensor, ctx: SpanContext, stats: torch.Tensor, basis: tuple, charge: float = 0.0):
+        """(predicted error, InBasis layout) of x coded in the stored `basis` (reflectors, scales), weights λ_i =
+        u_iᵀ S u_i, within the budget less `charge` bits per stream; None when it does not fit."""
+        U = basis_matrix(*basis)
         lam = coordinate_weights(U, stats)
-        w = torch.where(lam.mean(-1, keepdim=True) > 0, lam / lam.mean(-1, keepdim=True).clamp_min(1e-30), 1.0)
-        charge = min(debt, self.basis_share * self.budget * N * D)
+        mean = lam.mean(-1, keepdim=True)
+        w = torch.where(mean > 0, lam / mean.clamp_min(1e-30), 1.0)
         got = self.allocated(torch.bmm(x.float(), U), "k", ctx, w, charge)
-        if got is None or fresh:
-            channels = plain()
-            if got is None or (channels is not None and channels[0] <= got[0]):
-                return channels
-        ctx.state.update({"k.basis_reflectors": stored[0], "k.basis_scales": stored[1],
-                          "k.basis_debt": torch.tensor(debt - charge, dtype=torch.float64)})  # bits per stream
-        return got[0], InBasis(got[1], *stored)
+        return None if got is None else (got[0], InBasis(got[1], *basis))
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
         Method.validate(self, x, kind)  # any head dim: the allocator's grids are per channel, not groups of them
         S, N, D = x.shape
+
         def plain():
             return self.allocated(x, kind, ctx, self.weights(x, kind, ctx))
 
