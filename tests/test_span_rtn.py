@@ -132,5 +132,9 @@ def test_values_option_names_its_choices_and_needs_a_width_span_rtn_codes():
 
 def test_a_budget_measures_values_channels_in_span_rtns_format():
     opts, bits = configure("kivi", 2.5, 128, 1728, "v", options={"values": "channels"})
-    assert opts == {"bits": 2, "group_size": 32, "values": "channels"}  # KIVI's own Values would take groups of 64
+    assert opts == {"bits": 2, "values": "channels"}  # the widths alone: KIVI's group size does not apply
     assert bits == pytest.approx(2 + 8 * 5 * 128 / (1728 * 128))  # span-rtn's 2 bits plus its per-channel tables
+    assert configure("turboquant", 3.0, 128, 1728, "v", options={"values": "channels"})[0] == {
+        "bits": 2, "values": "channels"}  # no outlier split for span-rtn's Values
+    assert configure("kivi", 2.5, 128, 1728, "k", options={"values": "channels"})[0] == {
+        "bits": 2, "group_size": 64, "values": "channels"}  # the Keys' rule as without the option

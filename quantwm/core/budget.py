@@ -31,7 +31,8 @@ its knobs; the first whose stored bits per element fit the budget is chosen:
 Bits per element are measured, not estimated: each candidate encodes one seeded Gaussian span of the given
 shape, and its stored bytes (codes and every piece of metadata, a PSAC basis counted in full; oscar's per-layer
 rotation left out, above) are counted. A baseline's `values="channels"` (span-rtn's Value format) is a fixed option:
-its candidates are measured with it.
+its candidates are measured with it, and for Values they are the rule's widths alone (its other knobs do not
+apply to span-rtn's format).
 A method none of whose candidates fits raises `BudgetError` (a ValueError) naming its cheapest configuration.
 """
 from __future__ import annotations
@@ -126,7 +127,10 @@ def configure(method: str, budget: float, head_dim: int, span_tokens: int, kind:
     get_method(parse_method_name(method)[0], **fixed)  # options the method does not take: a clear error, not a miss
     cheapest, tried = None, []
     allocator = [{"budget": budget}] if REGISTRY[parse_method_name(method)[0]].at_budget else []  # quantwm-alloc
-    for opts in allocator + candidates(method, head_dim, kind):
+    rule = candidates(method, head_dim, kind)
+    if kind == "v" and fixed.get("values") == "channels":  # span-rtn's Value format: only the widths apply
+        rule = [{"bits": b} for b in dict.fromkeys(c["bits"] for c in rule if "bits" in c)]
+    for opts in allocator + rule:
         opts = {**opts, **fixed}
         if opts in tried:  # the fixed options made two candidates one
             continue
