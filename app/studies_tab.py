@@ -87,19 +87,23 @@ def build_methods_tab(methods_table: Callable, export: Callable, methods: list[s
         budget = Number(DEFAULT_BUDGET, label="Budget (bits per element, Keys and Values)", step=0.25, elem_id="methods-budget", scale=1)
     go = gr.Button("Compare methods", variant="primary", elem_id="methods-btn")
     status = gr.Markdown(elem_id="methods-status")
-    rows = gr.Dataframe(label="Methods", headers=list(METHOD_COLUMNS), interactive=False, elem_id="methods-table")
+    # columns the same in every row are left out (the status names them); long configurations wrap in their cell
+    rows = gr.Dataframe(label="Methods", headers=list(METHOD_COLUMNS), interactive=False, elem_id="methods-table",
+                        wrap=True)
+    plot = gr.Plot(label="The table's metrics (OVER: over the budget or BF16's bytes)", elem_id="methods-plot")
 
     def run(seed, trajectory, target, frames, methods, budget, progress=gr.Progress()):
         r = methods_table(seed, trajectory, target, frames, methods, budget, progress=progress_callback(progress, "methods"))
-        return unpack(r, ["status"])[0], table(r)
+        status_, figure = unpack(r, ["status", "figure"])
+        return status_, table(r), figure
 
     c = controls
     inputs = [c["seed"], c["trajectory"], c["target"], c["frames"], chosen, budget]
-    go.click(run, inputs, [status, rows], api_name="methods_table", concurrency_limit=1, concurrency_id="generate",
-             trigger_mode="multiple")
+    go.click(run, inputs, [status, rows, plot], api_name="methods_table", concurrency_limit=1,
+             concurrency_id="generate", trigger_mode="multiple")
     with gr.Row():
         formats = gr.CheckboxGroup(list(figure_formats), value=["pdf"], label="Formats")
-        export_btn = gr.Button("Export the comparison figure", elem_id="methods-export-btn")
+        export_btn = gr.Button("Export the comparison figure (what the table shows)", elem_id="methods-export-btn")
     export_status = gr.Markdown(elem_id="methods-export-status")
     files = gr.File(label="Figure", file_count="multiple", interactive=False)
 

@@ -375,7 +375,9 @@ def key_value_handler(runs, seed, trajectory, baseline, bits, frames, progress: 
 
 # the memory figures by their `CacheMemory` names: the quantized spans' bits and compression, the whole cache's
 METHOD_COLUMNS = ("method", "span_bits_per_element", "fits", "configuration", "span_compression", "cache_compression",
-                  "bf16_mb", "cache_mb", "shift_rate", "psnr", "ssim", "lpips", "tdiff")
+                  "bf16_mb", "cache_mb", "shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error")
+TEXT_COLUMNS = ("method", "fits", "configuration")  # always shown; every other column only where rows differ
+FIGURE_METRICS = ("span_bits_per_element", "shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error")
 
 
 def budget_value(value) -> float:
@@ -389,33 +391,56 @@ def budget_value(value) -> float:
     return check_budget(b, shown=value)
 
 
-def methods_handler(runs, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET,
-                    progress: Callable | None = None) -> dict:
-    """Every chosen method on one world at one budget: each configured within it by its own rule (the
-    configuration column), in order of the spans' measured bits per element; both compressions, memory (MB),
-    shift rate and frame metrics vs BF16. A method that cannot fit the budget is named with its reason, not run."""
+def methods_view(runs, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET,
+                 progress: Callable | None = None) -> dict:
+    """The Methods comparison as shown, the one source of the tab's table, its figure and the exported figure:
+    every chosen method on one world at one budget, each configured within it by its own rule (the configuration
+    column), in order of the spans' measured bits per element, flagged by `memory_flag` (`fits`). Columns whose
+    value is the same in every row are left out of the table and named with their value in `constant`; the
+    figure draws the shown metric columns (`FIGURE_METRICS`). A method that cannot fit is named in `left_out`.
+    Raises ValueError for bad input."""
     from dataclasses import replace
 
     from quantwm.drivers import studies
 
-    try:
-        b = budget_value(budget)
-        key = replace(_key(seed, trajectory, "bf16", target, 2, frames), budget=b)
-        left_out: dict = {}
-        rows = studies.methods_table(runs.wb, key, list(methods or []), progress, left_out)
-    except ValueError as e:
-        return error(str(e))
+    b = budget_value(budget)
+    key = replace(_key(seed, trajectory, "bf16", target, 2, frames), budget=b)
+    left_out: dict = {}
+    rows = studies.methods_table(runs.wb, key, list(methods or []), progress, left_out)
     rows = sorted(rows, key=lambda r: r["span_bits_per_element"])  # in order of measured bits
     for r in rows:  # measured from stored bytes; the rule keeps every method within the budget
         r["fits"] = "OVER" if memory_flag(r, b) else "yes"
-    table = [[r["method"], *[r[c] if c in ("fits", "configuration") else _fmt(r[c]) for c in METHOD_COLUMNS[1:]]]
-             for r in rows]
-    out = "".join(f" Left out: {m} ({why})." for m, why in left_out.items())
-    return {"status": f"**At most {b:g} bits per element** (Keys and Values each, counted from stored bytes), seed "
-                      f"{seed}, {trajectory}, target {target}, {frames} frames. Two compressions: the quantized spans' "
-                      f"and the whole cache's (bf16_mb / cache_mb; cache memory counts every quantized byte and the "
-                      f"full-precision chunks as BF16).{out}",
-            "header": list(METHOD_COLUMNS), "rows": table}
+        r["label"] = r["method"] + (" (OVER)" if r["fits"] == "OVER" else "")
+    varies = [c for c in METHOD_COLUMNS if c in TEXT_COLUMNS or len(rows) < 2 or len({_fmt(r[c]) for r in rows}) > 1]
+    constant = {c: _fmt(rows[0][c]) for c in METHOD_COLUMNS if c not in varies} if rows else {}
+    table = [[r[c] if c in TEXT_COLUMNS else _fmt(r[c]) for c in varies] for r in rows]
+    return {"key": key, "budget": b, "rows": rows, "left_out": left_out, "header": varies, "table": table,
+            "constant": constant, "metrics": [m for m in FIGURE_METRICS if m in varies]}
+
+
+def _methods_title(v: dict) -> str:
+    k = v["key"]
+    return f"{len(v['rows'])} methods within {v['budget']:g} bits per element: seed {k.seed}, {k.trajectory}, target {k.target}"
+
+
+def methods_handler(runs, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET,
+                    progress: Callable | None = None) -> dict:
+    """The Methods tab (`methods_view`): status, the table (header, rows) and the figure of its metric columns."""
+    try:
+        v = methods_view(runs, seed, trajectory, target, frames, methods, budget, progress)
+    except ValueError as e:
+        return error(str(e))
+    out = "".join(f" Left out: {m} ({why})." for m, why in v["left_out"].items())
+    same = ", ".join(f"{c} {val}" for c, val in v["constant"].items())
+    over = [r["method"] for r in v["rows"] if r["fits"] == "OVER"]
+    return {"status": f"**At most {v['budget']:g} bits per element** (Keys and Values each, counted from stored "
+                      f"bytes), seed {seed}, {trajectory}, target {target}, {frames} frames. Two compressions: the "
+                      f"quantized spans' and the whole cache's (bf16_mb / cache_mb; cache memory counts every "
+                      f"quantized byte and the full-precision chunks as BF16)."
+                      + (f" **OVER** (over the budget or BF16's bytes): {', '.join(over)}." if over else "")
+                      + (f" The same in every row (not shown as columns): {same}." if same else "") + out,
+            "header": v["header"], "rows": v["table"], "metrics": v["metrics"],
+            "figure": plots.bars_figure(v["rows"], "label", v["metrics"], _methods_title(v)) if v["rows"] else None}
 
 
 def _exported(paths) -> dict:
@@ -477,20 +502,24 @@ def export_energy_handler(runs, run_id, layer=0, formats=("pdf",)) -> dict:
 
 def export_methods_handler(runs, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET, formats=("pdf",),
                            progress: Callable | None = None) -> dict:
-    """The method comparison at one budget on one world as a print figure, named after the comparison."""
-    from dataclasses import replace
+    """The Methods table as a print figure (`methods_view`: the same methods, metric columns and OVER flags as
+    the table with these settings), named after the comparison; "shown" says what it drew."""
+    from quantwm.evaluation import figures as FG
 
-    from quantwm.drivers.run_figures import run_figures
-
-    wb = runs.wb
     try:
         if not methods:
             raise ValueError("choose at least one method")
-        key = replace(_key(seed, trajectory, list(methods)[0], target, 2, frames), budget=budget_value(budget))
-        wb.check_frames(key.frames)
-        wb.limits.check_methods(len(methods), key.frames)
-        paths = run_figures(runs, key, app_files().export_dir("methods"), ["methods"], list(formats or []),
-                            methods=list(methods), progress=progress)
+        FG.check_formats(list(formats or []))
+        runs.wb.limits.check_methods(len(methods), integer(frames, "frames"))
+        v = methods_view(runs, seed, trajectory, target, frames, methods, budget, progress)
+        if not v["rows"]:
+            raise ValueError("no chosen method fits the budget: " + "; ".join(v["left_out"].values()))
+        k = v["key"]
+        fig = FG.bars_figure(v["rows"], "label", v["metrics"], _methods_title(v))
+        stem = (f"methods-{'-'.join(r['method'] for r in v['rows'])}-seed{k.seed}-{k.trajectory}-{k.target}-"
+                f"budget{v['budget']:g}")
+        paths = FG.save_figure(fig, os.path.join(app_files().export_dir("methods"), stem), list(formats or []))
     except ValueError as e:
         return error(str(e))
-    return _exported(paths)
+    return {**_exported(paths), "shown": {"methods": [r["method"] for r in v["rows"]], "metrics": v["metrics"],
+                                          "fits": [r["fits"] for r in v["rows"]]}}

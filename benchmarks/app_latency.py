@@ -71,7 +71,7 @@ def main() -> None:
 
     methods = ["rtn", "kivi", "qvg", "qvg-asym", "quantwm", "quantwm-paper"]
     t = time.perf_counter()
-    status, table = user.predict(a.seed + 2, "loop", "kv", a.frames, methods, a.budget, api_name="/methods_table")
+    status, table, _ = user.predict(a.seed + 2, "loop", "kv", a.frames, methods, a.budget, api_name="/methods_table")
     dt = time.perf_counter() - t
     print(f"Methods at {a.budget:g} bits per element, {len(methods)} methods, {a.frames} frames: {dt:.2f} s  "
           f"[target < 60 s]")

@@ -130,15 +130,17 @@ def test_generate_at_a_budget_names_its_configuration(client):
 
 
 def test_methods_table(client):
-    status, table = client.predict(4, "loop", "kv", FRAMES, ["rtn", "quantwm", "nvfp4"], 2.5, api_name="/methods_table")
+    status, table, plot = client.predict(4, "loop", "kv", FRAMES, ["rtn", "quantwm", "nvfp4"], 2.5,
+                                         api_name="/methods_table")
     header, rows = table["headers"], table["data"]
-    assert sorted(r[0] for r in rows) == ["quantwm", "rtn"] and header[:4] == ["method", "span_bits_per_element", "fits",
-                                                                             "configuration"]
-    bits = [r[1] for r in rows]
-    assert bits == sorted(bits) and all(0 < b <= 2.5 for b in bits) and all(r[2] == "yes" for r in rows)
-    assert any("allocator, bits per channel" in r[3] for r in rows) and any("bits=2" in r[3] for r in rows)  # chosen
-    mb, bf16 = header.index("cache_mb"), header.index("bf16_mb")
-    assert all(0 < r[mb] < r[bf16] for r in rows) and "memory" in status and "At most 2.5 bits" in status
+    col = {name: header.index(name) for name in header}
+    assert sorted(r[0] for r in rows) == ["quantwm", "rtn"] and header[0] == "method"
+    assert all(r[col["fits"]] == "yes" for r in rows)
+    conf = [r[col["configuration"]] for r in rows]
+    assert any("allocator, bits per channel" in c for c in conf) and any("bits=2" in c for c in conf)  # chosen
+    assert "bf16_mb" not in header and "The same in every row (not shown as columns): " in status  # one world
+    assert "bf16_mb " in status.split("The same in every row")[1]  # named with its value
+    assert "memory" in status and "At most 2.5 bits" in status and plot["type"] == "plotly"
     assert "Left out: nvfp4 (nvfp4 cannot fit 2.5 bits per element" in status
     from gradio_client.exceptions import AppError
 

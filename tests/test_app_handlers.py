@@ -262,11 +262,14 @@ def test_kv_finding_is_computed_from_the_numbers():
 
 def test_methods_handler(runs):
     r = wh.methods_handler(runs, 3, "pan-return", "k", FRAMES, ["qvg-budget", "rtn"], 2.5)
-    assert sorted(row[0] for row in r["rows"]) == ["qvg-budget", "rtn"] and r["header"] == list(wh.METHOD_COLUMNS)
-    bf16_mb, mb = r["header"].index("bf16_mb"), r["header"].index("cache_mb")
-    assert all(row[mb] < row[bf16_mb] for row in r["rows"]) and all(row[2] == "yes" for row in r["rows"])
-    spans, cache = r["header"].index("span_compression"), r["header"].index("cache_compression")
-    assert all(row[spans] > row[cache] > 1 for row in r["rows"]) and "Two compressions" in r["status"]
+    h = r["header"]
+    assert sorted(row[0] for row in r["rows"]) == ["qvg-budget", "rtn"] and h[0] == "method"
+    assert all(row[h.index("fits")] == "yes" for row in r["rows"]) and "Two compressions" in r["status"]
+    assert "bf16_mb" not in h and "bf16_mb " in r["status"]  # one world: the same in every row, named once
+    for c in h:  # every shown numeric column differs between the rows
+        if c not in wh.TEXT_COLUMNS:
+            assert len({row[h.index(c)] for row in r["rows"]}) > 1, c
+    assert [t.name for t in r["figure"].data] == r["metrics"] and set(r["metrics"]) <= set(h)  # the table's metrics
     assert "unknown method" in wh.methods_handler(runs, 3, "loop", "k", FRAMES, ["zzz"], 2.5)["status"]
     assert "at least one method" in wh.methods_handler(runs, 3, "loop", "k", FRAMES, [], 2.5)["status"]
     for bad in (0, -1, 17, "x", None):
@@ -283,7 +286,34 @@ def test_a_row_over_the_budget_or_over_bf16_is_flagged(runs, monkeypatch):
 
     monkeypatch.setattr(studies, "methods_table", inflated)
     r = wh.methods_handler(runs, 3, "pan-return", "k", FRAMES, ["rtn"], 2.5)
-    assert [row[2] for row in r["rows"]] == ["OVER"]
+    assert [row[r["header"].index("fits")] for row in r["rows"]] == ["OVER"] and "**OVER**" in r["status"]
+
+
+def test_the_exported_methods_figure_shows_what_the_table_shows(runs, monkeypatch):
+    """Same methods (those left out of the table too), metric columns and OVER flags; a method that cannot fit
+    the budget does not fail the export (int8k-fp8v at 2.5 bits)."""
+    real = studies.methods_table
+
+    def one_over(wb, key, methods, progress=None, left_out=None):
+        rows = real(wb, key, methods, progress, left_out)
+        return [{**r, "span_bits_per_element": 2.51} if r["method"] == "rtn" else r for r in rows]
+
+    from quantwm.evaluation import figures as FG
+
+    monkeypatch.setattr(studies, "methods_table", one_over)
+    saved, save = [], FG.save_figure
+    monkeypatch.setattr(FG, "save_figure", lambda fig, stem, formats: saved.append(fig) or save(fig, stem, formats))
+    chosen = ["qvg-budget", "rtn", "int8k-fp8v"]
+    shown = wh.methods_handler(runs, 3, "pan-return", "k", FRAMES, chosen, 2.5)
+    m = wh.export_methods_handler(runs, 3, "pan-return", "k", FRAMES, chosen, 2.5, ["svg"])
+    h = shown["header"]
+    assert m["shown"] == {"methods": [row[0] for row in shown["rows"]], "metrics": shown["metrics"],
+                          "fits": [row[h.index("fits")] for row in shown["rows"]]}
+    assert m["shown"]["fits"] == ["yes", "OVER"] and "int8k-fp8v" not in m["shown"]["methods"]
+    assert m["files"][0].rsplit("/", 1)[-1] == f"methods-qvg-budget-rtn-seed3-pan-return-k-budget2.5.svg"
+    axes = saved[0].axes
+    assert [ax.get_title() for ax in axes] == shown["metrics"]
+    assert [t.get_text() for t in axes[0].get_xticklabels()] == ["qvg-budget", "rtn (OVER)"]
 
 
 def test_trace_inspect_and_energy_handlers(small_trace_path, tmp_path):
