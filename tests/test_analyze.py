@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from quantwm.evaluation.analyze import MEAN_KEYS, analyze_trace
+from quantwm.evaluation.analyze import MEAN_KEYS, analyze_trace, report_rows
 from quantwm.evaluation.metrics import second_moment
 from quantwm.evaluation.trace import read_trace
 
@@ -48,6 +48,22 @@ def test_analyze_value_target_moves_values_only(small_trace):
     r = analyze_trace(small_trace, ["rtn"], target="v")
     m = r["methods"]["rtn"]["mean"]
     assert m["shift_rate"] == 0 and m["k_rel_err"] == 0 and m["v_rel_err"] > 0 and m["out_rel_err"] > 0
+
+
+def test_analyze_reports_the_keys_rate_distortion_meter(small_trace):
+    r = analyze_trace(small_trace, ["bf16", "rtn", "kivi", "quantwm"], target="kv")
+    bf, rtn, kivi, ours = (r["methods"][m]["mean"] for m in ("bf16", "rtn", "kivi", "quantwm"))
+    assert math.isnan(bf["k_bits_above_bound"]) and math.isnan(bf["k_bits_per_element"])  # nothing quantized
+    assert rtn["k_bits_per_element"] == pytest.approx(2.5)
+    assert ours["k_bits_per_element"] != pytest.approx(ours["bits_per_element"])  # Keys' bits alone, Values' apart
+    # per-token RTN loses more than the span's weighted variance: the bound needs no bits, all 2.5 are above it
+    assert rtn["k_distortion"] > 1 and rtn["k_bits_above_bound"] == pytest.approx(2.5)
+    for m in (kivi, ours):
+        assert 0 <= m["k_bound_distortion"] < m["k_distortion"] < 1
+        assert 0 < m["k_bits_above_bound"] < m["k_bits_per_element"]
+    assert math.isnan(analyze_trace(small_trace, ["rtn"], target="v")["methods"]["rtn"]["mean"]["k_bits_above_bound"])
+    _, rows = report_rows(r)
+    assert len(rows[0]) == 1 + len(MEAN_KEYS) and rows[0][MEAN_KEYS.index("k_bits_above_bound") + 1] is None
 
 
 def test_analyze_rejects_unknown_method(small_trace):

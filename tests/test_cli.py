@@ -21,8 +21,11 @@ def test_cli_analyze_writes_the_documented_json(trace_file, tmp_path, capsys):
     r = json.loads(out.read_text())
     assert set(r["methods"]) == {"rtn", "qvg+jensen"}
     assert {"shift_rate", "topk_overlap", "attn_kl", "logit_rmse", "k_rel_err", "v_rel_err", "out_rel_err",
-            "bits_per_element"} <= set(r["methods"]["rtn"]["mean"])
-    assert "| rtn" in capsys.readouterr().out
+            "bits_per_element", "k_bits_per_element", "k_bits_above_bound", "k_distortion",
+            "k_bound_distortion"} <= set(r["methods"]["rtn"]["mean"])
+    printed = capsys.readouterr().out
+    assert "| rtn" in printed and "Keys against the Gaussian rate-distortion bound" in printed
+    assert "| k_bits_above_bound |" in printed
 
 
 def test_cli_memory_json_fields(tmp_path):

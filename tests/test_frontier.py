@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -48,6 +49,20 @@ def test_the_envelope_compares_every_method_at_each_budget():
     assert "no quantwm point within the budget" in lines[0] and "ratio 0.50" in lines[2]
 
 
+def test_the_summary_carries_the_keys_rate_distortion_meter():
+    pts = {}
+    for method, bits, above in (("kivi", 2.5, 2.3), ("kivi", 2.25, 2.0), ("quantwm", 2.5, 0.9)):
+        t = {"source": "trace:x", "method": method, "options": {"b": bits}, "bits": 2, "target": "k"}
+        pts[FR.task_key(t)] = {"task": t, "result": {"bits_per_element": bits, "shift_rate": 0.1,
+                                                     "k_bits_above_bound": above}}
+    env = FR.summarise(pts, budgets=(2.25, 2.5))["trace:x"]["envelope"]
+    assert env["2.5"]["k_bits_above_bound"]["kivi"]["value"] == 2.0  # the fewest bits above within 2.5 bits
+    lines = FR.describe_meter(env)
+    assert lines[0] == "<= 2.25 bits, Keys' bits above the Gaussian bound: kivi 2.00 (kivi(b=2.25) at 2.25 bits)"
+    assert "quantwm 0.90 (quantwm(b=2.5) at 2.50 bits)" in lines[1]
+    assert FR.describe_meter(FR.envelope([{"method": "m", "label": "m", "bits_per_element": 2, "psnr": 30.0}])) == []
+
+
 def test_the_envelope_keeps_the_highest_psnr():
     points = [{"method": "qvg", "label": f"qvg({b})", "bits_per_element": b, "psnr": p} for b, p in ((2.4, 30.0), (2.5, 28.0))]
     points.append({"method": "quantwm", "label": "quantwm", "bits_per_element": 2.45, "psnr": 31.0})
@@ -66,7 +81,9 @@ def test_frontier_cli_writes_json_and_figure(tmp_path, trace_source, capsys):
     assert {p["method"] for p in s["points"]} == {"rtn", "qvg", "quantwm"}
     assert set(s["envelope"]) == {f"{b:g}" for b in FR.BUDGETS}
     assert (out / "frontier.svg").stat().st_size > 1000
-    assert "<= 2.5 bits, shift_rate:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "<= 2.5 bits, shift_rate:" in printed and "Keys' bits above the Gaussian bound: " in printed
+    assert all(math.isfinite(p["k_bits_above_bound"]) for p in s["points"])
     assert main(["frontier", "--sources", "trace:/nope.safetensors", "--out-dir", str(out)]) == 2
 
 

@@ -10,8 +10,10 @@ or on a Ray cluster (`ray_address`, the optional `ray` extra) when a sweep outgr
 `summarise` compares methods at equal budgets (docs/method.md §3.1): its `envelope` holds, for each budget B
 in `BUDGETS` and each metric, every method's best measured point with bits per element ≤ B (a method with no
 point within B is absent: it cannot fit that budget). `leads` reads one metric off it: quantwm's best against
-the best of every other method at each budget. The figure draws every point, each method's Pareto front and
-the budget lines.
+the best of every other method at each budget. On a trace source each point also carries the Keys'
+rate-distortion meter (`k_bits_above_bound`, quantwm.evaluation.rate_distortion), an envelope metric like the
+others (lower is better); `describe_meter` prints it per budget. The figure draws every point, each method's
+Pareto front and the budget lines.
 """
 from __future__ import annotations
 
@@ -42,7 +44,9 @@ GRID: dict[str, list[dict]] = {
 QUICK_GRID: dict[str, list[dict]] = {"rtn": [{}], "qvg": [{"n_centroids": 6}], "quantwm": [{"budget": 2.5}]}
 SHIFT = {"world": "place_shift_rate", "trace": "shift_rate"}
 HIGHER_IS_BETTER = ("psnr", "ssim")  # every other metric is an error: lower is better
-METRICS = ("shift_rate", "place_shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error", "attn_out_rel_err")
+METRICS = ("shift_rate", "place_shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error", "attn_out_rel_err",
+           "k_bits_above_bound")
+METER = "k_bits_above_bound"  # trace sources: the Keys' bits above the Gaussian bound (evaluation.rate_distortion)
 
 
 def task_key(task: dict) -> str:
@@ -149,7 +153,8 @@ def _measure(task: dict) -> dict:
     m = _result(r, task)
     if "error" in m:
         return m
-    keys = ("bits_per_element", "shift_rate", "topk_overlap", "out_rel_err", "k_rel_err", "configuration")
+    keys = ("bits_per_element", "shift_rate", "topk_overlap", "out_rel_err", "k_rel_err", "k_bits_per_element",
+            METER, "k_distortion", "k_bound_distortion", "configuration")
     return {k: m[k] for k in keys if k in m}
 
 
@@ -304,6 +309,18 @@ def describe_leads(rows: list[dict], metric: str, method: str = "quantwm") -> li
             cmp = (f"{r['difference']:+.2f}" if "difference" in r else f"ratio {r['ratio']:.2f}")
             lines.append(head + f"{method} {r['ours']['value']:.4f} at {r['ours']['bits']:.2f} bits ({r['ours']['point']}) "
                          f"vs {r['other']['value']:.4f} for {r['other']['point']} at {r['other']['bits']:.2f} bits: {cmp}")
+    return lines
+
+
+def describe_meter(env: dict) -> list[str]:
+    """One printable line per budget of an `envelope`: every method's fewest Keys' bits above the Gaussian
+    bound among its points within the budget (trace sources; none for a source that does not measure it)."""
+    lines = []
+    for b, table in env.items():
+        best = table.get(METER)
+        if best:
+            lines.append(f"<= {b} bits, Keys' bits above the Gaussian bound: " + ", ".join(
+                f"{m} {v['value']:.2f} ({v['point']} at {v['bits']:.2f} bits)" for m, v in sorted(best.items())))
     return lines
 
 

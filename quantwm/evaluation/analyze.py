@@ -9,10 +9,17 @@ seeds S with all of q_hist for every span, and a trace without q_hist is analyse
 report's `config.stats` says which. The traced (measured) queries never enter S. They then attend to
 exact and to quantized keys/values.
 
+With Keys quantized, each layer also gets the rate-distortion meter of quantwm.evaluation.rate_distortion on its
+quantized spans, weighted by the second moment of the traced (measured) queries, the same queries the shift
+metric reads: `k_bits_above_bound` (the Keys' stored bits per element minus the Gaussian bound's rate at the
+distortion reached), `k_distortion` and `k_bound_distortion` (that distortion and the bound's at the Keys'
+bits, as fractions of the weighted variance) and `k_bits_per_element` (the Keys' stored bits alone).
+
 Pre-RoPE traces are read with the standard 3-D RoPE of `quantwm.core.rope` over the trace's frame grid.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -24,10 +31,11 @@ from ..core.methods import make_method, parse_method_name
 from ..core.quant import BudgetError
 from ..core.rope import Rope3D
 from .metrics import attention_metrics, query_energy, rel_err, second_moment
+from .rate_distortion import rate_distortion, summarise
 from .trace import Trace
 
 MEAN_KEYS = ("shift_rate", "topk_overlap", "attn_kl", "logit_rmse", "k_rel_err", "v_rel_err", "out_rel_err",
-             "bits_per_element")
+             "bits_per_element", "k_bits_per_element", "k_bits_above_bound", "k_distortion", "k_bound_distortion")
 
 
 STATS_SOURCES = {"causal": "causal: each chunk's q_hist enters S when the chunk is written (q_hist_chunk)",
@@ -66,6 +74,31 @@ def _layer_cache(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: in
     return cache, rope
 
 
+def key_bits_per_element(cache: KVCache) -> float:
+    """Bits per element of the quantized Keys alone (codes plus their metadata); nan if no Key is quantized."""
+    if not cache.quantize_k:
+        return float("nan")
+    nbytes = sum(n for name, n in cache.bytes_by_component().items() if name.startswith("k.") and name != "k.full")
+    elems = sum(s.n_tokens * s.bhd[0] * s.bhd[1] * s.bhd[2] for layer in range(cache.n_layers)
+                for s in cache.inspect(layer) if s.quantized)
+    return 8 * nbytes / elems if elems else float("nan")
+
+
+def key_rate_distortion(cache: KVCache, k: torch.Tensor, k_hat: torch.Tensor, q: torch.Tensor) -> dict:
+    """The rate-distortion meter on layer 0's quantized Key spans: k, k_hat (H, L, D) in cache order, S from
+    the queries q (H, Nq, D); the figures of rate_distortion.summarise, plus the Keys' bits per element."""
+    bits = key_bits_per_element(cache)
+    nan = {"k_bits_above_bound": math.nan, "k_distortion": math.nan, "k_bound_distortion": math.nan}
+    if math.isnan(bits):
+        return {"k_bits_per_element": bits, **nan}
+    ends = torch.tensor([s.n_tokens for s in cache.inspect(0)]).cumsum(0).tolist()
+    spans = [slice(end - s.n_tokens, end) for s, end in zip(cache.inspect(0), ends) if s.quantized]
+    S = second_moment(q)  # (H, D, D), the measured queries'
+    figures = summarise([rate_distortion(k[:, s], k_hat[:, s], S, bits) for s in spans])
+    return {"k_bits_per_element": bits, "k_bits_above_bound": figures["bits_above_bound"],
+            "k_distortion": figures["distortion"], "k_bound_distortion": figures["bound_distortion"]}
+
+
 def analyze_layer(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: int, topk: int = 8) -> dict:
     """Metrics of one method on one traced layer: means plus per-head lists."""
     t = trace.layers[layer]
@@ -83,6 +116,7 @@ def analyze_layer(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: i
     row = {name: float(x.mean()) for name, x in heads.items()}
     row.update(k_rel_err=rel_err(k_hat, k), v_rel_err=rel_err(v_hat, v), out_rel_err=rel_err(out_hat, out),
                bits_per_element=cache.bits_per_element())
+    row.update(key_rate_distortion(cache, k[:, cache.positions(0)], k_hat, q))
     row["heads"] = {name: [float(a) for a in x] for name, x in heads.items()}
     row["budget_choice"] = cache.budget_choice
     return {"layer": layer, **row}
