@@ -59,10 +59,6 @@ def _fmt(x: float, digits: int = 4) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
-def _fmt_g(x: float) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3g}"
-
-
 def _options(pairs: list[str]) -> tuple:
     """['lam=4', 'psac=false'] -> (('lam', 4.0), ('psac', False)) for CacheConfig.method_options."""
     out = []
@@ -115,12 +111,6 @@ def cmd_analyze(a) -> int:
              else f"bits={a.bits}"))
     _report_budget(report["config"])
     print(_table(rows))
-    if "k" in a.target:  # the rate-distortion meter (docs/results.md, "Bits above the bound")
-        meter = ("k_bits_per_element", "k_bits_above_bound", "k_distortion", "k_bound_distortion")
-        print("Keys against the Gaussian rate-distortion bound (query-weighted by the traced queries; distortions "
-              "as fractions of the weighted variance):")
-        print(_table([["method", *meter]] + [[m, *(_fmt(e["mean"][k]) if "bits" in k else _fmt_g(e["mean"][k]) for k in meter)]
-                                              for m, e in report["methods"].items()]))
     return 0
 
 
@@ -253,6 +243,10 @@ def cmd_eval(a) -> int:
     from .world.evaluate import evaluate
 
     methods = _methods(a.methods)
+    if a.window is not None:
+        return _eval_long(a, methods)
+    if a.stream:
+        raise ValueError("--stream needs --window (the streamed long-rollout evaluation)")
     report = evaluate(_world_model(a.weights), methods, a.target, _ints(a.seeds, "--seeds"), a.frames, a.bits,
                       a.trajectory, a.steps, progress=_progress("eval"), training_seeds=a.training_seeds,
                       world=a.world, method_options=_options(a.set), training_photos=a.training_photos,
@@ -275,6 +269,33 @@ def cmd_eval(a) -> int:
     for m, e in report["methods"].items():
         if m != "bf16":
             print(f"{m}: place shift rate per layer: {', '.join(_fmt(x, 3) for x in e['place_shift_rate_per_layer'])}")
+    return 0
+
+
+def _eval_long(a, methods: list[str]) -> int:
+    """`quantwm eval --window N`: the streamed long-rollout evaluation (quantwm.world.long_rollout)."""
+    from .world.long_rollout import evaluate_long
+
+    if a.training_seeds or a.training_photos:
+        raise ValueError("--window runs held-out worlds only (no --training-seeds / --training-photos)")
+    report = evaluate_long(_world_model(a.weights), methods, a.target, _ints(a.seeds, "--seeds"), a.frames, a.bits,
+                           a.trajectory, a.steps, a.window, a.sink_chunks, a.stream, progress=_progress("eval"),
+                           world=a.world, method_options=_options(a.set), budget=_budget(a), threshold_db=a.threshold_db)
+    _write_json(report, a.json)
+    c = report["config"]
+    print(f"eval: target={a.target}, bits={a.bits}, seeds={a.seeds}, {a.frames} frames through a window of {a.window} "
+          f"chunk(s) after {a.sink_chunks} sink chunk(s), {a.trajectory}, {a.world} world, {c['seconds']:.0f} s"
+          + (f"; per-frame lines in {a.stream}" if a.stream else ""))
+    _report_budget(c)
+    keys = ("psnr", "ssim", "tdiff", "shift_rate", "place_shift_rate", "bits_per_element", "cache_compression")
+    print(_table([["method", *keys]] + [[m, *(_fmt(e["mean"][k]) for k in keys)]
+                                          for m, e in report["methods"].items()]))
+    for m, e in report["methods"].items():
+        first = e["first_frame_below_threshold"]
+        d = e["drift"]
+        print(f"{m}: first frame below {a.threshold_db:g} dB against BF16: {first if first is not None else 'none'}; "
+              "per 100 frames: " + ", ".join(f"{k} {v['slope_per_100_frames']:+.2e} (first quarter {_fmt(v['first_quarter'])}"
+                                             f", last {_fmt(v['last_quarter'])})" for k, v in d.items()))
     return 0
 
 
@@ -396,18 +417,7 @@ def cmd_figures(a) -> int:
 
 
 def cmd_frontier(a) -> int:
-    from .drivers.frontier import (
-        GRID,
-        QUICK_GRID,
-        describe_leads,
-        describe_meter,
-        frontier_figure,
-        leads,
-        make_tasks,
-        summarise,
-        sweep,
-        within,
-    )
+    from .drivers.frontier import GRID, QUICK_GRID, describe_leads, frontier_figure, leads, make_tasks, summarise, sweep, within
     from .evaluation.figures import check_formats
 
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
@@ -436,8 +446,6 @@ def cmd_frontier(a) -> int:
         for metric in metrics:
             for line in describe_leads(leads(s["envelope"], metric), metric):
                 print(f"{source}: {line}")
-        for line in describe_meter(s["envelope"]):
-            print(f"{source}: {line}")
     print(f"wrote {Path(a.out_dir) / 'frontier.json'}, {', '.join(map(str, paths))} ({len(tasks)} points)")
     return 0
 

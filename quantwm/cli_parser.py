@@ -130,6 +130,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "per held-out scene, of the same kind (grey or colour), so tiles repeat a photograph where the "
                         "held-out world's repeat a scene")
     s.add_argument("--world", choices=WORLDS, default="photo", help="world kind (procedural: the first models' world)")
+    s.add_argument("--window", type=int, default=None,
+                   help="rolling window: the sink chunks plus this many most recent chunks (whole-chunk eviction); "
+                        "the run streams frame by frame (frames in the hundreds)")
+    s.add_argument("--sink-chunks", type=int, default=1, help="with --window: chunks kept at the start")
+    s.add_argument("--stream", default=None, help="with --window: write one JSON line per generated frame here")
+    s.add_argument("--threshold-db", type=float, default=30.0,
+                   help="with --window: a frame leaves BF16 when its PSNR against BF16 falls below this")
     s = sub.add_parser("trace", help="write a trace file from the built-in world model", parents=[weights])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--frames", type=int, default=32)

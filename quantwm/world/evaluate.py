@@ -55,8 +55,9 @@ def place_shift_rate(run: Rollout) -> tuple[float, list[float]]:
     one counts only the jumps that fetch content from somewhere else."""
     L = run.config.layers
     moved, total = [0] * L, [0] * L
-    pos = run.cache.positions(0)  # cache order of every chunk's prefix: nothing is evicted here
     for p in run.probes:
+        # the cached tokens the probe saw (a rolling window evicts; without one, the final cache's prefix)
+        pos = p.positions if getattr(p, "positions", None) is not None else run.cache.positions(0)
         for layer, (e, q) in enumerate(zip(p.top1_exact, p.top1_quant)):
             jumped = (run.places[pos[e]] != run.places[pos[q]]).any(-1)
             moved[layer] += int(jumped.sum())
@@ -117,8 +118,8 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
 
     `budget`: (Keys, Values) bits per element: each method configures itself within it (docs/method.md §3.1);
     one that cannot is left out, with its reason in `report["config"]["left_out"]`."""
-    seeds = _check_worlds(seeds, training_seeds, training_photos, world)
-    configs, left_out = _configs(model, methods, target, bits, method_options, budget)
+    seeds = check_worlds(seeds, training_seeds, training_photos, world)
+    configs, left_out = method_configs(model, methods, target, bits, method_options, budget)
     rollout = dict(steps=steps, world=world, photos=PHOTOS[training_photos])
     lpips_note = M.lpips_unavailable()
     per = {m: {k: [] for k in (*FRAME_METRICS, *RUN_METRICS, "place_shift_rate_per_layer")} for m in configs}
@@ -155,7 +156,7 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
             "config": config}
 
 
-def _check_worlds(seeds, training_seeds: bool, training_photos: str | None, world: str) -> list[int]:
+def check_worlds(seeds, training_seeds: bool, training_photos: str | None, world: str) -> list[int]:
     """The world seeds to run (training ones when asked); ValueError for a combination that means nothing."""
     if any(s >= TRAIN_SEED_BASE or s < 0 for s in seeds):
         raise ValueError(f"evaluation world seeds must lie in [0, {TRAIN_SEED_BASE}) (training uses the rest)")
@@ -170,7 +171,7 @@ def _check_worlds(seeds, training_seeds: bool, training_photos: str | None, worl
     return list(seeds)
 
 
-def _configs(model: WorldModel, methods, target: str, bits: int, method_options: tuple,
+def method_configs(model: WorldModel, methods, target: str, bits: int, method_options: tuple,
              budget: tuple) -> tuple[dict, dict]:
     """({method: CacheConfig} of the methods that fit the budget, {method: why} of those left out); every name and
     option is validated before any work."""

@@ -64,7 +64,8 @@ class ChunkProbe:
 
     top1_exact / top1_quant: (H, N) cached-token index each query's argmax picks with exact / stored keys
     (cached tokens only, the chunk itself excluded); q: (H, N, D) the queries (temperature included);
-    n_cached: how many cached tokens they saw; same_place_mass: (H, N) exact attention probability on cached
+    n_cached: how many cached tokens they saw; positions: their absolute token positions (the cache order under
+    a rolling window, which evicts); same_place_mass: (H, N) exact attention probability on cached
     tokens that saw the query's world location (nan where no cached token did); top1_prob: (H, N).
     """
 
@@ -75,6 +76,7 @@ class ChunkProbe:
     same_place_mass: list = field(default_factory=list)
     top1_prob: list = field(default_factory=list)
     n_cached: int = 0
+    positions: torch.Tensor | None = None  # (n_cached,) absolute token position of each cached token (a window evicts)
 
 
 class ProbingCache:
@@ -109,7 +111,7 @@ class ProbingCache:
         mass = torch.where(same.any(-1)[None], mass, torch.full_like(mass, float("nan")))
         p.top1_exact.append(le.argmax(-1)), p.top1_quant.append(lq.argmax(-1)), p.q.append(qq.clone())
         p.same_place_mass.append(mass), p.top1_prob.append(prob.max(-1).values)
-        p.n_cached = le.shape[-1]
+        p.n_cached, p.positions = le.shape[-1], pos[:-n_cur]
 
 
 @dataclass
@@ -148,8 +150,36 @@ def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", 
     `poses` (n_frames, 2), camera positions in patches, replaces the trajectory (diagnostics: a static camera).
 
     Runs on the model's device (noise is drawn on the CPU, so CPU and CUDA runs see the same noise);
-    the returned frames are on the CPU.
+    the returned frames are on the CPU. `rollout` is the same loop one chunk at a time (long rollouts).
     """
+    steps_out = list(rollout(model, world_seed, trajectory_kind, n_frames, cache_config, steps, noise_seed, probe,
+                             progress, poses, world, photos))
+    first = steps_out[0]
+    probes = [s.probe for s in steps_out if s.probe is not None]
+    return Rollout(torch.cat([s.frames for s in steps_out]), torch.cat([s.ground_truth for s in steps_out]),
+                   first.poses, first.places, probes, first.cache, model.cfg)
+
+
+@dataclass
+class ChunkStep:
+    """One chunk of a rollout as `rollout` yields it: its frames (F, H, W, 3) in [0, 1] on the CPU and their
+    ground truth, its probe (None for context chunks or probe=False), and the whole rollout's poses, token
+    places and cache (shared by every step; the cache holds what it holds after this chunk's commit)."""
+
+    chunk: int
+    frames: torch.Tensor
+    ground_truth: torch.Tensor
+    probe: ChunkProbe | None
+    poses: torch.Tensor
+    places: torch.Tensor
+    cache: KVCache
+
+
+def rollout(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n_frames: int = 32,
+            cache_config: CacheConfig = CacheConfig(), steps: int = 4, noise_seed: int = 0, probe: bool = True,
+            progress=None, poses: torch.Tensor | None = None, world: str = "photo", photos: str | None = None):
+    """`generate`'s loop, one `ChunkStep` at a time: the caller keeps what it needs, so a long rollout through a
+    rolling window (`cache_config.max_chunks`) holds the window, one chunk's frames and the poses, not the video."""
     cfg = model.cfg
     device = next(model.parameters()).device
     if n_frames <= cfg.context_frames or (n_frames - cfg.context_frames) % cfg.chunk_frames:
@@ -164,38 +194,35 @@ def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", 
         hi = cfg.world_patches - cfg.view
         if poses.shape != (n_frames, 2) or poses.min() < 0 or poses.max() > hi:
             raise ValueError(f"poses must be ({n_frames}, 2) patch positions in [0, {hi}], got shape {tuple(poses.shape)}")
-    gt = render(world_map, poses, cfg.view, cfg.patch)
-    gt_tokens = (patchify(gt, cfg.patch) * 2 - 1).to(device)  # (T, N, P)
     places = token_world_coords(poses, cfg.view).reshape(-1, 2)
     n, F = cfg.tokens_per_frame, cfg.chunk_frames
-    coords = torch.cat([torch.arange(n_frames).repeat_interleave(n)[:, None], places], -1)
     cache = KVCache(replace(cache_config, keep_exact=probe, memo_decoded=True), cfg.layers)
     pc = ProbingCache(cache, places)
     g = torch.Generator().manual_seed(noise_seed * 1_000_003 + world_seed)
-    out = gt_tokens.clone()
-    probes = []
     n_chunks = n_frames // F
     with torch.no_grad():
         for c in range(n_chunks):
-            sl = slice(c * F * n, (c + 1) * F * n)
+            frames = slice(c * F, (c + 1) * F)
+            gt = render(world_map, poses[frames], cfg.view, cfg.patch)  # (F, H, W, 3)
+            coords = torch.cat([torch.arange(c * F, (c + 1) * F).repeat_interleave(n)[:, None],
+                                places[c * F * n:(c + 1) * F * n]], -1)
             noise = torch.randn(1, F * n, cfg.patch_dim, generator=g).to(device)
+            out, chunk_probe = (patchify(gt, cfg.patch) * 2 - 1).to(device), None  # (F, N, P)
             if c * F >= cfg.context_frames:
                 x = noise
                 for s in range(steps):
                     if probe and s == steps - 1:
                         pc.armed = ChunkProbe(c)
                     t = torch.full((1, F * n), s / steps, device=device)
-                    x = x + model(x, t, coords[sl], cache=pc, chunk=c) / steps
+                    x = x + model(x, t, coords, cache=pc, chunk=c) / steps
                     if pc.armed is not None:
-                        probes.append(pc.armed)
-                        pc.armed = None
-                out[c * F:(c + 1) * F] = x.clamp(-1, 1).reshape(F, n, -1)
-            clean = out[c * F:(c + 1) * F].reshape(1, F * n, -1)
-            model(clean, torch.ones(1, F * n, device=device), coords[sl], cache=pc, chunk=c, commit=True)
+                        chunk_probe, pc.armed = pc.armed, None
+                out = x.clamp(-1, 1).reshape(F, n, -1)
+            model(out.reshape(1, F * n, -1), torch.ones(1, F * n, device=device), coords, cache=pc, chunk=c, commit=True)
             if progress:
                 progress(c + 1, n_chunks)
-    frames = unpatchify((out.cpu() + 1) / 2, cfg.view, cfg.patch).clamp(0, 1)
-    return Rollout(frames, gt, poses, places, probes, cache, cfg)
+            yield ChunkStep(c, unpatchify((out.cpu() + 1) / 2, cfg.view, cfg.patch).clamp(0, 1), gt, chunk_probe,
+                            poses, places, cache)
 
 
 def context_coverage(poses: torch.Tensor, context_frames: int, view: int = 8) -> list[float]:

@@ -1,0 +1,95 @@
+"""Resident memory of a long streamed rollout: `quantwm eval --frames 512 --window 8` for one method against BF16.
+
+Runs the command in this process and samples its resident set size (VmRSS) twice a second beside the frames the
+stream file has received, then prints the RSS at every 64 generated frames and its growth from the first mark
+after the window has filled (sink + window + the current chunk) to the end; flat means under 3%.
+
+    nice python benchmarks/long_rollout.py                       # 512 frames, window 8, quantwm, seed 0
+    nice python benchmarks/long_rollout.py --frames 1024 --method kivi --threads 2
+
+`--threads` sets torch's intra-op threads (default 1: on a loaded 2-core machine more threads spin against each
+other and run several times slower).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+
+def rss_mib() -> float:
+    """This process's resident set size in MiB (Linux /proc)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def frames_streamed(path: Path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--frames", type=int, default=512)
+    ap.add_argument("--window", type=int, default=8)
+    ap.add_argument("--method", default="quantwm")
+    ap.add_argument("--seed", default="0")
+    ap.add_argument("--every", type=int, default=64, help="frames between printed RSS samples")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--json", default=None, help="also keep the eval report here")
+    a = ap.parse_args()
+    import torch
+
+    from quantwm.cli import main as cli
+    from quantwm.world.generate import DEFAULT_WEIGHTS, load_world_model
+
+    torch.set_num_threads(a.threads)
+    cfg = load_world_model(DEFAULT_WEIGHTS).cfg
+    with tempfile.TemporaryDirectory() as tmp:
+        stream = Path(tmp) / "frames.jsonl"
+        samples: list[tuple[int, float]] = []  # (generated frames streamed, RSS MiB)
+        done = threading.Event()
+
+        def sample():
+            while not done.is_set():
+                samples.append((frames_streamed(stream), rss_mib()))
+                done.wait(0.5)
+
+        t = threading.Thread(target=sample, daemon=True)
+        t0 = time.time()
+        t.start()
+        rc = cli(["eval", "--methods", a.method, "--seeds", a.seed, "--frames", str(a.frames), "--window", str(a.window),
+                  "--stream", str(stream), "--json", a.json or str(Path(tmp) / "eval.json")])
+        done.set()
+        t.join()
+        wall = time.time() - t0
+    if rc:
+        return rc
+    generated = a.frames - cfg.context_frames
+    marks = list(range(a.every, generated + 1, a.every))
+    series = [(m, next((r for f, r in samples if f >= m), samples[-1][1])) for m in marks]
+    fill = (1 + a.window + 1) * cfg.chunk_frames  # sink + window + current chunk, in frames (context included)
+    after = [(m, r) for m, r in series if m + cfg.context_frames >= fill]
+    print(f"quantwm eval --methods {a.method} --seeds {a.seed} --frames {a.frames} --window {a.window}: {wall:.0f} s wall, "
+          f"torch threads {a.threads}, pid {os.getpid()}")
+    print("RSS per generated frames: " + ", ".join(f"{m}: {r:.1f} MiB" for m, r in series))
+    if len(after) >= 2:
+        base = after[0][1]
+        growth = (after[-1][1] - base) / base
+        peak = (max(r for _, r in after) - base) / base
+        print(f"growth after the window filled (frame {after[0][0]} to {after[-1][0]}): {100 * growth:+.2f}% "
+              f"(peak {100 * peak:+.2f}%): {'flat (< 3%)' if max(growth, peak) < 0.03 else 'NOT flat (>= 3%)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""quantwm.world.long_rollout and generate.rollout: long rollouts through a rolling window, streamed frame by frame."""
+import json
+import math
+
+import pytest
+import torch
+
+from quantwm.cli import main
+from quantwm.core.cache import CacheConfig
+from quantwm.world.evaluate import place_shift_rate
+from quantwm.world.generate import DEFAULT_WEIGHTS, generate, load_world_model, rollout
+from quantwm.world.long_rollout import DRIFT, evaluate_long, summarise
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_world_model(DEFAULT_WEIGHTS)
+
+
+def test_rollout_window_holds_sink_plus_window_and_probes_see_positions(model):
+    """With max_chunks = sink + window the cache never holds more than that plus the current chunk, and each probe
+    records the absolute positions of the tokens it saw: the sink's, then the window's most recent chunks."""
+    cfg = model.cfg
+    chunk = cfg.chunk_frames * cfg.tokens_per_frame
+    steps = list(rollout(model, 0, "loop", 12, CacheConfig("rtn", max_chunks=3), steps=1))
+    assert [s.chunk for s in steps] == list(range(6)) and all(s.frames.shape[0] == cfg.chunk_frames for s in steps)
+    last = steps[-1].probe
+    assert last.n_cached == 3 * chunk  # sink + 2 window chunks (the chunk itself is not cached)
+    assert last.positions[:chunk].tolist() == list(range(chunk))  # the sink
+    assert last.positions[chunk:].tolist() == list(range(3 * chunk, 5 * chunk))  # chunks 3 and 4
+    assert steps[-1].cache.seq_len(0) == 3 * chunk  # after the last commit: sink + 2 most recent
+    # generate (the same loop, collected) with the window: place shift reads each probe's own positions
+    run = generate(model, 0, "loop", 12, CacheConfig("rtn", max_chunks=3), steps=1)
+    assert torch.equal(run.frames, torch.cat([s.frames for s in steps]))
+    rate, per_layer = place_shift_rate(run)
+    assert 0 <= rate <= 1 and len(per_layer) == cfg.layers
+
+
+def test_evaluate_long_streams_one_line_per_generated_frame(model, tmp_path):
+    stream = tmp_path / "frames.jsonl"
+    r = evaluate_long(model, ["rtn"], seeds=[0], n_frames=12, steps=1, window=2, stream=stream, curve_frames=4)
+    lines = [json.loads(x) for x in stream.read_text().splitlines()]
+    generated = 12 - model.cfg.context_frames
+    assert [x["frame"] for x in lines] == list(range(model.cfg.context_frames, 12))
+    assert {x["method"] for x in lines} == {"rtn"} and all(x["cached_tokens"] <= 3 * 128 for x in lines)
+    e = r["methods"]["rtn"]
+    assert len(e["per_frame"]["psnr"]) == generated and e["per_frame"]["psnr"] == [x["psnr"] for x in lines]
+    assert e["windowed"]["frames"] == [4, 8] and len(e["windowed"]["psnr"]) == 2
+    assert set(e["drift"]) == set(DRIFT) and 0 < e["mean"]["bits_per_element"] < 16
+    assert r["config"]["window"] == 2 and r["config"]["stream"] == str(stream)
+
+
+def test_summarise_finds_the_threshold_frame_and_the_slope():
+    """PSNR falling 1 dB a frame from 40 dB: frame 14 is the first under 30 dB; the MSE's slope is positive, the
+    flat tdiff's is zero, and the quarters tell the same."""
+    psnr = [40.0 - i for i in range(16)]
+    curves = {"psnr": [psnr], "ssim": [[0.9] * 16], "tdiff": [[0.01] * 16], "shift_rate": [[0.1] * 16],
+              "place_shift_rate": [[0.01 * i for i in range(16)]]}
+    s = summarise(curves, first_frame=4, threshold_db=30.0, curve_frames=8)
+    assert s["first_frame_below_threshold"] == 4 + 11
+    assert s["drift"]["mse"]["slope_per_100_frames"] > 0 and s["drift"]["tdiff"]["slope_per_100_frames"] == 0
+    assert s["drift"]["place_shift_rate"]["slope_per_100_frames"] == pytest.approx(1.0)
+    assert s["drift"]["mse"]["last_quarter"] > s["drift"]["mse"]["first_quarter"]
+    assert s["windowed"]["frames"] == [4, 12] and s["windowed"]["tdiff"] == [0.01, 0.01]
+    assert summarise({k: [[100.0] * 3] for k in curves}, 4)["first_frame_below_threshold"] is None
+
+
+def test_cli_eval_window_writes_stream_and_report(tmp_path, capsys):
+    stream, out = tmp_path / "s.jsonl", tmp_path / "e.json"
+    assert main(["eval", "--methods", "rtn", "--seeds", "0", "--frames", "8", "--steps", "1", "--window", "1",
+                 "--stream", str(stream), "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "through a window of 1 chunk(s)" in text and "first frame below 30 dB" in text
+    assert len(stream.read_text().splitlines()) == 4
+    r = json.loads(out.read_text())
+    assert not math.isnan(r["methods"]["rtn"]["mean"]["psnr"])
+    assert main(["eval", "--methods", "rtn", "--seeds", "0", "--stream", str(stream)]) == 2
+    assert "--stream needs --window" in capsys.readouterr().err
