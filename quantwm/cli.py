@@ -59,6 +59,10 @@ def _fmt(x: float, digits: int = 4) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
 
+def _fmt_g(x: float) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3g}"
+
+
 def _options(pairs: list[str]) -> tuple:
     """['lam=4', 'psac=false'] -> (('lam', 4.0), ('psac', False)) for CacheConfig.method_options."""
     out = []
@@ -111,6 +115,12 @@ def cmd_analyze(a) -> int:
              else f"bits={a.bits}"))
     _report_budget(report["config"])
     print(_table(rows))
+    if "k" in a.target:  # the rate-distortion meter (docs/results.md, "Bits above the bound")
+        meter = ("k_bits_per_element", "k_bits_above_bound", "k_distortion", "k_bound_distortion")
+        print("Keys against the Gaussian rate-distortion bound (query-weighted by the traced queries; distortions "
+              "as fractions of the weighted variance):")
+        print(_table([["method", *meter]] + [[m, *(_fmt(e["mean"][k]) if "bits" in k else _fmt_g(e["mean"][k]) for k in meter)]
+                                              for m, e in report["methods"].items()]))
     return 0
 
 
@@ -417,7 +427,18 @@ def cmd_figures(a) -> int:
 
 
 def cmd_frontier(a) -> int:
-    from .drivers.frontier import GRID, QUICK_GRID, describe_leads, frontier_figure, leads, make_tasks, summarise, sweep, within
+    from .drivers.frontier import (
+        GRID,
+        QUICK_GRID,
+        describe_leads,
+        describe_meter,
+        frontier_figure,
+        leads,
+        make_tasks,
+        summarise,
+        sweep,
+        within,
+    )
     from .evaluation.figures import check_formats
 
     formats = [f.strip() for f in a.formats.split(",") if f.strip()]
@@ -446,6 +467,8 @@ def cmd_frontier(a) -> int:
         for metric in metrics:
             for line in describe_leads(leads(s["envelope"], metric), metric):
                 print(f"{source}: {line}")
+        for line in describe_meter(s["envelope"]):
+            print(f"{source}: {line}")
     print(f"wrote {Path(a.out_dir) / 'frontier.json'}, {', '.join(map(str, paths))} ({len(tasks)} points)")
     return 0
 
