@@ -14,14 +14,15 @@ TARGETS = [("Keys only", "k"), ("Values only", "v"), ("Keys and Values", "kv")]
 
 def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str | None,
                        inspect: Callable | None = None, energy: Callable | None = None,
-                       click: Callable | None = None) -> None:
-    """analyze(trace_path, methods, target, bits) -> (markdown status, header, rows);
+                       click: Callable | None = None, trace_name: str = "the built-in synthetic world trace") -> None:
+    """`trace_name`: what the page calls the default trace (never a server path);
+    analyze(trace_path, methods, target, bits) -> (markdown status, header, rows);
     inspect(trace_path, method, target, bits, layer, head, query) -> {status, figure, jump_image, result};
     click(..., query, index) -> the same plus query_index: the query at the clicked token of the shown frame;
     energy(trace_path, layer_index) -> {status, figure}."""
     gr.Markdown("Attention fidelity of each method on a trace (queries, cached keys and values of a real "
                 "or built-in model): top-1 shift rate, top-k overlap, attention KL, logit RMSE, errors, bits. "
-                f"Default trace: `{default_trace}`.")
+                f"Default trace: {trace_name}. Press **Analyze** for the table.")
     with gr.Row():
         trace = gr.File(label="Trace file (.safetensors); empty = the default trace",
                         file_types=[".safetensors"], type="filepath")
@@ -31,11 +32,12 @@ def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str
             bits = gr.Dropdown([2, 3, 4, 8], value=2, label="Bits")
     run = gr.Button("Analyze", variant="primary", elem_id="analyze-btn")
     status = gr.Markdown(elem_id="analyze-status")
-    table = gr.Dataframe(label="Means over layers and heads", interactive=False)
+    table = gr.Dataframe(label="Means over layers and heads", interactive=False, visible=False)  # until analysed
 
     def handler(path, methods, target, bits):
         message, header, rows = analyze(path or default_trace, methods, target, bits)
-        return message, gr.Dataframe(value=rows, headers=header) if header else gr.Dataframe(value=None)
+        return message, (gr.Dataframe(value=rows, headers=header, visible=True) if header
+                         else gr.Dataframe(value=None, visible=False))
 
     run.click(handler, [trace, chosen, target, bits], [status, table], api_name="analyze")
     if inspect is None or energy is None:

@@ -15,6 +15,7 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
 
+from quantwm.core.methods import known_methods  # noqa: E402
 from quantwm.drivers.registry import RunRegistry  # noqa: E402
 from quantwm.drivers.workbench import Workbench  # noqa: E402
 from quantwm.evaluation.figures import FORMATS  # noqa: E402
@@ -70,7 +71,7 @@ def build_app(trace: str | None = None, workbench: Workbench | None = None, fram
     wb = runs.wb
     wh.track_evictions(runs)
     facts = wb.model_facts()
-    methods = wb.methods()  # what the built-in model can run; the trace tab takes the same list
+    methods = wb.methods()  # what the built-in model can run (the trace tab takes every method)
     check = wb.limits.check_upload
     with gr.Blocks(title="QuantWM", delete_cache=delete_cache) as demo:
         gr.Markdown("# QuantWM: where 2-bit KV caches make video world models flicker\n"
@@ -98,8 +99,11 @@ def build_app(trace: str | None = None, workbench: Workbench | None = None, fram
             build_methods_tab(_bind(wh.methods_handler, runs), _bind(wh.export_methods_handler, runs), methods,
                               controls, FORMATS)
         with gr.Tab("Trace analysis"):
-            build_analysis_tab(partial(handlers.analyze_handler, check_upload=check), methods, trace_path,
+            # every method, the pre-RoPE ones included: a trace carries its own RoPE (the built-in model's does not)
+            build_analysis_tab(partial(handlers.analyze_handler, check_upload=check), known_methods(), trace_path,
                                wh.guarded(partial(handlers.trace_inspect_handler, check_upload=check)),
                                wh.guarded(partial(handlers.trace_energy_handler, check_upload=check)),
-                               wh.guarded(partial(handlers.trace_click_handler, check_upload=check)))
+                               wh.guarded(partial(handlers.trace_click_handler, check_upload=check)),
+                               os.path.basename(trace) if trace else "the built-in synthetic world trace (2 layers, "
+                               "4 heads; made at start-up)")
     return demo

@@ -50,3 +50,22 @@ def test_the_app_process_keeps_an_environment_that_already_has_the_allocator_set
     app_main.restart_with_server_env({"MALLOC_ARENA_MAX": "4", "PATH": "/bin"})  # the user's own value is kept
     (exe, argv, env), = calls
     assert exe == app_main.sys.executable and env["MALLOC_ARENA_MAX"] == "4" and env["MKL_DISABLE_FAST_MM"] == "1"
+
+
+def test_the_page_names_no_server_path_and_lists_what_runs_where():
+    """No literal backticks in plain-text labels, no server path for the default trace, no empty "1 2 3" table
+    before an analysis; kivi-pre listed where it runs (traces) and its absence explained on the Generate tab."""
+    from app.assemble import build_app
+
+    comps = build_app(None).config["components"]
+    props = [c.get("props", {}) for c in comps]
+    labels = [p.get("label") for p in props if isinstance(p.get("label"), str)]
+    assert labels and not any("`" in label for label in labels)
+    texts = " ".join(str(p.get("value")) for p in props if isinstance(p.get("value"), str))
+    assert "/tmp" not in texts and "the built-in synthetic world trace" in texts
+    table = next(p for p in props if p.get("label") == "Means over layers and heads")
+    assert table["visible"] is False
+    methods = {p["label"]: [c[1] for c in p["choices"]] for p in props if p.get("label") == "Method"}
+    generate = next(p for p in props if p.get("label") == "Method" and "kivi-pre" in str(p.get("info")))
+    assert "kivi-pre" not in [c[1] for c in generate["choices"]]
+    assert any("kivi-pre" in choices for choices in methods.values())  # Trace analysis's list

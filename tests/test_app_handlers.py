@@ -152,6 +152,12 @@ def test_generate_bad_input_is_a_message(runs, settings, needle):
     assert r["status"].startswith("**Error:**") and needle in r["status"] and r.get("run_id") is None
 
 
+def test_a_bad_frame_count_names_the_valid_ones(runs):
+    top = runs.wb.limits.max_frames - (runs.wb.limits.max_frames - 4) % 2
+    status = wh.generate_handler(runs, 3, "loop", "qvg", "k", 2, 7)["status"]
+    assert f"frames must exceed 4 by a multiple of 2: 6, 8, 10, ... up to {top} on this server; got 7" in status
+
+
 def test_scrub_enlarges_both_frames_and_overlays_change_only_the_method_frame(runs, generated):
     rid, t = generated[0]["run_id"], FRAMES - 1
     plain = wh.scrub_handler(runs, rid, t, [])

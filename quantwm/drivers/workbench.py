@@ -105,7 +105,10 @@ class Workbench:
         """A valid frame count within this server's limit (ValueError naming what is wrong)."""
         c = self.cfg
         if n <= c.context_frames or (n - c.context_frames) % c.chunk_frames:
-            raise ValueError(f"frames must exceed {c.context_frames} by a multiple of {c.chunk_frames}, got {n}")
+            first, step, top = c.context_frames + c.chunk_frames, c.chunk_frames, self.limits.max_frames
+            top -= (top - c.context_frames) % step
+            raise ValueError(f"frames must exceed {c.context_frames} by a multiple of {step}: {first}, {first + step}, "
+                             f"{first + 2 * step}, ... up to {top} on this server; got {n}")
         self.limits.check_frames(n)
 
     def calibrate(self, generated_chunks: int = 8) -> tuple[float, float]:
