@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 from .cli_parser import build_parser
 from .cli_parser import fail as _fail
-from .core.methods import known_methods, parse_method_name
+from .core.methods import known_methods, method_sources, parse_method_name
 
 
 def _methods(text: str) -> list[str]:
@@ -377,7 +377,8 @@ def cmd_record(a) -> int:
 
 
 def cmd_methods(a) -> int:
-    print("\n".join(known_methods()))
+    print(_table([["method", "bits", "source"], *map(list, method_sources())]))
+    print("every quantizing method also runs as <method>+jensen (docs/method.md §3)")
     return 0
 
 

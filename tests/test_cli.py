@@ -113,3 +113,14 @@ def test_cli_set_passes_method_options(trace_file, tmp_path):
     assert "lambda=0" in r["config"]["grid"]["quantwm-qsac"]
     assert main(["analyze", "--trace", str(trace_file), "--methods", "rtn", "--set", "nonsense"]) == 2
     assert main(["analyze", "--trace", str(trace_file), "--methods", "rtn", "--set", "frobnicate=1"]) == 2
+
+
+def test_cli_methods_lists_each_method_with_its_source(capsys):
+    assert main(["methods"]) == 0
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:4]]
+            for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and "method" not in line}
+    assert rows["oscar"] == ["bits", "arXiv 2605.17757; code github.com/FutureMLS-Lab/OSCAR (read at 473ff3f; also in its "
+                                     "SGLang fork)"]
+    for name, paper in (("turboquant", "2504.19874"), ("kivi", "2402.02750"), ("qvg", "2602.02958")):
+        assert f"arXiv {paper}" in rows[name][1]
+    assert "this project" in rows["span-rtn"][1] and rows["nvfp4"][0] == "fixed"
