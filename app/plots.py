@@ -128,3 +128,22 @@ def bars_figure(rows: list[dict], label: str, metrics: list[str], title: str) ->
         fig.add_trace(go.Bar(x=[r[label] for r in rows], y=[r[m] for r in rows], name=m, showlegend=False), 1, i)
     fig.update_layout(height=300, title=title, margin=dict(l=40, r=10, t=70, b=30))
     return fig
+
+
+def key_value_figure(by: dict, metrics: list[tuple[str, str]], title: str) -> go.Figure:
+    """Keys only (k) vs Values only (v) per method: one panel per metric (column, title), bars of the mean over
+    the seeds with the standard deviation as error bars. `by`: {(method, target): [per-seed rows]}."""
+    methods = list(dict.fromkeys(m for m, _ in by))
+    cols = min(4, len(metrics))
+    fig = make_subplots(rows=-(-len(metrics) // cols), cols=cols, subplot_titles=[t for _, t in metrics],
+                        vertical_spacing=0.16)
+    for i, (col, _) in enumerate(metrics):
+        for target, name, color in (("k", "Keys only", "#d62728"), ("v", "Values only", "#1f77b4")):
+            stats = [np.array([r[col] for r in by[(m, target)]], dtype=float) for m in methods]
+            fig.add_trace(go.Bar(x=methods, y=[s.mean() for s in stats], name=name, legendgroup=target,
+                                 showlegend=i == 0, marker_color=color,
+                                 error_y=dict(type="data", array=[s.std(ddof=1) if len(s) > 1 else 0 for s in stats])),
+                          i // cols + 1, i % cols + 1)
+    fig.update_layout(height=260 * (-(-len(metrics) // cols)) + 60, title=title, barmode="group",
+                      margin=dict(l=40, r=10, t=80, b=30), legend=dict(orientation="h", y=1.08))
+    return fig

@@ -6,7 +6,7 @@ from collections.abc import Callable
 import gradio as gr
 
 from .ui import Number, progress_callback, table, unpack
-from .world_handlers import DEFAULT_BUDGET, KV_COLUMNS, METHOD_COLUMNS
+from .world_handlers import DEFAULT_BUDGET, KV_COLUMNS, KV_SEEDS, METHOD_COLUMNS
 
 
 def build_energy_tab(energy: Callable, controls: dict, layers: int, export: Callable | None = None,
@@ -49,26 +49,31 @@ def build_energy_tab(energy: Callable, controls: dict, layers: int, export: Call
 
 
 def build_key_value_tab(key_value: Callable, controls: dict, baselines: list[str], default_baseline: str) -> None:
-    """key_value(seed, trajectory, baseline, bits, frames, progress) -> {status, header, rows, figure}."""
-    gr.Markdown("Quantize only the Keys, then only the Values, for a baseline and for quantwm beside it (seed, "
-                "trajectory, bits and frames of the Generate tab). The table puts the reconstruction error of K and "
-                "V beside the damage each causes: attention-output error on the same cache state, top-1 shift "
-                f"rate, and PSNR/SSIM/LPIPS/flicker vs BF16. The default baseline, {default_baseline}, is the one "
-                "whose rows show the paper's finding most clearly on held-out worlds (docs/world-model.md).")
+    """key_value(seed, trajectory, baseline, budget, frames, seeds, progress) -> {status, header, rows, figure}."""
+    gr.Markdown("Quantize only the Keys, then only the Values, each within the same budget by its method's rule, for "
+                "a baseline and for quantwm beside it, on several held-out worlds from the Generate tab's seed on "
+                "(its trajectory and frames too). Per seed, the table puts the reconstruction error of K and V beside "
+                "the damage each causes: PSNR, flicker (tdiff), LPIPS, place shift (a Query's top-1 moved to another "
+                "world place) and attention-output error, then their mean ± sd; the chart draws them all. The "
+                "sentence says what holds on every seed and what does not, computed from the table. The default "
+                f"baseline, {default_baseline}, is the one whose rows show the paper's finding most clearly on "
+                "held-out worlds (docs/world-model.md).")
     with gr.Row():
         baseline = gr.Dropdown(baselines, value=default_baseline, label="Baseline")
-        go = gr.Button("Run Key-only vs Value-only", variant="primary", elem_id="kv-btn")
+        budget = Number(DEFAULT_BUDGET, label="Budget (bits per element)", step=0.25, elem_id="kv-budget")
+        seeds = Number(KV_SEEDS, label="Seeds (worlds from the Generate tab's seed on)", elem_id="kv-seeds")
+        go = gr.Button("Run Keys only vs Values only", variant="primary", elem_id="kv-btn")
     status = gr.Markdown(elem_id="kv-status")
-    rows = gr.Dataframe(label="Keys only (k) vs Values only (v)", headers=list(KV_COLUMNS), interactive=False)
-    plot = gr.Plot(label="Errors and damage", elem_id="kv-plot")
+    rows = gr.Dataframe(label="Keys only (k) vs Values only (v), per seed", headers=list(KV_COLUMNS), interactive=False)
+    plot = gr.Plot(label="Errors and damage, mean ± sd over the seeds", elem_id="kv-plot")
 
-    def run(seed, trajectory, baseline, bits, frames, progress=gr.Progress()):
-        r = key_value(seed, trajectory, baseline, bits, frames,
-                      progress=progress_callback(progress, "Keys only, then Values only"))
+    def run(seed, trajectory, baseline, budget, frames, seeds, progress=gr.Progress()):
+        r = key_value(seed, trajectory, baseline, budget, frames, seeds,
+                      progress=progress_callback(progress, "Keys only, then Values only, seed by seed"))
         return (*unpack(r, ["status", "figure"]), table(r))
 
     c = controls
-    go.click(run, [c["seed"], c["trajectory"], baseline, c["bits"], c["frames"]], [status, plot, rows],
+    go.click(run, [c["seed"], c["trajectory"], baseline, budget, c["frames"], seeds], [status, plot, rows],
              api_name="key_vs_value", concurrency_limit=1, concurrency_id="generate", trigger_mode="multiple")
 
 

@@ -323,54 +323,99 @@ def energy_handler(runs, run_id, layer=0) -> dict:
             "rows": rows}
 
 
-KV_COLUMNS = ("method", "target", "k_rel_err", "v_rel_err", "attn_out_rel_err", "shift_rate", "psnr", "ssim", "lpips",
-              "tdiff")
+KV_COLUMNS = ("method", "target", "seed", "k_rel_err", "v_rel_err", "attn_out_rel_err", "place_shift_rate",
+              "shift_rate", "psnr", "ssim", "lpips", "tdiff")
+# the damage the Key-vs-Value sentence weighs: (column, its name in the sentence, +1 if higher is better)
+KV_DAMAGE = (("psnr", "PSNR", 1), ("tdiff", "flicker (tdiff)", -1), ("lpips", "LPIPS", -1),
+             ("place_shift_rate", "place shift", -1), ("attn_out_rel_err", "output error", -1))
+KV_SEEDS = 4  # held-out worlds the Key-vs-Value study runs on by default
 FIX = "quantwm"  # shown beside the baseline: the problem and the fix in one click
 
 
-def _kv_finding(method: str, k: dict, v: dict) -> str:
-    """One sentence from a method's Keys-only (k) and Values-only (v) rows; computed, never canned."""
-    head = (f"{method}: Keys only: Key error {k['k_rel_err']:.4f}, PSNR {k['psnr']:.2f} dB, shift rate "
-            f"{k['shift_rate']:.1%}; Values only: Value error {v['v_rel_err']:.4f}, PSNR {v['psnr']:.2f} dB. ")
-    if k["k_rel_err"] <= v["v_rel_err"] and k["psnr"] < v["psnr"]:
-        return head + ("Smaller error, bigger damage: the Key error is no larger yet hurts more, because it moves "
-                       "which token each Query selects.")
-    if k["psnr"] < v["psnr"]:
-        return head + "Keys-only hurts more, though here its Key error is also the larger one."
-    return head + "Keys-only is not the more damaging half here."
+def keys_hurt_more(k: dict, v: dict, column: str, sign: int) -> bool:
+    """Whether the Keys-only run `k` is strictly worse than the Values-only run `v` in `column`."""
+    return sign * (k[column] - v[column]) < 0
 
 
-def key_value_handler(runs, seed, trajectory, baseline, bits, frames, progress: Callable | None = None) -> dict:
-    """Keys-only vs Values-only for `baseline` and for quantwm beside it: reconstruction errors beside the
-    damage each causes."""
+def _kv_finding(method: str, ks: list[dict], vs: list[dict]) -> str:
+    """What a method's Keys-only rows (ks) and Values-only rows (vs), one pair per seed, show: per damage metric,
+    whether Keys only is worse on every seed, on none, or on some; then whether the paper's finding (a smaller
+    Key error, yet more damage) holds on every seed, and on which metrics. Computed, never canned."""
+    n = len(ks)
+    smaller = sum(k["k_rel_err"] <= v["v_rel_err"] for k, v in zip(ks, vs))
+    worse = {name: sum(keys_hurt_more(k, v, col, sign) for k, v in zip(ks, vs)) for col, name, sign in KV_DAMAGE}
+    keys = [name for name, w in worse.items() if w == n]
+    values = [name for name, w in worse.items() if w == 0]
+    mixed = [f"{name} ({w} of {n})" for name, w in worse.items() if 0 < w < n]
+    mean = lambda rows, c: sum(r[c] for r in rows) / n  # noqa: E731
+    out = [f"{method}, {n} seed(s): Key error {mean(ks, 'k_rel_err'):.4f} (Keys only) vs Value error "
+           f"{mean(vs, 'v_rel_err'):.4f} (Values only); the Key error is the smaller on {smaller} of {n} seed(s)."]
+    if keys:
+        out.append(f"Keys only does more damage on every seed in {', '.join(keys)}.")
+    if values:
+        out.append(f"Values only does more damage on every seed in {', '.join(values)}.")
+    if mixed:
+        out.append(f"Seeds disagree on {', '.join(mixed)} (seeds where Keys only does more damage).")
+    if smaller == n and keys:
+        out.append(f"So the finding (a smaller Key error, yet more damage) holds on every seed in {', '.join(keys)}"
+                   + (f", not in {', '.join(n_ for n_ in worse if n_ not in keys)}." if len(keys) < len(worse) else "."))
+    elif smaller == n:
+        out.append("So the finding (a smaller Key error, yet more damage) holds on every seed in none of these metrics.")
+    else:
+        out.append("The Key error is not the smaller on every seed, so the finding's premise does not hold here.")
+    return " ".join(out)
+
+
+def _mean_sd(values: list[float]) -> str:
+    m = sum(values) / len(values)
+    sd = (sum((x - m) ** 2 for x in values) / max(1, len(values) - 1)) ** 0.5
+    return f"{m:.4g} ± {sd:.2g}"
+
+
+def key_value_handler(runs, seed, trajectory, baseline, budget=DEFAULT_BUDGET, frames=32, seeds=KV_SEEDS,
+                      progress: Callable | None = None) -> dict:
+    """Keys only vs Values only, each within the same budget by its method's rule, for `baseline` and for quantwm
+    beside it, on `seeds` held-out worlds from `seed` on: per seed the reconstruction errors beside the damage
+    each causes (PSNR, tdiff, LPIPS, place shift, output error), their mean ± sd, a chart of them all, and the
+    sentence of what holds on every seed and what does not (`_kv_finding`)."""
+    from dataclasses import replace
+
     from quantwm.drivers import studies
 
     wb = runs.wb
     try:
-        key = _key(seed, trajectory, baseline, "kv", bits, frames)
+        first, n = integer(seed, "world seed"), integer(seeds, "seeds")
+        if not 1 <= n <= 16:
+            raise ValueError(f"seeds must lie in 1..16, got {n}")
+        b = budget_value(budget)
+        key = replace(_key(first, trajectory, baseline, "kv", 2, frames), budget=b)
         if key.method == "bf16":
             raise ValueError("bf16 quantizes nothing: pick a quantization method")
         wb.check_frames(key.frames)
+        world_seeds = [replace(key, seed=s).seed for s in range(first, first + n)]  # each checked as a world seed
         names = list(dict.fromkeys([key.method, FIX]))
+        jobs = [(m, s) for m in names for s in world_seeds]
         rows = []
-        for i, m in enumerate(names):
-            step = (lambda a, n, i=i: progress(i * n + a, len(names) * n)) if progress else None
-            rows += [{"method": m, **r} for r in studies.key_vs_value(wb, _key(seed, trajectory, m, "kv", bits, frames), step)]
+        for i, (m, s) in enumerate(jobs):
+            step = (lambda a, t, i=i: progress(i * t + a, len(jobs) * t)) if progress else None
+            rows += [{"method": m, "seed": s, **r} for r in studies.key_vs_value(wb, replace(key, method=m, seed=s), step)]
     except ValueError as e:
         return error(str(e))
-    by = {(r["method"], r["target"]): r for r in rows}
+    by = {(m, t): [r for r in rows if r["method"] == m and r["target"] == t] for m in names for t in "kv"}
     finding = " ".join(_kv_finding(m, by[(m, "k")], by[(m, "v")]) for m in names)
-    if key.method != FIX:
-        gain = by[(FIX, "k")]["psnr"] - by[(key.method, "k")]["psnr"]
-        finding += (f" With Keys only, {FIX} is {abs(gain):.2f} dB {'above' if gain >= 0 else 'below'} "
-                    f"{key.method} against BF16.")
-    table = [[r["method"], r["target"], *[_fmt(r[c]) for c in KV_COLUMNS[2:]]] for r in rows]
-    for r in rows:
-        r["run"] = f"{r['method']} {r['target']}"
-    return {"status": f"**{bits}-bit, seed {seed}, {trajectory}, {frames} frames.** " + finding,
-            "header": list(KV_COLUMNS), "rows": table,
-            "figure": plots.bars_figure(rows, "run", ["k_rel_err", "v_rel_err", "psnr", "lpips"],
-                                        "Keys only (k) vs Values only (v)")}
+    table = []
+    for (m, t), rs in by.items():
+        table += [[m, t, r["seed"], *[_fmt(r[c]) for c in KV_COLUMNS[3:]]] for r in rs]
+        if len(rs) > 1:
+            table.append([m, t, "mean ± sd", *[_mean_sd([r[c] for r in rs]) for c in KV_COLUMNS[3:]]])
+    seeds_text = f"seed {first}" if n == 1 else f"seeds {first}-{first + n - 1}"
+    return {"status": f"**Within {b:g} bits per element, {seeds_text}, {trajectory}, {frames} frames.** " + finding,
+            "header": list(KV_COLUMNS), "rows": table, "per_seed": rows,
+            "figure": plots.key_value_figure(by, [("k_rel_err", "Key error (Keys only)"),
+                                                  ("v_rel_err", "Value error (Values only)"),
+                                                  *[(c, name) for c, name, _ in KV_DAMAGE], ("shift_rate", "top-1 shift")],
+                                             f"Keys only (k) vs Values only (v) within {b:g} bits, mean ± sd over "
+                                             f"{n} seed(s)")}
 
 
 # the memory figures by their `CacheMemory` names: the quantized spans' bits and compression, the whole cache's

@@ -124,7 +124,7 @@ def take_tab_screenshots(page, outdir: pathlib.Path) -> list[pathlib.Path]:
     for label, slug in TABS.items():
         page.get_by_role("tab", name=label).click()
         action = {"energy": ("#energy-btn", "#energy-status", "eigen-directions"),
-                  "key-vs-value": ("#kv-btn", "#kv-status", "Keys only:"),
+                  "key-vs-value": ("#kv-btn", "#kv-status", "seed(s):"),
                   "methods": ("#methods-btn", "#methods-status", "memory counts")}.get(slug)
         if action:
             button, status, done = action

@@ -50,7 +50,7 @@ API_PARAMETERS = {
     "/export_figures": ["run_id", "frame", "layer", "head", "formats", "traced"],
     "/energy": ["run_id", "layer"],
     "/export_energy": ["run_id", "layer", "formats"],
-    "/key_vs_value": ["seed", "trajectory", "baseline", "bits", "frames"],
+    "/key_vs_value": ["seed", "trajectory", "baseline", "budget", "frames", "seeds"],
     "/methods_table": ["seed", "trajectory", "target", "frames", "methods", "budget"],
     "/export_methods_figure": ["seed", "trajectory", "target", "frames", "methods", "budget", "formats"],
     "/analyze": ["path", "methods", "target", "bits"],

@@ -245,25 +245,48 @@ def test_energy_handler_table_and_bad_layer(runs, wb, generated):
     assert wh.energy_handler(runs, generated[0]["run_id"], 9)["status"].startswith("**Error:** layer 9")
 
 
-def test_key_value_handler_shows_the_baseline_and_quantwm_beside_it(runs):
-    r = wh.key_value_handler(runs, 3, "pan-return", "qvg", 2, FRAMES)
-    assert [row[:2] for row in r["rows"]] == [["qvg", "k"], ["qvg", "v"], ["quantwm", "k"], ["quantwm", "v"]]
-    assert r["header"] == list(wh.KV_COLUMNS)
-    for k, v in (r["rows"][:2], r["rows"][2:]):
-        assert k[3] == 0 and v[2] == 0  # Keys-only leaves V exact, Values-only leaves K exact
-    assert "qvg: Keys only: Key error" in r["status"] and "quantwm: Keys only" in r["status"]
-    assert "With Keys only, quantwm is" in r["status"]
-    only = wh.key_value_handler(runs, 3, "pan-return", "quantwm", 2, FRAMES)
-    assert [row[:2] for row in only["rows"]] == [["quantwm", "k"], ["quantwm", "v"]]
-    assert wh.key_value_handler(runs, 3, "loop", "bf16", 2, FRAMES)["status"].startswith("**Error:** bf16")
+def test_key_value_handler_runs_several_seeds_at_one_budget_and_its_sentence_holds_to_its_table(runs):
+    """Two seeds, kivi beside quantwm, within 2.5 bits: per-seed rows and a mean ± sd row per (method, target); the
+    sentence's every-seed claims agree with the per-seed numbers of the table on every metric it names."""
+    calls = []
+    r = wh.key_value_handler(runs, 3, "pan-return", "kivi", 2.5, FRAMES, 2, progress=lambda a, n: calls.append((a, n)))
+    h = r["header"]
+    assert h == list(wh.KV_COLUMNS) and calls[-1][0] == calls[-1][1]  # progress reached its end
+    assert [row[:3] for row in r["rows"]] == [[m, t, s] for m in ("kivi", "quantwm") for t in "kv"
+                                             for s in (3, 4, "mean ± sd")]
+    per_seed = [row for row in r["rows"] if row[2] != "mean ± sd"]
+    for row in per_seed:  # Keys-only leaves V exact, Values-only leaves K exact
+        assert row[h.index("v_rel_err" if row[1] == "k" else "k_rel_err")] == 0
+    assert "Within 2.5 bits per element, seeds 3-4" in r["status"]
+    for method in ("kivi", "quantwm"):
+        part = r["status"].split(f"{method}, 2 seed(s): ")[1].split(" quantwm, 2 seed(s)")[0]
+        ks = [dict(zip(h, row)) for row in per_seed if row[0] == method and row[1] == "k"]
+        vs = [dict(zip(h, row)) for row in per_seed if row[0] == method and row[1] == "v"]
+        for col, name, sign in wh.KV_DAMAGE:
+            worse = sum(wh.keys_hurt_more(k, v, col, sign) for k, v in zip(ks, vs))
+            clause = ("Keys only does more damage on every seed in" if worse == 2 else
+                      "Values only does more damage on every seed in" if worse == 0 else "Seeds disagree on")
+            sentence = next(x for x in part.split(". ") if x.startswith(clause))
+            assert name in sentence, (method, name, worse, part)
+    data = r["figure"].data
+    assert {t.name for t in data} == {"Keys only", "Values only"} and len(data) == 2 * 8  # every metric charted
+    assert wh.key_value_handler(runs, 3, "loop", "bf16", 2.5, FRAMES, 2)["status"].startswith("**Error:** bf16")
+    assert "seeds must lie in 1..16" in wh.key_value_handler(runs, 3, "loop", "kivi", 2.5, FRAMES, 0)["status"]
 
 
 def test_kv_finding_is_computed_from_the_numbers():
-    k = {"k_rel_err": 0.03, "psnr": 26.0, "shift_rate": 0.5}
-    v = {"v_rel_err": 0.15, "psnr": 30.0}
-    assert "Smaller error, bigger damage" in wh._kv_finding("kivi", k, v)
-    assert "also the larger one" in wh._kv_finding("rtn", {**k, "k_rel_err": 0.3}, v)
-    assert "not the more damaging" in wh._kv_finding("x", {**k, "psnr": 31.0}, v)
+    def row(**kw):
+        return {"k_rel_err": 0.03, "v_rel_err": 0.15, "psnr": 30.0, "tdiff": 0.02, "lpips": 0.01,
+                "place_shift_rate": 0.1, "attn_out_rel_err": 0.1, **kw}
+
+    ks = [row(psnr=26.0, place_shift_rate=0.3), row(psnr=31.0, place_shift_rate=0.2)]
+    vs = [row(k_rel_err=0, v_rel_err=0.15), row(k_rel_err=0, v_rel_err=0.15, tdiff=0.05)]
+    text = wh._kv_finding("kivi", ks, vs)
+    assert "Keys only does more damage on every seed in place shift." in text
+    assert "Values only does more damage on every seed in flicker (tdiff), LPIPS, output error." in text
+    assert "Seeds disagree on PSNR (1 of 2)" in text
+    assert "holds on every seed in place shift, not in PSNR, flicker (tdiff), LPIPS, output error." in text
+    assert "premise does not hold" in wh._kv_finding("rtn", [row(k_rel_err=0.3)] * 2, vs)
 
 
 def test_methods_handler(runs):

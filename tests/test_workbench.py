@@ -136,7 +136,7 @@ def test_methods_table_at_a_budget_configures_sorts_and_leaves_out(wb, key):
     assert [r["method"] for r in rows] == sorted(["quantwm", "kivi"], key=lambda m: next(
         r["span_bits_per_element"] for r in rows if r["method"] == m))
     assert all(r["span_bits_per_element"] <= 2.5 + 1e-9 for r in rows)
-    assert "budget=2.5" in next(r["configuration"] for r in rows if r["method"] == "quantwm")
+    assert "k: allocator, bits per channel " in next(r["configuration"] for r in rows if r["method"] == "quantwm")
     assert list(left_out) == ["nvfp4"] and "cannot fit 2.5" in left_out["nvfp4"]
 
 

@@ -86,6 +86,7 @@ class Record:
     budget_choice: dict | None = None  # the cache's {kind: options} a budget chose (`KVCache.budget_choice`)
     coverage: list | None = None  # per frame, the share of its view the context frames saw (1: a revisit)
     channel_bits: dict | None = None  # {kind: {bits: channels}} where channels have widths of their own (the allocator)
+    place_shift_rate: float | None = None  # share of probed top-1s that moved to another world place (world.evaluate)
 
     def nbytes(self) -> int:
         """Bytes of every tensor the record holds (what it costs the results cache)."""

@@ -41,7 +41,7 @@ def key_vs_value(wb, key: RunKey, progress: Callable | None = None) -> list[dict
         ke = sum(M.rel_err(s, e) for s, e in zip(rec.k_stored, rec.k_exact)) / len(rec.k_exact)
         ve = sum(M.rel_err(s, e) for s, e in zip(rec.v_stored, rec.v_exact)) / len(rec.v_exact)
         rows.append({"target": k.target, "k_rel_err": ke, "v_rel_err": ve, "attn_out_rel_err": attention_error(wb, rec),
-                     **RunView.of_records(wb.cfg, ref, rec).summary(lpips=True)})
+                     "place_shift_rate": rec.place_shift_rate, **RunView.of_records(wb.cfg, ref, rec).summary(lpips=True)})
     return rows
 
 

@@ -33,6 +33,7 @@ import torch
 from ..core.cache import CacheConfig
 from ..core.methods import get_method, known_methods
 from ..evaluation.limits import Limits, fit_chunk_seconds, generated_chunk_tokens
+from ..world.evaluate import place_shift_rate
 from ..world.generate import generate, load_world_model
 from ..world.scene import TRAIN_SEED_BASE
 from .runs import MiB, Record, RunKey
@@ -207,7 +208,8 @@ class Workbench:
                       v_exact, [c.values(l)[0].cpu() for l in range(L)],
                       [c.query_stats(l).cpu() for l in range(L)], steps, c.memory(), time.time() - t0,
                       budget_choice=c.budget_choice, coverage=run.coverage(),
-                      channel_bits={kind: c.channel_bits(kind) for kind in "kv"})
+                      channel_bits={kind: c.channel_bits(kind) for kind in "kv"},
+                      place_shift_rate=place_shift_rate(run)[0])
 
     def pair(self, key: RunKey, progress: Callable | None = None) -> tuple[Record, Record]:
         """(BF16 record, method record) with the same world, trajectory and noise."""
