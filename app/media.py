@@ -50,6 +50,22 @@ def draw_box(img: np.ndarray, row: int, col: int, cell: int, color=YELLOW, width
     return out
 
 
+def mark_pixel(img: np.ndarray, x: int, y: int, factor: int, color=YELLOW) -> np.ndarray:
+    """A copy of an image enlarged `factor`x with frame pixel (x, y) outlined: a square of 3 frame pixels (at
+    least 9 image pixels) around it, clipped to the image, so it shows at any enlargement."""
+    out = img.copy()
+    half = max(factor, 3) + factor // 2
+    cy, cx = y * factor + factor // 2, x * factor + factor // 2
+    y0, y1 = max(cy - half, 0), min(cy + half + 1, img.shape[0])
+    x0, x1 = max(cx - half, 0), min(cx + half + 1, img.shape[1])
+    w = max(1, factor // 3)
+    out[y0:y0 + w, x0:x1] = color
+    out[y1 - w:y1, x0:x1] = color
+    out[y0:y1, x0:x0 + w] = color
+    out[y0:y1, x1 - w:x1] = color
+    return out
+
+
 def label(img: np.ndarray, text: str) -> np.ndarray:
     """A copy of img (H, W, 3) uint8 with `text` in its top-left corner, white on a dark band (PIL's font)."""
     from PIL import Image, ImageDraw

@@ -2,6 +2,7 @@
   // Click a point of the per-frame plot: move the frame slider there (its change event scrubs both runs).
   // Play, pause and seek of either video are mirrored on the other, so both play in lockstep.
   // A newly loaded pair opens on the run's worst flicker frame (named in the status line), not on frame 0.
+  // The frame slider seeks both (paused) videos to its frame.
   const FPS = 8;  // app/media.py writes the videos at 8 frames per second
   const showWorst = (v) => {
     const m = /Worst flicker frames: (\d+)/.exec(document.querySelector('#generate-status')?.innerText || '');
@@ -45,5 +46,22 @@
       x.addEventListener('seeked', () => { if (Math.abs(y.currentTime - x.currentTime) > 0.05) y.currentTime = x.currentTime; });
     }
   };
-  new MutationObserver(() => { hookPlot(); hookVideos(); }).observe(document.body, { childList: true, subtree: true });
+  // Moving the frame slider seeks both videos to that frame (a paused pair only: playing videos keep playing).
+  const seekVideos = (frame) => {
+    for (const sel of ['#video-bf16 video', '#video-method video']) {
+      const v = document.querySelector(sel);
+      if (v && v.paused && Number.isFinite(frame)) v.currentTime = (frame + 0.5) / FPS;
+    }
+  };
+  const hookSlider = () => {
+    for (const el of document.querySelectorAll('#frame-slider input')) {
+      if (el.__quantwmSeek) continue;
+      el.__quantwmSeek = true;
+      el.addEventListener('change', () => seekVideos(Number(el.value)));
+    }
+  };
+  new MutationObserver(() => {
+    hookPlot(); hookVideos();
+    try { hookSlider(); } catch (e) { console.warn('quantwm: slider hook', e); }
+  }).observe(document.body, { childList: true, subtree: true });
 }

@@ -126,9 +126,10 @@ def _frames_panel(ui: SimpleNamespace, facts: dict, default_frames: int) -> None
         ui.plot = gr.Plot(label="Per-frame flicker, PSNR and shift rate (click a point to jump)", elem_id="frame-plot")
     ui.frame = Slider(0, default_frames - 1, value=0, step=1, label="Frame (scrubs both)", elem_id="frame-slider")
     with gr.Row():
-        ui.overlays = gr.CheckboxGroup(list(OVERLAYS), value=[], label="Overlays on the quantized frame (red: flicker "
-                                       "vs BF16; orange: warping error above BF16's, motion-compensated; cyan: tokens whose top-1 "
-                                       "source moved)")
+        ui.overlays = gr.CheckboxGroup(list(OVERLAYS), value=[], label="Overlays on the quantized frame, scaled to "
+                                       "the frame (red: flicker vs BF16; orange: warping error above BF16's, "
+                                       "motion-compensated; cyan: tokens whose top-1 source moved in at least half "
+                                       "the chosen layers and heads)")
         ui.jump_layer = gr.Dropdown(["all", *map(str, range(facts["layers"]))], value="all", label="Jump map layer")
         ui.jump_head = gr.Dropdown(["all", *map(str, range(facts["heads"]))], value="all", label="Jump map head")
     ui.frame_info = gr.Markdown(elem_id="frame-info")
@@ -179,7 +180,7 @@ def _wire_generate(ui: SimpleNamespace, generate: Callable, scrub: Callable, fac
                    rerun_pickers: bool) -> Callable:
     """Generate, then the frame it lands on; returns `shown` (a comparison's outputs on the page)."""
     labels: dict[str, str] = {}  # run id -> its quantized side's label ("kivi 3-bit, 2.50 bits/element")
-    ui.scrub_in = [ui.run_id, ui.frame, ui.overlays, ui.jump_layer, ui.jump_head]
+    ui.scrub_in = [ui.run_id, ui.frame, ui.overlays, ui.jump_layer, ui.jump_head, ui.result]
     ui.gen_out = [ui.status, ui.run_id, ui.bf16_video, ui.method_video, ui.plot, ui.frame]
     ui.pickers = [ui.jump_layer, ui.jump_head, ui.trace_layer, ui.trace_head, ui.px, ui.py]
 
@@ -194,8 +195,9 @@ def _wire_generate(ui: SimpleNamespace, generate: Callable, scrub: Callable, fac
                 labels.pop(next(iter(labels)), None)
         return unpack(r, GEN_NAMES)
 
-    def do_scrub(run_id, frame, overlays, layer, head):
-        return unpack(scrub(run_id, frame, overlays, layer, head), SCRUB_NAMES)
+    def do_scrub(run_id, frame, overlays, layer, head, traced=None):
+        """traced: the trace panel's result; its pixel is marked on both frames when it is a trace of this run."""
+        return unpack(scrub(run_id, frame, overlays, layer, head, traced), SCRUB_NAMES)
 
     def frame_label(run_id):
         """The quantized frame's panel named after the run shown."""
@@ -313,13 +315,15 @@ def _wire_views(ui: SimpleNamespace, scrub: Callable, trace_pixel: Callable, cli
 
     for img, name in ((ui.method_img, "click_pixel"), (ui.bf16_img, "click_pixel_bf16")):
         img.select(on_click, [ui.run_id, ui.frame, ui.trace_layer, ui.trace_head], [*ui.trace_out, ui.px, ui.py],
-                   api_name=name, **VIEW)
+                   api_name=name, **VIEW).then(
+            ui.do_scrub, ui.scrub_in, [ui.frame_info, ui.bf16_img, ui.method_img], api_name=False, **VIEW)
 
     def do_trace(run_id, frame, x, y, layer, head):
         return _trace_outputs(trace_pixel(run_id, frame, x, y, layer, head))
 
     ui.trace_btn.click(do_trace, [ui.run_id, ui.frame, ui.px, ui.py, ui.trace_layer, ui.trace_head], ui.trace_out,
-                       api_name="trace_pixel", **VIEW)
+                       api_name="trace_pixel", **VIEW).then(  # the traced pixel marked on both frames
+        ui.do_scrub, ui.scrub_in, [ui.frame_info, ui.bf16_img, ui.method_img], api_name=False, **VIEW)
 
     def do_export(run_id, frame, layer, head, formats, traced=None):
         """What the tab shows: the run's plot, the slider frame's maps (jump-map layer and head), the panel's trace."""

@@ -26,8 +26,7 @@ from .values import integer, name, readable_file
 FACTOR = 4  # the built-in model's 64x64 frames are shown enlarged 4x on the server (`factor_for`)
 DISPLAY = 256  # frames are enlarged by an integer factor to about this many pixels on their longer side
 THUMB = 3  # source thumbnails: 192 x 192 for the built-in 64 x 64 frames, each labelled with its frame
-FLICKER_FULL_SCALE = 0.25  # a flicker of a quarter of the intensity range shows full red
-WARP_FULL_SCALE = 0.15  # a warping error of 0.15 shows full orange
+JUMP_SHARE = 0.5  # the top-1 overlay tints a token whose top-1 moved in at least this share of the chosen layers/heads
 OVERLAYS = ("flicker map", "warping error", "top-1 jumps")
 DEFAULT_BUDGET = 2.5  # bits per element the Generate and Methods tabs open on: every method at equal memory
 FILES: media.TempFiles | None = None  # made by `use_files` (the app, at start-up) or on first use
@@ -215,8 +214,9 @@ def open_run_handler(runs, path, files: bool = True) -> dict:
             **shown_layers, "controls": controls}
 
 
-def scrub_handler(runs, run_id, frame, overlays=(), layer="all", head="all") -> dict:
-    """Both runs at `frame`, enlarged, with the chosen overlays on the method's frame."""
+def scrub_handler(runs, run_id, frame, overlays=(), layer="all", head="all", traced=None) -> dict:
+    """Both runs at `frame`, enlarged, with the chosen overlays on the method's frame, each scaled to this frame
+    (`overlay_scale`); the trace panel's pixel (`traced`, when a trace of this run) marked on both frames."""
     overlays = list(overlays or [])
     try:
         unknown = [o for o in overlays if o not in OVERLAYS]
@@ -227,32 +227,42 @@ def scrub_handler(runs, run_id, frame, overlays=(), layer="all", head="all") -> 
         v = runs.view(run_id).frame_view(integer(frame, "frame"), _choice(layer, "layer"), _choice(head, "head"))
     except ValueError as e:
         return error(str(e))
-    method = v["method"]
+    method, scales = v["method"], []
     notes = [f"Frame **{v['frame']}**" + (" (context: given, identical in both runs)" if v["context"] else ""),
              f"mean flicker {float(v['flicker'].mean()):.4f}",
              f"mean warping error {float(v['warp'].mean()):.4f} (above BF16's, per pixel; 0 = BF16, lower is better)"]
-    if "flicker map" in overlays:
-        method = media.tint(method, media.normalise(v["flicker"], FLICKER_FULL_SCALE), media.RED)
-    if "warping error" in overlays:
-        method = media.tint(method, media.normalise(v["warp"], WARP_FULL_SCALE), media.ORANGE)
-    if "top-1 jumps" in overlays:
-        if v["jumps"] is None:
-            notes.append("no top-1 jump map for a context frame")
-        else:
-            method = media.tint(method, v["jumps"], media.CYAN, strength=0.6)
+    for name, key, color, what in (("flicker map", "flicker", media.RED, "red"),
+                                   ("warping error", "warp", media.ORANGE, "orange")):
+        if name in overlays:
+            top = overlay_scale(v[key])
+            method = media.tint(method, media.normalise(v[key], top), color)
+            scales.append(f"{what} {name} from 0 to full at this frame's 99th percentile, {top:.4f} "
+                          f"(its maximum {float(v[key].max()):.4f})" if top > 0 else f"{what}: no {name} on this frame")
     if v["jumps"] is not None:
-        notes.append(f"tokens whose top-1 moved: {float(v['jumps'].mean()):.1%} (layer {layer}, head {head})")
-    scales = {"flicker map": f"red from 0 to full at a flicker of {FLICKER_FULL_SCALE:g} or more",
-              "warping error": f"orange from 0 (BF16's own warping residual or less) to full at {WARP_FULL_SCALE:g} "
-                               "or more above it",
-              "top-1 jumps": "cyan by the share of the chosen layers and heads whose top-1 moved at that token "
-                             "(0 to 100%)"}
-    shown = [scales[o] for o in overlays if o in scales and (o != "top-1 jumps" or v["jumps"] is not None)]
-    if shown:
-        notes.append("overlay scales: " + "; ".join(shown))
+        moved = v["jumps"] >= JUMP_SHARE
+        notes.append(f"tokens whose top-1 moved in at least half the chosen layers and heads: {float(moved.mean()):.1%}"
+                     f" (layer {layer}, head {head}; in any of them: {float((v['jumps'] > 0).mean()):.1%})")
+        if "top-1 jumps" in overlays:
+            method = media.tint(method, moved.astype(np.float32), media.CYAN, strength=0.6)
+            scales.append("cyan: a token whose top-1 source moved in at least half of the chosen layers and heads")
+    elif "top-1 jumps" in overlays:
+        notes.append("no top-1 jump map for a context frame")
+    if scales:
+        notes.append("overlays: " + "; ".join(scales))
     f = factor_for(v["bf16"].shape)
-    return {"status": ", ".join(notes) + ".", "bf16": media.enlarge(v["bf16"], f),
-            "method": media.enlarge(method, f), "frame": v["frame"]}
+    bf16, method = media.enlarge(v["bf16"], f), media.enlarge(method, f)
+    shown = trace_of(traced, run_id)
+    if shown is not None:
+        x, y = (integer(c, "pixel") for c in shown["pixel"])
+        bf16, method = (media.mark_pixel(img, x, y, f) for img in (bf16, method))
+        notes.append(f"yellow square: the traced pixel ({x}, {y})")
+    return {"status": ", ".join(notes) + ".", "bf16": bf16, "method": method, "frame": v["frame"]}
+
+
+def overlay_scale(heat: np.ndarray) -> float:
+    """What shows full colour on an overlay: the frame's own 99th percentile (a fixed scale left a frame whose
+    flicker is small nearly untinted, and one outlier pixel would wash out the rest)."""
+    return float(np.percentile(heat, 99)) if heat.size else 0.0
 
 
 def trace_pixel_handler(runs, run_id, frame, x, y, layer=0, head=0) -> dict:

@@ -166,16 +166,50 @@ def test_scrub_enlarges_both_frames_and_overlays_change_only_the_method_frame(ru
     both = wh.scrub_handler(runs, rid, t, list(wh.OVERLAYS), "all", "all")
     assert np.array_equal(both["bf16"], plain["bf16"]) and not np.array_equal(both["method"], plain["method"])
     assert f"Frame **{t}**" in both["status"] and "top-1 moved" in both["status"]
-    assert "overlay scales: red from 0 to full at a flicker of 0.25" in both["status"]
-    assert "(above BF16's, per pixel; 0 = BF16, lower is better)" in both["status"]  # each overlay's colour scale
-    assert "cyan by the share of the chosen layers and heads whose top-1 moved" in both["status"]
-    assert "overlay scales" not in plain["status"]
+    assert "overlays: red flicker map from 0 to full at this frame's 99th percentile" in both["status"]  # its scale
+    assert "(above BF16's, per pixel; 0 = BF16, lower is better)" in both["status"]
+    assert "cyan: a token whose top-1 source moved in at least half of the chosen layers and heads" in both["status"]
+    assert "overlays:" not in plain["status"]
     warp = wh.scrub_handler(runs, rid, t, ["warping error"])  # the motion-compensated flicker overlay alone
     assert "mean warping error" in warp["status"] and not np.array_equal(warp["method"], plain["method"])
     assert np.array_equal(wh.scrub_handler(runs, rid, 0, ["warping error", "flicker map"])["method"],
                           wh.scrub_handler(runs, rid, 0, [])["method"])  # frame 0: no previous frame, nothing to tint
     ctx = wh.scrub_handler(runs, rid, 2, ["top-1 jumps"])
     assert "context" in ctx["status"] and "no top-1 jump map" in ctx["status"]
+
+
+def test_overlays_are_scaled_to_their_frame_and_the_top1_map_is_thresholded(runs, generated):
+    """Flicker is tinted full red from the frame's own 99th percentile (a frame of small flicker still shows), the
+    top-1 overlay tints only tokens that moved in at least half the chosen layers and heads."""
+    rid, t = generated[0]["run_id"], FRAMES - 1
+    v = runs.view(rid).frame_view(t)
+    top = float(np.percentile(v["flicker"], 99))
+    r = wh.scrub_handler(runs, rid, t, ["flicker map"])
+    assert f"99th percentile, {top:.4f}" in r["status"]
+    plain = wh.scrub_handler(runs, rid, t, [])["method"]
+    full = (v["flicker"] >= top).repeat(wh.FACTOR, 0).repeat(wh.FACTOR, 1)  # full red at or above the 99th
+    expect = (plain[full].astype(np.float32) * 0.15 + np.float32(wh.media.RED) * 0.85).round()
+    assert full.mean() >= 0.005 and np.abs(r["method"][full].astype(np.float32) - expect).max() <= 1
+    jumps = wh.scrub_handler(runs, rid, t, ["top-1 jumps"], "all", "all")
+    share = v["jumps"]
+    tinted = (jumps["method"] != plain).any(-1)
+    cell = tinted.shape[0] // share.shape[0]
+    assert np.array_equal(tinted[::cell, ::cell], share >= wh.JUMP_SHARE)
+    assert f"at least half the chosen layers and heads: {float((share >= 0.5).mean()):.1%}" in jumps["status"]
+
+
+def test_the_traced_pixel_is_marked_on_both_frames(runs, generated):
+    rid, t = generated[0]["run_id"], FRAMES - 1
+    traced = wh.trace_pixel_handler(runs, rid, t, 20, 30, 1, 0)["result"]
+    plain, marked = wh.scrub_handler(runs, rid, t - 1, []), wh.scrub_handler(runs, rid, t - 1, [], traced=traced)
+    for side in ("bf16", "method"):
+        changed = (marked[side] != plain[side]).any(-1)
+        ys, xs = np.nonzero(changed)
+        assert changed.any() and (marked[side][changed] == wh.media.YELLOW).all()
+        assert ys.min() < 30 * wh.FACTOR < ys.max() and xs.min() < 20 * wh.FACTOR < xs.max()  # around the pixel
+    assert "yellow square: the traced pixel (20, 30)" in marked["status"]
+    other = wh.scrub_handler(runs, rid, t, [], traced={**traced, "run": "seed=9 loop rtn kv 2-bit 10f"})
+    assert "traced pixel" not in other["status"]
 
 
 @pytest.mark.parametrize("run_id, frame, overlays, needle", [
