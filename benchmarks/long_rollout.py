@@ -1,7 +1,7 @@
 """Resident memory of a long streamed rollout: `quantwm eval --frames 512 --window 8` for one method against BF16.
 
 Runs the command in this process and samples its resident set size (VmRSS) twice a second beside the frames the
-stream file has received, then prints the RSS at every 64 generated frames and its growth from the first mark
+stream file has received, then prints the RSS at every 64 generated frames (and the last) and its growth from the first mark
 after the window has filled (sink + window + the current chunk) to the end; flat means under 3%.
 
     nice python benchmarks/long_rollout.py                       # 512 frames, window 8, quantwm, seed 0
@@ -75,7 +75,7 @@ def main() -> int:
     if rc:
         return rc
     generated = a.frames - cfg.context_frames
-    marks = list(range(a.every, generated + 1, a.every))
+    marks = list(range(a.every, generated + 1, a.every)) + ([generated] if generated % a.every else [])  # and the end
     series = [(m, next((r for f, r in samples if f >= m), samples[-1][1])) for m in marks]
     fill = (1 + a.window + 1) * cfg.chunk_frames  # sink + window + current chunk, in frames (context included)
     after = [(m, r) for m, r in series if m + cfg.context_frames >= fill]

@@ -62,6 +62,7 @@ def test_summarise_finds_the_threshold_frame_and_the_slope():
     assert s["drift"]["place_shift_rate"]["slope_per_100_frames"] == pytest.approx(1.0)
     assert s["drift"]["mse"]["last_quarter"] > s["drift"]["mse"]["first_quarter"]
     assert s["windowed"]["frames"] == [4, 12] and s["windowed"]["tdiff"] == [0.01, 0.01]
+    assert s["windowed"]["psnr"][0] == pytest.approx(-10 * math.log10(sum(10 ** (-p / 10) for p in psnr[:8]) / 8))
     assert summarise({k: [[100.0] * 3] for k in curves}, 4)["first_frame_below_threshold"] is None
 
 

@@ -140,10 +140,11 @@ def summarise(curves: dict, first_frame: int, threshold_db: float = THRESHOLD_DB
     per_frame = {k: [_mean(col) for col in zip(*v)] for k, v in curves.items()}
     n = len(per_frame["psnr"])
     frames = list(range(first_frame, first_frame + n))
-    mse = [10 ** (-p / 10) if p < 100 else 0.0 for seed in curves["psnr"] for p in seed]
     mean = {k: _mean(sum(v, [])) for k, v in curves.items()}
-    mean["psnr"] = min(100.0, -10 * math.log10(max(sum(mse) / len(mse), 1e-10))) if mse else math.nan
+    mean["psnr"] = _psnr(sum(curves["psnr"], []))
     windowed = {k: [_mean(v[i:i + curve_frames]) for i in range(0, n, curve_frames)] for k, v in per_frame.items()}
+    windowed["psnr"] = [_psnr([p for seed in curves["psnr"] for p in seed[i:i + curve_frames]])
+                        for i in range(0, n, curve_frames)]  # from the window's mean MSE, as the clip's mean
     below = [f for f, p in zip(frames, per_frame["psnr"]) if p < threshold_db]
     q = max(1, n // 4)
     drift = {}
@@ -155,6 +156,12 @@ def summarise(curves: dict, first_frame: int, threshold_db: float = THRESHOLD_DB
     return {"mean": mean, "per_frame": per_frame, "first_frame": first_frame,
             "windowed": {"frames": [first_frame + i for i in range(0, n, curve_frames)], **windowed},
             "first_frame_below_threshold": below[0] if below else None, "drift": drift}
+
+
+def _psnr(psnrs: list) -> float:
+    """PSNR of frames together, from their mean MSE (frames identical to BF16, at the 100 dB cap, count as 0)."""
+    mse = [10 ** (-p / 10) if p < 100 else 0.0 for p in psnrs]
+    return min(100.0, -10 * math.log10(max(sum(mse) / len(mse), 1e-10))) if mse else math.nan
 
 
 def _slope(x: list, y: list) -> float:
