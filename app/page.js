@@ -2,7 +2,7 @@
   // Click a point of the per-frame plot: move the frame slider there (its change event scrubs both runs).
   // Play, pause and seek of either video are mirrored on the other, so both play in lockstep.
   // A newly loaded pair opens on the run's worst flicker frame (named in the status line), not on frame 0.
-  // The frame slider seeks both (paused) videos to its frame.
+  // The frame slider seeks both (paused) videos to its frame, and a dashed line marks it on the per-frame plot.
   const FPS = 8;  // app/media.py writes the videos at 8 frames per second
   const showWorst = (v) => {
     const m = /Worst flicker frames: (\d+)/.exec(document.querySelector('#generate-status')?.innerText || '');
@@ -57,11 +57,30 @@
     for (const el of document.querySelectorAll('#frame-slider input')) {
       if (el.__quantwmSeek) continue;
       el.__quantwmSeek = true;
-      el.addEventListener('change', () => seekVideos(Number(el.value)));
+      el.addEventListener('change', () => { seekVideos(Number(el.value)); markFrame(); });
+      el.addEventListener('input', () => { try { markFrame(); } catch (e) { /* the plot is not drawn yet */ } });
     }
+  };
+  // A dashed line on the per-frame plot at the slider's frame, moved whenever the slider or the plot changes.
+  const markFrame = () => {
+    const gd = document.querySelector('#frame-plot .js-plotly-plot');
+    const fl = gd && gd._fullLayout;
+    const frame = Number(document.querySelector('#frame-slider input[type="number"]')?.value);
+    if (!fl || !fl.xaxis || !fl._size || !Number.isFinite(frame)) return;
+    let line = gd.querySelector('.quantwm-frame-line');
+    if (!line) {
+      line = document.createElement('div');
+      line.className = 'quantwm-frame-line';
+      line.style.cssText = 'position:absolute;width:0;border-left:2px dashed #000;pointer-events:none;z-index:5';
+      if (getComputedStyle(gd).position === 'static') gd.style.position = 'relative';
+      gd.appendChild(line);
+    }
+    line.style.left = (fl._size.l + fl.xaxis.l2p(frame)) + 'px';
+    line.style.top = fl._size.t + 'px';
+    line.style.height = fl._size.h + 'px';
   };
   new MutationObserver(() => {
     hookPlot(); hookVideos();
-    try { hookSlider(); } catch (e) { console.warn('quantwm: slider hook', e); }
+    try { hookSlider(); markFrame(); } catch (e) { console.warn('quantwm: frame hooks', e); }
   }).observe(document.body, { childList: true, subtree: true });
 }
