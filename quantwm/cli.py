@@ -255,8 +255,8 @@ def cmd_eval(a) -> int:
     methods = _methods(a.methods)
     if a.window is not None:
         return _eval_long(a, methods)
-    if a.stream:
-        raise ValueError("--stream needs --window (the streamed long-rollout evaluation)")
+    if a.stream or a.figure:
+        raise ValueError("--stream and --figure need --window (the streamed long-rollout evaluation)")
     report = evaluate(_world_model(a.weights), methods, a.target, _ints(a.seeds, "--seeds"), a.frames, a.bits,
                       a.trajectory, a.steps, progress=_progress("eval"), training_seeds=a.training_seeds,
                       world=a.world, method_options=_options(a.set), training_photos=a.training_photos,
@@ -292,6 +292,12 @@ def _eval_long(a, methods: list[str]) -> int:
                            a.trajectory, a.steps, a.window, a.sink_chunks, a.stream, progress=_progress("eval"),
                            world=a.world, method_options=_options(a.set), budget=_budget(a), threshold_db=a.threshold_db)
     _write_json(report, a.json)
+    if a.figure:
+        from .evaluation.figures import error_over_time_figure, save_figure
+
+        fig = error_over_time_figure(report["methods"], a.threshold_db, f"{a.frames} frames, window {a.window}, "
+                                                                         f"seeds {a.seeds}")
+        print("wrote " + ", ".join(map(str, save_figure(fig, a.figure, ["png", "svg"]))))
     c = report["config"]
     print(f"eval: target={a.target}, bits={a.bits}, seeds={a.seeds}, {a.frames} frames through a window of {a.window} "
           f"chunk(s) after {a.sink_chunks} sink chunk(s), {a.trajectory}, {a.world} world, {c['seconds']:.0f} s"

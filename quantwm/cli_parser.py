@@ -137,6 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--stream", default=None, help="with --window: write one JSON line per generated frame here")
     s.add_argument("--threshold-db", type=float, default=30.0,
                    help="with --window: a frame leaves BF16 when its PSNR against BF16 falls below this")
+    s.add_argument("--figure", default=None, metavar="STEM",
+                   help="with --window: save the error-over-time curves as STEM.png and STEM.svg")
     s = sub.add_parser("trace", help="write a trace file from the built-in world model", parents=[weights])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--frames", type=int, default=32)

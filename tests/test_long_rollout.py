@@ -69,11 +69,12 @@ def test_summarise_finds_the_threshold_frame_and_the_slope():
 def test_cli_eval_window_writes_stream_and_report(tmp_path, capsys):
     stream, out = tmp_path / "s.jsonl", tmp_path / "e.json"
     assert main(["eval", "--methods", "rtn", "--seeds", "0", "--frames", "8", "--steps", "1", "--window", "1",
-                 "--stream", str(stream), "--json", str(out)]) == 0
+                 "--stream", str(stream), "--json", str(out), "--figure", str(tmp_path / "curves")]) == 0
     text = capsys.readouterr().out
+    assert (tmp_path / "curves.png").stat().st_size > 0 and (tmp_path / "curves.svg").is_file()
     assert "through a window of 1 chunk(s)" in text and "first frame below 30 dB" in text
     assert len(stream.read_text().splitlines()) == 4
     r = json.loads(out.read_text())
     assert not math.isnan(r["methods"]["rtn"]["mean"]["psnr"])
     assert main(["eval", "--methods", "rtn", "--seeds", "0", "--stream", str(stream)]) == 2
-    assert "--stream needs --window" in capsys.readouterr().err
+    assert "--stream and --figure need --window" in capsys.readouterr().err

@@ -11,6 +11,8 @@ from a run's views) and return a `matplotlib.figure.Figure` (no pyplot: safe in 
              difference, top-1 sources marked
 * "energy":  the history-Query eigen spectrum and cumulative energy per head of one layer
 * "methods": the method comparison on the run's world (PSNR, shift rate, flicker, bits per element)
+
+`error_over_time_figure` draws a long rollout's windowed curves (`quantwm eval --window N --figure STEM`).
 """
 from __future__ import annotations
 
@@ -146,6 +148,32 @@ def bars_figure(rows: list[dict], label: str, metrics: list[str], title: str = "
         ax.set_xticks(range(len(rows)), names, rotation=45, ha="right", fontsize=7)
         ax.set_title(m, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def error_over_time_figure(methods: dict, threshold_db: float | None = None, title: str = ""):
+    """A long rollout's error over time (`world.long_rollout`'s report["methods"]): PSNR against BF16, place shift
+    and flicker per window of frames, one line per method; each method's first frame under `threshold_db` marked."""
+    panels = (("psnr", "PSNR vs BF16 (dB)"), ("place_shift_rate", "place shift rate"), ("tdiff", "flicker tdiff-L1"))
+    fig = _figure(6.4, 5.2)
+    axes = fig.subplots(len(panels), 1, sharex=True)
+    for i, (m, e) in enumerate(methods.items()):
+        color = f"C{i}"
+        xs = e["windowed"]["frames"]
+        for ax, (key, _) in zip(axes, panels):
+            ax.plot(xs, e["windowed"][key], "o-", ms=3, lw=1.2, color=color, label=m if key == "psnr" else None)
+        first = e.get("first_frame_below_threshold")
+        if first is not None:
+            axes[0].axvline(first, color=color, lw=0.8, ls=":")
+    if threshold_db is not None:
+        axes[0].axhline(threshold_db, color="grey", lw=0.8, ls="--", label=f"{threshold_db:g} dB")
+    for ax, (_, label) in zip(axes, panels):
+        ax.set_ylabel(label, fontsize=8)
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=7, frameon=False, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+    axes[-1].set_xlabel("frame (first frame of each window; dotted: first frame under the threshold)")
     if title:
         fig.suptitle(title, fontsize=9)
     return fig
