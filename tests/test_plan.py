@@ -60,7 +60,8 @@ def test_plan_wan13b_81_frames_in_24_gib_is_a_real_bf16_cache(tmp_path, capsys):
 
 def test_plan_budget_fits_a_real_quantized_cache(capsys):
     """3 GiB for 81 frames needs 2.94 bits per element: the planner picks 2.75, and a method at that budget (kivi:
-    the budget is method-agnostic, every method stores at most B bits per element) in a real cache of those shapes stores its BF16 chunks exactly as planned and stays within the planned peak."""
+    the budget is method-agnostic, every method stores at most B bits per element) in a real cache of those
+    shapes stores its BF16 chunks exactly as planned and stays within the planned peak."""
     p = PRESETS["wan-1.3b"]
     assert main(["plan", "--model", "wan-1.3b", "--frames", "81", "--memory-gb", "3"]) == 0
     text = capsys.readouterr().out
