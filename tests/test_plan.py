@@ -58,10 +58,11 @@ def test_plan_wan13b_81_frames_in_24_gib_is_a_real_bf16_cache(tmp_path, capsys):
     assert peak_bytes(p, held(p, 87, None, 1, 1), 16) <= 24 * 2**30 < peak_bytes(p, held(p, 90, None, 1, 1), 16)
 
 
-def test_plan_budget_fits_a_real_quantized_cache(capsys):
-    """3 GiB for 81 frames needs 2.94 bits per element: the planner picks 2.75, and a method at that budget (kivi:
-    the budget is method-agnostic, every method stores at most B bits per element) in a real cache of those
-    shapes stores its BF16 chunks exactly as planned and stays within the planned peak."""
+@pytest.mark.parametrize("method", ["kivi", "quantwm"])
+def test_plan_budget_fits_a_real_quantized_cache(method, capsys):
+    """3 GiB for 81 frames needs 2.94 bits per element: the planner picks 2.75, and a method at that budget (the
+    budget is method-agnostic: every method stores at most B bits per element) in a real cache of those shapes
+    stores its BF16 chunks exactly as planned and stays within the planned peak."""
     p = PRESETS["wan-1.3b"]
     assert main(["plan", "--model", "wan-1.3b", "--frames", "81", "--memory-gb", "3"]) == 0
     text = capsys.readouterr().out
@@ -71,7 +72,7 @@ def test_plan_budget_fits_a_real_quantized_cache(capsys):
     assert r["quality"]["psnr"]["quantwm"] > r["quality"]["psnr"]["other"]  # figures read from the envelope
     assert "docs/frontier/world.json" in text
     heads = 2
-    cache = KVCache(CacheConfig("kivi", budget=2.75), 1)
+    cache = KVCache(CacheConfig(method, budget=2.75), 1)
     _fill(cache, heads, p.chunk_frames * p.tokens_per_frame, p.chunk_frames, 21, random=True)
     mem = cache.memory()
     scale = p.layers * p.heads / heads
