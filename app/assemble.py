@@ -23,6 +23,7 @@ from quantwm.evaluation.synthetic import make_synthetic_trace  # noqa: E402
 from quantwm.evaluation.trace import read_trace  # noqa: E402
 
 from . import handlers  # noqa: E402
+from . import study_handlers as sh  # noqa: E402
 from . import world_handlers as wh
 from .analysis_tab import build_analysis_tab  # noqa: E402
 from .playback_tab import build_playback_tab  # noqa: E402
@@ -94,9 +95,9 @@ def build_app(trace: str | None = None, workbench: Workbench | None = None, fram
                              _bind(wh.export_energy_handler, runs), FORMATS)
         with gr.Tab("Key vs Value"):
             baselines = [m for m in methods if m != "bf16" and not m.startswith("quantwm")]
-            build_key_value_tab(_bind(wh.key_value_handler, runs), controls, baselines, KV_BASELINE)
+            build_key_value_tab(_bind(sh.key_value_handler, runs), controls, baselines, KV_BASELINE)
         with gr.Tab("Methods"):
-            build_methods_tab(_bind(wh.methods_handler, runs), _bind(wh.export_methods_handler, runs), methods,
+            build_methods_tab(_bind(sh.methods_handler, runs), _bind(sh.export_methods_handler, runs), methods,
                               controls, FORMATS)
         with gr.Tab("Trace analysis"):
             # every method, the pre-RoPE ones included: a trace carries its own RoPE (the built-in model's does not)

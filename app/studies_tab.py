@@ -5,8 +5,9 @@ from collections.abc import Callable
 
 import gradio as gr
 
+from .study_handlers import KV_COLUMNS, KV_SEEDS, METHOD_COLUMNS
 from .ui import Number, progress_callback, table, unpack
-from .world_handlers import DEFAULT_BUDGET, KV_COLUMNS, KV_SEEDS, METHOD_COLUMNS
+from .world_handlers import DEFAULT_BUDGET
 
 
 def build_energy_tab(energy: Callable, controls: dict, layers: int, export: Callable | None = None,

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from app import handlers
+from app import study_handlers as sh
 from app import world_handlers as wh
 from quantwm.core.cache import CacheMemory
 from quantwm.drivers import studies
@@ -283,9 +284,9 @@ def test_key_value_handler_runs_several_seeds_at_one_budget_and_its_sentence_hol
     """Two seeds, kivi beside quantwm, within 2.5 bits: per-seed rows and a mean ± sd row per (method, target); the
     sentence's every-seed claims agree with the per-seed numbers of the table on every metric it names."""
     calls = []
-    r = wh.key_value_handler(runs, 3, "pan-return", "kivi", 2.5, FRAMES, 2, progress=lambda a, n: calls.append((a, n)))
+    r = sh.key_value_handler(runs, 3, "pan-return", "kivi", 2.5, FRAMES, 2, progress=lambda a, n: calls.append((a, n)))
     h = r["header"]
-    assert h == list(wh.KV_COLUMNS) and calls[-1][0] == calls[-1][1]  # progress reached its end
+    assert h == list(sh.KV_COLUMNS) and calls[-1][0] == calls[-1][1]  # progress reached its end
     assert [row[:3] for row in r["rows"]] == [[m, t, s] for m in ("kivi", "quantwm") for t in "kv"
                                              for s in (3, 4, "mean ± sd")]
     per_seed = [row for row in r["rows"] if row[2] != "mean ± sd"]
@@ -296,16 +297,16 @@ def test_key_value_handler_runs_several_seeds_at_one_budget_and_its_sentence_hol
         part = r["status"].split(f"{method}, 2 seed(s): ")[1].split(" quantwm, 2 seed(s)")[0]
         ks = [dict(zip(h, row)) for row in per_seed if row[0] == method and row[1] == "k"]
         vs = [dict(zip(h, row)) for row in per_seed if row[0] == method and row[1] == "v"]
-        for col, name, sign in wh.KV_DAMAGE:
-            worse = sum(wh.keys_hurt_more(k, v, col, sign) for k, v in zip(ks, vs))
+        for col, name, sign in sh.KV_DAMAGE:
+            worse = sum(sh.keys_hurt_more(k, v, col, sign) for k, v in zip(ks, vs))
             clause = ("Keys only does more damage on every seed in" if worse == 2 else
                       "Values only does more damage on every seed in" if worse == 0 else "Seeds disagree on")
             sentence = next(x for x in part.split(". ") if x.startswith(clause))
             assert name in sentence, (method, name, worse, part)
     data = r["figure"].data
     assert {t.name for t in data} == {"Keys only", "Values only"} and len(data) == 2 * 8  # every metric charted
-    assert wh.key_value_handler(runs, 3, "loop", "bf16", 2.5, FRAMES, 2)["status"].startswith("**Error:** bf16")
-    assert "seeds must lie in 1..16" in wh.key_value_handler(runs, 3, "loop", "kivi", 2.5, FRAMES, 0)["status"]
+    assert sh.key_value_handler(runs, 3, "loop", "bf16", 2.5, FRAMES, 2)["status"].startswith("**Error:** bf16")
+    assert "seeds must lie in 1..16" in sh.key_value_handler(runs, 3, "loop", "kivi", 2.5, FRAMES, 0)["status"]
 
 
 def test_kv_finding_is_computed_from_the_numbers():
@@ -315,28 +316,28 @@ def test_kv_finding_is_computed_from_the_numbers():
 
     ks = [row(psnr=26.0, place_shift_rate=0.3), row(psnr=31.0, place_shift_rate=0.2)]
     vs = [row(k_rel_err=0, v_rel_err=0.15), row(k_rel_err=0, v_rel_err=0.15, tdiff=0.05)]
-    text = wh._kv_finding("kivi", ks, vs)
+    text = sh._kv_finding("kivi", ks, vs)
     assert "Keys only does more damage on every seed in place shift." in text
     assert "Values only does more damage on every seed in flicker (tdiff), LPIPS, output error." in text
     assert "Seeds disagree on PSNR (1 of 2)" in text
     assert "holds on every seed in place shift, not in PSNR, flicker (tdiff), LPIPS, output error." in text
-    assert "premise does not hold" in wh._kv_finding("rtn", [row(k_rel_err=0.3)] * 2, vs)
+    assert "premise does not hold" in sh._kv_finding("rtn", [row(k_rel_err=0.3)] * 2, vs)
 
 
 def test_methods_handler(runs):
-    r = wh.methods_handler(runs, 3, "pan-return", "k", FRAMES, ["qvg-budget", "rtn"], 2.5)
+    r = sh.methods_handler(runs, 3, "pan-return", "k", FRAMES, ["qvg-budget", "rtn"], 2.5)
     h = r["header"]
     assert sorted(row[0] for row in r["rows"]) == ["qvg-budget", "rtn"] and h[0] == "method"
     assert all(row[h.index("fits")] == "yes" for row in r["rows"]) and "Two compressions" in r["status"]
     assert "bf16_mb" not in h and "bf16_mb " in r["status"]  # one world: the same in every row, named once
     for c in h:  # every shown numeric column differs between the rows
-        if c not in wh.TEXT_COLUMNS:
+        if c not in sh.TEXT_COLUMNS:
             assert len({row[h.index(c)] for row in r["rows"]}) > 1, c
     assert [t.name for t in r["figure"].data] == r["metrics"] and set(r["metrics"]) <= set(h)  # the table's metrics
-    assert "unknown method" in wh.methods_handler(runs, 3, "loop", "k", FRAMES, ["zzz"], 2.5)["status"]
-    assert "at least one method" in wh.methods_handler(runs, 3, "loop", "k", FRAMES, [], 2.5)["status"]
+    assert "unknown method" in sh.methods_handler(runs, 3, "loop", "k", FRAMES, ["zzz"], 2.5)["status"]
+    assert "at least one method" in sh.methods_handler(runs, 3, "loop", "k", FRAMES, [], 2.5)["status"]
     for bad in (0, -1, 17, "x", None):
-        assert "budget must be a number of bits per element in (0, 16]" in wh.methods_handler(
+        assert "budget must be a number of bits per element in (0, 16]" in sh.methods_handler(
             runs, 3, "loop", "k", FRAMES, ["rtn"], bad)["status"]
 
 
@@ -348,7 +349,7 @@ def test_a_row_over_the_budget_or_over_bf16_is_flagged(runs, monkeypatch):
         return [{**r, "span_bits_per_element": r["span_bits_per_element"] + 1} for r in rows]
 
     monkeypatch.setattr(studies, "methods_table", inflated)
-    r = wh.methods_handler(runs, 3, "pan-return", "k", FRAMES, ["rtn"], 2.5)
+    r = sh.methods_handler(runs, 3, "pan-return", "k", FRAMES, ["rtn"], 2.5)
     assert [row[r["header"].index("fits")] for row in r["rows"]] == ["OVER"] and "**OVER**" in r["status"]
 
 
@@ -367,13 +368,13 @@ def test_the_exported_methods_figure_shows_what_the_table_shows(runs, monkeypatc
     saved, save = [], FG.save_figure
     monkeypatch.setattr(FG, "save_figure", lambda fig, stem, formats: saved.append(fig) or save(fig, stem, formats))
     chosen = ["qvg-budget", "rtn", "int8k-fp8v"]
-    shown = wh.methods_handler(runs, 3, "pan-return", "k", FRAMES, chosen, 2.5)
-    m = wh.export_methods_handler(runs, 3, "pan-return", "k", FRAMES, chosen, 2.5, ["svg"])
+    shown = sh.methods_handler(runs, 3, "pan-return", "k", FRAMES, chosen, 2.5)
+    m = sh.export_methods_handler(runs, 3, "pan-return", "k", FRAMES, chosen, 2.5, ["svg"])
     h = shown["header"]
     assert m["shown"] == {"methods": [row[0] for row in shown["rows"]], "metrics": shown["metrics"],
                           "fits": [row[h.index("fits")] for row in shown["rows"]]}
     assert m["shown"]["fits"] == ["yes", "OVER"] and "int8k-fp8v" not in m["shown"]["methods"]
-    assert m["files"][0].rsplit("/", 1)[-1] == f"methods-qvg-budget-rtn-seed3-pan-return-k-budget2.5.svg"
+    assert m["files"][0].rsplit("/", 1)[-1] == "methods-qvg-budget-rtn-seed3-pan-return-k-budget2.5.svg"
     axes = saved[0].axes
     assert [ax.get_title() for ax in axes] == shown["metrics"]
     assert [t.get_text() for t in axes[0].get_xticklabels()] == ["qvg-budget", "rtn (OVER)"]
@@ -425,9 +426,9 @@ def test_export_handlers_write_print_figures_and_refuse_bad_input(runs, generate
     e = wh.export_energy_handler(runs, rid, 2, ["pdf"])
     assert [f.rsplit("/", 1)[-1] for f in e["files"]] == [f"energy-seed3-pan-return-qvg-budget-k-2bit-{FRAMES}f-layer2.pdf"]
     assert wh.export_energy_handler(runs, rid, 9, ["pdf"])["status"].startswith("**Error:** layer 9 out of range")
-    m = wh.export_methods_handler(runs, 3, "pan-return", "k", FRAMES, ["qvg-budget", "rtn"], 2.5, ["pdf"])
+    m = sh.export_methods_handler(runs, 3, "pan-return", "k", FRAMES, ["qvg-budget", "rtn"], 2.5, ["pdf"])
     assert len(m["files"]) == 1 and m["files"][0].endswith("-budget2.5.pdf") and "methods-" in m["files"][0]
-    assert wh.export_methods_handler(runs, 3, "pan-return", "k", FRAMES, [], 2.5, ["pdf"])["status"].startswith("**Error:** choose")
+    assert sh.export_methods_handler(runs, 3, "pan-return", "k", FRAMES, [], 2.5, ["pdf"])["status"].startswith("**Error:** choose")
 
 
 def test_export_writes_what_each_panel_shows(runs, generated):

@@ -1,0 +1,191 @@
+"""Handlers of the study tabs over the built-in model, Key vs Value and Methods: plain values in, a dict of plain
+values out (no torch, no gradio), bad input an "**Error:** ..." status, as in app/world_handlers.py, whose shared
+helpers (the run key, the memory flag, the budget, the app's files) they use. `methods_view` is the one source of
+the Methods table, its chart and its exported figure.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from . import plots
+from .values import integer
+from .world_handlers import DEFAULT_BUDGET, app_files, budget_value, error, exported, memory_flag, rounded, run_key
+
+KV_COLUMNS = ("method", "target", "seed", "k_rel_err", "v_rel_err", "attn_out_rel_err", "place_shift_rate",
+              "shift_rate", "psnr", "ssim", "lpips", "tdiff")
+# the damage the Key-vs-Value sentence weighs: (column, its name in the sentence, +1 if higher is better)
+KV_DAMAGE = (("psnr", "PSNR", 1), ("tdiff", "flicker (tdiff)", -1), ("lpips", "LPIPS", -1),
+             ("place_shift_rate", "place shift", -1), ("attn_out_rel_err", "output error", -1))
+KV_SEEDS = 4  # held-out worlds the Key-vs-Value study runs on by default
+FIX = "quantwm"  # shown beside the baseline: the problem and the fix in one click
+
+
+def keys_hurt_more(k: dict, v: dict, column: str, sign: int) -> bool:
+    """Whether the Keys-only run `k` is strictly worse than the Values-only run `v` in `column`."""
+    return sign * (k[column] - v[column]) < 0
+
+
+def _kv_finding(method: str, ks: list[dict], vs: list[dict]) -> str:
+    """What a method's Keys-only rows (ks) and Values-only rows (vs), one pair per seed, show: per damage metric,
+    whether Keys only is worse on every seed, on none, or on some; then whether the paper's finding (a smaller
+    Key error, yet more damage) holds on every seed, and on which metrics. Computed, never canned."""
+    n = len(ks)
+    smaller = sum(k["k_rel_err"] <= v["v_rel_err"] for k, v in zip(ks, vs))
+    worse = {name: sum(keys_hurt_more(k, v, col, sign) for k, v in zip(ks, vs)) for col, name, sign in KV_DAMAGE}
+    keys = [name for name, w in worse.items() if w == n]
+    values = [name for name, w in worse.items() if w == 0]
+    mixed = [f"{name} ({w} of {n})" for name, w in worse.items() if 0 < w < n]
+    mean = lambda rows, c: sum(r[c] for r in rows) / n  # noqa: E731
+    out = [f"{method}, {n} seed(s): Key error {mean(ks, 'k_rel_err'):.4f} (Keys only) vs Value error "
+           f"{mean(vs, 'v_rel_err'):.4f} (Values only); the Key error is the smaller on {smaller} of {n} seed(s)."]
+    if keys:
+        out.append(f"Keys only does more damage on every seed in {', '.join(keys)}.")
+    if values:
+        out.append(f"Values only does more damage on every seed in {', '.join(values)}.")
+    if mixed:
+        out.append(f"Seeds disagree on {', '.join(mixed)} (seeds where Keys only does more damage).")
+    if smaller == n and keys:
+        out.append(f"So the finding (a smaller Key error, yet more damage) holds on every seed in {', '.join(keys)}"
+                   + (f", not in {', '.join(n_ for n_ in worse if n_ not in keys)}." if len(keys) < len(worse) else "."))
+    elif smaller == n:
+        out.append("So the finding (a smaller Key error, yet more damage) holds on every seed in none of these metrics.")
+    else:
+        out.append("The Key error is not the smaller on every seed, so the finding's premise does not hold here.")
+    return " ".join(out)
+
+
+def _mean_sd(values: list[float]) -> str:
+    m = sum(values) / len(values)
+    sd = (sum((x - m) ** 2 for x in values) / max(1, len(values) - 1)) ** 0.5
+    return f"{m:.4g} ± {sd:.2g}"
+
+
+def key_value_handler(runs, seed, trajectory, baseline, budget=DEFAULT_BUDGET, frames=32, seeds=KV_SEEDS,
+                      progress: Callable | None = None) -> dict:
+    """Keys only vs Values only, each within the same budget by its method's rule, for `baseline` and for quantwm
+    beside it, on `seeds` held-out worlds from `seed` on: per seed the reconstruction errors beside the damage
+    each causes (PSNR, tdiff, LPIPS, place shift, output error), their mean ± sd, a chart of them all, and the
+    sentence of what holds on every seed and what does not (`_kv_finding`)."""
+    from dataclasses import replace
+
+    from quantwm.drivers import studies
+
+    wb = runs.wb
+    try:
+        first, n = integer(seed, "world seed"), integer(seeds, "seeds")
+        if not 1 <= n <= 16:
+            raise ValueError(f"seeds must lie in 1..16, got {n}")
+        b = budget_value(budget)
+        key = replace(run_key(first, trajectory, baseline, "kv", 2, frames), budget=b)
+        if key.method == "bf16":
+            raise ValueError("bf16 quantizes nothing: pick a quantization method")
+        wb.check_frames(key.frames)
+        world_seeds = [replace(key, seed=s).seed for s in range(first, first + n)]  # each checked as a world seed
+        names = list(dict.fromkeys([key.method, FIX]))
+        jobs = [(m, s) for m in names for s in world_seeds]
+        rows = []
+        for i, (m, s) in enumerate(jobs):
+            step = (lambda a, t, i=i: progress(i * t + a, len(jobs) * t)) if progress else None
+            rows += [{"method": m, "seed": s, **r} for r in studies.key_vs_value(wb, replace(key, method=m, seed=s), step)]
+    except ValueError as e:
+        return error(str(e))
+    by = {(m, t): [r for r in rows if r["method"] == m and r["target"] == t] for m in names for t in "kv"}
+    finding = " ".join(_kv_finding(m, by[(m, "k")], by[(m, "v")]) for m in names)
+    table = []
+    for (m, t), rs in by.items():
+        table += [[m, t, r["seed"], *[rounded(r[c]) for c in KV_COLUMNS[3:]]] for r in rs]
+        if len(rs) > 1:
+            table.append([m, t, "mean ± sd", *[_mean_sd([r[c] for r in rs]) for c in KV_COLUMNS[3:]]])
+    seeds_text = f"seed {first}" if n == 1 else f"seeds {first}-{first + n - 1}"
+    return {"status": f"**Within {b:g} bits per element, {seeds_text}, {trajectory}, {frames} frames.** " + finding,
+            "header": list(KV_COLUMNS), "rows": table, "per_seed": rows,
+            "figure": plots.key_value_figure(by, [("k_rel_err", "Key error (Keys only)"),
+                                                  ("v_rel_err", "Value error (Values only)"),
+                                                  *[(c, name) for c, name, _ in KV_DAMAGE], ("shift_rate", "top-1 shift")],
+                                             f"Keys only (k) vs Values only (v) within {b:g} bits, mean ± sd over "
+                                             f"{n} seed(s)")}
+
+
+# the memory figures by their `CacheMemory` names: the quantized spans' bits and compression, the whole cache's
+METHOD_COLUMNS = ("method", "span_bits_per_element", "fits", "configuration", "span_compression", "cache_compression",
+                  "bf16_mb", "cache_mb", "shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error")
+TEXT_COLUMNS = ("method", "fits", "configuration")  # always shown; every other column only where rows differ
+FIGURE_METRICS = ("span_bits_per_element", "shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error")
+
+
+def methods_view(runs, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET,
+                 progress: Callable | None = None) -> dict:
+    """The Methods comparison as shown, the one source of the tab's table, its figure and the exported figure:
+    every chosen method on one world at one budget, each configured within it by its own rule (the configuration
+    column), in order of the spans' measured bits per element, flagged by `memory_flag` (`fits`). Columns whose
+    value is the same in every row are left out of the table and named with their value in `constant`; the
+    figure draws the shown metric columns (`FIGURE_METRICS`). A method that cannot fit is named in `left_out`.
+    Raises ValueError for bad input."""
+    from dataclasses import replace
+
+    from quantwm.drivers import studies
+
+    b = budget_value(budget)
+    key = replace(run_key(seed, trajectory, "bf16", target, 2, frames), budget=b)
+    left_out: dict = {}
+    rows = studies.methods_table(runs.wb, key, list(methods or []), progress, left_out)
+    rows = sorted(rows, key=lambda r: r["span_bits_per_element"])  # in order of measured bits
+    for r in rows:  # measured from stored bytes; the rule keeps every method within the budget
+        r["fits"] = "OVER" if memory_flag(r, b) else "yes"
+        r["label"] = r["method"] + (" (OVER)" if r["fits"] == "OVER" else "")
+    varies = [c for c in METHOD_COLUMNS if c in TEXT_COLUMNS or len(rows) < 2 or len({rounded(r[c]) for r in rows}) > 1]
+    constant = {c: rounded(rows[0][c]) for c in METHOD_COLUMNS if c not in varies} if rows else {}
+    table = [[r[c] if c in TEXT_COLUMNS else rounded(r[c]) for c in varies] for r in rows]
+    return {"key": key, "budget": b, "rows": rows, "left_out": left_out, "header": varies, "table": table,
+            "constant": constant, "metrics": [m for m in FIGURE_METRICS if m in varies]}
+
+
+def _methods_title(v: dict) -> str:
+    k = v["key"]
+    return f"{len(v['rows'])} methods within {v['budget']:g} bits per element: seed {k.seed}, {k.trajectory}, target {k.target}"
+
+
+def methods_handler(runs, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET,
+                    progress: Callable | None = None) -> dict:
+    """The Methods tab (`methods_view`): status, the table (header, rows) and the figure of its metric columns."""
+    try:
+        v = methods_view(runs, seed, trajectory, target, frames, methods, budget, progress)
+    except ValueError as e:
+        return error(str(e))
+    out = "".join(f" Left out: {m} ({why})." for m, why in v["left_out"].items())
+    same = ", ".join(f"{c} {val}" for c, val in v["constant"].items())
+    over = [r["method"] for r in v["rows"] if r["fits"] == "OVER"]
+    return {"status": f"**At most {v['budget']:g} bits per element** (Keys and Values each, counted from stored "
+                      f"bytes), seed {seed}, {trajectory}, target {target}, {frames} frames. Two compressions: the "
+                      f"quantized spans' and the whole cache's (bf16_mb / cache_mb; cache memory counts every "
+                      f"quantized byte and the full-precision chunks as BF16)."
+                      + (f" **OVER** (over the budget or BF16's bytes): {', '.join(over)}." if over else "")
+                      + (f" The same in every row (not shown as columns): {same}." if same else "") + out,
+            "header": v["header"], "rows": v["table"], "metrics": v["metrics"],
+            "figure": plots.bars_figure(v["rows"], "label", v["metrics"], _methods_title(v)) if v["rows"] else None}
+
+
+def export_methods_handler(runs, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET, formats=("pdf",),
+                           progress: Callable | None = None) -> dict:
+    """The Methods table as a print figure (`methods_view`: the same methods, metric columns and OVER flags as
+    the table with these settings), named after the comparison; "shown" says what it drew."""
+    from quantwm.evaluation import figures as FG
+
+    try:
+        if not methods:
+            raise ValueError("choose at least one method")
+        FG.check_formats(list(formats or []))
+        runs.wb.limits.check_methods(len(methods), integer(frames, "frames"))
+        v = methods_view(runs, seed, trajectory, target, frames, methods, budget, progress)
+        if not v["rows"]:
+            raise ValueError("no chosen method fits the budget: " + "; ".join(v["left_out"].values()))
+        k = v["key"]
+        fig = FG.bars_figure(v["rows"], "label", v["metrics"], _methods_title(v))
+        stem = (f"methods-{'-'.join(r['method'] for r in v['rows'])}-seed{k.seed}-{k.trajectory}-{k.target}-"
+                f"budget{v['budget']:g}")
+        paths = FG.save_figure(fig, os.path.join(app_files().export_dir("methods"), stem), list(formats or []))
+    except ValueError as e:
+        return error(str(e))
+    return {**exported(paths), "shown": {"methods": [r["method"] for r in v["rows"]], "metrics": v["metrics"],
+                                          "fits": [r["fits"] for r in v["rows"]]}}
