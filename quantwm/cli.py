@@ -309,6 +309,9 @@ def _eval_long(a, methods: list[str]) -> int:
     for m, e in report["methods"].items():
         first = e["first_frame_below_threshold"]
         d = e["drift"]
+        mean = e["mean"]
+        print(f"{m}: revisit consistency {_fmt(mean['revisit_psnr'], 2)} dB, BF16's own {_fmt(mean['bf16_revisit_psnr'], 2)}"
+              f" dB ({mean['revisited_frames']} frame(s) show a place again after its view left the window)")
         print(f"{m}: first frame below {a.threshold_db:g} dB against BF16: {first if first is not None else 'none'}; "
               "per 100 frames: " + ", ".join(f"{k} {v['slope_per_100_frames']:+.2e} (first quarter {_fmt(v['first_quarter'])}"
                                              f", last {_fmt(v['last_quarter'])})" for k, v in d.items()))

@@ -8,8 +8,8 @@ import torch
 from quantwm.cli import main
 from quantwm.core.cache import CacheConfig
 from quantwm.world.evaluate import place_shift_rate
-from quantwm.world.generate import DEFAULT_WEIGHTS, generate, load_world_model, rollout
-from quantwm.world.long_rollout import DRIFT, evaluate_long, summarise
+from quantwm.world.generate import DEFAULT_WEIGHTS, ChunkStep, generate, load_world_model, rollout
+from quantwm.world.long_rollout import DRIFT, PlaceMemory, evaluate_long, summarise
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +47,7 @@ def test_evaluate_long_streams_one_line_per_generated_frame(model, tmp_path):
     assert len(e["per_frame"]["psnr"]) == generated and e["per_frame"]["psnr"] == [x["psnr"] for x in lines]
     assert e["windowed"]["frames"] == [4, 8] and len(e["windowed"]["psnr"]) == 2
     assert set(e["drift"]) == set(DRIFT) and 0 < e["mean"]["bits_per_element"] < 16
+    assert {"revisit_psnr", "bf16_revisit_psnr"} <= set(lines[0]) and "revisited_frames" in e["mean"]
     assert r["config"]["window"] == 2 and r["config"]["stream"] == str(stream)
 
 
@@ -78,3 +79,16 @@ def test_cli_eval_window_writes_stream_and_report(tmp_path, capsys):
     assert not math.isnan(r["methods"]["rtn"]["mean"]["psnr"])
     assert main(["eval", "--methods", "rtn", "--seeds", "0", "--stream", str(stream)]) == 2
     assert "--stream and --figure need --window" in capsys.readouterr().err
+
+
+def test_place_memory_compares_a_revisited_patch_with_the_runs_earlier_view():
+    """A static camera: every frame shows the same 4 places. With a gap of 1 frame, a place last shown 1 frame ago is
+    not a revisit; with a gap of 0 it is, and its error is the MSE against the run's latest view of that place."""
+    frames = torch.zeros(2, 16, 16, 3)
+    places = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]]).repeat(6, 1)  # 6 frames x 4 tokens of 8x8 pixels
+    mem = PlaceMemory(gap=1, patch=8)
+    step = lambda c, fr: ChunkStep(c, fr, fr, None, None, places, None)  # noqa: E731
+    assert all(math.isnan(x) for x in mem.update(step(0, frames)))  # frames 0, 1: nothing seen before
+    assert all(math.isnan(x) for x in mem.update(step(1, frames + 0.5)))  # last seen 1 frame ago: not a revisit
+    mem.gap = 0
+    assert mem.update(step(2, frames + 0.1)) == pytest.approx([0.16, 0.0])  # against frame 3 (0.5), then frame 4

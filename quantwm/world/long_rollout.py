@@ -5,8 +5,10 @@ through a KVCache that keeps the sink chunks plus the `window` most recent chunk
 window)`: whole-chunk eviction, oldest non-sink chunk first, as LingBot-World and Self-Forcing keep their
 caches). As each chunk is made, one JSON line per generated frame and method goes to the stream file: PSNR and
 SSIM against BF16, tdiff-L1 flicker against BF16, the chunk's top-1 shift rate and place shift rate (every layer,
-head and query of the chunk; places of the cached tokens the probe saw, since the window evicts) and the tokens
-the cache held. Only running figures and per-frame curves (a few floats a frame) stay in memory, so a run's
+head and query of the chunk; places of the cached tokens the probe saw, since the window evicts), revisit
+consistency (`PlaceMemory`: where the camera shows a place again after its view left the window, the PSNR of the
+patch against what the same run showed there before, for the method and for BF16, whose own figure is the
+model's) and the tokens the cache held. Only running figures and per-frame curves (a few floats a frame) stay in memory, so a run's
 memory is the window's, not the length's (benchmarks/long_rollout.py measures it).
 
 Error over time (`curves`): per method, the per-frame curves averaged over seeds, the same over consecutive
@@ -34,8 +36,11 @@ from ..evaluation import metrics as M
 from .evaluate import check_worlds, method_configs
 from .generate import ChunkStep, rollout
 from .model import WorldModel
+from .scene import patchify
 
-CURVES = ("psnr", "ssim", "tdiff", "shift_rate", "place_shift_rate")  # per generated frame, against BF16
+CURVES = ("psnr", "ssim", "tdiff", "shift_rate", "place_shift_rate", "revisit_psnr",
+          "bf16_revisit_psnr")  # per generated frame: against BF16, and each run's revisit consistency
+PSNRS = ("psnr", "revisit_psnr", "bf16_revisit_psnr")  # averaged through their MSE (frames at the 100 dB cap: 0)
 THRESHOLD_DB = 30.0  # a frame "leaves BF16" when its PSNR against BF16 falls below this
 CURVE_FRAMES = 32  # frames per point of the windowed curves
 DRIFT = ("mse", "tdiff", "place_shift_rate")  # errors whose slope against time is reported (mse: from PSNR vs BF16)
@@ -52,15 +57,45 @@ def chunk_shift(step: ChunkStep) -> tuple[float, float]:
     return changed / total, moved / total
 
 
-def frame_records(step: ChunkStep, ref: ChunkStep, prev: tuple | None) -> list[dict]:
-    """One dict per frame of the chunk: its figures against BF16's same chunk (`prev`: both runs' previous frame)."""
+class PlaceMemory:
+    """What one run last showed at every world place (the patch's pixels and its frame), for revisit consistency: a
+    patch is a revisit when its place was last shown more than `gap` frames earlier (its view has left the recent
+    window); its error is the MSE against that earlier patch of the same run. Bounded by the world's places."""
+
+    def __init__(self, gap: int, patch: int):
+        self.gap, self.patch, self.seen = gap, patch, {}
+
+    def update(self, step: ChunkStep) -> list[float]:
+        """Per frame of the chunk: the mean MSE of its revisited patches against the run's earlier view (nan: none)."""
+        F = step.frames.shape[0]
+        tokens = patchify(step.frames, self.patch)  # (F, H, W, 3) -> (F, n, p*p*3)
+        n = tokens.shape[1]
+        out = []
+        for i in range(F):
+            t = step.chunk * F + i
+            places = step.places[t * n:(t + 1) * n].tolist()
+            errs = [float((tokens[i, j] - self.seen[pl][1]).square().mean()) for j, pl in enumerate(map(tuple, places))
+                    if pl in self.seen and t - self.seen[pl][0] > self.gap]
+            self.seen.update({pl: (t, tokens[i, j].clone()) for j, pl in enumerate(map(tuple, places))})
+            out.append(sum(errs) / len(errs) if errs else math.nan)
+        return out
+
+
+def _db(mse: float) -> float:
+    return math.nan if mse != mse else min(100.0, -10 * math.log10(max(mse, 1e-10)))
+
+
+def frame_records(step: ChunkStep, ref: ChunkStep, prev: tuple | None, revisit: list, ref_revisit: list) -> list[dict]:
+    """One dict per frame of the chunk: its figures against BF16's same chunk (`prev`: both runs' previous frame;
+    `revisit`, `ref_revisit`: each run's revisit MSE per frame, `PlaceMemory.update`)."""
     x, r = step.frames, ref.frames
     psnr, ssim = M.psnr(x, r).tolist(), M.ssim(x, r).tolist()
     tdiff = M.tdiff(torch.cat([prev[0], x]), torch.cat([prev[1], r])).tolist() if prev else [math.nan] * len(x)
     shift, place = chunk_shift(step)
     first = step.chunk * len(x)
     return [{"frame": first + i, "psnr": psnr[i], "ssim": ssim[i], "tdiff": tdiff[i], "shift_rate": shift,
-             "place_shift_rate": place, "cached_tokens": step.probe.n_cached} for i in range(len(x))]
+             "place_shift_rate": place, "revisit_psnr": _db(revisit[i]), "bf16_revisit_psnr": _db(ref_revisit[i]),
+             "cached_tokens": step.probe.n_cached} for i in range(len(x))]
 
 
 def evaluate_long(model: WorldModel, methods: list[str], target: str = "kv", seeds: list[int] = (0,),
@@ -68,8 +103,9 @@ def evaluate_long(model: WorldModel, methods: list[str], target: str = "kv", see
                   window: int = 8, sink_chunks: int = 1, stream: str | Path | None = None,
                   progress: Callable | None = None, world: str = "photo", method_options: tuple = (),
                   budget: tuple = (None, None), threshold_db: float = THRESHOLD_DB,
-                  curve_frames: int = CURVE_FRAMES) -> dict:
-    """The streamed `quantwm eval --window` report (see the module docstring); `stream`: the JSON-lines file."""
+                  curve_frames: int = CURVE_FRAMES, revisit_gap: int | None = None) -> dict:
+    """The streamed `quantwm eval --window` report (see the module docstring); `stream`: the JSON-lines file;
+    `revisit_gap`: frames after which a place shown again is a revisit (default: the window's frames)."""
     if window < 1:
         raise ValueError(f"window must be >= 1 chunk, got {window}")
     seeds = check_worlds(seeds, False, None, world)
@@ -78,6 +114,7 @@ def evaluate_long(model: WorldModel, methods: list[str], target: str = "kv", see
     bf16 = CacheConfig(sink_chunks=sink_chunks, max_chunks=sink_chunks + window)
     cfg = model.cfg
     n_chunks = n_frames // cfg.chunk_frames
+    gap = window * cfg.chunk_frames if revisit_gap is None else revisit_gap
     curves = {m: {k: [] for k in CURVES} for m in configs}  # per seed: per generated frame
     memory, configuration, t0 = {}, {}, time.time()
     out = open(stream, "w") if stream else None
@@ -88,11 +125,14 @@ def evaluate_long(model: WorldModel, methods: list[str], target: str = "kv", see
             runs = {m: rollout(model, seed, trajectory_kind, n_frames, c, **kw) for m, c in windowed.items()}
             prev: dict = {}
             per = {m: {k: [] for k in CURVES} for m in configs}
+            places = {m: PlaceMemory(gap, cfg.patch) for m in ["bf16", *configs]}
             for ref in ref_run:
+                ref_revisit = places["bf16"].update(ref)
                 for m, run in runs.items():
                     step = next(run)
+                    revisit = places[m].update(step)
                     if step.probe is not None:
-                        for rec in frame_records(step, ref, prev.get(m)):
+                        for rec in frame_records(step, ref, prev.get(m), revisit, ref_revisit):
                             for k in CURVES:
                                 per[m][k].append(rec[k])
                             if out:
@@ -121,7 +161,7 @@ def evaluate_long(model: WorldModel, methods: list[str], target: str = "kv", see
                                   "cache_mb": _mean([x.cache_mb for x in mems])})
     config = {"target": target, "bits": bits, "seeds": list(seeds), "frames": n_frames, "trajectory": trajectory_kind,
               "world": world, "steps": steps, "window": window, "sink_chunks": sink_chunks,
-              "context_frames": first, "threshold_db": threshold_db, "curve_frames": curve_frames,
+              "context_frames": first, "threshold_db": threshold_db, "curve_frames": curve_frames, "revisit_gap": gap,
               "stream": str(stream) if stream else None, "method_options": dict(method_options),
               "budget": {"k": budget[0], "v": budget[1]}, "left_out": left_out, "configuration": configuration,
               "model": model.config_dict(), "seconds": time.time() - t0}
@@ -140,11 +180,13 @@ def summarise(curves: dict, first_frame: int, threshold_db: float = THRESHOLD_DB
     per_frame = {k: [_mean(col) for col in zip(*v)] for k, v in curves.items()}
     n = len(per_frame["psnr"])
     frames = list(range(first_frame, first_frame + n))
-    mean = {k: _mean(sum(v, [])) for k, v in curves.items()}
-    mean["psnr"] = _psnr(sum(curves["psnr"], []))
+    mean = {k: _psnr(sum(v, [])) if k in PSNRS else _mean(sum(v, [])) for k, v in curves.items()}
     windowed = {k: [_mean(v[i:i + curve_frames]) for i in range(0, n, curve_frames)] for k, v in per_frame.items()}
-    windowed["psnr"] = [_psnr([p for seed in curves["psnr"] for p in seed[i:i + curve_frames]])
-                        for i in range(0, n, curve_frames)]  # from the window's mean MSE, as the clip's mean
+    for k in PSNRS:  # from the window's mean MSE, as the clip's mean
+        if k in curves:
+            windowed[k] = [_psnr([p for seed in curves[k] for p in seed[i:i + curve_frames]])
+                           for i in range(0, n, curve_frames)]
+    mean["revisited_frames"] = sum(p == p for seed in curves.get("revisit_psnr", []) for p in seed)
     below = [f for f, p in zip(frames, per_frame["psnr"]) if p < threshold_db]
     q = max(1, n // 4)
     drift = {}
@@ -159,8 +201,9 @@ def summarise(curves: dict, first_frame: int, threshold_db: float = THRESHOLD_DB
 
 
 def _psnr(psnrs: list) -> float:
-    """PSNR of frames together, from their mean MSE (frames identical to BF16, at the 100 dB cap, count as 0)."""
-    mse = [10 ** (-p / 10) if p < 100 else 0.0 for p in psnrs]
+    """PSNR of frames together, from their mean MSE (frames identical to BF16, at the 100 dB cap, count as 0; nan
+    frames, with nothing to compare, left out)."""
+    mse = [10 ** (-p / 10) if p < 100 else 0.0 for p in psnrs if p == p]
     return min(100.0, -10 * math.log10(max(sum(mse) / len(mse), 1e-10))) if mse else math.nan
 
 
