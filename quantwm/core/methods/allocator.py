@@ -32,18 +32,21 @@ from ..query_basis import basis_bytes, basis_matrix, captured, coordinate_weight
 from .base import Method, SpanContext, register
 from .qvg import QVGBudget
 
+REUSE_RANK = 16  # a stored basis holds while its first (at most) 16 columns capture S's top-16 energy
+
 
 @register("quantwm-alloc")
 @dataclass(frozen=True)
 class QuantWMAlloc(QVGBudget):
     name = "quantwm-alloc"
+    source = "this project (docs/method.md §2.6, §2.7)"
     uses_queries = True
     takes_bits = False  # the budget sets every channel's width
     at_budget = "quantwm-alloc"
     budget: float = 2.5
     qsac: bool = True  # False: every channel weighted alike (the ablation)
     query_basis: bool = True  # Keys in the history Queries' basis (False: the model's channels, the ablation)
-    basis_rank: int = 16  # eigen-directions the stored basis holds exactly
+    basis_rank: int = 64  # at most this many eigen-directions in a stored basis (16 is priced too)
     basis_reuse: float = 0.95  # a stored basis serves while it captures this share of S's top-rank energy
     basis_share: float = 0.25  # a span storing a new basis spends at most this share of its bits on it
 
@@ -102,18 +105,20 @@ class QuantWMAlloc(QVGBudget):
 
     def in_query_basis(self, x: torch.Tensor, ctx: SpanContext, plain):
         """(predicted error, layout) of the Keys in the Queries' basis. A stored basis that still holds is used as it
-        is. Otherwise a new one (as many directions as `basis_share` of the span's bits buy, at most `basis_rank`),
-        paid in full by this span, is priced against the stale basis or, with none, `plain()` (the model's
-        channels), and the lower predicted error wins. Keeps the basis in use in ctx.state."""
+        is. Otherwise new ones of 16 and of `basis_rank` directions (as many as `basis_share` of the span's bits
+        buy), each paid in full by this span, are priced against the stale basis or, with none, `plain()` (the
+        model's channels), and the lowest predicted error wins. Keeps the basis in use in ctx.state."""
         S, N, D = x.shape
         stats = ctx.stats_or_identity(S, D, x.device)
         stored = (ctx.state["k.basis_reflectors"], ctx.state["k.basis_scales"]) if "k.basis_scales" in ctx.state else None
         rank = min(self.basis_rank, D, int(self.basis_share * self.budget * N * D // (8 * basis_bytes(1, D))))
-        if stored is not None and bool((captured(basis_matrix(*stored), stats, stored[0].shape[1]) >= self.basis_reuse).all()):
+        held = min(REUSE_RANK, stored[0].shape[1]) if stored is not None else 0  # the directions the reuse test reads
+        if stored is not None and bool((captured(basis_matrix(*stored), stats, held) >= self.basis_reuse).all()):
             return self.coded_in(x, ctx, stats, stored)  # it holds: shared, already paid for
-        fresh = self.coded_in(x, ctx, stats, make_reflectors(stats, rank), charge=8.0 * basis_bytes(rank, D)) if rank else None
+        fresh = [self.coded_in(x, ctx, stats, make_reflectors(stats, r), charge=8.0 * basis_bytes(r, D))
+                 for r in sorted({min(REUSE_RANK, rank), rank} - {0})]
         other = self.coded_in(x, ctx, stats, stored) if stored is not None else plain()
-        best = min((c for c in (fresh, other) if c is not None), key=lambda c: c[0], default=None)
+        best = min((c for c in (*fresh, other) if c is not None), key=lambda c: c[0], default=None)
         if best is not None and isinstance(best[1], InBasis):
             ctx.state.update({"k.basis_reflectors": best[1].reflectors, "k.basis_scales": best[1].scales})
         return best
@@ -149,5 +154,6 @@ class QuantWMChannels(QuantWMAlloc):
     """The allocator with Keys in the model's own channels (no Queries' basis): the transform's ablation."""
 
     name = "quantwm-channels"
+    source = "this project: an ablation of quantwm-alloc"
     at_budget = "quantwm-channels"
     query_basis: bool = False
