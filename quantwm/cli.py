@@ -178,10 +178,18 @@ def cmd_plan(a) -> int:
     else:
         print(f"  bits per element needed: {need:.3f}; budget: "
               + (f"{r['budget']:g} (the largest measured budget at or below it)" if r["budget"] else "none of the rows"))
-    rows = [["bits/element", "bytes per latent frame", "cache at peak", "fits", "latent frames that fit"]]
+    rows = [["bits/element", "bytes per latent frame", "cache at peak", "fits", "latent frames that fit",
+             "quantwm PSNR vs BF16 (frontier)", "quantwm place shift (frontier)"]]
     rows += [["16 (BF16)" if x["bits"] >= 16 else f"{x['bits']:g}", _gib(x["bytes_per_frame"]), _gib(x["peak_bytes"]),
-              "yes" if x["fits"] else "no", _count(x["frames_that_fit"])] for x in r["rows"]]
+              "yes" if x["fits"] else "no", _count(x["frames_that_fit"]),
+              *(("reference", "0") if x["bits"] >= 16 else
+                (_fmt(x["quality"][k]["quantwm"], 2 if k == "psnr" else 4) if x["quality"] else "none measured"
+                 for k in ("psnr", "place_shift_rate")))] for x in r["rows"]]
     print(_table(rows))
+    source = next((x["quality"]["source"].split(" (")[0] for x in r["rows"] if x["quality"]), None)
+    print(f"  frontier columns: quantwm's best point within each budget in {source}'s envelope (the built-in model "
+          f"on held-out photographs, 16 frames; not {p.name}'s own quality)" if source else
+          f"  frontier columns: none measured (no frontier envelope at {r['frontier']})")
     q = r["quality"]
     if r["budget"] is not None and r["budget"] < 16:
         if q is None:

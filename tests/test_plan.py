@@ -53,6 +53,11 @@ def test_plan_wan13b_81_frames_in_24_gib_is_a_real_bf16_cache(tmp_path, capsys):
     assert mem.bf16_bytes * p.layers == r["bf16_bytes"] == r["rows"][0]["peak_bytes"]
     assert r["rows"][0]["bytes_per_frame"] * 21 == r["bf16_bytes"]
     assert f"{r['bf16_bytes'] / 2**30:.2f} GiB" in text  # 5.62 GiB
+    # the quality columns are the frontier envelope's quantwm points, budget by budget
+    envelope = json.loads(FRONTIER.read_text())["world"]["envelope"]
+    at = {x["bits"]: x for x in r["rows"]}
+    assert at[2.5]["quality"]["psnr"]["quantwm"] == envelope["2.5"]["psnr"]["quantwm"]["value"]
+    assert f"{envelope['2.5']['psnr']['quantwm']['value']:.2f}" in text and "frontier columns: quantwm's best" in text
     # 87 latent frames at BF16 fit in 24 GiB, 90 do not
     assert r["rows"][0]["frames_that_fit"] == 87
     assert peak_bytes(p, held(p, 87, None, 1, 1), 16) <= 24 * 2**30 < peak_bytes(p, held(p, 90, None, 1, 1), 16)

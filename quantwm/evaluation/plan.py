@@ -138,7 +138,8 @@ def plan(preset: Preset, frames: int, memory_gib: float, window: int | None = No
     for b in BUDGETS:
         rows.append({"bits": b, "bytes_per_frame": chunk_bf16_bytes(preset) / preset.chunk_frames * b / 16,
                      "peak_bytes": peak_bytes(preset, h, b), "fits": peak_bytes(preset, h, b) <= limit,
-                     "frames_that_fit": frames_that_fit(preset, limit, b, window, sink, recent)})
+                     "frames_that_fit": frames_that_fit(preset, limit, b, window, sink, recent),
+                     "quality": frontier_quality(frontier, b) if b < 16 else None})
     chosen = next((r["bits"] for r in rows if r["fits"]), None)
     quality = frontier_quality(frontier, chosen) if chosen is not None and chosen < 16 else None
     return {"preset": preset.__dict__, "latent_frames": frames, "video_frames": video_frames(frames),
