@@ -89,8 +89,12 @@ def logit_heatmaps_figure(exact: np.ndarray, stored: np.ndarray, src_exact: tupl
     for col in (1, 2, 3):
         for (f, r, c), sym, color, name in ((src_exact, "circle-open", "white", "BF16 top-1"),
                                             (src_stored, "x-open", "red", f"{method} top-1")):
-            fig.add_trace(go.Scatter(x=[r * grid_width + c], y=[f], mode="markers", name=name, showlegend=col == 1,
+            fig.add_trace(go.Scatter(x=[r * grid_width + c], y=[f], mode="markers", name=name, showlegend=False,
                                      marker=dict(symbol=sym, size=14, color=color, line=dict(width=3))), 1, col)
+    for sym, color, name in (("circle-open", "#333333", "BF16 top-1 (white circle)"),  # white shows on the heatmap,
+                             ("x-open", "red", f"{method} top-1 (red cross)")):      # not on the legend's white
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=name, hoverinfo="skip",
+                                 marker=dict(symbol=sym, size=12, color=color, line=dict(width=3))), 1, 1)
         fig.update_xaxes(title_text="position (row*w + col)", row=1, col=col)
     fig.update_yaxes(title_text="cached frame", row=1, col=1)
     fig.update_layout(height=340, margin=dict(l=50, r=10, t=50, b=40), legend=dict(orientation="h", y=-0.3))

@@ -479,3 +479,16 @@ def test_the_per_frame_plot_tells_revisits_from_invented_places(wb, generated):
     names = {t.name for t in fig.data}
     assert any("should match" in n for n in names) and any("invented by the model" in n for n in names)
     assert len(fig.layout.shapes) == 1 + 4  # the context, then memory / invented / memory / invented
+
+
+def test_the_logit_heatmaps_legend_shows_its_markers_in_visible_colours():
+    """The BF16 top-1 marker is white on the heatmap; its legend entry is drawn dark (white on the legend's white
+    background did not show), and the legend names each marker once."""
+    from app.plots import logit_heatmaps_figure
+
+    z = np.arange(12.0).reshape(3, 4)
+    fig = logit_heatmaps_figure(z, z[::-1].copy(), (2, 1, 1), (0, 1, 1), "kivi", 2)
+    legend = [t for t in fig.data if t.showlegend is not False and t.type == "scatter"]
+    assert [t.name for t in legend] == ["BF16 top-1 (white circle)", "kivi top-1 (red cross)"]
+    assert all(t.marker.color not in ("white", "#ffffff") for t in legend)
+    assert [t.marker.color for t in fig.data if t.type == "scatter" and t.x[0] is not None][:2] == ["white", "red"]
