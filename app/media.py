@@ -66,6 +66,21 @@ def mark_pixel(img: np.ndarray, x: int, y: int, factor: int, color=YELLOW) -> np
     return out
 
 
+def colour_bar(color, top: float, name: str, width: int = 256, height: int = 30) -> np.ndarray:
+    """A key for a tint (`tint` at its default strength over mid grey): a (height, width, 3) uint8 strip from 0 on
+    the left to `top` (full colour) on the right, named and labelled at both ends (PIL's font)."""
+    from PIL import Image, ImageDraw
+
+    heat = np.linspace(0, 1, width, dtype=np.float32)[None].repeat(height - 14, 0)
+    strip = tint(np.full((height - 14, width, 3), 128, np.uint8), heat, color)
+    pic = Image.fromarray(np.concatenate([np.full((14, width, 3), 255, np.uint8), strip]))
+    draw = ImageDraw.Draw(pic)
+    draw.text((2, 1), f"0   {name}", fill=(0, 0, 0))
+    right = f"{top:.3g}"
+    draw.text((width - 2 - draw.textlength(right), 1), right, fill=(0, 0, 0))
+    return np.asarray(pic)
+
+
 def label(img: np.ndarray, text: str) -> np.ndarray:
     """A copy of img (H, W, 3) uint8 with `text` in its top-left corner, white on a dark band (PIL's font)."""
     from PIL import Image, ImageDraw

@@ -133,10 +133,13 @@ def _frames_panel(ui: SimpleNamespace, facts: dict, default_frames: int) -> None
         ui.jump_layer = gr.Dropdown(["all", *map(str, range(facts["layers"]))], value="all", label="Jump map layer")
         ui.jump_head = gr.Dropdown(["all", *map(str, range(facts["heads"]))], value="all", label="Jump map head")
     ui.frame_info = gr.Markdown(elem_id="frame-info")
+    ui.scale = gr.Image(format="png", interactive=False, show_label=False, buttons=[], height=64, width=260,
+                        elem_id="overlay-scale", container=False, visible=False)  # the overlays' colour bars
     with gr.Row():
         ui.bf16_img = gr.Image(label="BF16 frame (click a pixel)", elem_id="frame-bf16", **img_kw)
         ui.method_img = gr.Image(label="Quantized frame (click a pixel)", elem_id="frame-method", **img_kw)
         ui.result = gr.JSON(label="Trace result", elem_id="trace-result", height=280)
+    ui.scrub_out = [ui.frame_info, ui.bf16_img, ui.method_img, ui.scale]
 
 
 def _trace_panel(ui: SimpleNamespace, facts: dict) -> None:
@@ -196,8 +199,12 @@ def _wire_generate(ui: SimpleNamespace, generate: Callable, scrub: Callable, fac
         return unpack(r, GEN_NAMES)
 
     def do_scrub(run_id, frame, overlays, layer, head, traced=None):
-        """traced: the trace panel's result; its pixel is marked on both frames when it is a trace of this run."""
-        return unpack(scrub(run_id, frame, overlays, layer, head, traced), SCRUB_NAMES)
+        """traced: the trace panel's result; its pixel is marked on both frames when it is a trace of this run.
+        The last output is the overlays' colour bars (emptied when no overlay tints the frame)."""
+        r = scrub(run_id, frame, overlays, layer, head, traced)
+        scale = r.get("scale")
+        return (*unpack(r, SCRUB_NAMES),
+                gr.skip() if r.get("bf16") is None else gr.update(value=scale, visible=scale is not None))
 
     def frame_label(run_id):
         """The quantized frame's panel named after the run shown."""
@@ -219,7 +226,7 @@ def _wire_generate(ui: SimpleNamespace, generate: Callable, scrub: Callable, fac
     settings = [ui.seed, ui.trajectory, ui.method, ui.target, ui.bits, ui.frames, ui.budget, ui.sizing]
     ev = ui.go.click(on_generate, settings, ui.gen_out, api_name="generate", trigger_mode="multiple",
                      concurrency_limit=1, concurrency_id="generate")
-    ev.then(do_scrub, ui.scrub_in, [ui.frame_info, ui.bf16_img, ui.method_img], api_name="show_frame", **VIEW).then(
+    ev.then(do_scrub, ui.scrub_in, ui.scrub_out, api_name="show_frame", **VIEW).then(
         frame_label, [ui.run_id], [ui.method_img], api_name=False, **VIEW)
     ev.then(ui.views_of, [ui.run_id, ui.result], ui.views_out, api_name=False, **VIEW)
     if rerun_pickers:
@@ -266,7 +273,7 @@ def _settings_for(r):
 
 def _then_show_frame(ui: SimpleNamespace, event) -> None:
     event.then(ui.views_of, [ui.run_id, ui.result], ui.views_out, api_name=False, **VIEW)
-    event.then(ui.do_scrub, ui.scrub_in, [ui.frame_info, ui.bf16_img, ui.method_img], api_name=False, **VIEW).then(
+    event.then(ui.do_scrub, ui.scrub_in, ui.scrub_out, api_name=False, **VIEW).then(
         ui.frame_label, [ui.run_id], [ui.method_img], api_name=False, **VIEW)
 
 
@@ -306,7 +313,7 @@ def _wire_views(ui: SimpleNamespace, scrub: Callable, trace_pixel: Callable, cli
                 export: Callable) -> None:
     """Scrubbing, clicking or tracing a pixel, exporting figures."""
     gr.on([ui.frame.change, ui.overlays.change, ui.jump_layer.change, ui.jump_head.change], ui.do_scrub, ui.scrub_in,
-          [ui.frame_info, ui.bf16_img, ui.method_img], api_name="scrub", trigger_mode="always_last", **VIEW)
+          ui.scrub_out, api_name="scrub", trigger_mode="always_last", **VIEW)
 
     def on_click(run_id, frame, layer, head, evt: gr.SelectData):
         r = click_pixel(run_id, frame, evt.index, layer, head)
@@ -316,14 +323,14 @@ def _wire_views(ui: SimpleNamespace, scrub: Callable, trace_pixel: Callable, cli
     for img, name in ((ui.method_img, "click_pixel"), (ui.bf16_img, "click_pixel_bf16")):
         img.select(on_click, [ui.run_id, ui.frame, ui.trace_layer, ui.trace_head], [*ui.trace_out, ui.px, ui.py],
                    api_name=name, **VIEW).then(
-            ui.do_scrub, ui.scrub_in, [ui.frame_info, ui.bf16_img, ui.method_img], api_name=False, **VIEW)
+            ui.do_scrub, ui.scrub_in, ui.scrub_out, api_name=False, **VIEW)
 
     def do_trace(run_id, frame, x, y, layer, head):
         return _trace_outputs(trace_pixel(run_id, frame, x, y, layer, head))
 
     ui.trace_btn.click(do_trace, [ui.run_id, ui.frame, ui.px, ui.py, ui.trace_layer, ui.trace_head], ui.trace_out,
                        api_name="trace_pixel", **VIEW).then(  # the traced pixel marked on both frames
-        ui.do_scrub, ui.scrub_in, [ui.frame_info, ui.bf16_img, ui.method_img], api_name=False, **VIEW)
+        ui.do_scrub, ui.scrub_in, ui.scrub_out, api_name=False, **VIEW)
 
     def do_export(run_id, frame, layer, head, formats, traced=None):
         """What the tab shows: the run's plot, the slider frame's maps (jump-map layer and head), the panel's trace."""

@@ -218,7 +218,8 @@ def open_run_handler(runs, path, files: bool = True) -> dict:
 
 def scrub_handler(runs, run_id, frame, overlays=(), layer="all", head="all", traced=None) -> dict:
     """Both runs at `frame`, enlarged, with the chosen overlays on the method's frame, each scaled to this frame
-    (`overlay_scale`); the trace panel's pixel (`traced`, when a trace of this run) marked on both frames."""
+    (`overlay_scale`) and keyed in "scale" (a colour bar per tinted overlay, None when none); the trace panel's
+    pixel (`traced`, when a trace of this run) marked on both frames."""
     overlays = list(overlays or [])
     try:
         unknown = [o for o in overlays if o not in OVERLAYS]
@@ -229,7 +230,7 @@ def scrub_handler(runs, run_id, frame, overlays=(), layer="all", head="all", tra
         v = runs.view(run_id).frame_view(integer(frame, "frame"), _choice(layer, "layer"), _choice(head, "head"))
     except ValueError as e:
         return error(str(e))
-    method, scales = v["method"], []
+    method, scales, bars = v["method"], [], []
     notes = [f"Frame **{v['frame']}**" + (" (context: given, identical in both runs)" if v["context"] else ""),
              f"mean flicker {float(v['flicker'].mean()):.4f}",
              f"mean warping error {float(v['warp'].mean()):.4f} (above BF16's, per pixel; 0 = BF16, lower is better)"]
@@ -238,6 +239,8 @@ def scrub_handler(runs, run_id, frame, overlays=(), layer="all", head="all", tra
         if overlay in overlays:
             top = overlay_scale(v[key])
             method = media.tint(method, media.normalise(v[key], top), color)
+            if top > 0:
+                bars.append(media.colour_bar(color, top, f"{overlay} (this frame's 99th percentile)"))
             scales.append(f"{what} {overlay} from 0 to full at this frame's 99th percentile, {top:.4f} "
                           f"(its maximum {float(v[key].max()):.4f})" if top > 0 else f"{what}: no {overlay} on this frame")
     if v["jumps"] is not None:
@@ -258,7 +261,8 @@ def scrub_handler(runs, run_id, frame, overlays=(), layer="all", head="all", tra
         x, y = (integer(c, "pixel") for c in shown["pixel"])
         bf16, method = (media.mark_pixel(img, x, y, f) for img in (bf16, method))
         notes.append(f"yellow square: the traced pixel ({x}, {y})")
-    return {"status": ", ".join(notes) + ".", "bf16": bf16, "method": method, "frame": v["frame"]}
+    return {"status": ", ".join(notes) + ".", "bf16": bf16, "method": method, "frame": v["frame"],
+            "scale": np.concatenate(bars) if bars else None}
 
 
 def overlay_scale(heat: np.ndarray) -> float:

@@ -95,9 +95,12 @@ def test_generate_returns_run_id_videos_plot_and_slider(generated):
 
 
 def test_scrub_returns_both_enlarged_frames(client, generated):
-    info, bf16, method = client.predict(generated[1], FRAMES - 1, ["flicker map"], "all", "all", api_name="/scrub")
+    info, bf16, method, scale = client.predict(generated[1], FRAMES - 1, ["flicker map"], "all", "all",
+                                               api_name="/scrub")
     assert info.startswith(f"Frame **{FRAMES - 1}**")
     assert Image.open(bf16).size == Image.open(method).size == (256, 256)
+    scale = scale.get("value", scale) if isinstance(scale, dict) else scale  # an update carries its value
+    assert Image.open(scale if isinstance(scale, str) else scale["path"]).size == (256, 30)  # the flicker's colour bar
 
 
 def test_pixel_trace_twin_returns_sources(client, generated):

@@ -187,6 +187,11 @@ def test_overlays_are_scaled_to_their_frame_and_the_top1_map_is_thresholded(runs
     top = float(np.percentile(v["flicker"], 99))
     r = wh.scrub_handler(runs, rid, t, ["flicker map"])
     assert f"99th percentile, {top:.4f}" in r["status"]
+    bar = r["scale"]  # the key: grey at 0 on the left, full red at the 99th percentile on the right
+    assert bar.shape == (30, 256, 3) and bar[20, 0].tolist() == [128, 128, 128]
+    assert np.abs(bar[20, -1].astype(int) - (np.array(wh.media.RED) * 0.85 + 128 * 0.15)).max() <= 1
+    assert wh.scrub_handler(runs, rid, t, [])["scale"] is None
+    assert wh.scrub_handler(runs, rid, t, ["flicker map", "warping error"])["scale"].shape[0] in (30, 60)
     plain = wh.scrub_handler(runs, rid, t, [])["method"]
     full = (v["flicker"] >= top).repeat(wh.FACTOR, 0).repeat(wh.FACTOR, 1)  # full red at or above the 99th
     expect = (plain[full].astype(np.float32) * 0.15 + np.float32(wh.media.RED) * 0.85).round()
