@@ -101,3 +101,22 @@ def test_fused_attention_reads_the_coded_coordinates_as_the_reference_does(monke
     assert torch.allclose(fused_attention(cache, 0, q, D ** -0.5, use_kernel=False), ref, atol=1e-4)
     monkeypatch.setenv("QUANTWM_KERNELS", "triton")  # the Triton kernel (interpreted here) reads the inner side
     assert torch.allclose(fused_attention(cache, 0, q, D ** -0.5, use_kernel=True), ref, atol=1e-4)
+
+
+def test_a_rolling_window_keeps_the_cache_within_its_budget():
+    """Under a window the span that paid for a basis is evicted while later spans still use it: each of them pays
+    1/window of it, so the stored bits stay within the budget however long the rollout."""
+    torch.manual_seed(1)
+    B, H, D, N = 1, 2, 64, 128
+    cfg = CacheConfig(method="quantwm", budget=2.5, sink_chunks=1, recent_chunks=1, max_chunks=6, track_queries=True)
+    cache = KVCache(cfg, 1)
+    A = torch.randn(H, D, 8)
+    worst, rotated = 0.0, 0
+    for chunk in range(14):
+        q = (torch.randn(B, H, N, 8) @ A.transpose(1, 2)) * 0.3
+        k = torch.randn(B, H, N, 8) @ A.transpose(1, 2) * 0.3 + 0.2 * torch.randn(B, H, N, D)
+        cache.attend(0, q, k, torch.randn(B, H, N, D), chunk=chunk, commit=True)
+        rotated += sum(isinstance(c.k_enc, InBasis) for c in cache.spans(0))
+        bits = cache.memory().bits_per_element
+        worst = max(worst, 0.0 if bits != bits else bits)
+    assert rotated > 0 and worst <= 2.5 + 1e-9

@@ -31,7 +31,16 @@ class QueryHistory:
         stats = self._stats(st, H, D).matrix().to(c.k.device)
         if self.config.rope == "pre" and st.stats.count:  # S into the keys' space
             stats = rope_conjugate(stats, self.rope, torch.arange(c.start, c.start + N))
-        return SpanContext(stats=stats.repeat(B, 1, 1), state=st.method_state, seed=seed, history=st.stats.count)
+        return SpanContext(stats=stats.repeat(B, 1, 1), state=st.method_state, seed=seed, history=st.stats.count,
+                           window=self.window_spans())
+
+    def window_spans(self) -> int | None:
+        """How many quantized spans a full rolling window holds at least (`max_chunks` less the sink and recent
+        chunks, in spans), or None without a window: what a span sharing stored state pays its share by."""
+        c = self.config
+        if c.max_chunks is None:
+            return None
+        return max(1, (c.max_chunks - c.sink_chunks - c.recent_chunks) // max(1, c.span_chunks))
 
     def _fold_point(self, chunk: int) -> int:
         """The first span start after `chunk`: spans start at sink, sink + n, ... (n = span_chunks), and a chunk's

@@ -113,11 +113,15 @@ class QuantWMAlloc(QVGBudget):
         stored = (ctx.state["k.basis_reflectors"], ctx.state["k.basis_scales"]) if "k.basis_scales" in ctx.state else None
         rank = min(self.basis_rank, D, int(self.basis_share * self.budget * N * D // (8 * basis_bytes(1, D))))
         held = min(REUSE_RANK, stored[0].shape[1]) if stored is not None else 0  # the directions the reuse test reads
+        # a reused basis is paid for; under a rolling window its payer may be evicted, so each user pays 1/window
+        share = 0.0 if stored is None or ctx.window is None else 8.0 * basis_bytes(stored[0].shape[1], D) / ctx.window
         if stored is not None and bool((captured(basis_matrix(*stored), stats, held) >= self.basis_reuse).all()):
-            return self.coded_in(x, ctx, stats, stored)  # it holds: shared, already paid for
+            got = self.coded_in(x, ctx, stats, stored, share)  # it holds: shared, already paid for
+            if got is not None:
+                return got
         fresh = [self.coded_in(x, ctx, stats, make_reflectors(stats, r), charge=8.0 * basis_bytes(r, D))
                  for r in sorted({min(REUSE_RANK, rank), rank} - {0})]
-        other = self.coded_in(x, ctx, stats, stored) if stored is not None else plain()
+        other = self.coded_in(x, ctx, stats, stored, share) if stored is not None else plain()
         best = min((c for c in (*fresh, other) if c is not None), key=lambda c: c[0], default=None)
         if best is not None and isinstance(best[1], InBasis):
             ctx.state.update({"k.basis_reflectors": best[1].reflectors, "k.basis_scales": best[1].scales})

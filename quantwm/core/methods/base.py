@@ -34,6 +34,8 @@ class SpanContext:
     history: how many history queries `stats` holds (0: none yet, stats is the identity).
     span:    scratch shared by this span's Keys' and Values' encodes, which the cache runs in that order with one
              context (oscar's key weights for its Value covariance); it ends with the span.
+    window:  with a rolling window, how many quantized spans it holds at least (None: no window, nothing is
+             evicted): a span reusing stored state that an evicted span paid for pays 1/window of it.
     """
 
     stats: torch.Tensor | None = None
@@ -41,6 +43,7 @@ class SpanContext:
     seed: int = 0
     history: int = 0
     span: dict = field(default_factory=dict)
+    window: int | None = None
 
     def stats_or_identity(self, S: int, D: int, device: torch.device) -> torch.Tensor:
         if self.stats is None:
