@@ -82,8 +82,9 @@ class QuantWMAlloc(QVGBudget):
                 yield x.float() - row.float(), ((row, None),)
 
     def allocated(self, x: torch.Tensor, kind: str, ctx: SpanContext, w: torch.Tensor, charge: float = 0.0):
-        """(predicted error, layout) of the best smoothing of x (S, N, D) with weights w within the budget less
-        `charge` bits per stream; None when nothing fits."""
+        """(predicted error, build) of the best smoothing of x (S, N, D) with weights w within the budget less
+        `charge` bits per stream, `build()` coding the span (only the chosen candidate is coded); None when
+        nothing fits."""
         S, N, D = x.shape
         cost = torch.tensor([8.0 * channel_bytes(N, b) for b in range(9)])
         best = None
@@ -101,41 +102,52 @@ class QuantWMAlloc(QVGBudget):
         if best is None:
             return None
         predicted, r, stages, levels, alpha = best
-        return predicted, Codebook(stages, encode_channels(r, levels, alpha))
+        return predicted, lambda: Codebook(stages, encode_channels(r, levels, alpha))
 
     def in_query_basis(self, x: torch.Tensor, ctx: SpanContext, plain):
-        """(predicted error, layout) of the Keys in the Queries' basis. A stored basis that still holds is used as it
+        """(predicted error, build) of the Keys in the Queries' basis. A stored basis that still holds is used as it
         is. Otherwise new ones of 16 and of `basis_rank` directions (as many as `basis_share` of the span's bits
         buy), each paid in full by this span, are priced against the stale basis or, with none, `plain()` (the
-        model's channels), and the lowest predicted error wins. Keeps the basis in use in ctx.state."""
+        model's channels), and the lowest predicted error wins. Keeps the basis in use in ctx.state; where the
+        channels won, the basis they beat, so that while S holds later spans skip the pricing."""
         S, N, D = x.shape
         stats = ctx.stats_or_identity(S, D, x.device)
+
+        def holds(key: str) -> tuple | None:
+            basis = (ctx.state[f"{key}_reflectors"], ctx.state[f"{key}_scales"]) if f"{key}_scales" in ctx.state else None
+            held = min(REUSE_RANK, basis[0].shape[1]) if basis else 0  # the directions the reuse test reads
+            return basis if basis and bool((captured(basis_matrix(*basis), stats, held) >= self.basis_reuse).all()) else None
+
+        if ctx.state.get("k.basis_scales") is None and holds("k.declined"):
+            return plain()  # the channels beat a basis of this S before
         stored = (ctx.state["k.basis_reflectors"], ctx.state["k.basis_scales"]) if "k.basis_scales" in ctx.state else None
-        rank = min(self.basis_rank, D, int(self.basis_share * self.budget * N * D // (8 * basis_bytes(1, D))))
-        held = min(REUSE_RANK, stored[0].shape[1]) if stored is not None else 0  # the directions the reuse test reads
         # a reused basis is paid for; under a rolling window its payer may be evicted, so each user pays 1/window
         share = 0.0 if stored is None or ctx.window is None else 8.0 * basis_bytes(stored[0].shape[1], D) / ctx.window
-        if stored is not None and bool((captured(basis_matrix(*stored), stats, held) >= self.basis_reuse).all()):
+        if stored is not None and holds("k.basis"):
             got = self.coded_in(x, ctx, stats, stored, share)  # it holds: shared, already paid for
             if got is not None:
                 return got
-        fresh = [self.coded_in(x, ctx, stats, make_reflectors(stats, r), charge=8.0 * basis_bytes(r, D))
-                 for r in sorted({min(REUSE_RANK, rank), rank} - {0})]
+        rank = min(self.basis_rank, D, int(self.basis_share * self.budget * N * D // (8 * basis_bytes(1, D))))
+        bases = [make_reflectors(stats, r) for r in sorted({min(REUSE_RANK, rank), rank} - {0})]
+        fresh = [self.coded_in(x, ctx, stats, b, charge=8.0 * basis_bytes(b[0].shape[1], D)) for b in bases]
         other = self.coded_in(x, ctx, stats, stored, share) if stored is not None else plain()
         best = min((c for c in (*fresh, other) if c is not None), key=lambda c: c[0], default=None)
-        if best is not None and isinstance(best[1], InBasis):
-            ctx.state.update({"k.basis_reflectors": best[1].reflectors, "k.basis_scales": best[1].scales})
+        if best is not None and best is not other:
+            ctx.state.update({"k.basis_reflectors": best[2][0], "k.basis_scales": best[2][1]})
+        elif best is not None and stored is None and bases:
+            ctx.state.update({"k.declined_reflectors": bases[0][0], "k.declined_scales": bases[0][1]})
         return best
 
     def coded_in(self, x: torch.Tensor, ctx: SpanContext, stats: torch.Tensor, basis: tuple, charge: float = 0.0):
-        """(predicted error, InBasis layout) of x coded in the stored `basis` (reflectors, scales), weights λ_i =
-        u_iᵀ S u_i, within the budget less `charge` bits per stream; None when it does not fit."""
+        """(predicted error, build, basis) of x coded in the stored `basis` (reflectors, scales), weights λ_i =
+        u_iᵀ S u_i, within the budget less `charge` bits per stream, `build()` giving the InBasis layout; None when
+        it does not fit."""
         U = basis_matrix(*basis)
         lam = coordinate_weights(U, stats)
         mean = lam.mean(-1, keepdim=True)
         w = torch.where(mean > 0, lam / mean.clamp_min(1e-30), 1.0)
         got = self.allocated(torch.bmm(x.float(), U), "k", ctx, w, charge)
-        return None if got is None else (got[0], InBasis(got[1], *basis))
+        return None if got is None else (got[0], lambda: InBasis(got[1](), *basis), basis)
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
         Method.validate(self, x, kind)  # any head dim: the allocator's grids are per channel, not groups of them
@@ -149,7 +161,7 @@ class QuantWMAlloc(QVGBudget):
         if best is None:
             raise BudgetError(f"quantwm cannot fit {self.budget:g} bits per element on spans of {N} tokens at head "
                               f"dim {D}: its centroids and per-channel tables alone take more")
-        return best[1]
+        return best[1]()
 
 
 @register("quantwm-channels")
