@@ -69,10 +69,12 @@ class MemoryAccounting:
     def nbytes(self) -> int:
         return sum(n for _, n, _ in self._stored())
 
-    def quantized_bytes(self) -> int:
+    def quantized_bytes(self, which: str | None = None) -> int:
         """Bytes of the quantized spans' stored tensors (codes and all their metadata; full-precision chunks and
-        halves excluded)."""
-        return self._quantized_totals()[0]
+        halves excluded); `which` "k" or "v": that half's alone."""
+        if which is None:
+            return self._quantized_totals()[0]
+        return sum(n for key, n, quantized in self._stored() if quantized and key.startswith(which + "."))
 
     def _quantized_totals(self) -> tuple[int, int]:
         """(bytes, elements) of the quantized halves of the committed chunks."""

@@ -76,7 +76,8 @@ def candidates(method: str, head_dim: int, kind: str = "k") -> list[dict]:
         def split(b):
             return [{"bits": b, "outlier_channels": k, "outlier_bits": b + 1}] if k else []
         return [{"bits": 4}, *split(3), {"bits": 3}, *split(2), {"bits": 2}, {"bits": 1}]
-    if base == "quantwm-alloc":  # the budget itself is its one configuration (`configure` tries it first)
+    if base in REGISTRY and REGISTRY[base].at_budget == base:  # an allocator (quantwm-alloc, quantwm-channels): the
+        # budget itself is its one configuration (`configure` tries it first)
         return []
     if base in ("quantwm", "quantwm-qsac", "quantwm-psac"):
         wide = [g for g in (64, 128) if head_dim % g == 0]

@@ -37,6 +37,10 @@ GRID: dict[str, list[dict]] = {
     # the allocator at each budget the envelope is read at (its bits are the budget, whatever --bits says)
     "quantwm": [{"budget": b} for b in BUDGETS],
     "quantwm-paper": [{"n_centroids": k} for k in (4, 16, 256)],
+    "span-rtn": [{}],
+    "turboquant": [{}, {"outlier_channels": 32}],  # plain, and the paper's split (32 channels one bit wider)
+    "oscar": [{}],
+    "quantwm-channels": [{"budget": b} for b in BUDGETS],  # the allocator without the Queries' basis (ablation)
     # deployed formats: their bits are fixed, so one point each whatever --bits says
     "nvfp4": [{}],
     "int8k-fp8v": [{}],

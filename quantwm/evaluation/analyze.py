@@ -78,7 +78,7 @@ def key_bits_per_element(cache: KVCache) -> float:
     """Bits per element of the quantized Keys alone (codes plus their metadata); nan if no Key is quantized."""
     if not cache.quantize_k:
         return float("nan")
-    nbytes = sum(n for name, n in cache.bytes_by_component().items() if name.startswith("k.") and name != "k.full")
+    nbytes = cache.quantized_bytes("k")
     elems = sum(s.n_tokens * s.bhd[0] * s.bhd[1] * s.bhd[2] for layer in range(cache.n_layers)
                 for s in cache.inspect(layer) if s.quantized)
     return 8 * nbytes / elems if elems else float("nan")

@@ -112,7 +112,7 @@ class ChannelFP8(Layout):
         return tuple(self.values.shape)
 
     def components(self) -> dict[str, torch.Tensor]:
-        return {"values": self.values, "scales": self.scales}
+        return {"fp8_values": self.values, "scales": self.scales}
 
     def decode(self) -> torch.Tensor:
         return self.values.float() * self.scales[:, None, :]
