@@ -2,9 +2,10 @@
 
 A chunk of 3 latent frames = 4680 tokens x 12 heads x 128, Keys and Values, with history-Query
 statistics whose energy sits in a few directions. Prints seconds per chunk (median of --repeats runs)
-and the ratio to qvg, to quantwm's fixed configuration and to the allocator without the Queries' basis, for the
-first span of a (layer, head) (which may store a new basis) and for a later one (which reuses it). A method written NAME@B is configured at B bits
-per element by its budget rule (quantwm.core.budget; for quantwm, its allocator).
+and the ratio to qvg, to quantwm's fixed configuration and to the allocator without the Queries' basis,
+for the first span of a (layer, head) (which may store a new basis) and for a later one (which reuses it).
+A method written NAME@B is configured at B bits per element by its budget rule (quantwm.core.budget; for
+quantwm, its allocator).
 Usage: python benchmarks/quantize_cost.py [--tokens 4680] [--repeats 3] [--methods qvg,quantwm,quantwm@2.5]
 """
 from __future__ import annotations
