@@ -79,10 +79,13 @@ def test_the_handlers_show_an_opened_run_like_a_generated_one(runs, recorded):
     tr = wh.click_pixel_handler(runs, r["run_id"], FRAMES - 1, [4 * 20, 4 * 50], 1, 0)
     assert tr["status"].startswith(f"Query frame {FRAMES - 1}, row 6, col 2") and "qvg source" in tr["status"]
     assert "top 8" in wh.energy_handler(runs, r["run_id"], 0)["status"]
-    ex = wh.export_handler(runs, r["run_id"], FRAMES - 1, 20, 50, 1, 0, ["svg"])  # a recorded run exports too
-    assert sorted(f.rsplit("/", 1)[-1].split("-")[0] for f in ex["files"]) == ["energy", "frames", "maps", "trace"]
+    traced = wh.trace_pixel_handler(runs, r["run_id"], FRAMES - 1, 20, 50, 1, 0)["result"]
+    ex = wh.export_handler(runs, r["run_id"], FRAMES - 1, "all", "all", ["svg"], traced)  # a recorded run exports too
+    assert sorted(f.rsplit("/", 1)[-1].split("-")[0] for f in ex["files"]) == ["frames", "maps", "trace"]
     assert any(f.endswith(f"-frame{FRAMES - 1}-x20-y50-layer1-head0.svg") for f in ex["files"])
-    assert "holds attention logits for layers [1, 2]" in wh.export_handler(runs, r["run_id"], FRAMES - 1, 1, 1)["status"]
+    assert wh.export_energy_handler(runs, r["run_id"], 1, ["svg"])["files"]
+    assert "holds attention logits for layers [1, 2]" in wh.trace_pixel_handler(runs, r["run_id"], FRAMES - 1, 1, 1, 0,
+                                                                                0)["status"]
     for bad, needle in ((None, "no run file"), ("/nope.safetensors", "does not exist")):
         assert needle in wh.open_run_handler(runs, bad)["status"]
 

@@ -242,3 +242,13 @@ def test_probes_compare_the_logits_jensen_methods_attend_with():
     biased = (q[0] * 0.5 @ k_hat.transpose(1, 2) + bias).argmax(-1)
     assert not torch.equal(plain, biased)  # the bias changes some argmaxes here
     assert torch.equal(probe.top1_quant[0], biased)
+
+
+def test_a_suspended_rollout_leaves_gradients_on_in_its_caller():
+    """`rollout` is a generator: waiting between chunks, it must not leave its `no_grad` switched on outside."""
+    from quantwm.world.generate import rollout
+
+    steps = rollout(load_world_model(), 0, n_frames=8)
+    next(steps)
+    assert torch.is_grad_enabled()
+    steps.close()

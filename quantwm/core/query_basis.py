@@ -21,6 +21,7 @@ paid by the spans that use it (`quantwm-alloc`'s basis debt, quantwm/core/method
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -79,3 +80,20 @@ def captured(U: torch.Tensor, stats: torch.Tensor, rank: int) -> torch.Tensor:
     held = coordinate_weights(U[..., :rank], stats).sum(-1).double()
     top = torch.linalg.eigvalsh(stats.double())[..., -rank:].clamp_min(0).sum(-1)
     return torch.where(top > 0, held / top.clamp_min(1e-300), torch.ones_like(top))
+
+
+def gaussian_error(weights: torch.Tensor, y: torch.Tensor, bits: float) -> float:
+    """The error Σ_t Σ_i λ_i e_ti² a Gaussian source with y's per-coordinate variances would have at `bits` bits per
+    stream, spent by reverse water-filling: weights λ (S, D), coordinates y (S, N, D). How the allocator prices a
+    basis before coding in it (the ranking, not the value, is what it reads; scalar grids sit a fixed gap above)."""
+    S, N, D = y.shape
+    sigma2 = (weights.double() * y.double().var(1)).clamp_min(1e-300)  # (S, D) weighted variance per token
+    rate = torch.full((S,), max(bits, 0.0) / N, dtype=torch.float64)  # bits per token
+    lo = torch.full((S,), 1e-300, dtype=torch.float64).log()
+    hi = sigma2.amax(-1).log()
+    for _ in range(80):  # θ with Σ_i max(0, ½ log2(σ_i² / θ)) = rate, bisected in log θ
+        mid = (lo + hi) / 2
+        spent = (0.5 * (sigma2.log() - mid[:, None]).clamp_min(0) / math.log(2)).sum(-1)
+        lo, hi = torch.where(spent > rate, mid, lo), torch.where(spent > rate, hi, mid)
+    theta = hi.exp()
+    return float(N * torch.minimum(sigma2, theta[:, None]).sum())

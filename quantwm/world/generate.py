@@ -200,29 +200,32 @@ def rollout(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n
     pc = ProbingCache(cache, places)
     g = torch.Generator().manual_seed(noise_seed * 1_000_003 + world_seed)
     n_chunks = n_frames // F
-    with torch.no_grad():
-        for c in range(n_chunks):
-            frames = slice(c * F, (c + 1) * F)
-            gt = render(world_map, poses[frames], cfg.view, cfg.patch)  # (F, H, W, 3)
-            coords = torch.cat([torch.arange(c * F, (c + 1) * F).repeat_interleave(n)[:, None],
-                                places[c * F * n:(c + 1) * F * n]], -1)
-            noise = torch.randn(1, F * n, cfg.patch_dim, generator=g).to(device)
-            out, chunk_probe = (patchify(gt, cfg.patch) * 2 - 1).to(device), None  # (F, N, P)
-            if c * F >= cfg.context_frames:
-                x = noise
-                for s in range(steps):
-                    if probe and s == steps - 1:
-                        pc.armed = ChunkProbe(c)
-                    t = torch.full((1, F * n), s / steps, device=device)
-                    x = x + model(x, t, coords, cache=pc, chunk=c) / steps
-                    if pc.armed is not None:
-                        chunk_probe, pc.armed = pc.armed, None
-                out = x.clamp(-1, 1).reshape(F, n, -1)
-            model(out.reshape(1, F * n, -1), torch.ones(1, F * n, device=device), coords, cache=pc, chunk=c, commit=True)
-            if progress:
-                progress(c + 1, n_chunks)
-            yield ChunkStep(c, unpatchify((out.cpu() + 1) / 2, cfg.view, cfg.patch).clamp(0, 1), gt, chunk_probe,
-                            poses, places, cache)
+    @torch.no_grad()  # a function, not a `with` around the loop: a generator suspended inside `no_grad` would
+    def chunk(c: int):  # leave gradients off in its caller's thread while it waits (and forever if dropped)
+        frames = slice(c * F, (c + 1) * F)
+        gt = render(world_map, poses[frames], cfg.view, cfg.patch)  # (F, H, W, 3)
+        coords = torch.cat([torch.arange(c * F, (c + 1) * F).repeat_interleave(n)[:, None],
+                            places[c * F * n:(c + 1) * F * n]], -1)
+        noise = torch.randn(1, F * n, cfg.patch_dim, generator=g).to(device)
+        out, chunk_probe = (patchify(gt, cfg.patch) * 2 - 1).to(device), None  # (F, N, P)
+        if c * F >= cfg.context_frames:
+            x = noise
+            for s in range(steps):
+                if probe and s == steps - 1:
+                    pc.armed = ChunkProbe(c)
+                t = torch.full((1, F * n), s / steps, device=device)
+                x = x + model(x, t, coords, cache=pc, chunk=c) / steps
+                if pc.armed is not None:
+                    chunk_probe, pc.armed = pc.armed, None
+            out = x.clamp(-1, 1).reshape(F, n, -1)
+        model(out.reshape(1, F * n, -1), torch.ones(1, F * n, device=device), coords, cache=pc, chunk=c, commit=True)
+        return unpatchify((out.cpu() + 1) / 2, cfg.view, cfg.patch).clamp(0, 1), gt, chunk_probe
+
+    for c in range(n_chunks):
+        frames_out, gt, chunk_probe = chunk(c)
+        if progress:
+            progress(c + 1, n_chunks)
+        yield ChunkStep(c, frames_out, gt, chunk_probe, poses, places, cache)
 
 
 def context_coverage(poses: torch.Tensor, context_frames: int, view: int = 8) -> list[float]:

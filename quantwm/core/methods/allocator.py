@@ -28,7 +28,7 @@ from ..layouts import Codebook, InBasis, Layout
 from ..layouts.channels import channel_bytes, table_bytes
 from ..qsac import channel_sensitivity
 from ..quant import SCALE_DTYPES, BudgetError, check_budget, to_storage
-from ..query_basis import basis_bytes, basis_matrix, captured, coordinate_weights, make_reflectors
+from ..query_basis import basis_bytes, basis_matrix, captured, coordinate_weights, gaussian_error, make_reflectors
 from .base import Method, SpanContext, register
 from .qvg import QVGBudget
 
@@ -107,9 +107,10 @@ class QuantWMAlloc(QVGBudget):
     def in_query_basis(self, x: torch.Tensor, ctx: SpanContext, plain):
         """(predicted error, build) of the Keys in the Queries' basis. A stored basis that still holds is used as it
         is. Otherwise new ones of 16 and of `basis_rank` directions (as many as `basis_share` of the span's bits
-        buy), each paid in full by this span, are priced against the stale basis or, with none, `plain()` (the
-        model's channels), and the lowest predicted error wins. Keeps the basis in use in ctx.state; where the
-        channels won, the basis they beat, so that while S holds later spans skip the pricing."""
+        buy), each paid in full by this span, are priced against the stale basis or, with none, the model's
+        channels (`plain()`) by the Gaussian model of their error (`gaussian_error`), and the winner is coded.
+        Keeps the basis in use in ctx.state; where the channels won, the basis they beat, so that while S holds
+        later spans skip the pricing."""
         S, N, D = x.shape
         stats = ctx.stats_or_identity(S, D, x.device)
 
@@ -129,14 +130,27 @@ class QuantWMAlloc(QVGBudget):
                 return got
         rank = min(self.basis_rank, D, int(self.basis_share * self.budget * N * D // (8 * basis_bytes(1, D))))
         bases = [make_reflectors(stats, r) for r in sorted({min(REUSE_RANK, rank), rank} - {0})]
-        fresh = [self.coded_in(x, ctx, stats, b, charge=8.0 * basis_bytes(b[0].shape[1], D)) for b in bases]
-        other = self.coded_in(x, ctx, stats, stored, share) if stored is not None else plain()
-        best = min((c for c in (*fresh, other) if c is not None), key=lambda c: c[0], default=None)
-        if best is not None and best is not other:
-            ctx.state.update({"k.basis_reflectors": best[2][0], "k.basis_scales": best[2][1]})
-        elif best is not None and stored is None and bases:
-            ctx.state.update({"k.declined_reflectors": bases[0][0], "k.declined_scales": bases[0][1]})
-        return best
+        # price each candidate by the Gaussian model (no allocation), code only the winner
+        total = self.budget * N * D
+        priced = [(gaussian_error(coordinate_weights(basis_matrix(*b), stats), torch.bmm(x.float(), basis_matrix(*b)),
+                                  total - 8.0 * basis_bytes(b[0].shape[1], D)), i) for i, b in enumerate(bases)]
+        if stored is not None:
+            priced.append((gaussian_error(coordinate_weights(basis_matrix(*stored), stats),
+                                          torch.bmm(x.float(), basis_matrix(*stored)), total - share), len(bases)))
+        else:
+            priced.append((gaussian_error(torch.diagonal(stats, dim1=-2, dim2=-1), x.float(), total), -1))
+        pick = min(priced)[1]
+        if pick == -1:  # the model's channels
+            if bases:
+                ctx.state.update({"k.declined_reflectors": bases[0][0], "k.declined_scales": bases[0][1]})
+            return plain()
+        if pick == len(bases):  # the stale basis
+            return self.coded_in(x, ctx, stats, stored, share) or plain()
+        got = self.coded_in(x, ctx, stats, bases[pick], charge=8.0 * basis_bytes(bases[pick][0].shape[1], D))
+        if got is None:
+            return plain()
+        ctx.state.update({"k.basis_reflectors": bases[pick][0], "k.basis_scales": bases[pick][1]})
+        return got
 
     def coded_in(self, x: torch.Tensor, ctx: SpanContext, stats: torch.Tensor, basis: tuple, charge: float = 0.0):
         """(predicted error, build, basis) of x coded in the stored `basis` (reflectors, scales), weights λ_i =
