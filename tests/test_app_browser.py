@@ -183,9 +183,11 @@ def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifa
     assert run_id(page) == f"seed=4 loop quantwm kv budget=2.5 {FRAMES}f"  # the default world, at equal memory
     assert "PSNR vs BF16" in page.locator("#generate-status").inner_text()
     assert page.locator("#video-bf16 video").count() == 1 and page.locator("#video-method video").count() == 1
-    for panel in ("#video-method", "#frame-method"):  # the quantized panels say what they show
-        label = page.locator(f"{panel} [data-testid=block-label]").inner_text()
-        assert re.search(r"quantwm within 2\.5 bits, spans \d\.\d\d bits/element", label), label
+    for panel in ("#video-method", "#frame-method"):  # the quantized panels say what they show (the frame's label
+        # follows the run id's change event: wait for it)
+        page.wait_for_function("(s) => /quantwm within 2\\.5 bits, spans \\d\\.\\d\\d bits\\/element/.test("
+                               "document.querySelector(s + ' [data-testid=block-label]')?.innerText || '')",
+                               arg=panel, timeout=WAIT)
     worst = int(re.search(r"Worst flicker frames: (\d+)", page.locator("#generate-status").inner_text()).group(1))
     page.wait_for_function("(t) => ['#video-bf16 video', '#video-method video'].every(s => "
                            "Math.abs(document.querySelector(s).currentTime - t) < 0.01)", arg=(worst + 0.5) / 8,
