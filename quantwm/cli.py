@@ -262,13 +262,18 @@ def cmd_eval(a) -> int:
 
     methods = _methods(a.methods)
     if a.window is not None:
+        if a.layer_sensitivity:
+            raise ValueError("--layer-sensitivity runs the whole rollout, without --window")
         return _eval_long(a, methods)
     if a.stream or a.figure:
         raise ValueError("--stream and --figure need --window (the streamed long-rollout evaluation)")
-    report = evaluate(_world_model(a.weights), methods, a.target, _ints(a.seeds, "--seeds"), a.frames, a.bits,
+    model = _world_model(a.weights)
+    report = evaluate(model, methods, a.target, _ints(a.seeds, "--seeds"), a.frames, a.bits,
                       a.trajectory, a.steps, progress=_progress("eval"), training_seeds=a.training_seeds,
                       world=a.world, method_options=_options(a.set), training_photos=a.training_photos,
                       budget=_budget(a))
+    if a.layer_sensitivity:
+        report["layer_sensitivity"] = _layer_sensitivity(a, model, [m for m in report["methods"] if m != "bf16"])
     _write_json(report, a.json)
     keys = ("psnr", "ssim", "lpips", "tdiff", "warp_error", "shift_rate", "place_shift_rate", "k_rel_err",
             "v_rel_err", "bits_per_element", "compression", "cache_compression")
@@ -288,6 +293,28 @@ def cmd_eval(a) -> int:
         if m != "bf16":
             print(f"{m}: place shift rate per layer: {', '.join(_fmt(x, 3) for x in e['place_shift_rate_per_layer'])}")
     return 0
+
+
+def _layer_sensitivity(a, model, methods: list[str]) -> dict:
+    """`quantwm eval --layer-sensitivity`: per method, the per-layer table (quantwm.world.sensitivity), printed."""
+    from .world.sensitivity import layer_sensitivity
+
+    out = {}
+    for m in methods:
+        r = out[m] = layer_sensitivity(model, m, _ints(a.seeds, "--seeds"), a.frames, a.bits, a.trajectory, a.steps,
+                                       a.target, _budget(a), _options(a.set), progress=_progress(f"sensitivity {m}"))
+        heads = lambda w: "n/a" if w is None else " ".join(  # noqa: E731
+            f"{mu:.2f}[{lo:.1f}-{hi:.1f}]" for mu, lo, hi in zip(w["mean"], w["min"], w["max"]))
+        print(f"{m}: layer sensitivity ({r['seconds']:.0f} s); every layer quantized: PSNR vs BF16 "
+              f"{_fmt(r['all']['psnr'], 2)} dB, place shift {_fmt(r['all']['place_shift_rate'])}; d_: against that")
+        print(_table([["mode", "layer", "psnr", "d_psnr", "place_shift", "d_place_shift"]]
+                     + [[x["mode"], str(x["layer"]), _fmt(x["psnr"], 2), _fmt(x["d_psnr"], 2),
+                         _fmt(x["place_shift_rate"]), _fmt(x["d_place_shift_rate"])] for x in r["rows"]]))
+        print(f"{m}: code bits per channel by head, mean [narrowest-widest channel, each averaged over spans], every "
+              "layer quantized")
+        print(_table([["layer", "Keys", "Values"]] + [[str(x["layer"]), heads(x["k_bits"]), heads(x["v_bits"])]
+                                                      for x in r["allocation"]]))
+    return out
 
 
 def _eval_long(a, methods: list[str]) -> int:

@@ -139,6 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --window: a frame leaves BF16 when its PSNR against BF16 falls below this")
     s.add_argument("--figure", default=None, metavar="STEM",
                    help="with --window: save the error-over-time curves as STEM.png and STEM.svg")
+    s.add_argument("--layer-sensitivity", action="store_true",
+                   help="also, per method: one layer at a time quantized (the rest BF16) and one layer at a time kept "
+                        "BF16 (the rest quantized), and the bits the method gave each (layer, head); 2 L + 2 more "
+                        "rollouts per seed (quantwm/world/sensitivity.py)")
     s = sub.add_parser("trace", help="write a trace file from the built-in world model", parents=[weights])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--frames", type=int, default=32)

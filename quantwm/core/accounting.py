@@ -50,6 +50,20 @@ class MemoryAccounting:
                         out[int(b)] = out.get(int(b), 0) + int(n)
         return dict(sorted(out.items()))
 
+    def head_bits(self, layer: int, which: str) -> torch.Tensor | None:
+        """(H, D) bits of each head's channels of `which` ("k" or "v") in `layer`, averaged over its quantized spans
+        weighted by tokens, where the form gives each channel a width of its own (the allocator's; B averaged too);
+        None where none does."""
+        total, tokens = None, 0
+        for c in self._chunks(self._layer(layer)):
+            enc = c.k_enc if which == "k" else c.v_enc
+            bits = enc.channel_bits() if enc is not None else None  # (B*H, D)
+            if bits is not None:
+                B, H, D = c.bhd
+                w = bits.float().reshape(B, H, D).mean(0).cpu() * c.n_tokens  # (B*H, D) -> (H, D)
+                total, tokens = (w if total is None else total + w), tokens + c.n_tokens
+        return None if total is None else total / tokens
+
     def runtime_bytes(self) -> dict[str, int]:
         """Working state a deployment keeps beside the stored cache (not in nbytes): the running S per layer
         (float64, pending per-chunk statistics included), the methods' state kept for later spans (k-means

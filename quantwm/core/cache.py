@@ -49,6 +49,9 @@ this module touches the cache's private fields:
     cache.query_stats(layer); cache.key_steps(layer)
     cache.next_chunk(layer); cache.next_token(layer)    # where the next chunk goes (chunk index, token position)
     cache.reset()                        # empty every layer for a new video
+    cache.quantizes_layer(layer)         # whether the layer's spans are quantized (CacheConfig.layers)
+    cache.head_bits(layer, which)        # (H, D) bits of each head's channels in quantized spans (the allocator)
+    cache.channel_bits(which)            # {bits: channels} over every quantized span (the allocator's widths)
     cache.memory()                       # `CacheMemory`: stored and BF16 bytes, bits per element, compression
     cache.nbytes(); bytes_by_component(); quantized_bytes(); runtime_bytes(); bits_per_element()
 
@@ -85,7 +88,8 @@ PUBLIC = ("n_layers", "config", "rope", "quantize_k", "quantize_v", "uses_querie
           "attend", "write",
           "commit", "evict_span", "observe", "load_query_stats", "seq_len", "inspect", "positions", "keys", "values",
           "query_stats", "key_steps", "logit_bias", "next_chunk", "next_token", "reset", "memory", "nbytes",
-          "bytes_by_component", "runtime_bytes", "bits_per_element", "cache_bits_per_element", "quantized_bytes")
+          "bytes_by_component", "runtime_bytes", "bits_per_element", "cache_bits_per_element", "quantized_bytes",
+          "quantizes_layer", "head_bits", "channel_bits")
 
 RopeFn = Callable[..., torch.Tensor]
 
@@ -107,6 +111,8 @@ class KVCache(MemoryAccounting, QueryHistory):
         if self.k_method.pre_rope and self.quantize_k and config.rope != "pre":
             raise ValueError(f"{config.method} quantizes keys before RoPE: it needs CacheConfig(rope='pre') and the "
                              "model's rope function (the built-in world model stores post-RoPE keys only)")
+        if config.layers is not None and any(x >= n_layers for x in config.layers):
+            raise ValueError(f"layers {config.layers} out of range: the cache has {n_layers} layers (0..{n_layers - 1})")
         self.layers = [LayerState() for _ in range(n_layers)]
 
     def _make_methods(self) -> None:
@@ -209,8 +215,9 @@ class KVCache(MemoryAccounting, QueryHistory):
         st.next_chunk, st.next_token = chunk + 1, c.start + c.n_tokens
         recent = st.chunks[-self.config.recent_chunks:] if self.config.recent_chunks else []
         keep = {x.index for x in recent}
+        quantized = (self.quantize_k or self.quantize_v) and self.quantizes_layer(layer)
         ready = [old for old in st.chunks if old.index >= self.config.sink_chunks and old.index not in keep
-                 and not old.quantized] if (self.quantize_k or self.quantize_v) else []
+                 and not old.quantized] if quantized else []
         n = self.config.span_chunks
         while len(ready) >= n:  # spans of `span_chunks` chunks, quantized together once all have left the window
             run, ready = ready[:n], ready[n:]
@@ -293,6 +300,10 @@ class KVCache(MemoryAccounting, QueryHistory):
         """The live `Chunk`s `layer` holds, for the read path inside quantwm/core (attention.py); everything
         else uses `inspect`."""
         return list(self._chunks(self._layer(layer)))
+
+    def quantizes_layer(self, layer: int) -> bool:
+        """Whether `layer`'s spans are quantized (`CacheConfig.layers`; every layer by default)."""
+        return self.config.layers is None or layer in self.config.layers
 
     @property
     def uses_queries(self) -> bool:

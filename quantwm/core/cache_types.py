@@ -44,6 +44,8 @@ class CacheConfig:
     track_queries: keep the running S of the history queries: None (default) where a quantizing method reads it,
                    True also for diagnostics that ask (`KVCache.query_stats`), False never
     selfcheck:     check each kernel against its reference on first use (core/selfcheck.py); False: trust them
+    layers:        the layers whose spans are quantized (None: all); the others keep every chunk full precision and
+                   are counted so in memory (layer sensitivity, world/sensitivity.py); `KVCache` checks the range
     """
 
     method: str = "bf16"
@@ -69,6 +71,7 @@ class CacheConfig:
     lowp: str | None = None  # the fused path's 8-bit products: None, "int8" (QKᵀ INT8, PV e4m3) or "e4m3" (core/fp8.py)
     track_queries: bool | None = None  # keep S: None where a method reads it, True also for diagnostics
     selfcheck: bool = True  # the kernels' first-use self-check against their references (core/selfcheck.py)
+    layers: tuple[int, ...] | None = None  # the layers quantized (None: all; the others stay full precision)
 
     def __post_init__(self):
         base, suffix = parse_method_name(self.method)
@@ -103,6 +106,10 @@ class CacheConfig:
             raise ValueError(f"track_queries must be None, True or False, got {self.track_queries!r}")
         if self.span_chunks < 1:
             raise ValueError(f"span_chunks must be >= 1, got {self.span_chunks}")
+        if self.layers is not None:
+            if isinstance(self.layers, str | int) or not all(isinstance(x, int) and x >= 0 for x in self.layers):
+                raise ValueError(f"layers must be None (all) or layer indices >= 0, got {self.layers!r}")
+            object.__setattr__(self, "layers", tuple(sorted(set(self.layers))))
 
     @property
     def base_method(self) -> str:
