@@ -3,25 +3,20 @@ import json
 
 import pytest
 import torch
+from tiny_world import TINY, tiny_world_model
 
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.evaluation.trace import read_trace
 from quantwm.world import scene
 from quantwm.world.evaluate import evaluate, place_shift_rate, shift_rate
 from quantwm.world.generate import generate, load_world_model, revisited_frames, rollout_trace
-from quantwm.world.model import WorldConfig, WorldModel, training_mask
+from quantwm.world.model import training_mask
 from quantwm.world.train import export
-
-TINY = WorldConfig(dim=64, heads=1, layers=2, view=4, world_patches=12, context_frames=2, chunk_frames=2)
 
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    torch.manual_seed(0)
-    m = WorldModel(TINY).eval()
-    for p in m.parameters():  # adaLN starts at zero; give every weight a value so the test means something
-        torch.nn.init.normal_(p, std=0.05)
-    return m
+    return tiny_world_model()
 
 
 def test_world_is_deterministic_and_in_range():
