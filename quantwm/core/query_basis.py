@@ -17,7 +17,8 @@ stored bytes. Bytes per stream: R (D + 2): 1056 at D = 64, R = 16; 2080 at D = 1
 
 A stored basis is shared with later spans while it still holds: its first R columns capture at least `reuse` of
 the energy the new S's top R eigen-directions hold (`captured`). Its bytes are counted once, where stored, and
-paid by the spans that use it (`quantwm-alloc`'s basis debt, quantwm/core/methods/allocator.py).
+paid by the span that stores it (under a rolling window, a share by every span that reuses it; `quantwm-alloc`,
+quantwm/core/methods/allocator.py).
 """
 from __future__ import annotations
 

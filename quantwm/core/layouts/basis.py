@@ -69,9 +69,6 @@ class InBasis(Layout):
     def kernel_side(self) -> SideArgs | None:
         return self.inner.kernel_side
 
-    def reads_codes(self, qk: str) -> bool:
-        return False  # read through `coded()`, whose inner layout answers
-
     def view_tensors(self) -> list[torch.Tensor]:
         """The inner layout's, and the fp32 basis once built (runtime state; the same object in every span sharing
         it, which the cache counts once)."""

@@ -114,54 +114,57 @@ class QuantWMAlloc(QVGBudget):
         S, N, D = x.shape
         stats = ctx.stats_or_identity(S, D, x.device)
 
-        def holds(key: str) -> tuple | None:
-            basis = (ctx.state[f"{key}_reflectors"], ctx.state[f"{key}_scales"]) if f"{key}_scales" in ctx.state else None
-            held = min(REUSE_RANK, basis[0].shape[1]) if basis else 0  # the directions the reuse test reads
-            return basis if basis and bool((captured(basis_matrix(*basis), stats, held) >= self.basis_reuse).all()) else None
+        def kept(key: str) -> tuple | None:
+            return (ctx.state[f"{key}_reflectors"], ctx.state[f"{key}_scales"]) if f"{key}_scales" in ctx.state else None
 
-        if ctx.state.get("k.basis_scales") is None and holds("k.declined"):
+        def holds(basis: tuple) -> bool:  # read on its first (at most) REUSE_RANK columns
+            rank = min(REUSE_RANK, basis[0].shape[1])
+            return bool((captured(basis_matrix(*basis), stats, rank) >= self.basis_reuse).all())
+
+        stored, declined = kept("k.basis"), kept("k.declined")
+        if stored is None and declined is not None and holds(declined):
             return plain()  # the channels beat a basis of this S before
-        stored = (ctx.state["k.basis_reflectors"], ctx.state["k.basis_scales"]) if "k.basis_scales" in ctx.state else None
         # a reused basis is paid for; under a rolling window its payer may be evicted, so each user pays 1/window
         share = 0.0 if stored is None or ctx.window is None else 8.0 * basis_bytes(stored[0].shape[1], D) / ctx.window
-        if stored is not None and holds("k.basis"):
-            got = self.coded_in(x, ctx, stats, stored, share)  # it holds: shared, already paid for
+        if stored is not None and holds(stored):
+            got = self.coded_in(stored, ctx, *self.coordinates(x, stats, stored), share)  # shared, already paid for
             if got is not None:
                 return got
         rank = min(self.basis_rank, D, int(self.basis_share * self.budget * N * D // (8 * basis_bytes(1, D))))
-        bases = [make_reflectors(stats, r) for r in sorted({min(REUSE_RANK, rank), rank} - {0})]
-        # price each candidate by the Gaussian model (no allocation), code only the winner
-        total = self.budget * N * D
-        priced = [(gaussian_error(coordinate_weights(basis_matrix(*b), stats), torch.bmm(x.float(), basis_matrix(*b)),
-                                  total - 8.0 * basis_bytes(b[0].shape[1], D)), i) for i, b in enumerate(bases)]
+        # (basis, its coordinates, the bits it costs this span) of each candidate basis: new ones, then the stale one
+        candidates = [(b, self.coordinates(x, stats, b), 8.0 * basis_bytes(b[0].shape[1], D))
+                      for b in (make_reflectors(stats, r) for r in sorted({min(REUSE_RANK, rank), rank} - {0}))]
         if stored is not None:
-            priced.append((gaussian_error(coordinate_weights(basis_matrix(*stored), stats),
-                                          torch.bmm(x.float(), basis_matrix(*stored)), total - share), len(bases)))
-        else:
-            priced.append((gaussian_error(torch.diagonal(stats, dim1=-2, dim2=-1), x.float(), total), -1))
-        pick = min(priced)[1]
-        if pick == -1:  # the model's channels
-            if bases:
-                ctx.state.update({"k.declined_reflectors": bases[0][0], "k.declined_scales": bases[0][1]})
+            candidates.append((stored, self.coordinates(x, stats, stored), share))
+        # price each by the Gaussian model (no allocation), code only the winner
+        total = self.budget * N * D
+        prices = [gaussian_error(lam, y, total - charge) for _, (lam, y), charge in candidates]
+        channels = gaussian_error(torch.diagonal(stats, dim1=-2, dim2=-1), x.float(), total) if stored is None else None
+        if channels is not None and (not prices or channels <= min(prices)):
+            if candidates:
+                ctx.state.update({"k.declined_reflectors": candidates[0][0][0], "k.declined_scales": candidates[0][0][1]})
             return plain()
-        if pick == len(bases):  # the stale basis
-            return self.coded_in(x, ctx, stats, stored, share) or plain()
-        got = self.coded_in(x, ctx, stats, bases[pick], charge=8.0 * basis_bytes(bases[pick][0].shape[1], D))
+        basis, (lam, y), charge = candidates[prices.index(min(prices))]
+        got = self.coded_in(basis, ctx, lam, y, charge)
         if got is None:
             return plain()
-        ctx.state.update({"k.basis_reflectors": bases[pick][0], "k.basis_scales": bases[pick][1]})
+        ctx.state.update({"k.basis_reflectors": basis[0], "k.basis_scales": basis[1]})
         return got
 
-    def coded_in(self, x: torch.Tensor, ctx: SpanContext, stats: torch.Tensor, basis: tuple, charge: float = 0.0):
-        """(predicted error, build, basis) of x coded in the stored `basis` (reflectors, scales), weights λ_i =
-        u_iᵀ S u_i, within the budget less `charge` bits per stream, `build()` giving the InBasis layout; None when
-        it does not fit."""
+    @staticmethod
+    def coordinates(x: torch.Tensor, stats: torch.Tensor, basis: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """(λ_i = u_iᵀ S u_i (S, D), the coordinates y = x U (S, N, D)) of x in the stored `basis` (reflectors,
+        scales)."""
         U = basis_matrix(*basis)
-        lam = coordinate_weights(U, stats)
+        return coordinate_weights(U, stats), torch.bmm(x.float(), U)
+
+    def coded_in(self, basis: tuple, ctx: SpanContext, lam: torch.Tensor, y: torch.Tensor, charge: float = 0.0):
+        """(predicted error, build) of the coordinates y in `basis` with weights λ (normalised to mean 1) within the
+        budget less `charge` bits per stream, `build()` giving the InBasis layout; None when it does not fit."""
         mean = lam.mean(-1, keepdim=True)
         w = torch.where(mean > 0, lam / mean.clamp_min(1e-30), 1.0)
-        got = self.allocated(torch.bmm(x.float(), U), "k", ctx, w, charge)
-        return None if got is None else (got[0], lambda: InBasis(got[1](), *basis), basis)
+        got = self.allocated(y, "k", ctx, w, charge)
+        return None if got is None else (got[0], lambda: InBasis(got[1](), *basis))
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
         Method.validate(self, x, kind)  # any head dim: the allocator's grids are per channel, not groups of them
