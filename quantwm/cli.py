@@ -265,8 +265,10 @@ def cmd_eval(a) -> int:
         if a.layer_sensitivity:
             raise ValueError("--layer-sensitivity runs the whole rollout, without --window")
         return _eval_long(a, methods)
-    if a.stream or a.figure:
-        raise ValueError("--stream and --figure need --window (the streamed long-rollout evaluation)")
+    if a.stream:
+        raise ValueError("--stream needs --window (the streamed long-rollout evaluation)")
+    if a.figure and not a.layer_sensitivity:
+        raise ValueError("--figure needs --window (the error over time) or --layer-sensitivity (its table)")
     model = _world_model(a.weights)
     report = evaluate(model, methods, a.target, _ints(a.seeds, "--seeds"), a.frames, a.bits,
                       a.trajectory, a.steps, progress=_progress("eval"), training_seeds=a.training_seeds,
@@ -274,6 +276,12 @@ def cmd_eval(a) -> int:
                       budget=_budget(a))
     if a.layer_sensitivity:
         report["layer_sensitivity"] = _layer_sensitivity(a, model, [m for m in report["methods"] if m != "bf16"])
+        if a.figure:
+            from .evaluation.figures import layer_sensitivity_figure, save_figure
+
+            fig = layer_sensitivity_figure(report["layer_sensitivity"], f"layer sensitivity, {a.frames} frames, "
+                                           f"seeds {a.seeds}, " + (f"budget {a.budget:g}" if a.budget else f"{a.bits} bits"))
+            print("wrote " + ", ".join(map(str, save_figure(fig, a.figure, ["png", "svg"]))))
     _write_json(report, a.json)
     keys = ("psnr", "ssim", "lpips", "tdiff", "warp_error", "shift_rate", "place_shift_rate", "k_rel_err",
             "v_rel_err", "bits_per_element", "compression", "cache_compression")
@@ -310,10 +318,12 @@ def _layer_sensitivity(a, model, methods: list[str]) -> dict:
         print(_table([["mode", "layer", "psnr", "d_psnr", "place_shift", "d_place_shift"]]
                      + [[x["mode"], str(x["layer"]), _fmt(x["psnr"], 2), _fmt(x["d_psnr"], 2),
                          _fmt(x["place_shift_rate"]), _fmt(x["d_place_shift_rate"])] for x in r["rows"]]))
-        print(f"{m}: code bits per channel by head, mean [narrowest-widest channel, each averaged over spans], every "
-              "layer quantized")
-        print(_table([["layer", "Keys", "Values"]] + [[str(x["layer"]), heads(x["k_bits"]), heads(x["v_bits"])]
-                                                      for x in r["allocation"]]))
+        print(f"{m}: code bits per channel by head, mean [narrowest-widest channel, each averaged over spans], and each "
+              "head's top-1 shift and place shift, every layer quantized")
+        print(_table([["layer", "Keys", "Values", "shift by head", "place shift by head"]]
+                     + [[str(x["layer"]), heads(x["k_bits"]), heads(x["v_bits"]),
+                         " ".join(f"{v:.3f}" for v in x["shift_rate"]),
+                         " ".join(f"{v:.3f}" for v in x["place_shift_rate"])] for x in r["allocation"]]))
     return out
 
 

@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--threshold-db", type=float, default=30.0,
                    help="with --window: a frame leaves BF16 when its PSNR against BF16 falls below this")
     s.add_argument("--figure", default=None, metavar="STEM",
-                   help="with --window: save the error-over-time curves as STEM.png and STEM.svg")
+                   help="with --window: save the error-over-time curves as STEM.png and STEM.svg; with "
+                        "--layer-sensitivity: the layer-sensitivity table of each method")
     s.add_argument("--layer-sensitivity", action="store_true",
                    help="also, per method: one layer at a time quantized (the rest BF16) and one layer at a time kept "
                         "BF16 (the rest quantized), and the bits the method gave each (layer, head); 2 L + 2 more "

@@ -78,7 +78,9 @@ def test_cli_eval_window_writes_stream_and_report(tmp_path, capsys):
     r = json.loads(out.read_text())
     assert not math.isnan(r["methods"]["rtn"]["mean"]["psnr"])
     assert main(["eval", "--methods", "rtn", "--seeds", "0", "--stream", str(stream)]) == 2
-    assert "--stream and --figure need --window" in capsys.readouterr().err
+    assert "--stream needs --window" in capsys.readouterr().err
+    assert main(["eval", "--methods", "rtn", "--seeds", "0", "--figure", str(tmp_path / "x")]) == 2
+    assert "--figure needs --window" in capsys.readouterr().err
 
 
 def test_place_memory_compares_a_revisited_patch_with_the_runs_earlier_view():

@@ -6,8 +6,9 @@ import torch
 from tiny_world import TINY, tiny_world_model
 
 from quantwm.core.cache import CacheConfig, KVCache
+from quantwm.world.evaluate import place_shift_rate
 from quantwm.world.generate import generate
-from quantwm.world.sensitivity import MODES, layer_sensitivity
+from quantwm.world.sensitivity import MODES, head_shift, layer_sensitivity
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,16 @@ def test_quantizing_no_layer_equals_bf16_exactly(tiny_model):
     assert torch.equal(none.frames, ref.frames) and not torch.equal(some.frames, ref.frames)
 
 
+def test_head_shift_counts_each_heads_own_jumps(tiny_model):
+    run = generate(tiny_model, 0, "loop", 8, CacheConfig("rtn", k_bits=2, v_bits=2), steps=1)
+    shift, place = head_shift(run)
+    assert [len(x) for x in shift] == [TINY.heads] * TINY.layers
+    overall, per_layer = place_shift_rate(run)  # one head: each layer's figure is its head's
+    assert [x[0] for x in place] == pytest.approx(per_layer)
+    with pytest.raises(ValueError, match="no probed chunk"):
+        head_shift(generate(tiny_model, 0, "loop", 4, CacheConfig("rtn"), steps=1, probe=False))
+
+
 def test_layer_sensitivity_has_one_row_per_layer_and_mode_and_the_allocation(tiny_model):
     r = layer_sensitivity(tiny_model, "quantwm", seeds=[0], n_frames=8, steps=1, budget=(2.5, 2.5))
     assert [(x["mode"], x["layer"]) for x in r["rows"]] == [(m, layer) for m in MODES for layer in range(2)]
@@ -54,6 +65,8 @@ def test_layer_sensitivity_has_one_row_per_layer_and_mode_and_the_allocation(tin
     for a in r["allocation"]:
         k = a["k_bits"]
         assert len(k["mean"]) == TINY.heads and 0 <= k["min"][0] <= k["mean"][0] <= k["max"][0] <= 8
+        assert len(a["place_shift_rate"]) == TINY.heads and all(0 <= p <= s <= 1 for p, s in
+                                                                 zip(a["place_shift_rate"], a["shift_rate"]))
     with pytest.raises(ValueError):
         layer_sensitivity(tiny_model, "rtn", seeds=[0], n_frames=8, steps=1, budget=(1.0, 1.0))
 
@@ -68,5 +81,8 @@ def test_cli_eval_layer_sensitivity_prints_and_writes_the_table(tmp_path, capsys
     assert "rtn: layer sensitivity" in text and "| all_but | 3     |" in text
     r = json.loads(out.read_text())["layer_sensitivity"]["rtn"]
     assert len(r["rows"]) == 2 * 4 and r["allocation"][0]["k_bits"] is None  # one grid for all channels
+    assert main(["eval", "--methods", "rtn,quantwm", "--budget", "3", "--seeds", "0", "--frames", "8", "--steps", "1",
+                 "--layer-sensitivity", "--figure", str(tmp_path / "sens")]) == 0
+    assert (tmp_path / "sens.png").stat().st_size > 0 and "place shift by head" in capsys.readouterr().out
     assert main(["eval", "--methods", "rtn", "--seeds", "0", "--window", "1", "--layer-sensitivity"]) == 2
     assert "without --window" in capsys.readouterr().err

@@ -12,7 +12,8 @@ from a run's views) and return a `matplotlib.figure.Figure` (no pyplot: safe in 
 * "energy":  the history-Query eigen spectrum and cumulative energy per head of one layer
 * "methods": the method comparison on the run's world (PSNR, shift rate, flicker, bits per element)
 
-`error_over_time_figure` draws a long rollout's windowed curves (`quantwm eval --window N --figure STEM`).
+`error_over_time_figure` draws a long rollout's windowed curves (`quantwm eval --window N --figure STEM`);
+`layer_sensitivity_figure` the layer-sensitivity table of each method (`quantwm eval --layer-sensitivity --figure`).
 """
 from __future__ import annotations
 
@@ -174,6 +175,52 @@ def error_over_time_figure(methods: dict, threshold_db: float | None = None, tit
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7, frameon=False, ncol=5, loc="lower center", bbox_to_anchor=(0.5, 1.0))
     axes[-1].set_xlabel("frame (first frame of each window; dotted: first frame under the threshold)")
+    if title:
+        fig.suptitle(title, fontsize=9)
+    return fig
+
+
+def layer_sensitivity_figure(reports: dict, title: str = ""):
+    """Per method (`world.sensitivity.layer_sensitivity` reports by method), one row: PSNR against BF16 with one
+    layer quantized and with one layer kept BF16 (the all-quantized run as a line), then per (layer, head) the
+    Keys' and the Values' mean code bits per channel the method gave it and the place shift rate it had in the
+    all-quantized run, as annotated heatmaps ("one width" where the method's grid is one for every channel)."""
+    fig = _figure(11.0, 2.3 * len(reports) + 0.5)
+    axes = np.atleast_2d(fig.subplots(len(reports), 4))
+    for row, (m, r) in zip(axes, reports.items()):
+        rows = {mode: [x for x in r["rows"] if x["mode"] == mode] for mode in ("only", "all_but")}
+        layers = [x["layer"] for x in rows["only"]]
+        ax = row[0]
+        for i, (mode, label) in enumerate((("only", "only this layer quantized"), ("all_but", "this layer kept BF16"))):
+            ax.bar(np.array(layers) + (i - 0.5) * 0.38, [x["psnr"] for x in rows[mode]], 0.38, label=label,
+                   color=("#4c72b0", "#dd8452")[i])
+        ax.axhline(r["all"]["psnr"], color="black", lw=0.9, ls="--", label="every layer quantized")
+        ax.set_ylim(min(x["psnr"] for x in r["rows"] + [r["all"]]) - 3, 100)
+        ax.set_xticks(layers, [str(x) for x in layers])
+        ax.set_xlabel("layer", fontsize=8)
+        ax.set_ylabel(f"{m}\nPSNR vs BF16 (dB)", fontsize=8)
+        ax.grid(axis="y", alpha=0.3)
+        if row is axes[0]:
+            ax.legend(fontsize=6, frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+        grids = [(a["k_bits"]["mean"] if a["k_bits"] else None) for a in r["allocation"]], \
+                [(a["v_bits"]["mean"] if a["v_bits"] else None) for a in r["allocation"]], \
+                [a["place_shift_rate"] for a in r["allocation"]]
+        for ax, grid, name, fmt in zip(row[1:], grids, ("Keys: code bits / channel", "Values: code bits / channel",
+                                                       "place shift rate (all quantized)"), ("{:.2f}", "{:.2f}", "{:.3f}")):
+            ax.set_title(name, fontsize=8)
+            if any(g is None for g in grid):
+                ax.text(0.5, 0.5, "one width for every channel", ha="center", va="center", fontsize=8,
+                        transform=ax.transAxes)
+                ax.set_xticks([]), ax.set_yticks([])
+                continue
+            a = np.array(grid, dtype=float)  # (layers, heads)
+            ax.imshow(a, cmap="viridis", aspect="auto")
+            for (li, hi), v in np.ndenumerate(a):
+                ax.text(hi, li, fmt.format(v), ha="center", va="center", fontsize=6,
+                        color="white" if v < (a.min() + a.max()) / 2 else "black")
+            ax.set_xticks(range(a.shape[1])), ax.set_yticks(range(a.shape[0]))
+            ax.set_xlabel("head", fontsize=8), ax.set_ylabel("layer", fontsize=8)
+            ax.tick_params(labelsize=7)
     if title:
         fig.suptitle(title, fontsize=9)
     return fig

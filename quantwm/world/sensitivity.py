@@ -9,7 +9,8 @@ each with the clip's PSNR against BF16 and the place shift rate (top-1 jumps to 
 stored keys, every layer), and their change against the run with every layer quantized ("all"). Beside it,
 the allocation the method made in the "all" run: per (layer, head), the mean bits per channel of Keys and of
 Values and the narrowest and widest channel (`KVCache.head_bits`, averaged over spans; None for a method whose
-grid is one for all channels).
+grid is one for all channels), and the (layer, head)'s own top-1 shift and place shift rate in that run
+(`head_shift`), so each head's bits stand beside what its quantization moved.
 Runs 2 L + 2 rollouts per seed (L layers), so keep the frames few.
 """
 from __future__ import annotations
@@ -34,12 +35,28 @@ def _clip_psnr(run, ref) -> float:
     return 100.0 if mse == 0 else min(100.0, -10 * math.log10(mse))
 
 
+def head_shift(run) -> tuple[list[list[float]], list[list[float]]]:
+    """Per (layer, head) of a rollout: the share of probed queries whose top-1 cached token changes under the stored
+    keys, and the share whose top-1 moves to another world place (`evaluate.place_shift_rate`, head by head)."""
+    L = run.config.layers
+    changed, moved, total = [0] * L, [0] * L, [0] * L
+    for p in run.probes:
+        pos = p.positions if p.positions is not None else run.cache.positions(0)
+        for layer, (e, q) in enumerate(zip(p.top1_exact, p.top1_quant)):  # (H, N) each
+            changed[layer] = changed[layer] + (e != q).sum(-1)
+            moved[layer] = moved[layer] + (run.places[pos[e]] != run.places[pos[q]]).any(-1).sum(-1)
+            total[layer] += e.shape[-1]
+    if not total[0]:
+        raise ValueError("the rollout has no probed chunk: nothing to count")
+    return ([(c / t).tolist() for c, t in zip(changed, total)], [(m / t).tolist() for m, t in zip(moved, total)])
+
+
 def layer_sensitivity(model: WorldModel, method: str, seeds: list[int] = (0,), n_frames: int = 16, bits: int = 2,
                       trajectory_kind: str = "loop", steps: int = 4, target: str = "kv", budget: tuple = (None, None),
                       method_options: tuple = (), progress: Callable | None = None) -> dict:
     """{"method", "all": {psnr, place_shift_rate}, "rows": [{mode, layer, psnr, place_shift_rate, d_psnr,
     d_place_shift_rate}], "allocation": [{layer, k_bits: {mean, min, max: [per head]} | None,
-    v_bits: ...}], "seconds"}; figures are
+    v_bits: ..., shift_rate: [per head], place_shift_rate: [per head]}], "seconds"}; figures are
     means over seeds; d_ is the change against "all" (every layer quantized). ValueError for a method the budget
     leaves out."""
     configs, left_out = method_configs(model, [method], target, bits, method_options, budget)
@@ -52,6 +69,8 @@ def layer_sensitivity(model: WorldModel, method: str, seeds: list[int] = (0,), n
         variants[("all_but", layer)] = replace(cc, layers=tuple(x for x in range(L) if x != layer))
     sums = {key: [0.0, 0.0] for key in variants}
     heads = {kind: [[] for _ in range(L)] for kind in "kv"}
+    shifts = {"shift_rate": [[0.0] * model.cfg.heads for _ in range(L)],
+              "place_shift_rate": [[0.0] * model.cfg.heads for _ in range(L)]}
     total, done, t0 = len(seeds) * (1 + len(variants)), 0, time.time()
     for seed in seeds:
         ref = generate(model, seed, trajectory_kind, n_frames, CacheConfig(), steps=steps)
@@ -63,6 +82,8 @@ def layer_sensitivity(model: WorldModel, method: str, seeds: list[int] = (0,), n
                 for kind in "kv":
                     for layer in range(L):
                         heads[kind][layer].append(run.cache.head_bits(layer, kind))
+                for name, per_layer in zip(shifts, head_shift(run)):
+                    shifts[name] = [[a + b / len(seeds) for a, b in zip(x, y)] for x, y in zip(shifts[name], per_layer)]
             done += 1
             if progress:
                 progress(done, total, f"seed {seed} {key[0]} {'' if key[1] is None else key[1]}")
@@ -77,7 +98,8 @@ def layer_sensitivity(model: WorldModel, method: str, seeds: list[int] = (0,), n
             return None
         w = sum(xs) / len(xs)
         return {"mean": w.mean(1).tolist(), "min": w.min(1).values.tolist(), "max": w.max(1).values.tolist()}
-    allocation = [{"layer": layer, "k_bits": per_head(heads["k"][layer]), "v_bits": per_head(heads["v"][layer])}
+    allocation = [{"layer": layer, "k_bits": per_head(heads["k"][layer]), "v_bits": per_head(heads["v"][layer]),
+                   "shift_rate": shifts["shift_rate"][layer], "place_shift_rate": shifts["place_shift_rate"][layer]}
                   for layer in range(L)]
     return {"method": method, "budget": {"k": budget[0], "v": budget[1]}, "seeds": list(seeds), "frames": n_frames,
             "all": {"psnr": base_psnr, "place_shift_rate": base_shift}, "rows": rows, "allocation": allocation,
