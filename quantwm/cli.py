@@ -384,6 +384,8 @@ def cmd_record(a) -> int:
 
     layers = _ints(a.logit_layers, "--logit-layers") if a.logit_layers else []
     heads = _ints(a.logit_heads, "--logit-heads") if a.logit_heads else []
+    if a.model != "builtin" and (a.window is not None or a.budget is not None):
+        raise ValueError(f"--window and --budget record the built-in model (--model builtin), not {a.model}")
     if a.model == "sana-wm":
         from .adapters.sana_wm import record_sana_wm
 
@@ -418,14 +420,39 @@ def cmd_record(a) -> int:
         print(f"wrote {a.out} ({os.path.getsize(a.out) / 2 ** 20:.1f} MB): Self-Forcing, {a.method} "
               f"{a.target} {a.bits}-bit against BF16; open it with python app.py --run {a.out}")
         return 0
+    if a.window is None and a.sensitivity_frames:
+        raise ValueError("--sensitivity-frames needs --window (the streamed long run)")
+    if a.window is not None:
+        return _record_long(a, layers, heads)
     model = _world_model(a.weights)
     # a command-line run is bounded by the machine's memory only (no queue to hold)
     wb = Workbench(model=model, limits=Limits.from_machine(model.cfg, 1))
-    key = RunKey(a.seed, a.trajectory, a.method, a.target, a.bits, a.frames)
+    key = RunKey(a.seed, a.trajectory, a.method, a.target, a.bits, a.frames, a.budget)
     wb.check_frames(key.frames)
     run = make_run(wb, key, layers, heads, {"command": "quantwm record --model builtin"}, progress=_progress("record"))
     write_run(a.out, run)
     print(f"wrote {a.out} ({os.path.getsize(a.out) / 2 ** 20:.1f} MB): {key.id} against BF16; open it with "
+          f"python app.py --run {a.out}")
+    return 0
+
+
+def _record_long(a, layers: list[int], heads: list[int]) -> int:
+    """`quantwm record --window N`: the run file written chunk by chunk (quantwm.drivers.long_record)."""
+    import os
+
+    from .drivers.long_record import record_long
+    from .drivers.workbench import RunKey
+
+    key = RunKey(a.seed, a.trajectory, a.method, a.target, a.bits, a.frames, a.budget)
+    meta = record_long(_world_model(a.weights), key, a.out, a.window, a.sink_chunks, layers, heads,
+                       {"command": "quantwm record --model builtin --window"}, progress=_progress("record"),
+                       sensitivity_frames=a.sensitivity_frames)
+    long = meta["long"]
+    first = long["first_frame_below_threshold"]
+    print(f"wrote {a.out} ({os.path.getsize(a.out) / 2 ** 20:.1f} MB, {meta['seconds']:.0f} s): {key.id} against "
+          f"BF16 through a window of {a.window} chunk(s) after {a.sink_chunks} sink chunk(s); PSNR vs BF16 "
+          f"{_fmt(meta['summary']['psnr'], 2)} dB, first frame under {long['threshold_db']:g} dB: "
+          f"{first if first is not None else 'none'}, {meta['bits_per_element']:.3f} bits per element; open it with "
           f"python app.py --run {a.out}")
     return 0
 

@@ -159,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0, help="world seed (builtin: 0..99999) or noise seed")
     s.add_argument("--trajectory", default="loop")
     s.add_argument("--frames", type=int, default=32)
+    s.add_argument("--budget", type=float, default=None,
+                   help="builtin: bits per element; the method configures itself within it (replaces --bits)")
+    s.add_argument("--window", type=int, default=None,
+                   help="builtin: a rolling window of the sink chunks plus this many most recent chunks; the file is "
+                        "written chunk by chunk, so frames in the hundreds take the window's memory "
+                        "(quantwm/drivers/long_record.py)")
+    s.add_argument("--sink-chunks", type=int, default=1, help="with --window: chunks kept at the start")
+    s.add_argument("--sensitivity-frames", type=int, default=None, metavar="N",
+                   help="with --window: also store the layer sensitivity of the method over N frames of the same "
+                        "world (2 L + 2 short rollouts), for the app's layer table")
     s.add_argument("--logit-layers", default="1", help="layers whose attention logits the file keeps (size bound)")
     s.add_argument("--logit-heads", default="0", help="heads whose attention logits the file keeps")
     s.add_argument("--weights", help="builtin: world-model weights (default: the built-in model)")

@@ -27,10 +27,16 @@ frame 0 decodes to output frame 0 and latent frame f > 0 to output frames 1 + va
 vae_temporal f (Wan's causal VAE: 4; the built-in model has no VAE: 1, one frame per latent frame).
 
     run = read_run("run.safetensors")   # ValueError naming the problem for a file that is not a valid run
+
+`RunWriter` writes the same file as a rollout makes it, chunk by chunk (`quantwm record --window`): frames and
+probes go to scratch files beside the output as they come, and `close` writes the header and copies them in, so
+the writer holds one chunk, never the video.
 """
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -133,6 +139,105 @@ def write_run(path: str | Path, run: Run) -> None:
         tensors[f"probe.{c}.positions"] = pos.int().contiguous()
     meta = {**run.meta, **asdict(run.facts), "probed_chunks": sorted(run.top1)}
     save_file(tensors, str(path), metadata={"quantwm_run_version": RUN_VERSION, "run": json.dumps(meta)})
+
+
+_DTYPES = {torch.uint8: "U8", torch.int32: "I32", torch.float16: "F16", torch.float32: "F32"}
+
+
+class RunWriter:
+    """A run file written as it is made (see the module): `add_frames` per chunk, `add_probe` per probed chunk, then
+    `close(stats, meta)`; `abort()` (or an exception inside `with`) removes the scratch files and writes nothing.
+
+        with RunWriter(path, facts) as w:
+            for chunk ...: w.add_frames(bf16_uint8, method_uint8); w.add_probe(c, exact, quant, logits, positions)
+            w.close(stats, meta)
+    """
+
+    def __init__(self, path: str | Path, facts: RunFacts):
+        self.path, self.facts = Path(path), facts
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._parts = {k: open(f"{self.path}.{k}.part", "wb") for k in ("bf16", "method", "probes")}
+        self._frames, self._frame_shape = 0, None
+        self._probes: list[tuple[str, str, list[int], int]] = []  # name, dtype, shape, bytes (in write order)
+        self._probed: list[int] = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, *_):
+        if kind is not None or any(not f.closed for f in self._parts.values()):
+            self.abort()
+
+    def add_frames(self, bf16: torch.Tensor, method: torch.Tensor) -> None:
+        """The next frames of both runs: (F, H, W, 3) uint8 each."""
+        if bf16.dtype != torch.uint8 or method.dtype != torch.uint8 or bf16.shape != method.shape or bf16.dim() != 4:
+            raise ValueError(f"frames must be two (F, H, W, 3) uint8 tensors of one shape, got {tuple(bf16.shape)} "
+                             f"{bf16.dtype} and {tuple(method.shape)} {method.dtype}")
+        if self._frame_shape not in (None, tuple(bf16.shape[1:])):
+            raise ValueError(f"frames of shape {tuple(bf16.shape[1:])} after {self._frame_shape}")
+        self._frame_shape = tuple(bf16.shape[1:])
+        self._parts["bf16"].write(bf16.contiguous().numpy().tobytes())
+        self._parts["method"].write(method.contiguous().numpy().tobytes())
+        self._frames += bf16.shape[0]
+
+    def _tensor(self, name: str, t: torch.Tensor) -> None:
+        data = t.contiguous().cpu().numpy().tobytes()
+        self._parts["probes"].write(data)
+        self._probes.append((name, _DTYPES[t.dtype], list(t.shape), len(data)))
+
+    def add_probe(self, chunk: int, top1_exact: torch.Tensor, top1_quant: torch.Tensor,
+                  logits: tuple | None = None, positions: torch.Tensor | None = None) -> None:
+        """Chunk `chunk`'s probe, in the shapes of the module docstring: top-1s (layers, heads, N), optional logits
+        (exact, method) (n_layers, n_heads, N, n_cached) and positions (n_cached,)."""
+        if chunk in self._probed:
+            raise ValueError(f"chunk {chunk} is probed twice")
+        self._probed.append(chunk)
+        self._tensor(f"probe.{chunk}.top1_exact", top1_exact.int())
+        self._tensor(f"probe.{chunk}.top1_quant", top1_quant.int())
+        if logits is not None:
+            self._tensor(f"probe.{chunk}.logits_exact", logits[0].half())
+            self._tensor(f"probe.{chunk}.logits_method", logits[1].half())
+        if positions is not None:
+            self._tensor(f"probe.{chunk}.positions", positions.int())
+
+    def close(self, stats: torch.Tensor, meta: dict) -> None:
+        """Write the file: header (`meta` as `write_run` writes a `Run`'s), the frames, `stats` (layers, heads, D, D)
+        and the probes; the scratch files are removed."""
+        for f in self._parts.values():
+            f.close()
+        stats = stats.float().contiguous()
+        frame_bytes = self._frames * int(torch.tensor(self._frame_shape or (0,)).prod())
+        header, offset = {}, 0
+        entries = [("frames.bf16", "U8", [self._frames, *(self._frame_shape or ())], frame_bytes),
+                   ("frames.method", "U8", [self._frames, *(self._frame_shape or ())], frame_bytes),
+                   ("stats", "F32", list(stats.shape), stats.numel() * 4), *self._probes]
+        for name, dtype, shape, n in entries:
+            header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + n]}
+            offset += n
+        full = {**meta, **asdict(self.facts), "probed_chunks": sorted(self._probed)}
+        header["__metadata__"] = {"quantwm_run_version": RUN_VERSION, "run": json.dumps(full)}
+        text = json.dumps(header, separators=(",", ":")).encode()
+        text += b" " * (-len(text) % 8)  # safetensors pads its header to 8 bytes
+        with open(f"{self.path}.part", "wb") as out:  # renamed into place once complete
+            out.write(len(text).to_bytes(8, "little") + text)
+            for k in ("bf16", "method"):
+                with open(f"{self.path}.{k}.part", "rb") as f:
+                    shutil.copyfileobj(f, out, 2 ** 20)
+            out.write(stats.numpy().tobytes())
+            with open(f"{self.path}.probes.part", "rb") as f:
+                shutil.copyfileobj(f, out, 2 ** 20)
+        os.replace(f"{self.path}.part", self.path)
+        self._remove_parts()
+
+    def abort(self) -> None:
+        for f in self._parts.values():
+            f.close()
+        self._remove_parts()
+
+    def _remove_parts(self) -> None:
+        for name in [f"{self.path}.{k}.part" for k in self._parts] + [f"{self.path}.part"]:
+            if os.path.exists(name):
+                os.remove(name)
 
 
 def _invalid(path, why: str) -> ValueError:

@@ -77,13 +77,16 @@ class ChunkProbe:
     top1_prob: list = field(default_factory=list)
     n_cached: int = 0
     positions: torch.Tensor | None = None  # (n_cached,) absolute token position of each cached token (a window evicts)
+    logits: dict = field(default_factory=dict)  # layer -> (exact, stored) (n_heads, N, n_cached) of `rollout(logits=)`
 
 
 class ProbingCache:
-    """Passes `attend` through to a KVCache and, when armed, records what the queries select."""
+    """Passes `attend` through to a KVCache and, when armed, records what the queries select (and the attention
+    logits of `logit_layers` x `logit_heads`, as float16 on the CPU)."""
 
-    def __init__(self, cache: KVCache, token_places: torch.Tensor):
+    def __init__(self, cache: KVCache, token_places: torch.Tensor, logit_layers=(), logit_heads=()):
         self.cache, self.places, self.armed = cache, token_places, None
+        self.logit_layers, self.logit_heads = tuple(logit_layers), list(logit_heads)
 
     def attend(self, layer, q, k, v, chunk, commit=False, scale=None, observe=True):
         out = self.cache.attend(layer, q, k, v, chunk=chunk, commit=commit, scale=scale, observe=observe)
@@ -112,6 +115,8 @@ class ProbingCache:
         p.top1_exact.append(le.argmax(-1)), p.top1_quant.append(lq.argmax(-1)), p.q.append(qq.clone())
         p.same_place_mass.append(mass), p.top1_prob.append(prob.max(-1).values)
         p.n_cached, p.positions = le.shape[-1], pos[:-n_cur]
+        if layer in self.logit_layers and self.logit_heads:
+            p.logits[layer] = (le[self.logit_heads].half().cpu(), lq[self.logit_heads].half().cpu())
 
 
 @dataclass
@@ -177,9 +182,12 @@ class ChunkStep:
 
 def rollout(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n_frames: int = 32,
             cache_config: CacheConfig = CacheConfig(), steps: int = 4, noise_seed: int = 0, probe: bool = True,
-            progress=None, poses: torch.Tensor | None = None, world: str = "photo", photos: str | None = None):
+            progress=None, poses: torch.Tensor | None = None, world: str = "photo", photos: str | None = None,
+            logits: tuple = ((), ())):
     """`generate`'s loop, one `ChunkStep` at a time: the caller keeps what it needs, so a long rollout through a
-    rolling window (`cache_config.max_chunks`) holds the window, one chunk's frames and the poses, not the video."""
+    rolling window (`cache_config.max_chunks`) holds the window, one chunk's frames and the poses, not the video.
+    `logits`: (layers, heads) whose attention logits each probe keeps (`ChunkProbe.logits`), for a caller that
+    cannot recompute them later (the window evicts the keys they were taken over)."""
     cfg = model.cfg
     device = next(model.parameters()).device
     if n_frames <= cfg.context_frames or (n_frames - cfg.context_frames) % cfg.chunk_frames:
@@ -197,7 +205,11 @@ def rollout(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n
     places = token_world_coords(poses, cfg.view).reshape(-1, 2)
     n, F = cfg.tokens_per_frame, cfg.chunk_frames
     cache = KVCache(replace(cache_config, keep_exact=probe, memo_decoded=True), cfg.layers)
-    pc = ProbingCache(cache, places)
+    layers, heads = logits
+    bad = [x for x in layers if not 0 <= x < cfg.layers] + [x for x in heads if not 0 <= x < cfg.heads]
+    if bad:
+        raise ValueError(f"logit layer/head {bad[0]} out of range: the model has {cfg.layers} layers, {cfg.heads} heads")
+    pc = ProbingCache(cache, places, layers, heads)
     g = torch.Generator().manual_seed(noise_seed * 1_000_003 + world_seed)
     n_chunks = n_frames // F
     @torch.no_grad()  # a function, not a `with` around the loop: a generator suspended inside `no_grad` would
