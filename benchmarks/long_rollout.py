@@ -1,11 +1,14 @@
-"""Resident memory of a long streamed rollout: `quantwm eval --frames 512 --window 8` for one method against BF16.
+"""Resident memory of a long streamed rollout: `quantwm eval --frames 512 --window 8` for one method against BF16
+(or, with `--record`, `quantwm record --frames 512 --window 8`, which writes the run file chunk by chunk).
 
 Runs the command in this process and samples its resident set size (VmRSS) twice a second beside the frames the
-stream file has received, then prints the RSS at every 64 generated frames (and the last) and its growth from the first mark
-after the window has filled (sink + window + the current chunk) to the end; flat means under 3%.
+stream file (or the run file's frame scratch file) has received, then prints the RSS at every 64 generated frames
+(and the last) and its growth from the first mark after the window has filled (sink + window + the current chunk)
+to the end; flat means under 3%.
 
     nice python benchmarks/long_rollout.py                       # 512 frames, window 8, quantwm, seed 0
     nice python benchmarks/long_rollout.py --frames 1024 --method kivi --threads 2
+    nice python benchmarks/long_rollout.py --record --out long.safetensors   # the run file, kept
 
 `--threads` sets torch's intra-op threads (default 1: on a loaded 2-core machine more threads spin against each
 other and run several times slower).
@@ -37,6 +40,14 @@ def frames_streamed(path: Path) -> int:
         return 0
 
 
+def frames_recorded(path: Path, frame_bytes: int, context_frames: int) -> int:
+    """Generated frames a `RunWriter` has written so far (its BF16 frames' scratch file; 0 once joined)."""
+    try:
+        return max(0, os.path.getsize(f"{path}.bf16.part") // frame_bytes - context_frames)
+    except FileNotFoundError:
+        return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=512)
@@ -46,6 +57,8 @@ def main() -> int:
     ap.add_argument("--every", type=int, default=64, help="frames between printed RSS samples")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--json", default=None, help="also keep the eval report here")
+    ap.add_argument("--record", action="store_true", help="measure `quantwm record --window` instead of eval")
+    ap.add_argument("--out", default=None, help="with --record: keep the run file here")
     a = ap.parse_args()
     import torch
 
@@ -56,19 +69,28 @@ def main() -> int:
     cfg = load_world_model(DEFAULT_WEIGHTS).cfg
     with tempfile.TemporaryDirectory() as tmp:
         stream = Path(tmp) / "frames.jsonl"
+        run = Path(a.out or Path(tmp) / "run.safetensors")
+        size = cfg.view * cfg.patch
+        streamed = (lambda: frames_recorded(run, size * size * 3, cfg.context_frames)) if a.record else \
+            (lambda: frames_streamed(stream))
         samples: list[tuple[int, float]] = []  # (generated frames streamed, RSS MiB)
         done = threading.Event()
 
         def sample():
             while not done.is_set():
-                samples.append((frames_streamed(stream), rss_mib()))
+                samples.append((streamed(), rss_mib()))
                 done.wait(0.5)
 
         t = threading.Thread(target=sample, daemon=True)
         t0 = time.time()
         t.start()
-        rc = cli(["eval", "--methods", a.method, "--seeds", a.seed, "--frames", str(a.frames), "--window", str(a.window),
-                  "--stream", str(stream), "--json", a.json or str(Path(tmp) / "eval.json")])
+        if a.record:
+            command = ["record", "--method", a.method, "--seed", a.seed, "--frames", str(a.frames), "--window",
+                       str(a.window), "--out", str(run)]
+        else:
+            command = ["eval", "--methods", a.method, "--seeds", a.seed, "--frames", str(a.frames), "--window",
+                       str(a.window), "--stream", str(stream), "--json", a.json or str(Path(tmp) / "eval.json")]
+        rc = cli(command)
         done.set()
         t.join()
         wall = time.time() - t0
@@ -79,8 +101,7 @@ def main() -> int:
     series = [(m, next((r for f, r in samples if f >= m), samples[-1][1])) for m in marks]
     fill = (1 + a.window + 1) * cfg.chunk_frames  # sink + window + current chunk, in frames (context included)
     after = [(m, r) for m, r in series if m + cfg.context_frames >= fill]
-    print(f"quantwm eval --methods {a.method} --seeds {a.seed} --frames {a.frames} --window {a.window}: {wall:.0f} s wall, "
-          f"torch threads {a.threads}, pid {os.getpid()}")
+    print(f"quantwm {' '.join(command)}: {wall:.0f} s wall, torch threads {a.threads}, pid {os.getpid()}")
     print("RSS per generated frames: " + ", ".join(f"{m}: {r:.1f} MiB" for m, r in series))
     if len(after) >= 2:
         base = after[0][1]
