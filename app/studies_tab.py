@@ -65,7 +65,8 @@ def build_key_value_tab(key_value: Callable, controls: dict, baselines: list[str
         seeds = Number(KV_SEEDS, label="Seeds (worlds from the Generate tab's seed on)", elem_id="kv-seeds")
         go = gr.Button("Run Keys only vs Values only", variant="primary", elem_id="kv-btn")
     status = gr.Markdown(elem_id="kv-status")
-    rows = gr.Dataframe(label="Keys only (k) vs Values only (v), per seed", headers=list(KV_COLUMNS), interactive=False)
+    rows = gr.Dataframe(label="Keys only (k) vs Values only (v), per seed", headers=list(KV_COLUMNS), interactive=False,
+                        elem_id="kv-table")
     plot = gr.Plot(label="Errors and damage, mean ± sd over the seeds", elem_id="kv-plot")
 
     def run(seed, trajectory, baseline, budget, frames, seeds, progress=gr.Progress()):
@@ -108,10 +109,10 @@ def build_methods_tab(methods_table: Callable, export: Callable, methods: list[s
     go.click(run, inputs, [status, rows, plot], api_name="methods_table", concurrency_limit=1,
              concurrency_id="generate", trigger_mode="multiple")
     with gr.Row():
-        formats = gr.CheckboxGroup(list(figure_formats), value=["pdf"], label="Formats")
+        formats = gr.CheckboxGroup(list(figure_formats), value=["pdf"], label="Formats", elem_id="methods-formats")
         export_btn = gr.Button("Export the comparison figure (what the table shows)", elem_id="methods-export-btn")
     export_status = gr.Markdown(elem_id="methods-export-status")
-    files = gr.File(label="Figure", file_count="multiple", interactive=False)
+    files = gr.File(label="Figure", file_count="multiple", interactive=False, elem_id="methods-export-files")
 
     def do_export(seed, trajectory, target, frames, methods, budget, formats, progress=gr.Progress()):
         r = export(seed, trajectory, target, frames, methods, budget, formats,

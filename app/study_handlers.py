@@ -27,15 +27,20 @@ def keys_hurt_more(k: dict, v: dict, column: str, sign: int) -> bool:
 
 
 def _kv_finding(method: str, ks: list[dict], vs: list[dict]) -> str:
-    """What a method's Keys-only rows (ks) and Values-only rows (vs), one pair per seed, show: per damage metric,
-    whether Keys only is worse on every seed, on none, or on some; then whether the paper's finding (a smaller
-    Key error, yet more damage) holds on every seed, and on which metrics. Computed, never canned."""
+    """What a method's Keys-only rows (ks) and Values-only rows (vs), one pair per seed, show, judged on the values
+    the table shows (`rounded`): per damage metric, whether Keys only is worse on every seed, Values only on every
+    seed, the two equal on every seed, or the seeds disagree (how many each way); then whether the paper's finding
+    (a smaller Key error, yet more damage) holds on every seed, and on which metrics. Computed, never canned."""
     n = len(ks)
+    ks, vs = ([{c: rounded(x) if isinstance(x, float) else x for c, x in r.items()} for r in rows] for rows in (ks, vs))
     smaller = sum(k["k_rel_err"] <= v["v_rel_err"] for k, v in zip(ks, vs))
-    worse = {name: sum(keys_hurt_more(k, v, col, sign) for k, v in zip(ks, vs)) for col, name, sign in KV_DAMAGE}
-    keys = [name for name, w in worse.items() if w == n]
-    values = [name for name, w in worse.items() if w == 0]
-    mixed = [f"{name} ({w} of {n})" for name, w in worse.items() if 0 < w < n]
+    count = {name: (sum(keys_hurt_more(k, v, col, sign) for k, v in zip(ks, vs)),
+                    sum(keys_hurt_more(v, k, col, sign) for k, v in zip(ks, vs))) for col, name, sign in KV_DAMAGE}
+    keys = [name for name, (kw, _) in count.items() if kw == n]
+    values = [name for name, (_, vw) in count.items() if vw == n]
+    equal = [name for name, (kw, vw) in count.items() if kw == vw == 0]
+    mixed = [f"{name} (Keys only worse on {kw}, Values only on {vw})" for name, (kw, vw) in count.items()
+             if name not in keys + values + equal]
     mean = lambda rows, c: sum(r[c] for r in rows) / n  # noqa: E731
     out = [f"{method}, {n} seed(s): Key error {mean(ks, 'k_rel_err'):.4f} (Keys only) vs Value error "
            f"{mean(vs, 'v_rel_err'):.4f} (Values only); the Key error is the smaller on {smaller} of {n} seed(s)."]
@@ -43,11 +48,13 @@ def _kv_finding(method: str, ks: list[dict], vs: list[dict]) -> str:
         out.append(f"Keys only does more damage on every seed in {', '.join(keys)}.")
     if values:
         out.append(f"Values only does more damage on every seed in {', '.join(values)}.")
+    if equal:
+        out.append(f"The two are equal on every seed in {', '.join(equal)}.")
     if mixed:
-        out.append(f"Seeds disagree on {', '.join(mixed)} (seeds where Keys only does more damage).")
+        out.append(f"Seeds disagree on {', '.join(mixed)}.")
     if smaller == n and keys:
         out.append(f"So the finding (a smaller Key error, yet more damage) holds on every seed in {', '.join(keys)}"
-                   + (f", not in {', '.join(n_ for n_ in worse if n_ not in keys)}." if len(keys) < len(worse) else "."))
+                   + (f", not in {', '.join(n_ for n_ in count if n_ not in keys)}." if len(keys) < len(count) else "."))
     elif smaller == n:
         out.append("So the finding (a smaller Key error, yet more damage) holds on every seed in none of these metrics.")
     else:
