@@ -23,9 +23,11 @@ from quantwm.evaluation.synthetic import make_synthetic_trace  # noqa: E402
 from quantwm.evaluation.trace import read_trace  # noqa: E402
 
 from . import handlers  # noqa: E402
+from . import overview_handlers as oh  # noqa: E402
 from . import study_handlers as sh  # noqa: E402
 from . import world_handlers as wh
 from .analysis_tab import build_analysis_tab  # noqa: E402
+from .overview_panel import build_overview_panel  # noqa: E402
 from .playback_tab import build_playback_tab  # noqa: E402
 from .studies_tab import build_energy_tab, build_key_value_tab, build_methods_tab  # noqa: E402
 
@@ -33,7 +35,12 @@ PAGE_JS = resources.files(__package__).joinpath("page.js").read_text()
 # The Key-vs-Value tab's default baseline: the one whose rows best show "smaller Key error, bigger damage" on
 # held-out worlds (docs/world-model.md, "The Key-vs-Value experiment").
 KV_BASELINE = "kivi"
-CSS = "#frame-bf16 img, #frame-method img { image-rendering: pixelated; }"
+# The frames' and videos' labels sit above them, not over their top rows (Gradio floats a label badge over the media
+# of a fixed-height block: the block grows by the label instead).
+CSS = """#frame-bf16 img, #frame-method img { image-rendering: pixelated; }
+#frame-bf16, #frame-method, #video-bf16, #video-method { height: auto !important; }
+#frame-bf16 > [data-testid=block-label], #frame-method > [data-testid=block-label],
+#video-bf16 > [data-testid=block-label], #video-method > [data-testid=block-label] { position: static; }"""
 
 
 def default_trace(path: str | None, directory: str | None = None) -> str:
@@ -90,6 +97,7 @@ def build_app(trace: str | None = None, workbench: Workbench | None = None, fram
                                               "kind": live.kind, "device": live.device_name,
                                               "latent_frames": live.LATENT_FRAMES,
                                               "generate": _bind(wh.live_generate_handler, runs, live)})
+            build_overview_panel(controls, _bind(oh.overview_handler, runs), _bind(oh.strip_click_handler, runs))
         with gr.Tab("Query energy"):
             build_energy_tab(_bind(wh.energy_handler, runs), controls, facts["layers"],
                              _bind(wh.export_energy_handler, runs), FORMATS)

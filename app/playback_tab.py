@@ -31,7 +31,8 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
                        export: Callable, methods: list[str], facts: dict, figure_formats: tuple,
                        default_frames: int = 32, max_frames: int | None = None, open_run: Callable | None = None,
                        opened: list[str] = (), live: dict | None = None) -> dict:
-    """Build the tab; returns the shared controls (seed, trajectory, method, target, bits, frames, run_id).
+    """Build the tab; returns the shared controls (seed, trajectory, method, target, bits, frames, run_id, and the
+    frame slider).
 
     export(run_id, frame, layer, head, formats, traced) -> {status, files}: print figures of what the tab shows
     (the slider frame's maps with the jump-map layer and head, the trace panel's trace when it is of this run);
@@ -60,7 +61,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     if live is not None:
         _wire_live(ui, live, shown)
     _wire_views(ui, scrub, trace_pixel, click_pixel, export)
-    return {n: getattr(ui, n) for n in ("seed", "trajectory", "method", "target", "bits", "frames", "run_id")}
+    return {n: getattr(ui, n) for n in ("seed", "trajectory", "method", "target", "bits", "frames", "run_id", "frame")}
 
 
 GEN_NAMES = ["status", "run_id", "bf16_video", "method_video", "figure", "frame_slider"]
@@ -121,9 +122,13 @@ def _frames_panel(ui: SimpleNamespace, facts: dict, default_frames: int) -> None
     ui.status = gr.Markdown(elem_id="generate-status")
     img_kw = dict(format="png", interactive=False, height=size * FACTOR + 2, width=size * FACTOR + 2, buttons=[])
     with gr.Row():
-        ui.bf16_video = gr.Video(label="BF16 (reference)", elem_id="video-bf16", autoplay=False, loop=True, height=300)
-        ui.method_video = gr.Video(label="Quantized", elem_id="video-method", autoplay=False, loop=True, height=300)
-        ui.plot = gr.Plot(label="Per-frame flicker, PSNR and shift rate (click a point to jump)", elem_id="frame-plot")
+        # the plot needs room for its titles and legend: on a narrow page it wraps below the videos, full width
+        ui.bf16_video = gr.Video(label="BF16 (reference)", elem_id="video-bf16", autoplay=False, loop=True, height=300,
+                                 min_width=240)
+        ui.method_video = gr.Video(label="Quantized", elem_id="video-method", autoplay=False, loop=True, height=300,
+                                   min_width=240)
+        ui.plot = gr.Plot(label="Per-frame flicker, PSNR and shift rate (click a point to jump)", elem_id="frame-plot",
+                          min_width=400)
     ui.frame = Slider(0, default_frames - 1, value=0, step=1, label="Frame (scrubs both)", elem_id="frame-slider")
     with gr.Row():
         ui.overlays = gr.CheckboxGroup(list(OVERLAYS), value=[], label="Overlays on the quantized frame, scaled to "

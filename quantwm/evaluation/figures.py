@@ -184,29 +184,36 @@ def layer_sensitivity_figure(reports: dict, title: str = ""):
     """Per method (`world.sensitivity.layer_sensitivity` reports by method), one row: PSNR against BF16 with one
     layer quantized and with one layer kept BF16 (the all-quantized run as a line), then per (layer, head) the
     Keys' and the Values' mean code bits per channel the method gave it and the place shift rate it had in the
-    all-quantized run, as annotated heatmaps ("one width" where the method's grid is one for every channel)."""
+    all-quantized run, as annotated heatmaps ("one width" where the method's grid is one for every channel). A
+    report without `rows` (a run file's `head_table` alone) leaves the first panel saying so.
+    """
     fig = _figure(11.0, 2.3 * len(reports) + 0.5)
     axes = np.atleast_2d(fig.subplots(len(reports), 4))
     for row, (m, r) in zip(axes, reports.items()):
-        rows = {mode: [x for x in r["rows"] if x["mode"] == mode] for mode in ("only", "all_but")}
-        layers = [x["layer"] for x in rows["only"]]
         ax = row[0]
+        if not r.get("rows"):
+            ax.text(0.5, 0.5, "no layer sensitivity recorded", ha="center", va="center", fontsize=8,
+                    transform=ax.transAxes)
+            ax.set_xticks([]), ax.set_yticks([]), ax.set_ylabel(m, fontsize=8)
+        rows = {mode: [x for x in r.get("rows") or [] if x["mode"] == mode] for mode in ("only", "all_but")}
+        layers = [x["layer"] for x in rows["only"]]
         for i, (mode, label) in enumerate((("only", "only this layer quantized"), ("all_but", "this layer kept BF16"))):
             ax.bar(np.array(layers) + (i - 0.5) * 0.38, [x["psnr"] for x in rows[mode]], 0.38, label=label,
                    color=("#4c72b0", "#dd8452")[i])
-        ax.axhline(r["all"]["psnr"], color="black", lw=0.9, ls="--", label="every layer quantized")
-        ax.set_ylim(min(x["psnr"] for x in r["rows"] + [r["all"]]) - 3, 100)
-        ax.set_xticks(layers, [str(x) for x in layers])
-        ax.set_xlabel("layer", fontsize=8)
-        ax.set_ylabel(f"{m}\nPSNR vs BF16 (dB)", fontsize=8)
-        ax.grid(axis="y", alpha=0.3)
-        if row is axes[0]:
-            ax.legend(fontsize=6, frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0))
+        if layers:
+            ax.axhline(r["all"]["psnr"], color="black", lw=0.9, ls="--", label="every layer quantized")
+            ax.set_ylim(min(x["psnr"] for x in r["rows"] + [r["all"]]) - 3, 100)
+            ax.set_xticks(layers, [str(x) for x in layers])
+            ax.set_xlabel("layer", fontsize=8)
+            ax.set_ylabel(f"{m}\nPSNR vs BF16 (dB)", fontsize=8)
+            ax.grid(axis="y", alpha=0.3)
+            if row is axes[0]:
+                ax.legend(fontsize=6, frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0))
         grids = [(a["k_bits"]["mean"] if a["k_bits"] else None) for a in r["allocation"]], \
                 [(a["v_bits"]["mean"] if a["v_bits"] else None) for a in r["allocation"]], \
                 [a["place_shift_rate"] for a in r["allocation"]]
         for ax, grid, name, fmt in zip(row[1:], grids, ("Keys: code bits / channel", "Values: code bits / channel",
-                                                       "place shift rate (all quantized)"), ("{:.2f}", "{:.2f}", "{:.3f}")):
+                                                       "place shift rate"), ("{:.2f}", "{:.2f}", "{:.3f}")):
             ax.set_title(name, fontsize=8)
             if any(g is None for g in grid):
                 ax.text(0.5, 0.5, "one width for every channel", ha="center", va="center", fontsize=8,
