@@ -79,8 +79,25 @@
     line.style.top = fl._size.t + 'px';
     line.style.height = fl._size.h + 'px';
   };
+  // Every plot follows its box's width (a window resize, a tab shown, a row that wraps): Plotly's own responsive
+  // handler hears window resizes only, and a plot drawn in a hidden tab kept the width it had there.
+  const resized = new ResizeObserver((entries) => {
+    for (const e of entries) {
+      const gd = e.target.querySelector('.js-plotly-plot');
+      const w = Math.round(e.contentRect.width);
+      if (!gd || !gd._fullLayout || !window.Plotly || w === 0 || w === e.target.__quantwmWidth) continue;
+      e.target.__quantwmWidth = w;
+      window.Plotly.Plots.resize(gd);
+    }
+  });
+  const hookPlotSizes = () => {
+    for (const gd of document.querySelectorAll('.js-plotly-plot')) {
+      const box = gd.parentElement;
+      if (box && !box.__quantwmSized) { box.__quantwmSized = true; resized.observe(box); }
+    }
+  };
   new MutationObserver(() => {
-    hookPlot(); hookVideos();
+    hookPlot(); hookVideos(); hookPlotSizes();
     try { hookSlider(); markFrame(); } catch (e) { console.warn('quantwm: frame hooks', e); }
   }).observe(document.body, { childList: true, subtree: true });
 }

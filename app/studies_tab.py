@@ -90,7 +90,8 @@ def build_methods_tab(methods_table: Callable, export: Callable, methods: list[s
                 "stored), top-1 shift rate, PSNR, SSIM, LPIPS and flicker against BF16. Runs are cached.")
     base = [m for m in methods if m != "bf16" and "+" not in m]
     with gr.Row():
-        chosen = gr.CheckboxGroup([m for m in methods if m != "bf16"], value=base, label="Methods", scale=4)
+        chosen = gr.CheckboxGroup([m for m in methods if m != "bf16"], value=base, label="Methods", scale=4,
+                                  elem_id="methods-choice")
         budget = Number(DEFAULT_BUDGET, label="Budget (bits per element, Keys and Values)", step=0.25, elem_id="methods-budget", scale=1)
     go = gr.Button("Compare methods", variant="primary", elem_id="methods-btn")
     status = gr.Markdown(elem_id="methods-status")

@@ -33,7 +33,7 @@ def launch(trace: str, frames: int, workbench=None):
 
 # Every wait below is on the page's state; the limits are generous upper bounds (a loaded machine is slow),
 # never a pause that hopes the page has caught up.
-WAIT = 300_000  # ms
+WAIT = int(os.environ.get("QUANTWM_BROWSER_WAIT_MS", 300_000))  # ms (lower it to debug a wait that never ends)
 
 
 def run_id(page) -> str:
@@ -314,9 +314,9 @@ def test_a_bad_seed_gets_the_same_error_line_on_the_page_and_over_the_api(browse
     page.context.close()
 
 
-def new_user(browser, url):
-    """A fresh browser context (a new user, its own session) on the app's page."""
-    page = browser.new_context(viewport={"width": 1400, "height": 1600}).new_page()
+def new_user(browser, url, width: int = 1400):
+    """A fresh browser context (a new user, its own session) on the app's page, `width` pixels wide."""
+    page = browser.new_context(viewport={"width": width, "height": 1600}).new_page()
     page.goto(url)
     page.wait_for_selector("#generate-btn", timeout=WAIT)
     return page
@@ -569,3 +569,223 @@ def test_methods_flags_a_row_measured_over_the_budget(browser_and_url, small_tra
         page.context.close()
     finally:
         demo.close()
+
+
+
+# ---- issue 34: every view agrees with what it claims, at a wide and a narrow page ----------------------------
+WIDTHS = (1400, 900)
+# The sentence's names of the damage metrics: (the table's column, +1 where higher is better)
+KV_DAMAGE = {"PSNR": ("psnr", 1), "flicker (tdiff)": ("tdiff", -1), "LPIPS": ("lpips", -1),
+             "place shift": ("place_shift_rate", -1), "output error": ("attn_out_rel_err", -1)}
+TAG = f"seed4-loop-quantwm-kv-budget2.5-{FRAMES}f"  # the default run in file names
+
+
+def grid(page, selector: str) -> tuple[list[str], list[list[str]]]:
+    """(header, rows) of a Dataframe as the page shows them."""
+    page.wait_for_selector(f"{selector} [role=row][data-index]", timeout=WAIT)
+    return page.evaluate("(sel) => { const t = document.querySelector(sel);"
+                         " return [[...t.querySelectorAll('[role=columnheader]')].map(c => c.innerText.trim()),"
+                         " [...t.querySelectorAll('[role=row][data-index]')].map(r => [...r.querySelectorAll("
+                         "'[role=gridcell]')].map(c => c.innerText.trim()))]; }", selector)
+
+
+def plot_overflow(page, selector: str) -> list[str]:
+    """The titles, legend and axis titles of a drawn plot that reach past its figure's sides or its box (clipped)."""
+    page.wait_for_function("(s) => document.querySelector(s + ' .js-plotly-plot')?._fullLayout", arg=selector,
+                           timeout=WAIT)
+    return page.evaluate("""(s) => { const gd = document.querySelector(s + ' .js-plotly-plot');
+        const fig = gd.querySelector('.main-svg').getBoundingClientRect(), box = gd.parentElement.getBoundingClientRect();
+        const out = fig.right > box.right + 1 ? ['figure wider than its box'] : [];
+        for (const el of gd.querySelectorAll('.annotation, .g-xtitle, .g-ytitle, .legend, .gtitle')) {
+            const r = el.getBoundingClientRect();
+            if (r.width && (r.left < fig.left - 1 || r.right > fig.right + 1)) out.push(el.textContent.slice(0, 40));
+        }
+        return out; }""", selector)
+
+
+def check_kv_sentence(status: str, header: list[str], rows: list[list[str]]) -> int:
+    """Every claim of the Key-vs-Value sentence, checked against the table's per-seed numbers; returns how many
+    metric claims it checked."""
+    col = {c: header.index(c) for c in header}
+    per_seed = [[float(x) if re.fullmatch(r"-?[\d.]+(e-?\d+)?", x) else x for x in r] for r in rows
+                if r[col["seed"]] != "mean ± sd"]
+    parts = re.split(r"(\S+), (\d+) seed\(s\): ", status)[1:]
+    assert parts, status
+    checked = 0
+    for method, n, text in zip(parts[::3], parts[1::3], parts[2::3]):
+        ks, vs = ([r for r in per_seed if r[col["method"]] == method and r[col["target"]] == t] for t in "kv")
+        n = int(n)
+        assert len(ks) == len(vs) == n, (method, rows)
+        smaller = sum(k[col["k_rel_err"]] <= v[col["v_rel_err"]] for k, v in zip(ks, vs))
+        assert f"the Key error is the smaller on {smaller} of {n} seed(s)" in text, (method, text)
+        # per metric: (seeds where Keys only does more damage, seeds where Values only does)
+        split = {name: tuple(sum(sign * (a[col[c]] - b[col[c]]) < 0 for a, b in pairs)
+                             for pairs in (zip(ks, vs), zip(vs, ks))) for name, (c, sign) in KV_DAMAGE.items()}
+        claims = {"Keys only does more damage on every seed in ": lambda kw, vw, n=n: kw == n,
+                  "Values only does more damage on every seed in ": lambda kw, vw, n=n: vw == n,
+                  "The two are equal on every seed in ": lambda kw, vw, n=n: kw == vw == 0}
+        named = []
+        for clause in text.split(". "):
+            for lead, holds in claims.items():
+                if clause.startswith(lead):
+                    names = clause[len(lead):].rstrip(".").split(", ")
+                    assert all(holds(*split[m]) for m in names), (method, clause, split)
+                    named += names
+            if clause.startswith("Seeds disagree on "):
+                for name, kw, vw in re.findall(r"([^,(]+?) \(Keys only worse on (\d+), Values only on (\d+)\)", clause):
+                    assert split[name.strip()] == (int(kw), int(vw)) and 0 < int(kw) + int(vw), (method, clause, split)
+                    named.append(name.strip())
+            if clause.startswith("So the finding") and " holds on every seed in " in clause:
+                held = clause.split(" holds on every seed in ")[1].split(", not in ")[0].rstrip(".").split(", ")
+                assert smaller == n and all(split[m][0] == n for m in held), (method, clause, split)
+        assert sorted(named) == sorted(KV_DAMAGE), (method, named)  # every metric named once, in one clause
+        checked += len(named)
+    return checked
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_key_vs_value_sentence_agrees_with_its_table_on_every_metric_it_names(browser_and_url, width):
+    """Keys only vs Values only on two seeds (the page opens on 4): each claim of the sentence (the Key error the
+    smaller on how many seeds; per metric, who does more damage on every seed, equal, or how the seeds split) holds
+    in the table's per-seed numbers, for both methods; the chart draws all its panels unclipped, also after the
+    page was resized to the other width while another tab was shown."""
+    page = new_user(*browser_and_url, width)
+    page.get_by_role("tab", name="Key vs Value").click()
+    seeds = page.locator("#kv-seeds input")
+    assert seeds.input_value() == "4"
+    seeds.fill("2")
+    page.locator("#kv-btn").click()
+    wait_text(page, "#kv-status", "seed(s):")
+    status = page.locator("#kv-status").inner_text()
+    assert status.startswith(f"Within 2.5 bits per element, seeds 4-5, loop, {FRAMES} frames."), status
+    header, rows = grid(page, "#kv-table")
+    assert [r[:3] for r in rows] == [[m, t, s] for m in ("kivi", "quantwm") for t in "kv" for s in ("4", "5", "mean ± sd")]
+    assert check_kv_sentence(status, header, rows) == 2 * len(KV_DAMAGE)
+    for size in (width, sum(WIDTHS) - width):  # resized while another tab is shown: redrawn to its box when back
+        page.get_by_role("tab", name="Generate & play").click()
+        page.set_viewport_size({"width": size, "height": 1600})
+        page.get_by_role("tab", name="Key vs Value").click()
+        page.wait_for_function("() => { const gd = document.querySelector('#kv-plot .js-plotly-plot'),"
+                               " box = gd?.parentElement.clientWidth; return gd?._fullLayout &&"
+                               " gd._fullLayout.width <= box && gd._fullLayout.width > box - 8; }", timeout=WAIT)
+        titles = page.evaluate("document.querySelector('#kv-plot .js-plotly-plot')._fullLayout.annotations"
+                               ".map(a => a.text)")
+        assert len(titles) == 8 and {"PSNR", "LPIPS", "place shift", "output error"} <= set(titles)
+        assert plot_overflow(page, "#kv-plot") == [], size
+    page.context.close()
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_slider_seeks_both_videos_and_a_frame_line_moves_on_the_plot(browser_and_url, width):
+    """Scrubbing seeks both (paused) videos to the slider's frame and moves the dashed current-frame line to that
+    frame on the per-frame plot; a failed request leaves both videos together; the labels sit above the frames
+    and videos (no badge over their top rows), and the plot's titles and legend are not clipped."""
+    page = new_user(*browser_and_url, width)
+    generate(page)
+    lines = []
+    for frame in (FRAMES - 2, 5):
+        scrub_to(page, frame)
+        page.wait_for_function("(t) => ['#video-bf16 video', '#video-method video'].every(s => "
+                               "Math.abs(document.querySelector(s).currentTime - t) < 0.01)", arg=(frame + 0.5) / 8,
+                               timeout=WAIT)
+        line, want = page.evaluate("""(f) => { const gd = document.querySelector('#frame-plot .js-plotly-plot');
+            const fl = gd._fullLayout, line = gd.querySelector('.quantwm-frame-line');
+            return [line.getBoundingClientRect().left, gd.getBoundingClientRect().left + fl._size.l + fl.xaxis.l2p(f)];
+        }""", frame)
+        assert abs(line - want) < 2, (frame, line, want)
+        lines.append(line)
+    assert lines[0] > lines[1]  # it moved back with the slider
+    page.get_by_label("World seed").fill("-5")  # a request that fails: nothing it shows changes
+    page.locator("#generate-btn").click()
+    wait_text(page, "#generate-status", "Error")
+    times = page.evaluate("['#video-bf16 video', '#video-method video'].map(s => document.querySelector(s).currentTime)")
+    assert times[0] == times[1] and abs(times[0] - 5.5 / 8) < 0.01, times
+    for panel in ("#frame-bf16", "#frame-method", "#video-bf16", "#video-method"):
+        label, media, block = page.evaluate("(s) => [' > [data-testid=block-label]', ' img, ' + s + ' video', '']"
+                                            ".map(p => document.querySelector(s + p).getBoundingClientRect().toJSON())",
+                                            panel)
+        assert label["bottom"] <= media["top"] + 1, (panel, label, media)  # the label above, not over the image
+        assert media["bottom"] <= block["bottom"] + 1, (panel, media, block)  # and the image not cut at the bottom
+    assert plot_overflow(page, "#frame-plot") == []
+    page.context.close()
+
+
+def pick(page, label: str, option: str) -> None:
+    """Choose `option` in the dropdown labelled `label` and wait for the page to settle."""
+    box = page.get_by_role("combobox", name=label, exact=True)
+    box.click()
+    page.get_by_role("option", name=option, exact=True).click()
+    settle(page)
+
+
+def export_files(page) -> str:
+    status = page.locator("#export-status").inner_text()
+    page.locator("#export-btn").click()
+    page.wait_for_function("(b) => { const t = document.querySelector('#export-status').innerText;"
+                           " return t !== b && t.includes('file(s)'); }", arg=status, timeout=WAIT)
+    return page.locator("#export-status").inner_text()
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_exports_equal_the_panels_after_a_scrub_and_after_a_new_run(browser_and_url, width):
+    """Export writes what the tab shows: after a trace and a scrub away from it, the maps of the slider's frame
+    with the picked jump-map layer and head, and the trace panel's own trace; after a new run, the trace panel is
+    emptied and the export is of the new run, with no trace of the one before."""
+    page = new_user(*browser_and_url, width)
+    generate(page)
+    pick(page, "Jump map layer", "0")
+    pick(page, "Jump map head", "1")
+    scrub_to(page, FRAMES - 3)
+    assert f"Query frame {FRAMES - 3}, row 5, col 2 (layer 1, head 0)" in click_frame_pixel(page, 21, 42)
+    scrub_to(page, FRAMES - 2)
+    assert "yellow square: the traced pixel (21, 42)" in page.locator("#frame-info").inner_text()
+    page.get_by_text("Export figures for print").click()
+    files = export_files(page).split(": ", 1)[1].split(", ")
+    assert sorted(files) == sorted([f"frames-{TAG}.pdf", f"maps-{TAG}-frame{FRAMES - 2}-layer0-head1.pdf",
+                                    f"trace-{TAG}-frame{FRAMES - 3}-x21-y42-layer1-head0.pdf"]), files
+    page.get_by_label("World seed").fill("5")
+    generate(page)
+    page.wait_for_function("() => document.querySelector('#trace-status').innerText.includes('click a pixel')",
+                           timeout=WAIT)
+    assert page.locator("#trace-src-bf16 img, #trace-src-method img, #trace-query img").count() == 0
+    assert page.locator("#trace-heatmap .js-plotly-plot").count() == 0
+    assert page.locator("#export-status").inner_text().strip() == ""
+    frame = page.locator("#frame-slider input[type='number']").input_value()
+    files = export_files(page).split(": ", 1)[1].split(", ")
+    new = TAG.replace("seed4", "seed5")
+    assert sorted(files) == sorted([f"frames-{new}.pdf", f"maps-{new}-frame{frame}-layer0-head1.pdf"]), files
+    page.context.close()
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_the_methods_export_draws_what_its_table_shows(browser_and_url, width):
+    """The Methods table, its chart on the page and its exported figure (SVG) show the same methods in the same
+    order with the same OVER flags, and the same metric columns."""
+    page = new_user(*browser_and_url, width)
+    page.get_by_role("tab", name="Methods").click()
+    for box in page.locator("#methods-choice input[type=checkbox]").all():
+        name = box.evaluate("b => b.closest('label').innerText.trim()")
+        box.set_checked(name in ("rtn", "kivi"))
+    page.locator("#methods-formats").get_by_label("svg").check()
+    page.locator("#methods-formats").get_by_label("pdf").uncheck()
+    page.locator("#methods-btn").click()
+    wait_text(page, "#methods-status", "At most 2.5 bits")
+    header, rows = grid(page, "#methods-table")
+    labels = [r[0] + (" (OVER)" if r[header.index("fits")] == "OVER" else "") for r in rows]
+    assert sorted(r[0] for r in rows) == ["kivi", "rtn"]
+    metrics = [c for c in header if c in ("span_bits_per_element", "shift_rate", "psnr", "ssim", "lpips", "tdiff",
+                                          "warp_error")]
+    assert {"psnr", "lpips", "tdiff"} <= set(metrics)  # the quality columns are shown
+    assert plot_overflow(page, "#methods-plot") == []  # drawn, nothing clipped
+    drawn = page.evaluate("(() => { const gd = document.querySelector('#methods-plot .js-plotly-plot');"
+                          " return [gd._fullLayout.annotations.map(a => a.text), gd.data.map(t => [...t.x])]; })()")
+    assert drawn == [metrics, [labels] * len(metrics)]
+    page.locator("#methods-export-btn").click()
+    wait_text(page, "#methods-export-status", "file(s)")
+    href = page.locator("#methods-export-files a[href$='.svg']").first.get_attribute("href")
+    svg = page.request.get(href if href.startswith("http") else browser_and_url[1].rstrip("/") + href).text()
+    texts = re.findall(r"<!-- (.*?) -->", svg)  # matplotlib writes each text drawn as paths with its string
+    panels = [t for t in texts if t in metrics]
+    assert panels == metrics, texts
+    assert [t for t in texts if t in labels or t.split(" (")[0] in ("rtn", "kivi")] == labels * len(metrics), texts
+    page.context.close()
