@@ -632,7 +632,8 @@ def check_kv_sentence(status: str, header: list[str], rows: list[list[str]]) -> 
                     assert all(holds(*split[m]) for m in names), (method, clause, split)
                     named += names
             if clause.startswith("Seeds disagree on "):
-                for name, kw, vw in re.findall(r"([^,(]+?) \(Keys only worse on (\d+), Values only on (\d+)\)", clause):
+                for name, kw, vw in re.findall(r"([^,(]+?) \(Keys only worse on (\d+), Values only on (\d+)\)",
+                                               clause[len("Seeds disagree on "):]):
                     assert split[name.strip()] == (int(kw), int(vw)) and 0 < int(kw) + int(vw), (method, clause, split)
                     named.append(name.strip())
             if clause.startswith("So the finding") and " holds on every seed in " in clause:
