@@ -91,10 +91,20 @@ def key_value_handler(runs, seed, trajectory, baseline, budget=DEFAULT_BUDGET, f
         world_seeds = [replace(key, seed=s).seed for s in range(first, first + n)]  # each checked as a world seed
         names = list(dict.fromkeys([key.method, FIX]))
         jobs = [(m, s) for m in names for s in world_seeds]
+        chunks = [0]  # progress: the rollouts' chunks (every run generated side by side first), then one per job
+
+        def rollouts(done, total):
+            chunks[0] = total
+            if progress:
+                progress(done, total + len(jobs))
+        failed = wb.prefetch([replace(key, method=m, seed=s, target=t) for m, s in jobs for t in "kv"], rollouts)
+        if failed:
+            raise next(iter(failed.values()))
         rows = []
         for i, (m, s) in enumerate(jobs):
-            step = (lambda a, t, i=i: progress(i * t + a, len(jobs) * t)) if progress else None
-            rows += [{"method": m, "seed": s, **r} for r in studies.key_vs_value(wb, replace(key, method=m, seed=s), step)]
+            rows += [{"method": m, "seed": s, **r} for r in studies.key_vs_value(wb, replace(key, method=m, seed=s))]
+            if progress:
+                progress(chunks[0] + i + 1, chunks[0] + len(jobs))
     except ValueError as e:
         return error(str(e))
     by = {(m, t): [r for r in rows if r["method"] == m and r["target"] == t] for m in names for t in "kv"}

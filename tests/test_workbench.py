@@ -77,6 +77,26 @@ def test_a_second_generation_waits_for_the_running_one(wb):
     assert got and got[0].key == key and wb.cached(key)
 
 
+def test_runs_made_side_by_side_equal_runs_made_one_by_one(wb, key):
+    """`prefetch` with two workers: every run of a study and its reference, the same records as one at a time
+    (each rollout draws its own noise), progress over all their chunks; a method that cannot run is reported,
+    the others kept."""
+    keys = [key, RunKey(seed=2, method="kivi", target="k", frames=FRAMES, budget=2.5)]
+    studies.compare(wb, key)  # the module's Workbench makes them one by one
+    studies.compare(wb, keys[1])
+    side = Workbench(model=wb.model, workers=2)
+    calls = []
+    assert side.workers == 2 and side.prefetch(keys, lambda a, n: calls.append((a, n))) == {}
+    assert calls[-1] == (3 * FRAMES // wb.cfg.chunk_frames,) * 2  # BF16 and both methods, every chunk
+    for k in (key.reference(), *keys):
+        a, b = wb.record(k.id), side.record(k.id)
+        assert a.frames.equal(b.frames) and all(x.equal(y) for x, y in zip(a.k_stored + a.v_stored, b.k_stored + b.v_stored))
+    bad = RunKey(seed=2, method="rtn", frames=FRAMES, budget=0.25)  # below what rtn can store
+    failed = side.prefetch([bad, RunKey(seed=3, method="bf16", frames=FRAMES)])
+    assert list(failed) == [bad] and "rtn cannot fit 0.25 bits" in str(failed[bad])
+    assert not side.cached(bad) and side.cached(RunKey(seed=3, method="bf16", frames=FRAMES))
+
+
 def test_frame_view_and_pixel_trace(wb, runs, key):
     studies.compare(wb, key)
     view = runs.view(key.id)

@@ -28,16 +28,14 @@ def attention_error(wb, rec: Record) -> float:
                                     wb.cfg.chunk_frames * wb.cfg.tokens_per_frame)
 
 
-def _steps(progress: Callable | None, i: int, n_runs: int) -> Callable | None:
-    """The progress of run i of n_runs as a share of the whole study."""
-    return (lambda a, n: progress(i * n + a, n_runs * n)) if progress else None
-
-
 def key_vs_value(wb, key: RunKey, progress: Callable | None = None) -> list[dict]:
     """The method with Keys only and Values only quantized: errors of K and V beside what they cause."""
-    rows = []
-    for i, k in enumerate([replace(key, target="k"), replace(key, target="v")]):
-        ref, rec = wb.pair(k, _steps(progress, i, 2))
+    rows, keys = [], [replace(key, target="k"), replace(key, target="v")]
+    failed = wb.prefetch(keys, progress)  # both runs and BF16 side by side
+    if failed:
+        raise next(iter(failed.values()))
+    for k in keys:
+        ref, rec = wb.pair(k)
         ke = sum(M.rel_err(s, e) for s, e in zip(rec.k_stored, rec.k_exact)) / len(rec.k_exact)
         ve = sum(M.rel_err(s, e) for s, e in zip(rec.v_stored, rec.v_exact)) / len(rec.v_exact)
         rows.append({"target": k.target, "k_rel_err": ke, "v_rel_err": ve, "attn_out_rel_err": attention_error(wb, rec),
@@ -63,13 +61,15 @@ def methods_table(wb, key: RunKey, methods: list[str], progress: Callable | None
         left_out.update(out)
         keys = [k for k in keys if k.method in fitting]
     wb.limits.check_methods(len(keys), key.frames)
+    failed = wb.prefetch(keys, progress)  # every method and BF16, side by side
     rows = []
-    for i, k in enumerate(keys):
-        try:
-            ref, rec = wb.pair(k, _steps(progress, i, len(keys)))
-        except BudgetError as e:  # fits a Gaussian span of the shape, not this world's data
-            left_out[k.method] = str(e).splitlines()[0]
+    for k in keys:
+        if isinstance(failed.get(k), BudgetError):  # fits a Gaussian span of the shape, not this world's data
+            left_out[k.method] = str(failed[k]).splitlines()[0]
             continue
+        if k in failed or k.reference() in failed:
+            raise failed.get(k) or failed[k.reference()]
+        ref, rec = wb.pair(k)
         rows.append({"method": k.method, **RunView.of_records(wb.cfg, ref, rec).summary(lpips=True),
                      "configuration": configuration(wb, k)})
     return sorted(rows, key=lambda r: r["span_bits_per_element"]) if key.budget is not None else rows

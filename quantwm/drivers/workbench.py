@@ -10,8 +10,11 @@ memory) in a results cache shared by every user, bounded in bytes (`cache_mb`) a
 first. A run is never kept without its BF16 reference: using a run also uses its reference, and evicting a
 reference evicts the runs compared against it; `on_evict` callbacks hear of every eviction (the app deletes the
 run's videos). One generation runs at a time: a second waits for the first (the app's queue shows its users their
-position). `limits` (`quantwm.evaluation.limits.Limits`) bounds what a request may ask for; `calibrate()`
-measures this machine's speed for it. On CUDA the model runs there; on CPU torch uses `threads` intra-op threads
+position). Within one, the rollouts it needs (BF16 and the method; every run of a study: `prefetch`) run `workers`
+at a time on the CPU, each on its own thread: they are independent (each draws its own noise), so the records are
+those made one by one, and two free cores make a pair in about the time of one rollout. `limits`
+(`quantwm.evaluation.limits.Limits`) bounds what a request may ask for; `calibrate()` measures this machine's
+speed for it. On CUDA the model runs there; on CPU torch uses `threads` intra-op threads
 (1 by default: these are small matrices, and more threads only spin against other work on the machine).
 
 What is shown of a run lives elsewhere in quantwm/drivers/: `views.RunView` (one run's views, built-in or
@@ -22,17 +25,19 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import os
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 
 import torch
 
 from ..core.cache import CacheConfig
 from ..core.methods import get_method, known_methods
-from ..evaluation.limits import Limits, fit_chunk_seconds, generated_chunk_tokens
+from ..evaluation.limits import Limits, fit_chunk_seconds, generated_chunk_tokens, request_bytes
 from ..world.evaluate import place_shift_rate
 from ..world.generate import generate, load_world_model
 from ..world.scene import TRAIN_SEED_BASE
@@ -53,16 +58,19 @@ def release_memory() -> None:
 
 class Workbench:
     def __init__(self, weights: str | None = None, device: str | None = None, threads: int = 1,
-                 cache_mb: float | None = None, limits: Limits | None = None, model=None):
+                 cache_mb: float | None = None, limits: Limits | None = None, model=None, workers: int | None = None):
         """`model`: an already loaded world model to share (instead of loading `weights`); `limits`: the
         request limits (default: this machine's, without a speed calibration); `cache_mb` overrides the
-        results cache's budget."""
+        results cache's budget; `workers`: rollouts run at once within a generation (default: on the CPU, as many
+        as the cores hold at `threads` torch threads each, at most 2; 1 on a GPU)."""
         self.model = model if model is not None else load_world_model(weights) if weights else load_world_model()
         self.device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         if self.device == "cpu":
             torch.set_num_threads(max(1, int(threads)))
         self.model.to(self.device)
         self.cfg = self.model.cfg
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        self.workers = int(workers or (1 if self.device != "cpu" else max(1, min(2, cores // max(1, int(threads))))))
         self.limits = limits or Limits.from_machine(self.cfg, len(self.methods()), cache_mb=cache_mb)
         self.cache_bytes = int((cache_mb or self.limits.cache_mb) * MiB)
         self._records: OrderedDict[RunKey, Record] = OrderedDict()
@@ -212,17 +220,50 @@ class Workbench:
                       place_shift_rate=place_shift_rate(run)[0])
 
     def pair(self, key: RunKey, progress: Callable | None = None) -> tuple[Record, Record]:
-        """(BF16 record, method record) with the same world, trajectory and noise."""
+        """(BF16 record, method record) with the same world, trajectory and noise (generated side by side)."""
+        failed = self.prefetch([key], progress)
+        if failed:
+            raise next(iter(failed.values()))
         ref_key = key.reference()
-        todo = [k for k in dict.fromkeys([ref_key, key]) if k not in self._records]
-        done = [0]
+        return self.run(ref_key, keep=(key,)), self.run(key, keep=(ref_key,))
 
-        def step(i, n):
-            if progress:
-                progress(done[0] * n + i, n * len(todo))
-        ref = self.run(ref_key, step, keep=(key,))
-        done[0] = int(ref_key in todo)
-        return ref, self.run(key, step, keep=(ref_key,))
+    def prefetch(self, keys: list[RunKey], progress: Callable | None = None) -> dict:
+        """Generate every run of `keys` and its BF16 reference that the cache lacks, `workers` at a time (one at a
+        time where two would not fit the memory planned for a request); progress(done, total) counts their chunks
+        together and is called from this thread. Returns {key: exception} of the runs that failed (a method that
+        cannot fit its budget on this world's data, non-finite output); the others are cached."""
+        wanted = list(dict.fromkeys(k for key in keys for k in (key.reference(), key)))
+        for k in wanted:
+            self.check_frames(k.frames)
+        failed: dict = {}
+        with self._lock:
+            todo = [k for k in wanted if self._touch(k) is None]  # made by a generation this one waited for?
+            if not todo:
+                return failed
+            fits_two = 2 * request_bytes(self.cfg, max(k.frames for k in todo)) <= self.limits.memory_mb / 2 * MiB
+            chunks = {k: k.frames // self.cfg.chunk_frames for k in todo}
+            done = dict.fromkeys(todo, 0)
+            self.running = ", ".join(k.id for k in todo)
+            try:
+                with ThreadPoolExecutor(self.workers if fits_two else 1) as pool:
+                    pending = {pool.submit(self._generate, k, lambda i, n, k=k: done.__setitem__(k, i)): k
+                               for k in todo}
+                    while pending:
+                        finished, _ = wait(pending, timeout=0.25, return_when=FIRST_COMPLETED)
+                        for f in finished:
+                            k = pending.pop(f)
+                            if f.exception() is not None:
+                                failed[k] = f.exception()
+                                continue
+                            with self._cache_lock:
+                                self._records[k] = f.result()
+                                self._evicted.discard(k)
+                                self._evict(set(wanted))
+                        if progress:
+                            progress(sum(done.values()), sum(chunks.values()))
+            finally:
+                self.running = None
+        return failed
 
     def record(self, run_id: str) -> Record:
         """A cached record (used: it and its reference move to the recent end); ValueError when it was
