@@ -183,13 +183,15 @@ def error_over_time_figure(methods: dict, threshold_db: float | None = None, tit
 def layer_sensitivity_figure(reports: dict, title: str = ""):
     """Per method (`world.sensitivity.layer_sensitivity` reports by method), one row: PSNR against BF16 with one
     layer quantized and with one layer kept BF16 (the all-quantized run as a line), then per (layer, head) the
-    Keys' and the Values' mean code bits per channel the method gave it and the place shift rate it had in the
-    all-quantized run, as annotated heatmaps ("one width" where the method's grid is one for every channel). A
+    Keys' and the Values' mean code bits per channel the method gave it (coloured on 0-8 bits) and the place shift
+    rate it had in the all-quantized run (on one scale for every method), as annotated heatmaps ("one width" where
+    the method's grid is one for every channel). A
     report without `rows` (a run file's `head_table` alone) leaves the first panel saying so.
     """
     fig = _figure(11.0, 2.3 * len(reports) + 0.5)
     axes = np.atleast_2d(fig.subplots(len(reports), 4))
-    for row, (m, r) in zip(axes, reports.items()):
+    shift_top = max([v for r in reports.values() for a in r["allocation"] for v in a["place_shift_rate"]] + [1e-3])
+    for n, (row, (m, r)) in enumerate(zip(axes, reports.items())):
         ax = row[0]
         if not r.get("rows"):
             ax.text(0.5, 0.5, "no layer sensitivity recorded", ha="center", va="center", fontsize=8,
@@ -207,13 +209,15 @@ def layer_sensitivity_figure(reports: dict, title: str = ""):
             ax.set_xlabel("layer", fontsize=8)
             ax.set_ylabel(f"{m}\nPSNR vs BF16 (dB)", fontsize=8)
             ax.grid(axis="y", alpha=0.3)
-            if row is axes[0]:
+            if n == 0:
                 ax.legend(fontsize=6, frameon=False, loc="lower center", bbox_to_anchor=(0.5, 1.0))
         grids = [(a["k_bits"]["mean"] if a["k_bits"] else None) for a in r["allocation"]], \
                 [(a["v_bits"]["mean"] if a["v_bits"] else None) for a in r["allocation"]], \
                 [a["place_shift_rate"] for a in r["allocation"]]
-        for ax, grid, name, fmt in zip(row[1:], grids, ("Keys: code bits / channel", "Values: code bits / channel",
-                                                       "place shift rate"), ("{:.2f}", "{:.2f}", "{:.3f}")):
+        scales = ((0, 8), (0, 8), (0, shift_top))  # bits on the allocator's 0-8 range; shift shared by every method
+        for ax, grid, name, fmt, (lo, hi) in zip(row[1:], grids, ("Keys: code bits / channel",
+                                                                  "Values: code bits / channel", "place shift rate"),
+                                                 ("{:.2f}", "{:.2f}", "{:.3f}"), scales):
             ax.set_title(name, fontsize=8)
             if any(g is None for g in grid):
                 ax.text(0.5, 0.5, "one width for every channel", ha="center", va="center", fontsize=8,
@@ -221,10 +225,10 @@ def layer_sensitivity_figure(reports: dict, title: str = ""):
                 ax.set_xticks([]), ax.set_yticks([])
                 continue
             a = np.array(grid, dtype=float)  # (layers, heads)
-            ax.imshow(a, cmap="viridis", aspect="auto")
-            for (li, hi), v in np.ndenumerate(a):
-                ax.text(hi, li, fmt.format(v), ha="center", va="center", fontsize=6,
-                        color="white" if v < (a.min() + a.max()) / 2 else "black")
+            ax.imshow(a, cmap="viridis", aspect="auto", vmin=lo, vmax=hi)
+            for (li, h), v in np.ndenumerate(a):
+                ax.text(h, li, fmt.format(v), ha="center", va="center", fontsize=6,
+                        color="white" if v < (lo + hi) / 2 else "black")
             ax.set_xticks(range(a.shape[1])), ax.set_yticks(range(a.shape[0]))
             ax.set_xlabel("head", fontsize=8), ax.set_ylabel("layer", fontsize=8)
             ax.tick_params(labelsize=7)
