@@ -212,6 +212,15 @@ def rollout(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n
     pc = ProbingCache(cache, places, layers, heads)
     g = torch.Generator().manual_seed(noise_seed * 1_000_003 + world_seed)
     n_chunks = n_frames // F
+    conditioning: dict = {}  # flow time -> the model's conditioning: every chunk has the same F * n tokens
+
+    def step(time: float) -> tuple[torch.Tensor, tuple]:
+        """The chunk's flow time (1, F * n) and its conditioning, computed once per rollout."""
+        t = torch.full((1, F * n), time, device=device)
+        if time not in conditioning:
+            conditioning[time] = model.conditioning(t)
+        return t, conditioning[time]
+
     @torch.no_grad()  # a function, not a `with` around the loop: a generator suspended inside `no_grad` would
     def chunk(c: int):  # leave gradients off in its caller's thread while it waits (and forever if dropped)
         frames = slice(c * F, (c + 1) * F)
@@ -225,12 +234,13 @@ def rollout(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n
             for s in range(steps):
                 if probe and s == steps - 1:
                     pc.armed = ChunkProbe(c)
-                t = torch.full((1, F * n), s / steps, device=device)
-                x = x + model(x, t, coords, cache=pc, chunk=c) / steps
+                t, cond = step(s / steps)
+                x = x + model(x, t, coords, cache=pc, chunk=c, conditioning=cond) / steps
                 if pc.armed is not None:
                     chunk_probe, pc.armed = pc.armed, None
             out = x.clamp(-1, 1).reshape(F, n, -1)
-        model(out.reshape(1, F * n, -1), torch.ones(1, F * n, device=device), coords, cache=pc, chunk=c, commit=True)
+        t, cond = step(1.0)
+        model(out.reshape(1, F * n, -1), t, coords, cache=pc, chunk=c, commit=True, conditioning=cond)
         return unpatchify((out.cpu() + 1) / 2, cfg.view, cfg.patch).clamp(0, 1), gt, chunk_probe
 
     for c in range(n_chunks):

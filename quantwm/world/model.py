@@ -99,8 +99,9 @@ class Block(nn.Module):
         self.ada = nn.Linear(cfg.dim, 6 * cfg.dim)
         nn.init.zeros_(self.ada.weight), nn.init.zeros_(self.ada.bias)
 
-    def forward(self, x, c, angles, **attn_kw):
-        s1, b1, g1, s2, b2, g2 = self.ada(c).chunk(6, -1)
+    def forward(self, x, modulation, angles, **attn_kw):
+        """modulation: `self.ada` of the time conditioning (`WorldModel.conditioning`)."""
+        s1, b1, g1, s2, b2, g2 = modulation.chunk(6, -1)
         x = x + (1 + g1) * self.attn(self.norm1(x) * (1 + s1) + b1, angles, **attn_kw)
         return x + (1 + g2) * self.mlp(self.norm2(x) * (1 + s2) + b2)
 
@@ -122,20 +123,27 @@ class WorldModel(nn.Module):
     def config_dict(self) -> dict:
         return asdict(self.cfg)
 
+    def conditioning(self, t: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """The flow time's adaLN modulations: each block's (B, L, 6 dim) and the output's (B, L, 2 dim), of t (B, L).
+        A rollout computes them once per denoising step and passes them to every chunk (`forward(conditioning=)`):
+        the same t gives the same values, and computing them again was a third of a generated chunk's matmuls."""
+        c = self.time(timestep_embedding(t, self.cfg.dim))
+        return [blk.ada(c) for blk in self.blocks], self.ada_out(c)
+
     def forward(self, tokens: torch.Tensor, t: torch.Tensor, coords: torch.Tensor, mask=None, cache=None,
-                chunk: int = 0, commit: bool = False) -> torch.Tensor:
+                chunk: int = 0, commit: bool = False, conditioning: tuple | None = None) -> torch.Tensor:
         """tokens (B, L, patch_dim) in [-1, 1] space, t (B, L) flow time, coords (L, 3) or (B, L, 3) -> velocity.
 
         With `cache`, the L tokens are one chunk attending to the cache plus themselves (`chunk` is its
         index; `commit` makes this the clean pass that commits it). Without, `mask` (L, L) is the
-        block-causal training mask.
+        block-causal training mask. `conditioning`: `self.conditioning(t)` when the caller already has it.
         """
         angles = rope_angles(coords, self.cfg.head_dim, self.cfg.rope_theta).float().to(tokens.device)
-        c = self.time(timestep_embedding(t, self.cfg.dim))
+        blocks, out = conditioning if conditioning is not None else self.conditioning(t)
         x = self.patch_in(tokens)
         for i, blk in enumerate(self.blocks):
-            x = blk(x, c, angles, mask=mask, cache=cache, layer=i, chunk=chunk, commit=commit)
-        s, b = self.ada_out(c).chunk(2, -1)
+            x = blk(x, blocks[i], angles, mask=mask, cache=cache, layer=i, chunk=chunk, commit=commit)
+        s, b = out.chunk(2, -1)
         return self.out(self.norm_out(x) * (1 + s) + b)
 
 
