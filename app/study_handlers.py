@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 from . import plots
 from .values import integer
@@ -101,10 +102,12 @@ def key_value_handler(runs, seed, trajectory, baseline, budget=DEFAULT_BUDGET, f
         if failed:
             raise next(iter(failed.values()))
         rows = []
-        for i, (m, s) in enumerate(jobs):
-            rows += [{"method": m, "seed": s, **r} for r in studies.key_vs_value(wb, replace(key, method=m, seed=s))]
-            if progress:
-                progress(chunks[0] + i + 1, chunks[0] + len(jobs))
+        with ThreadPoolExecutor(wb.workers) as pool:  # each job's metrics (attention output, LPIPS), side by side too
+            parts = pool.map(lambda job: studies.key_vs_value(wb, replace(key, method=job[0], seed=job[1])), jobs)
+            for i, ((m, s), part) in enumerate(zip(jobs, parts)):
+                rows += [{"method": m, "seed": s, **r} for r in part]
+                if progress:
+                    progress(chunks[0] + i + 1, chunks[0] + len(jobs))
     except ValueError as e:
         return error(str(e))
     by = {(m, t): [r for r in rows if r["method"] == m and r["target"] == t] for m in names for t in "kv"}

@@ -236,6 +236,8 @@ class Workbench:
         for k in wanted:
             self.check_frames(k.frames)
         failed: dict = {}
+        if all(self._touch(k) is not None for k in wanted):  # cached: no wait for a generation that is running
+            return failed
         with self._lock:
             todo = [k for k in wanted if self._touch(k) is None]  # made by a generation this one waited for?
             if not todo:
