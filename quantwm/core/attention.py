@@ -32,7 +32,7 @@ from ..kernels.span_args import CHANNELS, GROUPED, PsacArgs
 from . import selfcheck
 from .backend import kernel
 from .fp8 import code_dots, lowp_dots, pv_fold
-from .layouts import Full, Layout
+from .layouts import Full, Layout, TokenSplit
 from .quant import unpack_bits_ref
 
 LOG2E = math.log2(math.e)
@@ -45,12 +45,28 @@ def chunk_spans(cache, layer: int) -> list[tuple[Layout, Layout]] | None:
     out = []
     for c in cache.spans(layer):
         B, H, D = c.bhd
-        pair = tuple(Full(full.reshape(B * H, c.n_tokens, D)) if full is not None else enc
-                     for full, enc in ((c.k, c.k_enc), (c.v, c.v_enc)))
-        if any(p.kernel_side is None for p in pair) or pair[1].coded()[0] is not None:  # outputs sum in one basis
-            return None
-        out.append(pair)
+        k, v = (Full(full.reshape(B * H, c.n_tokens, D)) if full is not None else enc
+                for full, enc in ((c.k, c.k_enc), (c.v, c.v_enc)))
+        for pair in token_parts(k, v):
+            if any(p.kernel_side is None for p in pair) or pair[1].coded()[0] is not None:  # outputs sum in one basis
+                return None
+            out.append(pair)
     return out
+
+
+def token_parts(k: Layout, v: Layout) -> list[tuple[Layout, Layout]]:
+    """A span as the spans attention reads: itself, or, where its Keys hold loud tokens apart (`TokenSplit`), the
+    coded rest and the loud tokens in BF16, each with its Values (split at the same tokens; a sum over tokens does
+    not care for their order)."""
+    if not isinstance(k, TokenSplit):
+        return [(k, v)]
+    if isinstance(v, TokenSplit):
+        return [(k.rest, v.rest), (Full(k.loud), Full(v.loud))]
+    if not isinstance(v, Full):
+        raise ValueError(f"Keys split at loud tokens need their Values split alike or in full precision, got "
+                         f"{v.describe()}")
+    rest, loud = v.data[:, k.kept()], v.data[:, k.index.long()]
+    return [(k.rest, Full(rest)), (Full(k.loud), Full(loud))]
 
 
 def span_logits(q: torch.Tensor, k: Layout, scale: float, psac: PsacArgs | None = None, jensen: bool = False,

@@ -24,6 +24,11 @@ commits it. So, per layer:
   allocator use, kept in the post-RoPE space (only where a quantizing method reads it or
   `CacheConfig(track_queries=True)` asks, for diagnostics such as query energy spectra); a pre-RoPE span is
   quantized with mean_p R_pᵀ S R_p over its key positions p (the space its stored keys meet queries in).
+  `KVCache(config, n_layers, frame_shift=FrameShift(D, tokens_per_frame, theta))` names the model's 3-D RoPE:
+  the cache then also keeps S with each chunk's queries moved back to frame 0, and offers the allocator S
+  re-aimed at the frames of the chunks that read a span next (`SpanContext.aim`; docs/method.md §2.9).
+* A method may hold a span's few loud tokens apart in BF16 (the allocator's `TokenSplit`): the cache splits the
+  span's Values at the same tokens, and attention reads the loud tokens as a BF16 span of their own.
 * `attend` on CUDA (or with QUANTWM_KERNELS=triton, see quantwm.core.backend) runs the fused path of
   quantwm.core.attention: one online softmax over the stored spans, nothing decompressed. The reference path
   (CPU, QUANTWM_KERNELS=ref, pre-RoPE keys, formats without a kernel) dequantizes everything, then runs
@@ -35,6 +40,7 @@ The public surface a model author (and every adapter and diagnostic in this pack
 this module touches the cache's private fields:
 
     cache.n_layers; cache.config; cache.rope     # layers, configuration, the RoPE applied at read (or None)
+    cache.frame_shift                    # the model's 3-D RoPE as a frame shift (or None), for re-aiming S
     cache.quantize_k; cache.quantize_v; cache.uses_queries   # which halves are quantized; whether S is read
     cache.tracks_queries                 # whether the cache keeps S (uses_queries, or track_queries=True)
     cache.attend(layer, q, k, v, chunk, commit=False)    # write + attend (+ commit), the usual call
@@ -76,15 +82,17 @@ from .accounting import MemoryAccounting
 from .attention import fused_attention, jensen_bias
 from .backend import use_kernels
 from .cache_types import LAYOUTS, ROPE_MODES, TARGETS, CacheConfig, CacheMemory, Chunk, LayerState, SpanView
+from .layouts import TokenSplit, split_tokens
 from .methods import make_method
 from .quant import check_finite
 from .query_history import QueryHistory
+from .rope import FrameShift
 
 __all__ = ["CacheConfig", "CacheMemory", "Chunk", "KVCache", "LAYOUTS", "PUBLIC", "ROPE_MODES", "SpanView", "TARGETS",
            "jensen_bias"]
 # The contract: every name code outside quantwm/core may use on a KVCache (tests/test_cache.py checks the uses).
 PUBLIC = ("n_layers", "config", "rope", "quantize_k", "quantize_v", "uses_queries", "tracks_queries", "configuration",
-          "budget_choice",
+          "budget_choice", "frame_shift",
           "attend", "write",
           "commit", "evict_span", "observe", "load_query_stats", "seq_len", "inspect", "positions", "keys", "values",
           "query_stats", "key_steps", "logit_bias", "next_chunk", "next_token", "reset", "memory", "nbytes",
@@ -97,10 +105,13 @@ RopeFn = Callable[..., torch.Tensor]
 class KVCache(MemoryAccounting, QueryHistory):
     """Chunk-granular KV cache for `n_layers` layers; see the module docstring for the contract."""
 
-    def __init__(self, config: CacheConfig, n_layers: int, rope: RopeFn | None = None):
+    def __init__(self, config: CacheConfig, n_layers: int, rope: RopeFn | None = None,
+                 frame_shift: FrameShift | None = None):
         if config.rope == "pre" and rope is None:
             raise ValueError("rope='pre' stores keys before RoPE: pass the rope function to apply at read")
-        self.config, self.rope = config, rope
+        if frame_shift is not None and not isinstance(frame_shift, FrameShift):
+            raise ValueError(f"frame_shift must be a quantwm.core.rope.FrameShift, got {type(frame_shift).__name__}")
+        self.config, self.rope, self.frame_shift = config, rope, frame_shift
         self._make_methods()
         self.quantize_k = self.k_method.quantized and config.target in ("k", "kv")
         self.quantize_v = self.v_method.quantized and config.target in ("v", "kv")
@@ -258,10 +269,17 @@ class KVCache(MemoryAccounting, QueryHistory):
             c.k_enc, c.k = self.k_method.encode(c.k.reshape(B * H, N, D), "k", ctx), None
             if fused:
                 c.k_enc.prepare(self.config.lowp)  # the kernel's view, built once (layouts/base.py)
+        held = ctx.span.get("held") if self.quantize_k else None  # the Keys' method kept these tokens in BF16
         if self.quantize_v:
             self._budgeted("v", c.v.reshape(B * H, N, D))
             c.exact_v = c.v if self.config.keep_exact else None
-            c.v_enc, c.v = self.v_method.encode(c.v.reshape(B * H, N, D), "v", ctx), None
+            v = c.v.reshape(B * H, N, D)
+            if held is None:
+                c.v_enc = self.v_method.encode(v, "v", ctx)
+            else:  # the same tokens' Values in BF16 too: attention reads the loud tokens as one BF16 span
+                rest, loud = split_tokens(v, held)
+                c.v_enc = TokenSplit(self.v_method.encode(rest, "v", ctx), held, loud)
+            c.v = None
             if fused:
                 c.v_enc.prepare()
 

@@ -5,7 +5,9 @@ eigenbasis U (S = U Λ Uᵀ) the coordinates y = Uᵀ k of a key weigh λ_i each
 diag(S) when the Queries look along directions that are not the model's channels (a trained W_q, W_k mixes them
 freely). Coding y instead of k and giving coordinate i bits by λ_i (reverse water-filling) is what a transform
 coder does; any orthogonal U is exact for attention, q·k = (Uᵀq)·(Uᵀk), so the fused kernel reads the coded
-coordinates with the query rotated once per chunk.
+coordinates with the query rotated once per chunk. The allocator takes U from W = S^½ C S^½ rather than S alone
+(`weighted_source`; C the keys' covariance): its eigenvectors also decorrelate the coordinates that carry the
+logits, which independent coding per coordinate needs (docs/method.md §2.7).
 
 Storing a D x D basis per stream would cost 2 D² bytes (32 KiB at D = 128, 8 KiB at D = 64): more than a 128-token
 span's whole budget. Only the top R eigen-directions need to be exact; the rest of the space may be any orthonormal
@@ -68,6 +70,22 @@ def _product(reflectors: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         coef = 2 / vi.square().sum(-1).clamp_min(1e-300)
         U = U - coef[:, None, None] * vi[:, :, None] * (vi[:, None, :] @ U)
     return U.float()
+
+
+def key_covariance(x: torch.Tensor) -> torch.Tensor:
+    """C (streams, D, D) float64: the covariance of a span's keys x (streams, N, D) about their mean."""
+    k = x.double()
+    c = k - k.mean(1, keepdim=True)
+    return c.transpose(1, 2) @ c / k.shape[1]
+
+
+def weighted_source(stats: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+    """W = S^½ C S^½ (streams, D, D): the keys' covariance C seen in the Queries' metric S, the covariance of the
+    logit error's source; its eigenvectors are the directions a transform coder of the logits codes apart."""
+    lam, vec = torch.linalg.eigh(stats.double())
+    half = vec @ torch.diag_embed(lam.clamp_min(0).sqrt()) @ vec.transpose(1, 2)
+    W = half @ cov.double() @ half
+    return ((W + W.transpose(1, 2)) / 2).float()
 
 
 def coordinate_weights(U: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:

@@ -31,8 +31,13 @@ class QueryHistory:
         stats = self._stats(st, H, D).matrix().to(c.k.device)
         if self.config.rope == "pre" and st.stats.count:  # S into the keys' space
             stats = rope_conjugate(stats, self.rope, torch.arange(c.start, c.start + N))
+        aim = None
+        if self.config.rope == "post" and self.frame_shift is not None:
+            def aim(chunks: int) -> torch.Tensor | None:
+                S = self.aimed(st, c, chunks)
+                return None if S is None else S.to(c.k.device).repeat(B, 1, 1)
         return SpanContext(stats=stats.repeat(B, 1, 1), state=st.method_state, seed=seed, history=st.stats.count,
-                           window=self.window_spans())
+                           window=self.window_spans(), aim=aim)
 
     def window_spans(self) -> int | None:
         """How many quantized spans a full rolling window holds at least (`max_chunks` less the sink and recent
@@ -69,7 +74,33 @@ class QueryHistory:
         if self.causal_stats:  # held back until the chunks before it are quantized, grouped by when that happens
             idx = st.current.index if st.current is not None else st.next_chunk
             stats = st.pending.setdefault(self._fold_point(idx), QueryStats(H, D, self.config.stats_decay))
-        stats.update(qb)
+        stats.update(qb, anchored=self._anchored(st, qb))
+
+    def _anchored(self, st: LayerState, qb: torch.Tensor) -> torch.Tensor | None:
+        """The queries (B, H, N, D) of the chunk being written moved back to frame 0 by its first frame (the
+        cache's `frame_shift`), or None: no frame shift, or a chunk that does not start on a frame."""
+        if self.frame_shift is None or self.config.rope != "post":
+            return None
+        start = st.current.start if st.current is not None else st.next_token
+        frames = self.frame_shift.frames(start)
+        if frames is None:
+            return None
+        return qb.double() @ self.frame_shift.matrix(-frames).to(qb.device)
+
+    def aimed(self, st: LayerState, c: Chunk, chunks: int) -> torch.Tensor | None:
+        """S (H, D, D) re-aimed at the frames that read span `c` next: the anchored queries moved to the starts of
+        the `chunks` chunks after the last committed one, averaged (Mᵀ S₀ M for each shift M); None where the
+        statistics keep no anchored moment."""
+        stats = st.stats
+        if stats is None or stats.anchored is None or chunks < 1:
+            return None
+        step = c.n_tokens // c.n_chunks  # tokens per chunk
+        shifts = [self.frame_shift.frames(st.next_token + m * step) for m in range(chunks)]
+        if any(f is None for f in shifts):
+            return None
+        S0 = stats.anchored
+        out = sum(M.T @ S0 @ M for M in (self.frame_shift.matrix(f).to(S0.device) for f in shifts)) / chunks
+        return out.float()
 
     def load_query_stats(self, layer: int, second: torch.Tensor, count: int = 1) -> None:
         """Seed layer's S (H, D, D) from a calibration run or a trace's earlier queries."""

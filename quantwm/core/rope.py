@@ -7,6 +7,8 @@ as `torch.view_as_complex` on (..., D/2, 2)).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -55,3 +57,32 @@ class Rope3D:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
         ang = self.angles(positions).to(x.device)
         return apply_rope(x, -ang if inverse else ang)
+
+
+@dataclass(frozen=True)
+class FrameShift:
+    """Moves post-RoPE vectors by whole frames: 3-D RoPE's temporal pairs turned, its row and column pairs left
+    as they are (a vector at (frame, row, col) goes to (frame + f, row, col)). What re-aims the history Queries'
+    statistics at the frames that will read a span (quantwm/core/query_history.py)."""
+
+    head_dim: int
+    tokens_per_frame: int
+    theta: float = 10000.0
+
+    def __post_init__(self):
+        rope_angles(torch.zeros(1, 3), self.head_dim, self.theta)  # validates head_dim
+        if self.tokens_per_frame < 1:
+            raise ValueError(f"tokens_per_frame must be >= 1, got {self.tokens_per_frame}")
+
+    def frames(self, tokens: int) -> int | None:
+        """`tokens` as whole frames, None when it is not a whole number of them."""
+        return None if tokens % self.tokens_per_frame else tokens // self.tokens_per_frame
+
+    def matrix(self, frames: int) -> torch.Tensor:
+        """M (D, D) float64 with x M = x moved forward by `frames` frames, for row vectors x."""
+        angles = rope_angles(torch.tensor([[frames, 0, 0]]), self.head_dim, self.theta)  # (1, D/2)
+        cos, sin = angles[0].cos(), angles[0].sin()
+        M = torch.zeros(self.head_dim, self.head_dim, dtype=torch.float64)
+        i = torch.arange(0, self.head_dim, 2)
+        M[i, i], M[i, i + 1], M[i + 1, i], M[i + 1, i + 1] = cos, sin, -sin, cos
+        return M

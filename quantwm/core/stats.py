@@ -7,6 +7,11 @@ calibration run can seed S with `load`.
 S is kept in the post-RoPE space, where queries meet keys. For keys stored before RoPE (rotated at read by
 their own position p), a logit is q·R_p k = (R_pᵀ q)·k, so the sensitivity of a pre-RoPE key at p is
 R_pᵀ S R_p: `rope_conjugate` averages it over a span's positions.
+
+With 3-D RoPE the Queries' statistics also depend on *when* they are asked: a query at frame f turns its temporal
+pairs by f. `anchored` keeps, beside S, the second moment of the same queries moved back to frame 0 (each chunk's
+queries by their chunk's first frame, `FrameShift`), from which the cache re-aims S at the frames that will read a
+span (`QueryHistory.aimed`).
 """
 from __future__ import annotations
 
@@ -22,9 +27,12 @@ class QueryStats:
         self.n_heads, self.head_dim, self.decay = n_heads, head_dim, decay
         self.second = torch.zeros(n_heads, head_dim, head_dim, dtype=torch.float64, device=device)
         self.count = 0
+        self.anchored: torch.Tensor | None = None  # the same queries moved to frame 0; None once any came without
+        self.anchorable = True
 
-    def update(self, q: torch.Tensor) -> None:
-        """Add queries q (B, H, N, D) (already in the stored keys' space)."""
+    def update(self, q: torch.Tensor, anchored: torch.Tensor | None = None) -> None:
+        """Add queries q (B, H, N, D) (already in the stored keys' space); `anchored`: the same queries moved to
+        frame 0 (without it, this accumulator keeps no anchored moment from now on)."""
         if q.dim() != 4 or q.shape[1] != self.n_heads or q.shape[3] != self.head_dim:
             raise ValueError(f"queries must be (B, {self.n_heads}, N, {self.head_dim}), got {tuple(q.shape)}")
         n = q.shape[0] * q.shape[2]
@@ -32,28 +40,39 @@ class QueryStats:
             return
         if self.second.device != q.device:  # S lives where the queries are (a GPU: no host copy per call)
             self.second = self.second.to(q.device)
-        qd = q.detach().to(torch.float64)
-        batch = torch.einsum("bhnd,bhne->hde", qd, qd) / n  # (H, D, D) mean over this call's queries
-        if self.count == 0:
-            self.second = batch
-        elif self.decay is None:
-            self.second += (batch - self.second) * (n / (self.count + n))
+            self.anchored = None if self.anchored is None else self.anchored.to(q.device)
+        self.second = self._fold(self.second, self._moment(q), n)
+        if anchored is None or not self.anchorable:
+            self.anchorable, self.anchored = False, None
         else:
-            self.second = self.decay * self.second + (1 - self.decay) * batch
+            self.anchored = self._fold(self.anchored, self._moment(anchored), n)
         self.count += n
+
+    @staticmethod
+    def _moment(q: torch.Tensor) -> torch.Tensor:
+        qd = q.detach().to(torch.float64)
+        return torch.einsum("bhnd,bhne->hde", qd, qd) / (q.shape[0] * q.shape[2])  # (H, D, D) mean over the call
+
+    def _fold(self, old: torch.Tensor | None, batch: torch.Tensor, n: int) -> torch.Tensor:
+        """The running moment after `n` more queries whose mean moment is `batch` (cumulative or decayed)."""
+        if self.count == 0 or old is None:
+            return batch
+        if self.decay is None:
+            return old + (batch - old) * (n / (self.count + n))
+        return self.decay * old + (1 - self.decay) * batch
 
     def merge(self, other: QueryStats) -> None:
         """Fold another accumulator's queries in (a chunk's, once the cache lets them count)."""
         if other.count == 0:
             return
+        if not other.anchorable or other.anchored is None:
+            self.anchorable, self.anchored = False, None
+        elif self.anchorable:
+            self.anchored = self._fold(self.anchored, other.anchored.to(self.second.device), other.count)
         if self.count == 0:
             self.second, self.count = other.second.clone(), other.count
             return
-        other_second = other.second.to(self.second.device)
-        if self.decay is None:
-            self.second += (other_second - self.second) * (other.count / (self.count + other.count))
-        else:
-            self.second = self.decay * self.second + (1 - self.decay) * other_second
+        self.second = self._fold(self.second, other.second.to(self.second.device), other.count)
         self.count += other.count
 
     def load(self, second: torch.Tensor, count: int = 1) -> None:
@@ -61,6 +80,7 @@ class QueryStats:
         if second.shape != self.second.shape:
             raise ValueError(f"calibration statistics must be {tuple(self.second.shape)}, got {tuple(second.shape)}")
         self.second, self.count = second.to(self.second).clone(), int(count)
+        self.anchorable, self.anchored = False, None  # a seed has no frames to move back
 
     def matrix(self) -> torch.Tensor:
         """S (H, D, D) float32; the identity before any query."""

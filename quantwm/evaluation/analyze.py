@@ -29,7 +29,7 @@ from ..core.budget import fit_methods
 from ..core.cache import CacheConfig, KVCache
 from ..core.methods import make_method, parse_method_name
 from ..core.quant import BudgetError
-from ..core.rope import Rope3D
+from ..core.rope import FrameShift, Rope3D
 from .metrics import attention_metrics, query_energy, rel_err, second_moment
 from .rate_distortion import rate_distortion, summarise
 from .trace import Trace
@@ -61,8 +61,10 @@ def _layer_cache(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: in
         keys = Rope3D(D, trace.frame_grid)(keys[None], torch.arange(Nk), inverse=True)[0]
         config = replace(config, rope="pre")
         cache = KVCache(config, 1, rope=Rope3D(D, trace.frame_grid))
-    else:
-        cache = KVCache(config, 1, rope=rope)
+    else:  # a trace whose channels carry 3-D RoPE pairs moves the Queries to the frames that read a span
+        theta = trace.meta.get("rope_theta")
+        shift = None if theta is None else FrameShift(D, trace.tokens_per_frame, float(theta))
+        cache = KVCache(config, 1, rope=rope, frame_shift=shift)
     hist, chunk_of = t.get("q_hist"), t.get("q_hist_chunk")
     if hist is not None and chunk_of is None:
         cache.load_query_stats(0, second_moment(hist.float()), count=hist.shape[1])

@@ -113,6 +113,8 @@ def make_synthetic_trace(seed: int = 0, n_layers: int = 4, n_heads: int = 8, hea
     writer = TraceWriter(tpf, grid, head_dim ** -0.5, rope="post", model=f"synthetic-world(seed={seed})")
     writer.extra_meta["chunk_frames"] = chunk_frames
     writer.extra_meta["kind"] = kind
+    if kind not in ("norope", "rotated"):  # the stored channels carry Wan-style 3-D RoPE pairs (FrameShift)
+        writer.extra_meta["rope_theta"] = rope.theta
     n_cached = cached_frames * tpf
     n_loud = loud_tokens(n_cached)
     loud = torch.randperm(n_cached, generator=gk)[:n_loud]  # drawn for every kind, used by outliers

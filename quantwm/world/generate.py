@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from ..core.cache import CacheConfig, KVCache
+from ..core.rope import FrameShift
 from ..evaluation import metrics as M
 from .model import WorldConfig, WorldModel
 from .scene import make_world, patchify, render, token_world_coords, trajectory, unpatchify
@@ -204,7 +205,8 @@ def rollout(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n
             raise ValueError(f"poses must be ({n_frames}, 2) patch positions in [0, {hi}], got shape {tuple(poses.shape)}")
     places = token_world_coords(poses, cfg.view).reshape(-1, 2)
     n, F = cfg.tokens_per_frame, cfg.chunk_frames
-    cache = KVCache(replace(cache_config, keep_exact=probe, memo_decoded=True), cfg.layers)
+    cache = KVCache(replace(cache_config, keep_exact=probe, memo_decoded=True), cfg.layers,
+                    frame_shift=FrameShift(cfg.head_dim, cfg.tokens_per_frame, cfg.rope_theta))
     layers, heads = logits
     bad = [x for x in layers if not 0 <= x < cfg.layers] + [x for x in heads if not 0 <= x < cfg.heads]
     if bad:
@@ -275,6 +277,7 @@ def rollout_trace(run: Rollout, path: str | Path) -> None:
         raise ValueError("the rollout has no probes: generate(..., probe=True) with at least one generated chunk")
     cfg, last = run.config, run.probes[-1]
     w = TraceWriter(cfg.tokens_per_frame, (cfg.view, cfg.view), 1.0, rope="post", model="quantwm-world")
+    w.extra_meta["rope_theta"] = cfg.rope_theta  # its channels carry 3-D RoPE pairs (FrameShift)
     w.extra_meta["chunk_frames"] = cfg.chunk_frames
     for layer in range(cfg.layers):
         k = run.cache.keys(layer, exact=True)[0, :, :last.n_cached]

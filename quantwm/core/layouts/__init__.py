@@ -13,6 +13,7 @@ the fused kernel its view (`kernel_side`, built once and kept with the span), th
                   keeps a per-stream rank
     InBasis       any layout of coordinates in a shared orthogonal basis (QuantWM's allocator's Keys in the
                   history Queries' basis)
+    TokenSplit    a span's few loud tokens in BF16 apart from any layout of the others (QuantWM's allocator)
     Rotated       per-token norms and Lloyd-Max codes of randomly rotated vectors (turboquant; no fused kernel)
     E2M1Blocks, TokenBlockInt8, ChannelFP8   the deployed formats (nvfp4, int8k-fp8v)
 
@@ -26,6 +27,7 @@ from .floats import ChannelFP8, E2M1Blocks, TokenBlockInt8
 from .grouped import Codebook, Full, Grouped
 from .psac import Compensated, RankCompensated
 from .rotated import Rotated
+from .split import TokenSplit, split_tokens
 
 __all__ = ["ChannelFP8", "Channels", "CodeForm", "Codebook", "Compensated", "E2M1Blocks", "Full", "Grouped", "InBasis", "Layout",
-           "RankCompensated", "Rotated", "TokenBlockInt8", "views_built"]
+           "RankCompensated", "Rotated", "TokenSplit", "split_tokens", "TokenBlockInt8", "views_built"]

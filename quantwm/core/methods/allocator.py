@@ -8,13 +8,19 @@ k-means centroids and one mean row per span (a grouped RTN in effect), and the o
 is kept. No PSAC: the allocator spends those bits on the channels the queries read.
 
 Keys in the Queries' basis (`query_basis`, on by default; quantwm/core/query_basis.py): with a history, each
-stream's keys are rotated into the eigenbasis of S (top `basis_rank` directions exact, an orthonormal complement
-for the rest) and the same allocation runs on the coordinates with λ_i = u_iᵀ S u_i. The basis is shared with later
+stream's keys are rotated into the eigenbasis of W = S^½ C S^½ (the keys' covariance C in the Queries' metric S;
+top `basis_rank` directions exact, an orthonormal complement for the rest) and the same allocation runs on the
+coordinates with λ_i = u_iᵀ S u_i. The basis is shared with later
 spans while its top directions still capture `basis_reuse` of S's top energy. The span that stores a new basis
 pays its bytes in full, out of its own budget (so every span, and the cache, stays within B), and spends at most
 `basis_share` of its bits on it: a 128-token span at head dim 64 affords fewer directions than a long one. A new
 basis is kept only where its predicted error, its bytes paid, beats the stale basis (free) or, before any, the
 model's own channels.
+
+Loud tokens (`loud`, docs/method.md §2.8): a span's few tokens whose keys are `loud` times louder than the median
+are kept in BF16 (a `TokenSplit`; the cache splits the Values alike), paid out of the span's budget. S re-aimed
+(`aim_chunks`, §2.9): where the cache knows the model's 3-D RoPE, the Keys read S moved to the frames of the next
+chunks (`SpanContext.aim`) instead of the history's frames.
 """
 from __future__ import annotations
 
@@ -24,11 +30,20 @@ import torch
 
 from ..allocate import allocate, encode_channels, error_tables
 from ..kmeans import weighted_sqdist
-from ..layouts import Codebook, InBasis, Layout
+from ..layouts import Codebook, InBasis, Layout, TokenSplit, split_tokens
 from ..layouts.channels import channel_bytes, table_bytes
 from ..qsac import channel_sensitivity
 from ..quant import SCALE_DTYPES, BudgetError, check_budget, to_storage
-from ..query_basis import basis_bytes, basis_matrix, captured, coordinate_weights, gaussian_error, make_reflectors
+from ..query_basis import (
+    basis_bytes,
+    basis_matrix,
+    captured,
+    coordinate_weights,
+    gaussian_error,
+    key_covariance,
+    make_reflectors,
+    weighted_source,
+)
 from .base import Method, SpanContext, register
 from .qvg import QVGBudget
 
@@ -49,10 +64,20 @@ class QuantWMAlloc(QVGBudget):
     basis_rank: int = 64  # at most this many eigen-directions in a stored basis (16 is priced too)
     basis_reuse: float = 0.95  # a stored basis serves while it captures this share of S's top-rank energy
     basis_share: float = 0.25  # a span storing a new basis spends at most this share of its bits on it
+    basis_source: str = "weighted"  # the basis: eigenvectors of S^½ C S^½ ("weighted") or of S alone ("queries")
+    aim_chunks: int = 2  # Keys: S re-aimed at the frames of the next this many chunks, where the cache can (0: off)
+    loud: float = 3.0  # Keys: tokens whose key norm exceeds this many times the span's median go to BF16 (0: never)
+    loud_share: float = 0.02  # at most this share of a span's tokens, the loudest
 
     def __post_init__(self):
         super().__post_init__()
         check_budget(self.budget)
+        if self.basis_source not in ("weighted", "queries"):
+            raise ValueError(f"basis_source must be 'weighted' or 'queries', got {self.basis_source!r}")
+        if self.aim_chunks < 0:
+            raise ValueError(f"aim_chunks must be >= 0 (0: S as observed), got {self.aim_chunks}")
+        if self.loud < 0 or (0 < self.loud <= 1) or not 0 <= self.loud_share < 1:
+            raise ValueError(f"need loud = 0 (off) or > 1 and loud_share in [0, 1), got {self.loud}, {self.loud_share}")
         if self.basis_rank < 1 or not 0 < self.basis_reuse <= 1 or not 0 <= self.basis_share < 1:
             raise ValueError(f"need basis_rank >= 1, basis_reuse in (0, 1] and basis_share in [0, 1), got "
                              f"{self.basis_rank}, {self.basis_reuse}, {self.basis_share}")
@@ -68,8 +93,18 @@ class QuantWMAlloc(QVGBudget):
         """λ_i per (stream, channel): S_ii (normalised) for Keys with a history, else 1."""
         S, _, D = x.shape
         if kind == "k" and self.qsac and ctx.history:
-            return channel_sensitivity(ctx.stats_or_identity(S, D, x.device))
+            return channel_sensitivity(self.query_metric(x, ctx))
         return torch.ones(S, D, device=x.device)
+
+    def query_metric(self, x: torch.Tensor, ctx: SpanContext) -> torch.Tensor:
+        """The S the Keys' error is weighed by: the history Queries' S re-aimed at the frames of the next
+        `aim_chunks` chunks where the cache can (`SpanContext.aim`), else S as observed."""
+        S, _, D = x.shape
+        if self.aim_chunks and ctx.aim is not None and ctx.history:
+            aimed = ctx.aim(self.aim_chunks)
+            if aimed is not None:
+                return aimed.float()
+        return ctx.stats_or_identity(S, D, x.device)
 
     def smoothings(self, x: torch.Tensor, kind: str, ctx: SpanContext, w: torch.Tensor):
         """Yield (residual, stages) for k-means centroids and for one mean row per span."""
@@ -105,21 +140,22 @@ class QuantWMAlloc(QVGBudget):
         return predicted, lambda: Codebook(stages, encode_channels(r, levels, alpha))
 
     def in_query_basis(self, x: torch.Tensor, ctx: SpanContext, plain):
-        """(predicted error, build) of the Keys in the Queries' basis. A stored basis that still holds is used as it
-        is. Otherwise new ones of 16 and of `basis_rank` directions (as many as `basis_share` of the span's bits
-        buy), each paid in full by this span, are priced against the stale basis or, with none, the model's
-        channels (`plain()`) by the Gaussian model of their error (`gaussian_error`), and the winner is coded.
-        Keeps the basis in use in ctx.state; where the channels won, the basis they beat, so that while S holds
-        later spans skip the pricing."""
+        """(predicted error, build) of the Keys in the Queries' basis (the eigenvectors of `basis_source_of`). A
+        stored basis that still holds is used as it is. Otherwise new ones of 16 and of `basis_rank` directions
+        (as many as `basis_share` of the span's bits buy), each paid in full by this span, are priced against the
+        stale basis or, with none, the model's channels (`plain()`) by the Gaussian model of their error
+        (`gaussian_error`), and the winner is coded. Keeps the basis in use in ctx.state; where the channels won,
+        the basis they beat, so that while it holds later spans skip the pricing."""
         S, N, D = x.shape
-        stats = ctx.stats_or_identity(S, D, x.device)
+        stats = self.query_metric(x, ctx)
+        source = self.basis_source_of(x, ctx, stats)
 
         def kept(key: str) -> tuple | None:
             return (ctx.state[f"{key}_reflectors"], ctx.state[f"{key}_scales"]) if f"{key}_scales" in ctx.state else None
 
         def holds(basis: tuple) -> bool:  # read on its first (at most) REUSE_RANK columns
             rank = min(REUSE_RANK, basis[0].shape[1])
-            return bool((captured(basis_matrix(*basis), stats, rank) >= self.basis_reuse).all())
+            return bool((captured(basis_matrix(*basis), source, rank) >= self.basis_reuse).all())
 
         stored, declined = kept("k.basis"), kept("k.declined")
         if stored is None and declined is not None and holds(declined):
@@ -133,7 +169,7 @@ class QuantWMAlloc(QVGBudget):
         rank = min(self.basis_rank, D, int(self.basis_share * self.budget * N * D // (8 * basis_bytes(1, D))))
         # (basis, its coordinates, the bits it costs this span) of each candidate basis: new ones, then the stale one
         candidates = [(b, self.coordinates(x, stats, b), 8.0 * basis_bytes(b[0].shape[1], D))
-                      for b in (make_reflectors(stats, r) for r in sorted({min(REUSE_RANK, rank), rank} - {0}))]
+                      for b in (make_reflectors(source, r) for r in sorted({min(REUSE_RANK, rank), rank} - {0}))]
         if stored is not None:
             candidates.append((stored, self.coordinates(x, stats, stored), share))
         # price each by the Gaussian model (no allocation), code only the winner
@@ -151,6 +187,19 @@ class QuantWMAlloc(QVGBudget):
         ctx.state.update({"k.basis_reflectors": basis[0], "k.basis_scales": basis[1]})
         return got
 
+    def basis_source_of(self, x: torch.Tensor, ctx: SpanContext, stats: torch.Tensor) -> torch.Tensor:
+        """The matrix whose top eigenvectors a new basis takes: S, or W = S^½ C S^½ with C the keys' covariance
+        over every span coded so far, this one included (a running mean kept in ctx.state, so that a stored basis
+        keeps holding while the keys' statistics do)."""
+        if self.basis_source == "queries":
+            return stats
+        N = x.shape[1]
+        total, count = ctx.state.get("k.cov_sum"), ctx.state.get("k.cov_count")  # tensors: counted as method state
+        total = key_covariance(x) * N + (0 if total is None else total)
+        count = torch.tensor(float(N)) + (0 if count is None else count)
+        ctx.state.update({"k.cov_sum": total, "k.cov_count": count})
+        return weighted_source(stats, total / count)
+
     @staticmethod
     def coordinates(x: torch.Tensor, stats: torch.Tensor, basis: tuple) -> tuple[torch.Tensor, torch.Tensor]:
         """(λ_i = u_iᵀ S u_i (S, D), the coordinates y = x U (S, N, D)) of x in the stored `basis` (reflectors,
@@ -166,8 +215,41 @@ class QuantWMAlloc(QVGBudget):
         got = self.allocated(y, "k", ctx, w, charge)
         return None if got is None else (got[0], lambda: InBasis(got[1](), *basis))
 
+    def loud_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The span's loud tokens (n,) int16 ascending, or None: tokens whose key norm is over `loud` times its
+        stream's median in any stream, at most `loud_share` of the span (the loudest)."""
+        if not self.loud or not self.loud_share:
+            return None
+        norms = x.float().norm(dim=-1)  # (S, N)
+        ratio = (norms / norms.median(-1, keepdim=True).values.clamp_min(1e-30)).amax(0)  # (N,)
+        cap = int(self.loud_share * x.shape[1])
+        index = (ratio > self.loud).nonzero()[:, 0]
+        if not len(index) or not cap:
+            return None
+        index = index[ratio[index].argsort(descending=True)[:cap]]
+        return index.sort().values.to(torch.int16)
+
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
         Method.validate(self, x, kind)  # any head dim: the allocator's grids are per channel, not groups of them
+        if kind == "k":  # the loud keys in BF16; the cache splits the span's Values at the same tokens ("held")
+            held = self.loud_tokens(x)
+            if held is not None and 16 * len(held) > 0.5 * self.budget * x.shape[1]:
+                held = None  # a tight budget codes them with the rest: their BF16 would take half the span's bits
+            ctx.span["held"] = held
+            if held is not None:
+                rest, kept = split_tokens(x, held)
+                return TokenSplit(self.holding(len(held), rest.shape)._encode(rest, kind, ctx), held, kept)
+        elif ctx.span.get("held") is not None:  # Values the cache split where the Keys did: pay for the held ones
+            return self.holding(len(ctx.span["held"]), x.shape)._encode(x, kind, ctx)
+        return self._encode(x, kind, ctx)
+
+    def holding(self, n: int, shape: tuple[int, int, int]) -> QuantWMAlloc:
+        """This allocator for the other tokens (S, M, D) of a span whose `n` tokens are held apart in BF16 with
+        their int16 positions: the span's B · (M + n) · D bits less theirs, spread over the M tokens."""
+        S, M, D = shape
+        return replace(self, budget=(self.budget * (M + n) * D - 16.0 * n * D - 16.0 * n / S) / (M * D))
+
+    def _encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
         S, N, D = x.shape
 
         def plain():

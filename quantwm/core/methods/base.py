@@ -16,6 +16,7 @@ methods such as KIVI and QuantWM treat Keys and Values differently.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,8 @@ class SpanContext:
              context (oscar's key weights for its Value covariance); it ends with the span.
     window:  with a rolling window, how many quantized spans it holds at least (None: no window, nothing is
              evicted): a span reusing stored state that an evicted span paid for pays 1/window of it.
+    aim:     aim(n) -> S (S, D, D) re-aimed at the frames of the n chunks that read this span next (3-D RoPE turns a
+             query's temporal pairs with its frame), or None where the cache cannot (no `frame_shift`).
     """
 
     stats: torch.Tensor | None = None
@@ -44,6 +47,7 @@ class SpanContext:
     history: int = 0
     span: dict = field(default_factory=dict)
     window: int | None = None
+    aim: Callable[[int], torch.Tensor | None] | None = None
 
     def stats_or_identity(self, S: int, D: int, device: torch.device) -> torch.Tensor:
         if self.stats is None:
