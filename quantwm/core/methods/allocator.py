@@ -65,7 +65,7 @@ class QuantWMAlloc(QVGBudget):
     basis_reuse: float = 0.95  # a stored basis serves while it captures this share of S's top-rank energy
     basis_share: float = 0.25  # a span storing a new basis spends at most this share of its bits on it
     basis_source: str = "weighted"  # the basis: eigenvectors of S^½ C S^½ ("weighted") or of S alone ("queries")
-    aim_chunks: int = 2  # Keys: S re-aimed at the frames of the next this many chunks, where the cache can (0: off)
+    aim_chunks: int = 4  # Keys: S re-aimed at the frames of the next this many chunks, where the cache can (0: off)
     loud: float = 3.0  # Keys: tokens whose key norm exceeds this many times the span's median go to BF16 (0: never)
     loud_share: float = 0.02  # at most this share of a span's tokens, the loudest
 
