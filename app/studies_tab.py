@@ -103,7 +103,13 @@ def build_methods_tab(methods_table: Callable, export: Callable, methods: list[s
     def run(seed, trajectory, target, frames, methods, budget, progress=gr.Progress()):
         r = methods_table(seed, trajectory, target, frames, methods, budget, progress=progress_callback(progress, "methods"))
         status_, figure = unpack(r, ["status", "figure"])
-        return status_, table(r), figure
+        if r.get("rows") is None:
+            return status_, table(r), figure
+        # every column in view: the configuration a fifth of the width (its text wraps), the numbers share the rest
+        text = {"method": 9, "fits": 7, "configuration": 20}
+        share = (98 - sum(text.values())) / max(1, len(r["header"]) - len(text))  # 2%: the table's borders
+        widths = [f"{text.get(c, share):.1f}%" for c in r["header"]]
+        return status_, gr.Dataframe(value=table(r), column_widths=widths), figure
 
     c = controls
     inputs = [c["seed"], c["trajectory"], c["target"], c["frames"], chosen, budget]

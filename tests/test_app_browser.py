@@ -695,6 +695,11 @@ def test_the_slider_seeks_both_videos_and_a_frame_line_moves_on_the_plot(browser
         }""", frame)
         assert abs(line - want) < 2, (frame, line, want)
         lines.append(line)
+        if frame == FRAMES - 2:  # a frame that flickers: its overlay is tinted to its own 99th percentile, keyed
+            check_overlay(page, "flicker map")
+            info = page.locator("#frame-info").inner_text()
+            assert re.search(r"red flicker map from 0 to full at this frame's 99th percentile, [\d.]+", info), info
+            assert page.locator("#overlay-scale img").is_visible()
     assert lines[0] > lines[1]  # it moved back with the slider
     page.get_by_label("World seed").fill("-5")  # a request that fails: nothing it shows changes
     page.locator("#generate-btn").click()
@@ -712,10 +717,11 @@ def test_the_slider_seeks_both_videos_and_a_frame_line_moves_on_the_plot(browser
 
 
 def pick(page, label: str, option: str) -> None:
-    """Choose `option` in the dropdown labelled `label` and wait for the page to settle."""
+    """Choose `option` in the dropdown labelled `label` (in its list, the one open) and wait for the page to settle."""
     box = page.get_by_role("combobox", name=label, exact=True)
-    box.click()
-    page.get_by_role("option", name=option, exact=True).click()
+    box.fill(option)
+    box.press("Enter")
+    page.wait_for_function("([b, o]) => b.value === o", arg=[box.element_handle(), option], timeout=WAIT)
     settle(page)
 
 
@@ -744,6 +750,15 @@ def test_exports_equal_the_panels_after_a_scrub_and_after_a_new_run(browser_and_
     files = export_files(page).split(": ", 1)[1].split(", ")
     assert sorted(files) == sorted([f"frames-{TAG}.pdf", f"maps-{TAG}-frame{FRAMES - 2}-layer0-head1.pdf",
                                     f"trace-{TAG}-frame{FRAMES - 3}-x21-y42-layer1-head0.pdf"]), files
+    page.get_by_role("tab", name="Query energy").click()  # the energy tab exports the layer it shows
+    page.locator("#energy-btn").click()
+    wait_text(page, "#energy-status", "eigen-directions")
+    for layer in ("0", "2"):
+        if layer != "0":
+            pick(page, "Layer", layer)
+        page.locator("#energy-export-btn").click()
+        wait_text(page, "#energy-export-status", f"energy-{TAG}-layer{layer}.pdf")
+    page.get_by_role("tab", name="Generate & play").click()
     page.get_by_label("World seed").fill("5")
     generate(page)
     page.wait_for_function("() => document.querySelector('#trace-status').innerText.includes('click a pixel')",
@@ -776,7 +791,11 @@ def test_the_methods_export_draws_what_its_table_shows(browser_and_url, width):
     assert sorted(r[0] for r in rows) == ["kivi", "rtn"]
     metrics = [c for c in header if c in ("span_bits_per_element", "shift_rate", "psnr", "ssim", "lpips", "tdiff",
                                           "warp_error")]
-    assert {"psnr", "lpips", "tdiff"} <= set(metrics)  # the quality columns are shown
+    assert {"psnr", "lpips", "tdiff"} <= set(metrics)  # the quality columns are shown, none out of sight
+    hidden = page.evaluate("(() => { const t = document.querySelector('#methods-table'), box = t.getBoundingClientRect();"
+                           " return [...t.querySelectorAll('[role=columnheader]')].filter(c => c.getBoundingClientRect()"
+                           ".right > box.right + 1).map(c => c.innerText.trim()); })()")
+    assert hidden == [], hidden
     assert plot_overflow(page, "#methods-plot") == []  # drawn, nothing clipped
     drawn = page.evaluate("(() => { const gd = document.querySelector('#methods-plot .js-plotly-plot');"
                           " return [gd._fullLayout.annotations.map(a => a.text), gd.data.map(t => [...t.x])]; })()")
