@@ -39,10 +39,11 @@ def basis_bytes(rank: int, head_dim: int) -> int:
     return rank * (head_dim + 2)
 
 
-def make_reflectors(stats: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_reflectors(stats: torch.Tensor, rank: int, top: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The stored form of the basis for S (streams, D, D): reflectors (streams, R, D) int8 and scales (streams, R)
-    fp16, from the Householder QR of S's top-R eigenvectors."""
-    V = principal_basis(stats, rank).double()  # (S, D, R)
+    fp16, from the Householder QR of S's top-R eigenvectors (`top`: S's top eigenvectors (streams, D, ≥ R) if
+    already computed)."""
+    V = (principal_basis(stats, rank) if top is None else top[..., :rank]).double()  # (S, D, R)
     a, _ = torch.geqrf(V)
     D, R = V.shape[-2:]
     v = (a.tril(-1) + torch.eye(D, R, dtype=a.dtype, device=a.device)).transpose(1, 2)  # (S, R, D), v_i[i] = 1

@@ -32,6 +32,7 @@ from ..allocate import allocate, encode_channels, error_tables
 from ..kmeans import weighted_sqdist
 from ..layouts import Codebook, InBasis, Layout, TokenSplit, split_tokens
 from ..layouts.channels import channel_bytes, table_bytes
+from ..psac import principal_basis
 from ..qsac import channel_sensitivity
 from ..quant import SCALE_DTYPES, BudgetError, check_budget, to_storage
 from ..query_basis import (
@@ -168,8 +169,10 @@ class QuantWMAlloc(QVGBudget):
                 return got
         rank = min(self.basis_rank, D, int(self.basis_share * self.budget * N * D // (8 * basis_bytes(1, D))))
         # (basis, its coordinates, the bits it costs this span) of each candidate basis: new ones, then the stale one
+        ranks = sorted({min(REUSE_RANK, rank), rank} - {0})
+        top = principal_basis(source, ranks[-1]) if ranks else None  # one eigendecomposition for every rank
         candidates = [(b, self.coordinates(x, stats, b), 8.0 * basis_bytes(b[0].shape[1], D))
-                      for b in (make_reflectors(source, r) for r in sorted({min(REUSE_RANK, rank), rank} - {0}))]
+                      for b in (make_reflectors(source, r, top) for r in ranks)]
         if stored is not None:
             candidates.append((stored, self.coordinates(x, stats, stored), share))
         # price each by the Gaussian model (no allocation), code only the winner
