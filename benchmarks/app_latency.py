@@ -21,6 +21,11 @@ os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
+def load() -> str:
+    """What else the machine is doing: its 1-minute load average against its cores (each measurement shares them)."""
+    return f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--frames", type=int, default=32)
@@ -47,7 +52,8 @@ def main() -> None:
     demo = mod.build_app(trace, wb, frames=a.frames)
     _, url, _ = demo.queue(default_concurrency_limit=1).launch(prevent_thread_lock=True, quiet=True,
                                                                **mod.launch_options())
-    print(f"app start (model load, page build, server): {time.perf_counter() - t0:.2f} s on {wb.describe_device()}")
+    print(f"app start (model load, page build, server): {time.perf_counter() - t0:.2f} s on {wb.describe_device()}, "
+          f"{wb.workers} rollout(s) at a time; {load()}")
     user, second = Client(url, verbose=False), Client(url, verbose=False)
 
     def generate(seed, method):
@@ -58,7 +64,7 @@ def main() -> None:
 
     dt, out = generate(a.seed, a.method)
     print(f"Generate -> first side-by-side result, {a.frames} frames, {a.method} (BF16 + method, videos, plot, "
-          f"frames), within {a.budget:g} bits: {dt:.2f} s  [target < 20 s]")
+          f"frames), within {a.budget:g} bits: {dt:.2f} s  [target < 20 s]; {load()}")
     print(f"  {out[0]}")
     dt, _ = generate(a.seed, a.method)
     print(f"same settings again (cached): {dt:.3f} s")
@@ -82,7 +88,7 @@ def main() -> None:
         time.sleep(0.5)
     dt = time.perf_counter() - t
     print(f"Key vs Value, kivi and quantwm, {a.kv_seeds} seeds, {a.frames} frames: {dt:.2f} s  [target < 120 s]; "
-          f"progress reported in {updates} of the status polls")
+          f"progress reported in {updates} of the status polls; {load()}")
     print(f"  {kv.result()[0]}")
 
     methods = ["rtn", "kivi", "qvg", "qvg-asym", "quantwm", "quantwm-paper"]
@@ -90,7 +96,7 @@ def main() -> None:
     status, table, _ = user.predict(a.seed + 2, "loop", "kv", a.frames, methods, a.budget, api_name="/methods_table")
     dt = time.perf_counter() - t
     print(f"Methods at {a.budget:g} bits per element, {len(methods)} methods, {a.frames} frames: {dt:.2f} s  "
-          f"[target < 60 s]")
+          f"[target < 60 s]; {load()}")
     print(f"  {status}")
     for row in table["data"]:
         print("  " + "  ".join(str(v) for v in row[:5]))
