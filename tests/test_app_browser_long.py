@@ -1,6 +1,6 @@
 """End to end in headless Chromium: a 512-frame run file (`quantwm record --window`) opened in the app: the
-overview strip and the (layer, head) table appear, the slider scrubs, a click on the strip jumps the player, and a
-pixel of the last chunk traces to its source.
+overview strip and the (layer, head) table appear, the slider scrubs, a click on the strip jumps the player, a
+pixel of the last chunk traces to its source and an overlay tints that frame.
 
 The run is recorded here, at test time, from the tiny world model of tests/tiny_world.py (2 layers, 1 head, 32x32
 frames, random weights) through `drivers.long_record.record_long`, the code `quantwm record --window` runs: 512
@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_app_browser import CHROMIUM, CHROMIUM_ARGS, RUN_ID, WAIT, click_frame_pixel, scrub_to, settle, wait_text
+from test_app_browser import CHROMIUM, CHROMIUM_ARGS, RUN_ID, WAIT, check_overlay, click_frame_pixel, scrub_to, settle, wait_text
 
 FRAMES = 512
 
@@ -57,6 +57,8 @@ def long_run_page(small_trace_path, tmp_path_factory):
 def click_strip(page, frame: int, frames: int) -> None:
     """Click the overview strip's thumbnail row at the column of `frame` (the strip is scaled to its box)."""
     settle(page)
+    page.locator("#overview-strip").scroll_into_view_if_needed()
+    page.wait_for_function("document.querySelector('#overview-strip img')?.naturalWidth > 0", timeout=WAIT)
     w, h, nw, nh = page.evaluate("(() => { const i = document.querySelector('#overview-strip img');"
                                  " return [i.clientWidth, i.clientHeight, i.naturalWidth, i.naturalHeight]; })()")
     scale = min(w / nw, h / nh)
@@ -73,7 +75,8 @@ def test_a_512_frame_run_file_shows_its_strip_scrubs_jumps_and_traces_its_last_c
     page.wait_for_selector("#frame-method img", timeout=WAIT)
     wait_text(page, "#overview-status", "512 frames")
     assert "rolling window of 8 chunk(s)" in page.locator("#overview-status").inner_text()
-    page.wait_for_selector("#overview-strip img", timeout=WAIT)
+    page.locator("#overview-strip").scroll_into_view_if_needed()  # its image loads lazily, once in view
+    page.wait_for_function("document.querySelector('#overview-strip img')?.naturalWidth > 0", timeout=WAIT)
     assert page.evaluate("document.querySelector('#overview-strip img').naturalWidth") == 1024
     table = page.locator("#layer-table").inner_text()
     assert "place shift" in table and "PSNR, only this layer quantized" in table
@@ -86,3 +89,5 @@ def test_a_512_frame_run_file_shows_its_strip_scrubs_jumps_and_traces_its_last_c
     text = click_frame_pixel(page, 21, 10, factor=factor)  # pixel (21, 10) -> token row 1, col 2 (8 px a token)
     assert text.startswith("Query frame 510, row 1, col 2") and "rtn source" in text, text
     page.wait_for_selector("#trace-heatmap .js-plotly-plot", timeout=WAIT)
+    check_overlay(page, "flicker map")  # the overlays too, on the last chunk's frame
+    assert "Frame 510" in page.locator("#frame-info").inner_text()
