@@ -80,6 +80,17 @@ def test_wan_rope_at_offset_equals_the_full_sequence_slice(wan, inputs):
         wan_rope_at(wan.rope, x[:, :, :2], frame_offset=63)
 
 
+def test_the_caches_frame_shift_is_the_models_rope_between_frames(wan):
+    cache = wan_kv_cache(wan, CacheConfig("quantwm"), (HEIGHT // 2, WIDTH // 2))
+    shift = cache.frame_shift
+    assert shift.tokens_per_frame == (HEIGHT // 2) * (WIDTH // 2) and abs(shift.theta - 10000) < 1e-3
+    M = shift.matrix(1)  # frame 0 -> 1: the temporal pairs turn by the table's frame-1 angles, rows/columns not
+    t = wan.rope.t_dim
+    assert torch.allclose(torch.diagonal(M)[:t], wan.rope.freqs_cos[1, :t].double(), atol=1e-6)
+    assert torch.allclose(torch.diagonal(M)[t:], torch.ones(M.shape[0] - t, dtype=torch.float64))
+    assert wan_kv_cache(wan, CacheConfig("quantwm")).frame_shift is None
+
+
 def test_chunked_bf16_matches_block_causal_single_pass(wan, inputs):
     ref = _single_pass(wan, inputs)
     _, clean = _generate(wan, inputs, wan_kv_cache(wan, CacheConfig("bf16")))

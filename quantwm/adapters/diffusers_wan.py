@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from ..core.cache import CacheConfig, KVCache
-from ..core.rope import Rope3D
+from ..core.rope import FrameShift, Rope3D
 from .attention import ChunkedAttention
 from .capture import TraceCapture
 
@@ -43,8 +43,9 @@ def _check_wan(model) -> None:
 
 
 def wan_kv_cache(model, config: CacheConfig | None = None, frame_grid: tuple[int, int] | None = None) -> KVCache:
-    """A KVCache for `model` (default CacheConfig(): bf16), one layer per block; rope="pre" needs the
-    latent token grid (h, w) per frame."""
+    """A KVCache for `model` (default CacheConfig(): bf16), one layer per block. `frame_grid`, the latent token
+    grid (h, w) per frame, is needed by rope="pre"; given with post-RoPE keys it also hands the cache the model's
+    RoPE as a frame shift, so that the allocator re-aims S at the frames that read a span (docs/method.md §2.9)."""
     _check_wan(model)
     config = CacheConfig() if config is None else config
     rope = None
@@ -52,7 +53,17 @@ def wan_kv_cache(model, config: CacheConfig | None = None, frame_grid: tuple[int
         if frame_grid is None:
             raise ValueError("rope='pre' rotates keys at read: pass frame_grid=(h, w), the tokens per latent frame")
         rope = Rope3D(model.rope.attention_head_dim, tuple(frame_grid))
-    return KVCache(config, len(model.blocks), rope=rope)
+    shift = None if frame_grid is None else wan_frame_shift(model.rope, frame_grid[0] * frame_grid[1])
+    return KVCache(config, len(model.blocks), rope=rope, frame_shift=shift)
+
+
+def wan_frame_shift(rope, tokens_per_frame: int) -> FrameShift:
+    """The model's 3-D RoPE (a diffusers WanRotaryPosEmbed) as a `FrameShift`: its head dim, and its θ read off
+    its temporal table (the second frequency θ^(-2/t_dim) is the angle at frame 1)."""
+    angle = torch.acos(rope.freqs_cos[1, 2].double().clamp(-1, 1))
+    theta = float(angle ** (-rope.t_dim / 2))
+    theta = float(round(theta)) if abs(theta - round(theta)) < 1e-5 * theta else theta  # the table's fp32 rounding
+    return FrameShift(rope.attention_head_dim, tokens_per_frame, theta)
 
 
 def wan_qkv(attn, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
