@@ -18,8 +18,11 @@ def build_overview_panel(controls: dict, show: Callable, click: Callable) -> Non
     strip, header, rows, heatmap}; click(run_id, x) -> {frame, status}."""
     with gr.Accordion("Long run: error over time and the (layer, head) table", open=True):
         status = gr.Markdown(elem_id="overview-status")
-        strip = gr.Image(label="Error over time (click to jump the player)", format="png", interactive=False,
-                         buttons=[], elem_id="overview-strip")
+        # the caption above, not Gradio's label badge on the image: it would hide the first curve's scale
+        gr.Markdown("**Error over time**, frame by frame over thumbnails: click to jump the player there",
+                    elem_id="overview-strip-caption")
+        strip = gr.Image(label="Error over time", show_label=False, format="png", interactive=False, buttons=[],
+                         elem_id="overview-strip")
         with gr.Row():
             rows = gr.Dataframe(label="Per (layer, head): bits, shift, layer sensitivity", interactive=False,
                                 elem_id="layer-table", wrap=True)

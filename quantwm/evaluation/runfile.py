@@ -176,14 +176,14 @@ class RunWriter:
         if self._frame_shape not in (None, tuple(bf16.shape[1:])):
             raise ValueError(f"frames of shape {tuple(bf16.shape[1:])} after {self._frame_shape}")
         self._frame_shape = tuple(bf16.shape[1:])
-        self._parts["bf16"].write(bf16.contiguous().numpy().tobytes())
-        self._parts["method"].write(method.contiguous().numpy().tobytes())
+        self._parts["bf16"].write(bf16.contiguous().numpy().data)  # the tensor's own bytes, no copy
+        self._parts["method"].write(method.contiguous().numpy().data)
         self._frames += bf16.shape[0]
 
     def _tensor(self, name: str, t: torch.Tensor) -> None:
-        data = t.contiguous().cpu().numpy().tobytes()
-        self._parts["probes"].write(data)
-        self._probes.append((name, _DTYPES[t.dtype], list(t.shape), len(data)))
+        data = t.contiguous().cpu().numpy()
+        self._parts["probes"].write(data.data)
+        self._probes.append((name, _DTYPES[t.dtype], list(t.shape), data.nbytes))
 
     def add_probe(self, chunk: int, top1_exact: torch.Tensor, top1_quant: torch.Tensor,
                   logits: tuple | None = None, positions: torch.Tensor | None = None) -> None:
@@ -223,7 +223,7 @@ class RunWriter:
             for k in ("bf16", "method"):
                 with open(f"{self.path}.{k}.part", "rb") as f:
                     shutil.copyfileobj(f, out, 2 ** 20)
-            out.write(stats.numpy().tobytes())
+            out.write(stats.numpy().data)
             with open(f"{self.path}.probes.part", "rb") as f:
                 shutil.copyfileobj(f, out, 2 ** 20)
         os.replace(f"{self.path}.part", self.path)
