@@ -103,18 +103,23 @@ def build_methods_tab(methods_table: Callable, export: Callable, methods: list[s
     def run(seed, trajectory, target, frames, methods, budget, progress=gr.Progress()):
         r = methods_table(seed, trajectory, target, frames, methods, budget, progress=progress_callback(progress, "methods"))
         status_, figure = unpack(r, ["status", "figure"])
-        if r.get("rows") is None:
-            return status_, table(r), figure
-        # every column in view: the configuration a fifth of the width (its text wraps), the numbers share the rest
+        return status_, table(r), figure
+
+    def fit_columns(shown):
+        """Every column in view: the configuration a fifth of the width (its text wraps), the numbers share the
+        rest (the shown columns vary: those the same in every row are left out)."""
+        header = [str(c) for c in getattr(shown, "columns", [])]
+        if not header:
+            return gr.skip()
         text = {"method": 9, "fits": 7, "configuration": 20}
-        share = (98 - sum(text.values())) / max(1, len(r["header"]) - len(text))  # 2%: the table's borders
-        widths = [f"{text.get(c, share):.1f}%" for c in r["header"]]
-        return status_, gr.Dataframe(value=table(r), column_widths=widths), figure
+        share = (98 - sum(text.values())) / max(1, len(header) - len(text))  # 2%: the table's borders
+        return gr.Dataframe(column_widths=[f"{text.get(c, share):.1f}%" for c in header])
 
     c = controls
     inputs = [c["seed"], c["trajectory"], c["target"], c["frames"], chosen, budget]
     go.click(run, inputs, [status, rows, plot], api_name="methods_table", concurrency_limit=1,
-             concurrency_id="generate", trigger_mode="multiple")
+             concurrency_id="generate", trigger_mode="multiple").then(fit_columns, [rows], [rows], api_name=False,
+                                                                     queue=False)
     with gr.Row():
         formats = gr.CheckboxGroup(list(figure_formats), value=["pdf"], label="Formats", elem_id="methods-formats")
         export_btn = gr.Button("Export the comparison figure (what the table shows)", elem_id="methods-export-btn")
