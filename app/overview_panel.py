@@ -39,7 +39,7 @@ def build_overview_panel(controls: dict, show: Callable, click: Callable) -> Non
         r = click(run_id, evt.index[0])
         return r["frame"] if r.get("frame") is not None else gr.skip(), r.get("status") or gr.skip()
 
-    def strip_frame(run_id: str, x: float):
+    def strip_frame(run_id: str, x: float) -> int:
         """The click's twin: the frame under column `x` of the strip."""
         r = click(run_id, x)
         if r.get("frame") is None:

@@ -47,6 +47,9 @@ API_PARAMETERS = {
     "/click_pixel": ["run_id", "frame", "layer", "head"],
     "/click_pixel_bf16": ["run_id", "frame", "layer", "head"],
     "/trace_pixel": ["run_id", "frame", "x", "y", "layer", "head"],
+    "/overview": ["run_id"],
+    "/click_strip": ["run_id"],
+    "/strip_frame": ["run_id", "x"],
     "/export_figures": ["run_id", "frame", "layer", "head", "formats", "traced"],
     "/energy": ["run_id", "layer"],
     "/export_energy": ["run_id", "layer", "formats"],
@@ -65,6 +68,14 @@ def test_every_endpoint_names_its_parameters(client):
     assert set(api) == set(API_PARAMETERS)
     for name, params in API_PARAMETERS.items():
         assert [p["parameter_name"] for p in api[name]["parameters"]] == params, name
+
+
+def test_strip_frame_endpoint_maps_a_strip_column_to_a_frame(client, generated):
+    """The overview strip's click over the API: the column's frame, and the run's overview status."""
+    assert client.predict(generated[1], 1023, api_name="/strip_frame") == FRAMES - 1
+    assert client.predict(generated[1], 0, api_name="/strip_frame") == 0
+    status = client.predict(generated[1], api_name="/overview")[0]
+    assert f"{FRAMES} frames" in status and "No per-(layer, head) table" in status  # a generated run has none
 
 
 def test_export_figures_endpoint_writes_print_files(client, generated):
