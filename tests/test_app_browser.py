@@ -1,5 +1,8 @@
 """End to end in headless Chromium (Debian's /usr/bin/chromium driven by Playwright): generate, scrub, click a
-pixel, see the trace panel and the logit heatmap. Also the helper that screenshots every tab for the README:
+pixel, see the trace panel and the logit heatmap; at 1400 and 900 px, that every view agrees with what it claims
+(the Key-vs-Value sentence with its table, exports with their panels, the videos with the slider, the Methods
+figure with its table) and that nothing is covered or clipped. Also the helper that screenshots every tab for the
+README:
 
     python tests/test_app_browser.py --readme      # writes docs/img/app-<tab>.png from the real app
 """
