@@ -97,6 +97,20 @@ def test_runs_made_side_by_side_equal_runs_made_one_by_one(wb, key):
     assert not side.cached(bad) and side.cached(RunKey(seed=3, method="bf16", frames=FRAMES))
 
 
+def test_a_study_computes_a_records_metrics_once(wb, key, monkeypatch):
+    """A Methods table shown again (or exported) and a Key-vs-Value study re-run reuse each record's clip metrics
+    and attention-output error: the same numbers, nothing computed again."""
+    from quantwm.drivers.views import RunView
+    from quantwm.evaluation import diagnostics
+
+    first = studies.methods_table(wb, key, ["rtn"]), studies.key_vs_value(wb, key)
+    calls = []
+    for owner, name in ((RunView, "summary"), (diagnostics, "probed_attention_error")):
+        real = getattr(owner, name)
+        monkeypatch.setattr(owner, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
+    assert (studies.methods_table(wb, key, ["rtn"]), studies.key_vs_value(wb, key)) == first and calls == []
+
+
 def test_frame_view_and_pixel_trace(wb, runs, key):
     studies.compare(wb, key)
     view = runs.view(key.id)

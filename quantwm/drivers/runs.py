@@ -4,7 +4,7 @@ attention logits of a probed chunk (`probe_logits`) and a built-in run's pair of
 file (`builtin_run`), which `views.RunView` shows like any opened run."""
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -87,6 +87,7 @@ class Record:
     coverage: list | None = None  # per frame, the share of its view the context frames saw (1: a revisit)
     channel_bits: dict | None = None  # {kind: {bits: channels}} where channels have widths of their own (the allocator)
     place_shift_rate: float | None = None  # share of probed top-1s that moved to another world place (world.evaluate)
+    metrics: dict = field(default_factory=dict)  # the studies' metrics of this record, computed once (studies.py)
 
     def nbytes(self) -> int:
         """Bytes of every tensor the record holds (what it costs the results cache)."""
