@@ -106,9 +106,15 @@ def gaussian_error(weights: torch.Tensor, y: torch.Tensor, bits: float) -> float
     """The error Σ_t Σ_i λ_i e_ti² a Gaussian source with y's per-coordinate variances would have at `bits` bits per
     stream, spent by reverse water-filling: weights λ (S, D), coordinates y (S, N, D). How the allocator prices a
     basis before coding in it (the ranking, not the value, is what it reads; scalar grids sit a fixed gap above)."""
-    S, N, D = y.shape
-    sigma2 = (weights.double() * y.double().var(1)).clamp_min(1e-300)  # (S, D) weighted variance per token
-    rate = torch.full((S,), max(bits, 0.0) / N, dtype=torch.float64)  # bits per token
+    return gaussian_price(weights, y.double().var(1), y.shape[1], bits)
+
+
+def gaussian_price(weights: torch.Tensor, variances: torch.Tensor, tokens: int, bits: float) -> float:
+    """`gaussian_error` from the coordinates' variances (S, D) and the token count alone: a basis U is priced from
+    the keys' covariance C, var(y_i) = u_iᵀ C u_i, without projecting the span onto it."""
+    S, D = variances.shape
+    sigma2 = (weights.double() * variances.double()).clamp_min(1e-300)  # (S, D) weighted variance per token
+    rate = torch.full((S,), max(bits, 0.0) / tokens, dtype=torch.float64)  # bits per token
     lo = torch.full((S,), 1e-300, dtype=torch.float64).log()
     hi = sigma2.amax(-1).log()
     for _ in range(80):  # θ with Σ_i max(0, ½ log2(σ_i² / θ)) = rate, bisected in log θ
@@ -116,4 +122,4 @@ def gaussian_error(weights: torch.Tensor, y: torch.Tensor, bits: float) -> float
         spent = (0.5 * (sigma2.log() - mid[:, None]).clamp_min(0) / math.log(2)).sum(-1)
         lo, hi = torch.where(spent > rate, mid, lo), torch.where(spent > rate, hi, mid)
     theta = hi.exp()
-    return float(N * torch.minimum(sigma2, theta[:, None]).sum())
+    return float(tokens * torch.minimum(sigma2, theta[:, None]).sum())

@@ -40,7 +40,7 @@ from ..query_basis import (
     basis_matrix,
     captured,
     coordinate_weights,
-    gaussian_error,
+    gaussian_price,
     key_covariance,
     make_reflectors,
     weighted_source,
@@ -144,12 +144,13 @@ class QuantWMAlloc(QVGBudget):
         """(predicted error, build) of the Keys in the Queries' basis (the eigenvectors of `basis_source_of`). A
         stored basis that still holds is used as it is. Otherwise new ones of 16 and of `basis_rank` directions
         (as many as `basis_share` of the span's bits buy), each paid in full by this span, are priced against the
-        stale basis or, with none, the model's channels (`plain()`) by the Gaussian model of their error
-        (`gaussian_error`), and the winner is coded. Keeps the basis in use in ctx.state; where the channels won,
+        stale basis or, with none, the model's channels (`plain()`) by the Gaussian model of their error, from the
+        span's covariance (`gaussian_price`), and the winner is coded. Keeps the basis in use in ctx.state; where the channels won,
         the basis they beat, so that while it holds later spans skip the pricing."""
         S, N, D = x.shape
         stats = self.query_metric(x, ctx)
-        source = self.basis_source_of(x, ctx, stats)
+        cov = key_covariance(x)  # the span's: prices every candidate basis, and feeds W
+        source = self.basis_source_of(x, ctx, stats, cov)
 
         def kept(key: str) -> tuple | None:
             return (ctx.state[f"{key}_reflectors"], ctx.state[f"{key}_scales"]) if f"{key}_scales" in ctx.state else None
@@ -171,34 +172,40 @@ class QuantWMAlloc(QVGBudget):
         # (basis, its coordinates, the bits it costs this span) of each candidate basis: new ones, then the stale one
         ranks = sorted({min(REUSE_RANK, rank), rank} - {0})
         top = principal_basis(source, ranks[-1]) if ranks else None  # one eigendecomposition for every rank
-        candidates = [(b, self.coordinates(x, stats, b), 8.0 * basis_bytes(b[0].shape[1], D))
-                      for b in (make_reflectors(source, r, top) for r in ranks)]
+        candidates = [(b, 8.0 * basis_bytes(b[0].shape[1], D)) for b in (make_reflectors(source, r, top) for r in ranks)]
         if stored is not None:
-            candidates.append((stored, self.coordinates(x, stats, stored), share))
-        # price each by the Gaussian model (no allocation), code only the winner
-        total = self.budget * N * D
-        prices = [gaussian_error(lam, y, total - charge) for _, (lam, y), charge in candidates]
-        channels = gaussian_error(torch.diagonal(stats, dim1=-2, dim2=-1), x.float(), total) if stored is None else None
+            candidates.append((stored, share))
+        # price each by the Gaussian model from the span's covariance (no projection, no allocation), code the winner
+        total, unbiased = self.budget * N * D, N / max(N - 1, 1)
+
+        def price(U: torch.Tensor, charge: float) -> float:
+            lam = coordinate_weights(U, stats)
+            variances = torch.einsum("sdi,sde,sei->si", U.double(), cov, U.double()) * unbiased
+            return gaussian_price(lam, variances, N, total - charge)
+
+        prices = [price(basis_matrix(*b), charge) for b, charge in candidates]
+        channels = None if stored is not None else gaussian_price(
+            torch.diagonal(stats, dim1=-2, dim2=-1), torch.diagonal(cov, dim1=-2, dim2=-1) * unbiased, N, total)
         if channels is not None and (not prices or channels <= min(prices)):
             if candidates:
                 ctx.state.update({"k.declined_reflectors": candidates[0][0][0], "k.declined_scales": candidates[0][0][1]})
             return plain()
-        basis, (lam, y), charge = candidates[prices.index(min(prices))]
-        got = self.coded_in(basis, ctx, lam, y, charge)
+        basis, charge = candidates[prices.index(min(prices))]
+        got = self.coded_in(basis, ctx, *self.coordinates(x, stats, basis), charge)
         if got is None:
             return plain()
         ctx.state.update({"k.basis_reflectors": basis[0], "k.basis_scales": basis[1]})
         return got
 
-    def basis_source_of(self, x: torch.Tensor, ctx: SpanContext, stats: torch.Tensor) -> torch.Tensor:
+    def basis_source_of(self, x: torch.Tensor, ctx: SpanContext, stats: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
         """The matrix whose top eigenvectors a new basis takes: S, or W = S^½ C S^½ with C the keys' covariance
-        over every span coded so far, this one included (a running mean kept in ctx.state, so that a stored basis
+        over every span coded so far, this one's (`cov`) included (a running mean kept in ctx.state, so that a stored basis
         keeps holding while the keys' statistics do)."""
         if self.basis_source == "queries":
             return stats
         N = x.shape[1]
         total, count = ctx.state.get("k.cov_sum"), ctx.state.get("k.cov_count")  # tensors: counted as method state
-        total = key_covariance(x) * N + (0 if total is None else total)
+        total = cov * N + (0 if total is None else total)
         count = torch.tensor(float(N)) + (0 if count is None else count)
         ctx.state.update({"k.cov_sum": total, "k.cov_count": count})
         return weighted_source(stats, total / count)
