@@ -702,7 +702,7 @@ def test_the_slider_seeks_both_videos_and_a_frame_line_moves_on_the_plot(browser
             check_overlay(page, "flicker map")
             info = page.locator("#frame-info").inner_text()
             assert re.search(r"red flicker map from 0 to full at this frame's 99th percentile, [\d.]+", info), info
-            assert page.locator("#overlay-scale img").is_visible()
+            page.locator("#overlay-scale img").wait_for(state="visible", timeout=WAIT)  # the colour bar, once loaded
     assert lines[0] > lines[1]  # it moved back with the slider
     page.get_by_label("World seed").fill("-5")  # a request that fails: nothing it shows changes
     page.locator("#generate-btn").click()
