@@ -33,7 +33,7 @@ def test_bad_frame_shifts_and_aims_are_refused():
 
 def test_a_seeded_or_unshifted_accumulator_keeps_no_anchored_moment():
     s = QueryStats(2, 8)
-    s.update(torch.randn(1, 2, 5, 8), anchored=torch.randn(1, 2, 5, 8))
+    s.update(torch.randn(1, 2, 5, 8), anchor=torch.eye(8))
     assert s.anchored is not None
     s.update(torch.randn(1, 2, 5, 8))  # queries without their frame: the anchored moment would mix them wrongly
     assert s.anchored is None

@@ -957,7 +957,7 @@ def test_cache_keeps_no_query_statistics_where_nothing_reads_them(method, monkey
     from quantwm.core import stats
 
     calls = []
-    monkeypatch.setattr(stats.QueryStats, "update", lambda self, q, anchored=None: calls.append(q.shape))
+    monkeypatch.setattr(stats.QueryStats, "update", lambda self, q, anchor=None: calls.append(q.shape))
     cache = KVCache(CacheConfig(method=method, recent_chunks=0), n_layers=1)
     g = torch.Generator().manual_seed(0)
     for i in range(3):

@@ -6,7 +6,7 @@ from quantwm.core.layouts import InBasis
 from quantwm.core.methods import get_method
 from quantwm.core.methods.base import SpanContext
 from quantwm.core.psac import principal_basis
-from quantwm.core.query_basis import basis_bytes, basis_matrix, captured, coordinate_weights, gaussian_error, make_reflectors
+from quantwm.core.query_basis import basis_bytes, basis_matrix, captured, coordinate_weights, gaussian_price, make_reflectors
 
 
 def _stats(streams=3, D=64, rank=8, seed=0):
@@ -126,7 +126,7 @@ def test_the_gaussian_price_is_reverse_water_filling():
     """Equal variances: D = N n σ² 2^(-2R/n) (R bits a token over n coordinates); a coordinate of no weight gets no bits."""
     y = torch.randn(1, 4096, 8, generator=torch.Generator().manual_seed(0))
     var = float(y.var(1).mean())
-    got = gaussian_error(torch.ones(1, 8), y, bits=2.0 * 4096 * 8)
+    got = gaussian_price(torch.ones(1, 8), y.var(1), 4096, bits=2.0 * 4096 * 8)
     assert abs(got / (4096 * 8 * var * 2 ** -4) - 1) < 0.05
     w = torch.tensor([[1.0] * 4 + [0.0] * 4])
-    assert gaussian_error(w, y, bits=2.0 * 4096 * 8) < got  # the bits go where the weight is
+    assert gaussian_price(w, y.var(1), 4096, bits=2.0 * 4096 * 8) < got  # the bits go where the weight is

@@ -102,16 +102,11 @@ def captured(U: torch.Tensor, stats: torch.Tensor, rank: int) -> torch.Tensor:
     return torch.where(top > 0, held / top.clamp_min(1e-300), torch.ones_like(top))
 
 
-def gaussian_error(weights: torch.Tensor, y: torch.Tensor, bits: float) -> float:
-    """The error Σ_t Σ_i λ_i e_ti² a Gaussian source with y's per-coordinate variances would have at `bits` bits per
-    stream, spent by reverse water-filling: weights λ (S, D), coordinates y (S, N, D). How the allocator prices a
-    basis before coding in it (the ranking, not the value, is what it reads; scalar grids sit a fixed gap above)."""
-    return gaussian_price(weights, y.double().var(1), y.shape[1], bits)
-
-
 def gaussian_price(weights: torch.Tensor, variances: torch.Tensor, tokens: int, bits: float) -> float:
-    """`gaussian_error` from the coordinates' variances (S, D) and the token count alone: a basis U is priced from
-    the keys' covariance C, var(y_i) = u_iᵀ C u_i, without projecting the span onto it."""
+    """The error Σ_t Σ_i λ_i e_ti² a Gaussian source of `tokens` tokens with these per-coordinate variances (S, D)
+    would have at `bits` bits per stream, spent by reverse water-filling, weights λ (S, D). How the allocator prices
+    a basis U before coding in it, from the keys' covariance C, var(y_i) = u_iᵀ C u_i, without projecting the span
+    (the ranking, not the value, is what it reads; scalar grids sit a fixed gap above)."""
     S, D = variances.shape
     sigma2 = (weights.double() * variances.double()).clamp_min(1e-300)  # (S, D) weighted variance per token
     rate = torch.full((S,), max(bits, 0.0) / tokens, dtype=torch.float64)  # bits per token

@@ -74,18 +74,15 @@ class QueryHistory:
         if self.causal_stats:  # held back until the chunks before it are quantized, grouped by when that happens
             idx = st.current.index if st.current is not None else st.next_chunk
             stats = st.pending.setdefault(self._fold_point(idx), QueryStats(H, D, self.config.stats_decay))
-        stats.update(qb, anchored=self._anchored(st, qb))
+        stats.update(qb, anchor=self._anchor(st))
 
-    def _anchored(self, st: LayerState, qb: torch.Tensor) -> torch.Tensor | None:
-        """The queries (B, H, N, D) of the chunk being written moved back to frame 0 by its first frame (the
-        cache's `frame_shift`), or None: no frame shift, or a chunk that does not start on a frame."""
+    def _anchor(self, st: LayerState) -> torch.Tensor | None:
+        """M (D, D) moving the queries of the chunk being written back to frame 0 by its first frame (the cache's
+        `frame_shift`), or None: no frame shift, or a chunk that does not start on a frame."""
         if self.frame_shift is None or self.config.rope != "post":
             return None
-        start = st.current.start if st.current is not None else st.next_token
-        frames = self.frame_shift.frames(start)
-        if frames is None:
-            return None
-        return qb.double() @ self.frame_shift.matrix(-frames).to(qb.device)
+        frames = self.frame_shift.frames(st.current.start if st.current is not None else st.next_token)
+        return None if frames is None else self.frame_shift.matrix(-frames)
 
     def aimed(self, st: LayerState, c: Chunk, chunks: int) -> torch.Tensor | None:
         """S (H, D, D) re-aimed at the frames that read span `c` next: the anchored queries moved to the starts of

@@ -7,6 +7,7 @@ as `torch.view_as_complex` on (..., D/2, 2)).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -79,10 +80,16 @@ class FrameShift:
         return None if tokens % self.tokens_per_frame else tokens // self.tokens_per_frame
 
     def matrix(self, frames: int) -> torch.Tensor:
-        """M (D, D) float64 with x M = x moved forward by `frames` frames, for row vectors x."""
-        angles = rope_angles(torch.tensor([[frames, 0, 0]]), self.head_dim, self.theta)  # (1, D/2)
-        cos, sin = angles[0].cos(), angles[0].sin()
-        M = torch.zeros(self.head_dim, self.head_dim, dtype=torch.float64)
-        i = torch.arange(0, self.head_dim, 2)
-        M[i, i], M[i, i + 1], M[i + 1, i], M[i + 1, i + 1] = cos, sin, -sin, cos
-        return M
+        """M (D, D) float64 with x M = x moved forward by `frames` frames, for row vectors x (kept per `frames`: one
+        per chunk start; callers must not modify it)."""
+        return _frame_matrix(self.head_dim, self.theta, frames)
+
+
+@functools.lru_cache(maxsize=256)
+def _frame_matrix(head_dim: int, theta: float, frames: int) -> torch.Tensor:
+    angles = rope_angles(torch.tensor([[frames, 0, 0]]), head_dim, theta)  # (1, D/2)
+    cos, sin = angles[0].cos(), angles[0].sin()
+    M = torch.zeros(head_dim, head_dim, dtype=torch.float64)
+    i = torch.arange(0, head_dim, 2)
+    M[i, i], M[i, i + 1], M[i + 1, i], M[i + 1, i + 1] = cos, sin, -sin, cos
+    return M

@@ -30,9 +30,10 @@ class QueryStats:
         self.anchored: torch.Tensor | None = None  # the same queries moved to frame 0; None once any came without
         self.anchorable = True
 
-    def update(self, q: torch.Tensor, anchored: torch.Tensor | None = None) -> None:
-        """Add queries q (B, H, N, D) (already in the stored keys' space); `anchored`: the same queries moved to
-        frame 0 (without it, this accumulator keeps no anchored moment from now on)."""
+    def update(self, q: torch.Tensor, anchor: torch.Tensor | None = None) -> None:
+        """Add queries q (B, H, N, D) (already in the stored keys' space); `anchor`: M (D, D) with q M the same
+        queries moved to frame 0, whose moment is Mᵀ (q's moment) M (without it, this accumulator keeps no anchored
+        moment from now on)."""
         if q.dim() != 4 or q.shape[1] != self.n_heads or q.shape[3] != self.head_dim:
             raise ValueError(f"queries must be (B, {self.n_heads}, N, {self.head_dim}), got {tuple(q.shape)}")
         n = q.shape[0] * q.shape[2]
@@ -41,11 +42,13 @@ class QueryStats:
         if self.second.device != q.device:  # S lives where the queries are (a GPU: no host copy per call)
             self.second = self.second.to(q.device)
             self.anchored = None if self.anchored is None else self.anchored.to(q.device)
-        self.second = self._fold(self.second, self._moment(q), n)
-        if anchored is None or not self.anchorable:
+        batch = self._moment(q)
+        self.second = self._fold(self.second, batch, n)
+        if anchor is None or not self.anchorable:
             self.anchorable, self.anchored = False, None
         else:
-            self.anchored = self._fold(self.anchored, self._moment(anchored), n)
+            M = anchor.to(batch)
+            self.anchored = self._fold(self.anchored, M.T @ batch @ M, n)
         self.count += n
 
     @staticmethod

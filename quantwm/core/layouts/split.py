@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from .base import Layout
-from .grouped import Full
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,13 +39,7 @@ class TokenSplit(Layout):
 
     def kept(self) -> torch.Tensor:
         """(N,) bool: True at the rest's tokens."""
-        keep = torch.ones(self.shape[1], dtype=torch.bool, device=self.loud.device)
-        keep[self.index.long()] = False
-        return keep
-
-    def parts(self) -> tuple[Layout, Full]:
-        """(the coded rest, the loud tokens as a BF16 span): what attention reads."""
-        return self.rest, Full(self.loud)
+        return kept_tokens(self.shape[1], self.index)
 
     def components(self) -> dict[str, torch.Tensor]:
         return {**self.rest.components(), "loud_index": self.index, "loud_bf16": self.loud}
@@ -83,6 +76,11 @@ class TokenSplit(Layout):
 
 def split_tokens(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the rest (S, N − n, D), the loud tokens (S, n, D) in BF16) of x (S, N, D) at `index` (n,)."""
-    keep = torch.ones(x.shape[1], dtype=torch.bool, device=x.device)
+    return x[:, kept_tokens(x.shape[1], index)], x[:, index.long()].to(torch.bfloat16)
+
+
+def kept_tokens(n_tokens: int, index: torch.Tensor) -> torch.Tensor:
+    """(n_tokens,) bool on index's device: False at `index`, the held tokens."""
+    keep = torch.ones(n_tokens, dtype=torch.bool, device=index.device)
     keep[index.long()] = False
-    return x[:, keep], x[:, index.long()].to(torch.bfloat16)
+    return keep
