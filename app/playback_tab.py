@@ -35,7 +35,7 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
     frame slider).
 
     export(run_id, frame, layer, head, formats, traced) -> {status, files}: print figures of what the tab shows
-    (the slider frame's maps with the jump-map layer and head, the trace panel's trace when it is of this run);
+    (the slider frame's maps with the picked layer and head, the trace panel's trace when it is of this run);
     open_run(path or opened run id) -> the same outputs as generate, for a run file (`quantwm record`);
     `opened`: the ids of run files opened at start-up (`--run`);
     live: {"kind", "device", "latent_frames", "generate"(embeddings, seed, method, target, bits, latent_frames, prompt, progress)}: a real
@@ -67,6 +67,8 @@ def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callabl
 GEN_NAMES = ["status", "run_id", "bf16_video", "method_video", "figure", "frame_slider"]
 SCRUB_NAMES = ["status", "bf16", "method"]
 TRACE_NAMES = ["status", "query_image", "bf16_source", "method_source", "figure", "result"]
+PICKER_INFO = ("the jump map and the pixel trace; 'all': the jump map over every layer and head, the trace in the "
+               "first whose top-1 moved at the pixel")
 VIEW = dict(concurrency_limit=4, concurrency_id="view")  # the views' events: four at a time, beside generations
 
 
@@ -135,8 +137,11 @@ def _frames_panel(ui: SimpleNamespace, facts: dict, default_frames: int) -> None
                                        "the frame (red: flicker vs BF16; orange: warping error above BF16's, "
                                        "motion-compensated; cyan: tokens whose top-1 source moved in at least half "
                                        "the chosen layers and heads)")
-        ui.jump_layer = gr.Dropdown(["all", *map(str, range(facts["layers"]))], value="all", label="Jump map layer")
-        ui.jump_head = gr.Dropdown(["all", *map(str, range(facts["heads"]))], value="all", label="Jump map head")
+        # one layer/head picker for the jump map and the pixel trace ("all": the map over every layer and head;
+        # the trace, the first whose top-1 moved at the pixel, named in its status)
+        ui.jump_layer = gr.Dropdown(["all", *range(facts["layers"])], value="all", label="Layer", info=PICKER_INFO,
+                                    elem_id="pick-layer")
+        ui.jump_head = gr.Dropdown(["all", *range(facts["heads"])], value="all", label="Head", elem_id="pick-head")
     ui.frame_info = gr.Markdown(elem_id="frame-info")
     ui.scale = gr.Image(format="png", interactive=False, show_label=False, buttons=[], height=64, width=260,
                         elem_id="overlay-scale", container=False, visible=False)  # the overlays' colour bars
@@ -152,8 +157,6 @@ def _trace_panel(ui: SimpleNamespace, facts: dict) -> None:
     size = facts["frame_size"]
     with gr.Accordion("Pixel trace: Query → top-1 cached source", open=True):
         with gr.Row():
-            ui.trace_layer = gr.Dropdown(list(range(facts["layers"])), value=1, label="Trace layer")
-            ui.trace_head = gr.Dropdown(list(range(facts["heads"])), value=0, label="Trace head")
             ui.px = Number(size // 2, label=f"x (0..{size - 1})")
             ui.py = Number(size // 2, label=f"y (0..{size - 1})")
             ui.trace_btn = gr.Button("Trace pixel", elem_id="trace-btn")
@@ -174,7 +177,7 @@ def _trace_panel(ui: SimpleNamespace, facts: dict) -> None:
 
 def _export_panel(ui: SimpleNamespace, figure_formats: tuple) -> None:
     with gr.Accordion("Export figures for print (matplotlib): the per-frame plot, the maps of the slider's frame "
-                      "(jump-map layer and head as picked), the trace panel's logit heatmaps", open=False):
+                      "(layer and head as picked), the trace panel's logit heatmaps", open=False):
         with gr.Row():
             ui.export_formats = gr.CheckboxGroup(list(figure_formats), value=["pdf"], label="Formats")
             ui.export_btn = gr.Button("Export figures of this run", elem_id="export-btn")
@@ -190,7 +193,7 @@ def _wire_generate(ui: SimpleNamespace, generate: Callable, scrub: Callable, fac
     labels: dict[str, str] = {}  # run id -> its quantized side's label ("kivi 3-bit, 2.50 bits/element")
     ui.scrub_in = [ui.run_id, ui.frame, ui.overlays, ui.jump_layer, ui.jump_head, ui.result]
     ui.gen_out = [ui.status, ui.run_id, ui.bf16_video, ui.method_video, ui.plot, ui.frame]
-    ui.pickers = [ui.jump_layer, ui.jump_head, ui.trace_layer, ui.trace_head, ui.px, ui.py]
+    ui.pickers = [ui.jump_layer, ui.jump_head, ui.px, ui.py]
 
     def shown(r):
         """A comparison on the page: the slider sized to it, the quantized panels labelled with what they show."""
@@ -250,24 +253,20 @@ def _builtin_pickers(facts: dict) -> Callable:
         """Back to the built-in model's layers, heads and frame size after a generated run (if another run
         changed them)."""
         if not str(run_id or "").startswith("seed="):
-            return (gr.skip(),) * 6
-        return (gr.Dropdown(choices=["all", *map(str, range(facts["layers"]))]),
-                gr.Dropdown(choices=["all", *map(str, range(facts["heads"]))]),
-                gr.Dropdown(choices=list(range(facts["layers"]))), gr.Dropdown(choices=list(range(facts["heads"]))),
+            return (gr.skip(),) * 4
+        return (gr.Dropdown(choices=["all", *range(facts["layers"])]), gr.Dropdown(choices=["all", *range(facts["heads"])]),
                 *_pixel_boxes(size, size))
     return builtin_pickers
 
 
 def _controls_for(r):
-    """The layer/head pickers and the pixel boxes sized to an opened or live run (trace defaults: a layer and
-    head with logits, the frame's centre)."""
+    """The layer/head picker and the pixel boxes sized to an opened or live run ("all", the frame's centre: a
+    trace picks among the layers and heads the run holds logits for)."""
     if not r.get("run_id"):
-        return (gr.skip(),) * 6
+        return (gr.skip(),) * 4
     L, H = r["layers"], r["heads"]
-    return (gr.Dropdown(choices=["all", *map(str, range(L))], value="all"),
-            gr.Dropdown(choices=["all", *map(str, range(H))], value="all"),
-            gr.Dropdown(choices=list(range(L)), value=(r["logit_layers"] or [0])[0]),
-            gr.Dropdown(choices=list(range(H)), value=(r["logit_heads"] or [0])[0]), *_pixel_boxes(*r["frame_hw"]))
+    return (gr.Dropdown(choices=["all", *range(L)], value="all"), gr.Dropdown(choices=["all", *range(H)], value="all"),
+            *_pixel_boxes(*r["frame_hw"]))
 
 
 def _settings_for(r):
@@ -326,19 +325,19 @@ def _wire_views(ui: SimpleNamespace, scrub: Callable, trace_pixel: Callable, cli
         return (*_trace_outputs(r), x if x is not None else gr.skip(), y if y is not None else gr.skip())
 
     for img, name in ((ui.method_img, "click_pixel"), (ui.bf16_img, "click_pixel_bf16")):
-        img.select(on_click, [ui.run_id, ui.frame, ui.trace_layer, ui.trace_head], [*ui.trace_out, ui.px, ui.py],
+        img.select(on_click, [ui.run_id, ui.frame, ui.jump_layer, ui.jump_head], [*ui.trace_out, ui.px, ui.py],
                    api_name=name, **VIEW).then(
             ui.do_scrub, ui.scrub_in, ui.scrub_out, api_name=False, **VIEW)
 
     def do_trace(run_id, frame, x, y, layer, head):
         return _trace_outputs(trace_pixel(run_id, frame, x, y, layer, head))
 
-    ui.trace_btn.click(do_trace, [ui.run_id, ui.frame, ui.px, ui.py, ui.trace_layer, ui.trace_head], ui.trace_out,
+    ui.trace_btn.click(do_trace, [ui.run_id, ui.frame, ui.px, ui.py, ui.jump_layer, ui.jump_head], ui.trace_out,
                        api_name="trace_pixel", **VIEW).then(  # the traced pixel marked on both frames
         ui.do_scrub, ui.scrub_in, ui.scrub_out, api_name=False, **VIEW)
 
     def do_export(run_id, frame, layer, head, formats, traced=None):
-        """What the tab shows: the run's plot, the slider frame's maps (jump-map layer and head), the panel's trace."""
+        """What the tab shows: the run's plot, the slider frame's maps (the picked layer and head), the panel's trace."""
         r = export(run_id, frame, layer, head, formats, traced)
         return r["status"], r.get("files")
 

@@ -271,16 +271,19 @@ def overlay_scale(heat: np.ndarray) -> float:
     return float(np.percentile(heat, 99)) if heat.size else 0.0
 
 
-def trace_pixel_handler(runs, run_id, frame, x, y, layer=0, head=0) -> dict:
-    """Twin of the click: trace frame pixel (x, y) (0..63) of `frame` to its Query's top-1 cached source."""
+def trace_pixel_handler(runs, run_id, frame, x, y, layer="all", head="all") -> dict:
+    """Twin of the click: trace frame pixel (x, y) (0..63) of `frame` to its Query's top-1 cached source, in the
+    layer and head of the page's one picker ("all": the first whose top-1 moved at this Query; the status and
+    the result say which)."""
     try:
-        for name, val in (("frame", frame), ("x", x), ("y", y), ("layer", layer), ("head", head)):
+        for name, val in (("frame", frame), ("x", x), ("y", y)):
             if val is None or val == "":
                 raise ValueError(f"no {name} given")
-        r = runs.view(run_id).pixel_trace(*(integer(v, n) for n, v in (("frame", frame), ("x", x), ("y", y),
-                                                                        ("layer", layer), ("head", head))))
+        r = runs.view(run_id).pixel_trace(*(integer(v, n) for n, v in (("frame", frame), ("x", x), ("y", y))),
+                                          _choice(layer, "layer"), _choice(head, "head"))
     except ValueError as e:
         return error(str(e))
+    layer, head = r["layer"], r["head"]
     key_method = r["method"]
     grid = r["grid"][0]
     cell = r["frames"].shape[1] // grid
@@ -296,7 +299,8 @@ def trace_pixel_handler(runs, run_id, frame, x, y, layer=0, head=0) -> dict:
     from quantwm.evaluation.diagnostics import trace_margins
 
     mg = trace_margins(r["logits_bf16"], r["logits_method"], eb, r["grid"])
-    status = (f"Query frame {t}, row {row}, col {col} (layer {layer}, head {head}) — BF16 source: frame {eb[0]}, "
+    picked = f"; {r['picked']}" if r["picked"] else ""
+    status = (f"Query frame {t}, row {row}, col {col} (layer {layer}, head {head}{picked}) — BF16 source: frame {eb[0]}, "
               f"row {eb[1]}, col {eb[2]}; {key_method} source: frame {em[0]}, row {em[1]}, col {em[2]} — {verdict}. "
               f"Logit margin (top-1 minus runner-up): BF16 {mg['margin_bf16']:.3f}, {key_method} "
               f"{mg['margin_method']:.3f}; the BF16 source ranks {mg['bf16_source_rank']} under {key_method}'s keys.")
@@ -308,7 +312,7 @@ def trace_pixel_handler(runs, run_id, frame, x, y, layer=0, head=0) -> dict:
                        "source_bf16": list(eb), "source_method": list(em), "jumped": bool(r["jumped"]), **mg}}
 
 
-def click_pixel_handler(runs, run_id, frame, index, layer=0, head=0) -> dict:
+def click_pixel_handler(runs, run_id, frame, index, layer="all", head="all") -> dict:
     """A click at `index` = (x, y) on the enlarged frame image: the trace of that frame pixel."""
     if not index or len(index) != 2:
         return error("no pixel clicked")
@@ -366,8 +370,8 @@ def trace_of(traced, run_id) -> dict | None:
 
 def export_handler(runs, run_id, frame, layer="all", head="all", formats=("pdf",), traced=None) -> dict:
     """Print figures (matplotlib) of what the Generate tab shows of the current run, built-in or opened: its
-    per-frame plot; the maps of the slider's `frame` with the jump map of `layer` and `head` (the jump-map
-    pickers; "all" or an index); and the trace panel's trace (`traced`, its result: frame, pixel, layer, head)
+    per-frame plot; the maps of the slider's `frame` with the jump map of `layer` and `head` (the page's
+    layer/head picker; "all" or an index); and the trace panel's trace (`traced`, its result: frame, pixel, layer, head)
     when it is one of this run, none otherwise. Every file name says the run and what it draws."""
     from quantwm.drivers.run_figures import run_figures
 

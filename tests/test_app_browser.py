@@ -207,6 +207,10 @@ def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifa
     finally:
         page.screenshot(path=str(artifacts / "app-e2e-trace.png"), full_page=True)
     assert f"Query frame {FRAMES - 1}, row 5, col 2" in text and "BF16 source: frame" in text
+    # the one layer/head picker is on "all": the trace says which layer and head it picked, and why
+    layer, head, why = re.search(r"\(layer (\d), head (\d); ([^)]*)\)", text).groups()
+    assert why in ("the first layer and head whose top-1 moved at this Query",
+                   "no top-1 moved at this Query: the first layer and head with logits")
     assert page.locator("#trace-src-bf16 img").count() == 1 and page.locator("#trace-src-method img").count() == 1
     for elem in ("trace-query", "trace-src-bf16", "trace-src-method"):  # captions above, no badge over the image
         assert not page.locator(f"#{elem} [data-testid=block-label]").is_visible()
@@ -232,7 +236,7 @@ def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifa
     page.locator("#export-btn").click()
     wait_text(page, "#export-status", "file(s)")
     files = page.locator("#export-status").inner_text()
-    assert f"-frame{FRAMES - 1}-x21-y42-layer1-head0.pdf" in files and "trace-seed4-loop-quantwm" in files
+    assert f"-frame{FRAMES - 1}-x21-y42-layer{layer}-head{head}.pdf" in files and "trace-seed4-loop-quantwm" in files
 
 
 def test_the_page_opens_on_equal_memory_and_flags_a_fixed_bits_run_over_bf16(browser_and_url):
@@ -743,16 +747,16 @@ def test_exports_equal_the_panels_after_a_scrub_and_after_a_new_run(browser_and_
     emptied and the export is of the new run, with no trace of the one before."""
     page = new_user(*browser_and_url, width)
     generate(page)
-    pick(page, "Jump map layer", "0")
-    pick(page, "Jump map head", "1")
+    pick(page, "Layer", "0")  # the one layer/head picker: the jump map's and the trace's
+    pick(page, "Head", "1")
     scrub_to(page, FRAMES - 3)
-    assert f"Query frame {FRAMES - 3}, row 5, col 2 (layer 1, head 0)" in click_frame_pixel(page, 21, 42)
+    assert f"Query frame {FRAMES - 3}, row 5, col 2 (layer 0, head 1)" in click_frame_pixel(page, 21, 42)
     scrub_to(page, FRAMES - 2)
     assert "yellow square: the traced pixel (21, 42)" in page.locator("#frame-info").inner_text()
     page.get_by_text("Export figures for print").click()
     files = export_files(page).split(": ", 1)[1].split(", ")
     assert sorted(files) == sorted([f"frames-{TAG}.pdf", f"maps-{TAG}-frame{FRAMES - 2}-layer0-head1.pdf",
-                                    f"trace-{TAG}-frame{FRAMES - 3}-x21-y42-layer1-head0.pdf"]), files
+                                    f"trace-{TAG}-frame{FRAMES - 3}-x21-y42-layer0-head1.pdf"]), files
     page.get_by_role("tab", name="Query energy").click()  # the energy tab exports the layer it shows
     page.locator("#energy-btn").click()
     wait_text(page, "#energy-status", "eigen-directions")

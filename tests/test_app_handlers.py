@@ -239,6 +239,23 @@ def assert_markers_on_maxima(fig):
         assert z[mark.y[0], mark.x[0]] == z.max()
 
 
+def test_one_picker_all_traces_the_first_layer_and_head_whose_top1_moved(runs, generated):
+    """The page's one layer/head picker on "all" (or one of the two on "all"): the trace takes the first
+    (layer, head) in order whose top-1 moved at the Query, says so, and equals the trace asked for by number."""
+    rid = generated[0]["run_id"]
+    view = runs.view(rid)
+    L, H = view.facts.layers, view.facts.heads
+    for x, y, head in ((45, 10, "all"), (20, 30, "all"), (45, 10, 2)):
+        moved = [(la, h) for la in range(L) for h in range(H) if head in ("all", h)
+                 and view.pixel_trace(FRAMES - 1, x, y, la, h)["jumped"]]
+        r = wh.trace_pixel_handler(runs, rid, FRAMES - 1, x, y, "all", head)
+        res = r["result"]
+        first = moved[0] if moved else (0, 0 if head == "all" else head)
+        assert (res["layer"], res["head"]) == first
+        assert ("whose top-1 moved at this Query" if moved else "no top-1 moved at this Query") in r["status"]
+        assert wh.trace_pixel_handler(runs, rid, FRAMES - 1, x, y, *first)["result"] == res
+
+
 def test_trace_pixel_twin_and_click_agree(runs, generated):
     rid = generated[0]["run_id"]
     twin = wh.trace_pixel_handler(runs, rid, FRAMES - 1, 45, 10, 2, 1)
@@ -261,7 +278,8 @@ def test_trace_pixel_twin_and_click_agree(runs, generated):
     (FRAMES - 1, 3, -2, 0, "outside"),
     (FRAMES + 5, 3, 3, 0, "out of range"),
     (1, 3, 3, 0, "context frame"),
-    (FRAMES - 1, 3, 3, 4, "layer/head (4, 0) out of range"),
+    (FRAMES - 1, 3, 3, 4, "layer 4 out of range"),
+    (FRAMES - 1, 3, 3, "top", "layer must be 'all' or an integer"),
     (FRAMES - 1, None, 3, 0, "no x given"),
 ])
 def test_trace_pixel_bad_input_is_a_message(runs, generated, frame, x, y, layer, needle):

@@ -84,6 +84,10 @@ def test_the_handlers_show_an_opened_run_like_a_generated_one(runs, recorded):
     assert sorted(f.rsplit("/", 1)[-1].split("-")[0] for f in ex["files"]) == ["frames", "maps", "trace"]
     assert any(f.endswith(f"-frame{FRAMES - 1}-x20-y50-layer1-head0.svg") for f in ex["files"])
     assert wh.export_energy_handler(runs, r["run_id"], 1, ["svg"])["files"]
+    picked = wh.trace_pixel_handler(runs, r["run_id"], FRAMES - 1, 20, 50, "all", "all")["result"]  # among the logged
+    assert picked["layer"] in (1, 2) and picked["head"] in r["logit_heads"]
+    assert "holds attention logits for layers [1, 2]" in wh.trace_pixel_handler(runs, r["run_id"], FRAMES - 1, 1, 1, 0,
+                                                                                "all")["status"]
     assert "holds attention logits for layers [1, 2]" in wh.trace_pixel_handler(runs, r["run_id"], FRAMES - 1, 1, 1, 0,
                                                                                 0)["status"]
     for bad, needle in ((None, "no run file"), ("/nope.safetensors", "does not exist")):

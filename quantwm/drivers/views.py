@@ -151,12 +151,23 @@ class RunView:
         grid[pos] = logits.float()
         return grid.reshape(-1, f.tokens_per_frame), D.token_coords(int(pos[src]), f.latent_grid)
 
-    def pixel_trace(self, frame: int, x: int, y: int, layer: int = 0, head: int = 0) -> dict:
-        """Trace pixel (x, y) of `frame` to its Query's top-1 cached source, exact vs stored keys."""
+    def traceable(self) -> list[tuple[int, int]]:
+        """The (layer, head) pairs whose logits a trace can show: every pair of a built-in run, the recorded layers
+        and heads of a run file."""
+        f, meta = self.facts, self.run.meta
+        if self._logits != self._stored_logits:
+            return [(layer, head) for layer in range(f.layers) for head in range(f.heads)]
+        return [(layer, head) for layer in meta["logit_layers"] for head in meta["logit_heads"]]
+
+    def pixel_trace(self, frame: int, x: int, y: int, layer: int | None = 0, head: int | None = 0) -> dict:
+        """Trace pixel (x, y) of `frame` to its Query's top-1 cached source, exact vs stored keys. `layer` or
+        `head` None ("all" on the page's one layer/head picker): the first traceable pair that fits the other
+        whose top-1 moved at this Query, or the first traceable one when none moved; "picked" says which rule."""
         f = self.facts
         t = self.check_frame(frame)
-        if not 0 <= layer < f.layers or not 0 <= head < f.heads:
-            raise ValueError(f"layer/head ({layer}, {head}) out of range: {f.layers} layers, {f.heads} heads")
+        for name, v, n in (("layer", layer, f.layers), ("head", head, f.heads)):
+            if v is not None and not 0 <= v < n:
+                raise ValueError(f"{name} {v} out of range: {f.layers} layers, {f.heads} heads")
         row, col = f.pixel_to_token(int(x), int(y))
         lat = f.latent_frame(t)
         chunk = f.chunk_of(lat)
@@ -165,14 +176,25 @@ class RunView:
                              f"its queries were not probed; probed chunks: {sorted(self.run.top1)}")
         qi = (lat - f.chunk_start - chunk * f.chunk_frames) * f.tokens_per_frame + row * f.latent_grid[1] + col
         e, q = self.run.top1[chunk]
+        picked = None
+        if layer is None or head is None:
+            pairs = [(lay, h) for lay, h in self.traceable() if layer in (None, lay) and head in (None, h)]
+            if not pairs:
+                meta = self.run.meta
+                raise ValueError(f"the run holds attention logits for layers {meta['logit_layers']} and heads "
+                                 f"{meta['logit_heads']} only (record with --logit-layers / --logit-heads)")
+            moved = [(lay, h) for lay, h in pairs if int(e[lay, h, qi]) != int(q[lay, h, qi])]
+            layer, head = (moved or pairs)[0]
+            picked = ("the first layer and head whose top-1 moved at this Query" if moved else
+                      "no top-1 moved at this Query: the first layer and head with logits")
         src_e, src_q = int(e[layer, head, qi]), int(q[layer, head, qi])
         le, lq = self._logits(chunk, layer, head, qi)
         exact, source_e = self._cached(chunk, le, src_e)
         stored, source_q = self._cached(chunk, lq, src_q)
         n_lat = f.latent_frame(self.run.method.shape[0] - 1) + 1
         thumbs = self.run.method[[f.first_output_frame(i) for i in range(n_lat)]].numpy()
-        return {"query": (lat, row, col), "layer": layer, "head": head, "method": self.run.meta["method"],
-                "source_bf16": source_e, "source_method": source_q,
+        return {"query": (lat, row, col), "layer": layer, "head": head, "picked": picked,
+                "method": self.run.meta["method"], "source_bf16": source_e, "source_method": source_q,
                 "jumped": src_e != src_q, "logits_bf16": exact.numpy(), "logits_method": stored.numpy(),
                 "frames": thumbs, "grid": f.latent_grid}
 
