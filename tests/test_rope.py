@@ -113,3 +113,17 @@ def test_rope_preserves_dtype_bf16():
     y = rope(x, torch.arange(5))
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float().norm(dim=-1), x.float().norm(dim=-1), rtol=2e-2, atol=2e-2)
+
+
+def test_frame_shift_keeps_a_bounded_number_of_matrices():
+    """A long rollout asks for a new frame count every chunk: the kept matrices stay few (they held 8 MiB at 256),
+    and one asked for again after eviction is the same matrix."""
+    from quantwm.core.rope import FrameShift, _frame_matrix
+
+    fs = FrameShift(64, 16)
+    first = fs.matrix(-2).clone()
+    for f in range(0, 600, 2):
+        fs.matrix(f)
+        fs.matrix(-f)
+    assert _frame_matrix.cache_info().currsize <= 16
+    assert torch.equal(fs.matrix(-2), first)

@@ -85,7 +85,9 @@ class FrameShift:
         return _frame_matrix(self.head_dim, self.theta, frames)
 
 
-@functools.lru_cache(maxsize=256)
+# kept for the frame counts of the chunks near the one being written (its anchor and aims): a long rollout asks
+# for new ones every chunk, and 256 of them held 8 MiB
+@functools.lru_cache(maxsize=16)
 def _frame_matrix(head_dim: int, theta: float, frames: int) -> torch.Tensor:
     angles = rope_angles(torch.tensor([[frames, 0, 0]]), head_dim, theta)  # (1, D/2)
     cos, sin = angles[0].cos(), angles[0].sin()

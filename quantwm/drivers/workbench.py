@@ -23,8 +23,6 @@ Keys vs Values, the methods at one budget).
 """
 from __future__ import annotations
 
-import ctypes
-import gc
 import os
 import threading
 import time
@@ -37,23 +35,13 @@ import torch
 
 from ..core.cache import CacheConfig
 from ..core.methods import get_method, known_methods
-from ..evaluation.limits import Limits, fit_chunk_seconds, generated_chunk_tokens, request_bytes
+from ..evaluation.limits import Limits, fit_chunk_seconds, generated_chunk_tokens, release_memory, request_bytes
 from ..world.evaluate import place_shift_rate
 from ..world.generate import generate, load_world_model
 from ..world.scene import TRAIN_SEED_BASE
 from .runs import MiB, Record, RunKey
 
 __all__ = ["Record", "RunKey", "Workbench", "release_memory"]
-
-
-def release_memory() -> None:
-    """Give freed memory back to the OS (glibc keeps freed heap pages otherwise, and a long-running server's
-    resident size would creep up after every eviction)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 
 
 class Workbench:

@@ -21,11 +21,26 @@ whole into memory and analysed in a few copies). Every figure can be overridden 
 """
 from __future__ import annotations
 
+import ctypes
+import gc
 import os
 from dataclasses import dataclass
 
 MiB = 2 ** 20
 F32, I64 = 4, 8
+TRIM_EVERY = 8  # chunks between `release_memory(collect=False)` calls in a long rollout's loop
+
+
+def release_memory(collect: bool = True) -> None:
+    """Give freed memory back to the OS: glibc keeps freed heap pages otherwise, so a long-running server's or a
+    long rollout's resident size creeps up as its allocations fragment the heap. `collect`: run the garbage
+    collector first (a server after an eviction; a rollout loop has no cycles to free and skips it)."""
+    if collect:
+        gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 
 
 def machine_memory() -> tuple[int, int]:
