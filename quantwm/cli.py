@@ -360,6 +360,10 @@ def _eval_long(a, methods: list[str]) -> int:
         print(f"{m}: first frame below {a.threshold_db:g} dB against BF16: {first if first is not None else 'none'}; "
               "per 100 frames: " + ", ".join(f"{k} {v['slope_per_100_frames']:+.2e} (first quarter {_fmt(v['first_quarter'])}"
                                              f", last {_fmt(v['last_quarter'])})" for k, v in d.items()))
+        if len(e["per_seed"]) > 1:
+            print(f"{m}: per seed " + "; ".join(
+                f"{p['seed']}: PSNR {_fmt(p['mean']['psnr'], 2)} dB, place shift {_fmt(p['mean']['place_shift_rate'])}, "
+                f"first below {a.threshold_db:g} dB {p['first_frame_below_threshold']}" for p in e["per_seed"]))
     return 0
 
 

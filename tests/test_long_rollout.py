@@ -9,7 +9,7 @@ from quantwm.cli import main
 from quantwm.core.cache import CacheConfig
 from quantwm.world.evaluate import place_shift_rate
 from quantwm.world.generate import DEFAULT_WEIGHTS, ChunkStep, generate, load_world_model, rollout
-from quantwm.world.long_rollout import DRIFT, PlaceMemory, evaluate_long, summarise
+from quantwm.world.long_rollout import CURVES, DRIFT, PlaceMemory, evaluate_long, summarise
 
 
 @pytest.fixture(scope="module")
@@ -38,13 +38,25 @@ def test_rollout_window_holds_sink_plus_window_and_probes_see_positions(model):
 
 def test_evaluate_long_streams_one_line_per_generated_frame(model, tmp_path):
     stream = tmp_path / "frames.jsonl"
-    r = evaluate_long(model, ["rtn"], seeds=[0], n_frames=12, steps=1, window=2, stream=stream, curve_frames=4)
-    lines = [json.loads(x) for x in stream.read_text().splitlines()]
+    r = evaluate_long(model, ["rtn"], seeds=[0, 1], n_frames=12, steps=1, window=2, stream=stream, curve_frames=4)
+    all_lines = [json.loads(x) for x in stream.read_text().splitlines()]
+    lines = [x for x in all_lines if x["seed"] == 0]
     generated = 12 - model.cfg.context_frames
     assert [x["frame"] for x in lines] == list(range(model.cfg.context_frames, 12))
+    # each seed's summary from its own lines; the means over both seeds are the report's
+    per = r["methods"]["rtn"]["per_seed"]
+    assert [p["seed"] for p in per] == [0, 1]
+    for p in per:
+        mine = [x for x in all_lines if x["seed"] == p["seed"]]
+        alone = summarise({k: [[x[k] for x in mine]] for k in CURVES}, model.cfg.context_frames)
+        assert p["mean"] == pytest.approx(alone["mean"], nan_ok=True)
+        assert p["first_frame_below_threshold"] == alone["first_frame_below_threshold"]
+    per_frame = [(a["psnr"] + b["psnr"]) / 2 for a, b in zip(lines, [x for x in all_lines if x["seed"] == 1])]
+    assert r["methods"]["rtn"]["per_frame"]["psnr"] == pytest.approx(per_frame)
+    lines = [x for x in all_lines if x["seed"] == 0]
     assert {x["method"] for x in lines} == {"rtn"} and all(x["cached_tokens"] <= 3 * 128 for x in lines)
     e = r["methods"]["rtn"]
-    assert len(e["per_frame"]["psnr"]) == generated and e["per_frame"]["psnr"] == [x["psnr"] for x in lines]
+    assert len(e["per_frame"]["psnr"]) == generated
     assert e["windowed"]["frames"] == [4, 8] and len(e["windowed"]["psnr"]) == 2
     assert set(e["drift"]) == set(DRIFT) and 0 < e["mean"]["bits_per_element"] < 16
     assert {"revisit_psnr", "bf16_revisit_psnr"} <= set(lines[0]) and "revisited_frames" in e["mean"]

@@ -157,6 +157,12 @@ def evaluate_long(model: WorldModel, methods: list[str], target: str = "kv", see
             out.close()
     first = cfg.context_frames
     report = {m: summarise(curves[m], first, threshold_db, curve_frames) for m in configs}
+    for m in configs:  # each seed on its own: the spread behind the means
+        report[m]["per_seed"] = []
+        for i, seed in enumerate(seeds):
+            one = summarise({k: [v[i]] for k, v in curves[m].items()}, first, threshold_db, curve_frames)
+            report[m]["per_seed"].append({"seed": seed, "mean": one["mean"], "drift": one["drift"],
+                                          "first_frame_below_threshold": one["first_frame_below_threshold"]})
     for m in configs:
         mems = memory[m]
         report[m]["mean"].update({"bits_per_element": _mean([x.span_bits_per_element for x in mems]),
