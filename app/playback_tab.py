@@ -139,9 +139,9 @@ def _frames_panel(ui: SimpleNamespace, facts: dict, default_frames: int) -> None
                                        "the chosen layers and heads)")
         # one layer/head picker for the jump map and the pixel trace ("all": the map over every layer and head;
         # the trace, the first whose top-1 moved at the pixel, named in its status)
-        ui.jump_layer = gr.Dropdown(["all", *range(facts["layers"])], value="all", label="Layer", info=PICKER_INFO,
+        ui.layer = gr.Dropdown(["all", *range(facts["layers"])], value="all", label="Layer", info=PICKER_INFO,
                                     elem_id="pick-layer")
-        ui.jump_head = gr.Dropdown(["all", *range(facts["heads"])], value="all", label="Head", elem_id="pick-head")
+        ui.head = gr.Dropdown(["all", *range(facts["heads"])], value="all", label="Head", elem_id="pick-head")
     ui.frame_info = gr.Markdown(elem_id="frame-info")
     ui.scale = gr.Image(format="png", interactive=False, show_label=False, buttons=[], height=64, width=260,
                         elem_id="overlay-scale", container=False, visible=False)  # the overlays' colour bars
@@ -191,9 +191,9 @@ def _wire_generate(ui: SimpleNamespace, generate: Callable, scrub: Callable, fac
                    rerun_pickers: bool) -> Callable:
     """Generate, then the frame it lands on; returns `shown` (a comparison's outputs on the page)."""
     labels: dict[str, str] = {}  # run id -> its quantized side's label ("kivi 3-bit, 2.50 bits/element")
-    ui.scrub_in = [ui.run_id, ui.frame, ui.overlays, ui.jump_layer, ui.jump_head, ui.result]
+    ui.scrub_in = [ui.run_id, ui.frame, ui.overlays, ui.layer, ui.head, ui.result]
     ui.gen_out = [ui.status, ui.run_id, ui.bf16_video, ui.method_video, ui.plot, ui.frame]
-    ui.pickers = [ui.jump_layer, ui.jump_head, ui.px, ui.py]
+    ui.pickers = [ui.layer, ui.head, ui.px, ui.py]
 
     def shown(r):
         """A comparison on the page: the slider sized to it, the quantized panels labelled with what they show."""
@@ -316,7 +316,7 @@ def _wire_live(ui: SimpleNamespace, live: dict, shown: Callable) -> None:
 def _wire_views(ui: SimpleNamespace, scrub: Callable, trace_pixel: Callable, click_pixel: Callable,
                 export: Callable) -> None:
     """Scrubbing, clicking or tracing a pixel, exporting figures."""
-    gr.on([ui.frame.change, ui.overlays.change, ui.jump_layer.change, ui.jump_head.change], ui.do_scrub, ui.scrub_in,
+    gr.on([ui.frame.change, ui.overlays.change, ui.layer.change, ui.head.change], ui.do_scrub, ui.scrub_in,
           ui.scrub_out, api_name="scrub", trigger_mode="always_last", **VIEW)
 
     def on_click(run_id, frame, layer, head, evt: gr.SelectData):
@@ -325,14 +325,14 @@ def _wire_views(ui: SimpleNamespace, scrub: Callable, trace_pixel: Callable, cli
         return (*_trace_outputs(r), x if x is not None else gr.skip(), y if y is not None else gr.skip())
 
     for img, name in ((ui.method_img, "click_pixel"), (ui.bf16_img, "click_pixel_bf16")):
-        img.select(on_click, [ui.run_id, ui.frame, ui.jump_layer, ui.jump_head], [*ui.trace_out, ui.px, ui.py],
+        img.select(on_click, [ui.run_id, ui.frame, ui.layer, ui.head], [*ui.trace_out, ui.px, ui.py],
                    api_name=name, **VIEW).then(
             ui.do_scrub, ui.scrub_in, ui.scrub_out, api_name=False, **VIEW)
 
     def do_trace(run_id, frame, x, y, layer, head):
         return _trace_outputs(trace_pixel(run_id, frame, x, y, layer, head))
 
-    ui.trace_btn.click(do_trace, [ui.run_id, ui.frame, ui.px, ui.py, ui.jump_layer, ui.jump_head], ui.trace_out,
+    ui.trace_btn.click(do_trace, [ui.run_id, ui.frame, ui.px, ui.py, ui.layer, ui.head], ui.trace_out,
                        api_name="trace_pixel", **VIEW).then(  # the traced pixel marked on both frames
         ui.do_scrub, ui.scrub_in, ui.scrub_out, api_name=False, **VIEW)
 
@@ -341,7 +341,7 @@ def _wire_views(ui: SimpleNamespace, scrub: Callable, trace_pixel: Callable, cli
         r = export(run_id, frame, layer, head, formats, traced)
         return r["status"], r.get("files")
 
-    ui.export_btn.click(do_export, [ui.run_id, ui.frame, ui.jump_layer, ui.jump_head, ui.export_formats, ui.result],
+    ui.export_btn.click(do_export, [ui.run_id, ui.frame, ui.layer, ui.head, ui.export_formats, ui.result],
                         [ui.export_status, ui.export_files], api_name="export_figures", **VIEW)
 
 
