@@ -131,11 +131,16 @@ class RunView:
                 "jumps": None if jumps is None else jumps.reshape(*self.facts.latent_grid).numpy(),
                 "context": t < self.context_frames}
 
+    def _no_logits(self) -> ValueError:
+        """The error for a (layer, head) the run file holds no logits of, naming those it holds."""
+        meta = self.run.meta
+        return ValueError(f"the run holds attention logits for layers {meta['logit_layers']} and heads "
+                          f"{meta['logit_heads']} only (record with --logit-layers / --logit-heads)")
+
     def _stored_logits(self, chunk: int, layer: int, head: int, query: int):
         meta = self.run.meta
         if layer not in meta["logit_layers"] or head not in meta["logit_heads"]:
-            raise ValueError(f"the run holds attention logits for layers {meta['logit_layers']} and heads "
-                             f"{meta['logit_heads']} only (record with --logit-layers / --logit-heads)")
+            raise self._no_logits()
         li, hi = meta["logit_layers"].index(layer), meta["logit_heads"].index(head)
         exact, stored = self.run.logits[chunk]
         return exact[li, hi, query], stored[li, hi, query]
@@ -180,9 +185,7 @@ class RunView:
         if layer is None or head is None:
             pairs = [(lay, h) for lay, h in self.traceable() if layer in (None, lay) and head in (None, h)]
             if not pairs:
-                meta = self.run.meta
-                raise ValueError(f"the run holds attention logits for layers {meta['logit_layers']} and heads "
-                                 f"{meta['logit_heads']} only (record with --logit-layers / --logit-heads)")
+                raise self._no_logits()
             moved = [(lay, h) for lay, h in pairs if int(e[lay, h, qi]) != int(q[lay, h, qi])]
             layer, head = (moved or pairs)[0]
             picked = ("the first layer and head whose top-1 moved at this Query" if moved else
