@@ -156,11 +156,15 @@ class Workbench:
                 rec = self._generate(key, progress)
             finally:
                 self.running = None
+        self._store(key, rec, {key, *keep})
+        return rec
+
+    def _store(self, key: RunKey, rec: Record, spare: set) -> None:
+        """Keep a generated record, then evict to the budget, sparing the keys in `spare` (and their references)."""
         with self._cache_lock:
             self._records[key] = rec
             self._evicted.discard(key)
-            self._evict({key, *keep})
-        return rec
+            self._evict(spare)
 
     def _evict(self, keep: set) -> None:
         """Drop least recently used records until the cache fits its budget; a reference takes the runs
@@ -245,10 +249,7 @@ class Workbench:
                             if f.exception() is not None:
                                 failed[k] = f.exception()
                                 continue
-                            with self._cache_lock:
-                                self._records[k] = f.result()
-                                self._evicted.discard(k)
-                                self._evict(set(wanted))
+                            self._store(k, f.result(), set(wanted))
                         if progress:
                             progress(sum(done.values()), sum(chunks.values()))
             finally:
