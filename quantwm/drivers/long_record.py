@@ -26,7 +26,6 @@ import torch
 
 from ..core.cache import CacheConfig
 from ..evaluation import metrics as M
-from ..evaluation.limits import TRIM_EVERY, release_memory
 from ..evaluation.runfile import RunWriter, memory_meta
 from ..world.generate import context_coverage, rollout
 from ..world.long_rollout import CURVES, THRESHOLD_DB, PlaceMemory, frame_records, summarise
@@ -122,8 +121,6 @@ def record_long(model, key: RunKey, path, window: int, sink_chunks: int = 1, log
                     for k in CURVES:
                         curves[k].append(rec[k])
             prev = (step.frames[-1:], ref.frames[-1:])
-            if ref.chunk % TRIM_EVERY == TRIM_EVERY - 1:
-                release_memory(collect=False)  # the heap's freed pages back: resident memory stays the window's
             if progress:
                 progress(ref.chunk + 1, n_chunks, f"frame {(ref.chunk + 1) * cfg.chunk_frames}")
         heads = []

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 MiB = 2 ** 20
 F32, I64 = 4, 8
-TRIM_EVERY = 8  # chunks between `release_memory(collect=False)` calls in a long rollout's loop
+TRIM_EVERY = 8  # chunks between `release_memory(collect=False)` calls in a rolling-window rollout (world.generate.rollout)
 
 
 def release_memory(collect: bool = True) -> None:

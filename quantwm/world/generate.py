@@ -23,6 +23,7 @@ from safetensors import safe_open
 from ..core.cache import CacheConfig, KVCache
 from ..core.rope import FrameShift
 from ..evaluation import metrics as M
+from ..evaluation.limits import TRIM_EVERY, release_memory
 from .model import WorldConfig, WorldModel
 from .scene import make_world, patchify, render, token_world_coords, trajectory, unpatchify
 
@@ -186,7 +187,8 @@ def rollout(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n
             progress=None, poses: torch.Tensor | None = None, world: str = "photo", photos: str | None = None,
             logits: tuple = ((), ())):
     """`generate`'s loop, one `ChunkStep` at a time: the caller keeps what it needs, so a long rollout through a
-    rolling window (`cache_config.max_chunks`) holds the window, one chunk's frames and the poses, not the video.
+    rolling window (`cache_config.max_chunks`) holds the window, one chunk's frames and the poses, not the video;
+    with a window it also gives the heap's freed pages back to the OS every `TRIM_EVERY` chunks.
     `logits`: (layers, heads) whose attention logits each probe keeps (`ChunkProbe.logits`), for a caller that
     cannot recompute them later (the window evicts the keys they were taken over)."""
     cfg = model.cfg
@@ -247,6 +249,8 @@ def rollout(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n
 
     for c in range(n_chunks):
         frames_out, gt, chunk_probe = chunk(c)
+        if cache_config.max_chunks is not None and c % TRIM_EVERY == TRIM_EVERY - 1:
+            release_memory(collect=False)  # the heap's freed pages back: a long run's memory stays the window's
         if progress:
             progress(c + 1, n_chunks)
         yield ChunkStep(c, frames_out, gt, chunk_probe, poses, places, cache)

@@ -33,7 +33,6 @@ import torch
 
 from ..core.cache import CacheConfig
 from ..evaluation import metrics as M
-from ..evaluation.limits import TRIM_EVERY, release_memory
 from .evaluate import check_worlds, method_configs
 from .generate import ChunkStep, rollout
 from .model import WorldModel
@@ -144,8 +143,6 @@ def evaluate_long(model: WorldModel, methods: list[str], target: str = "kv", see
                         configuration[m] = step.cache.configuration
                 if out:
                     out.flush()
-                if ref.chunk % TRIM_EVERY == TRIM_EVERY - 1:
-                    release_memory(collect=False)  # the heap's freed pages back: resident memory stays the window's
                 if progress:
                     progress(si * n_chunks + ref.chunk + 1, len(seeds) * n_chunks, f"seed {seed} frame "
                              f"{(ref.chunk + 1) * cfg.chunk_frames}")
