@@ -174,8 +174,9 @@ def side_key(side) -> str:
 
 def fold_checked(qs: torch.Tensor, state: tuple, k: Layout, v: Layout, scale: float, jensen: bool,
                  lowp: str | None) -> None:
-    """One span through the kernel, its first use per (layout, dtype, device) checked against the reference on
-    the first queries (quantwm/core/selfcheck.py); a layout whose check failed folds through the reference."""
+    """One span through the kernel, its first use per (layout, dtype, device, shape class) checked against the
+    reference on the first queries (quantwm/core/selfcheck.py); a layout whose check failed folds through the
+    reference."""
     acc, m, l = state
     psac = k.psac_args(qs)
     layout = (f"k: {side_key(k.kernel_side)}" + (" +psac" if psac is not None else "") + (" +jensen" if jensen else "")
@@ -188,15 +189,18 @@ def fold_checked(qs: torch.Tensor, state: tuple, k: Layout, v: Layout, scale: fl
     def ref():
         span_attention_ref(qs, acc, m, l, k.keys_read(), v, scale, psac=psac, jensen=jensen, lowp=lowp)
 
-    selfcheck.run("span_attention", layout, qs, fast, ref, lambda: attention_check(qs, k, v, scale, jensen, lowp))
+    shape = selfcheck.shape_class("span_attention", Nq=qs.shape[1], N=k.shape[1], D=qs.shape[2])
+    selfcheck.run("span_attention", layout, qs, fast, ref, lambda: attention_check(qs, k, v, scale, jensen, lowp),
+                  shape=shape)
 
 
 def attention_check(qs: torch.Tensor, k: Layout, v: Layout, scale: float, jensen: bool,
                     lowp: str | None) -> tuple[float, float, str]:
-    """(the kernel's error, the error allowed, shapes) on the first SAMPLE_QUERIES queries over span (k, v) alone,
-    one split: against float64 attention over the decoded span, the kernel may err twice as much as the same
-    attention in the input dtype (plus ATTENTION_FLOOR of the output); with `lowp`, against its emulation."""
-    q = qs[:, :selfcheck.SAMPLE_QUERIES]
+    """(the kernel's error, the error allowed, shapes) on the first queries over span (k, v) alone (one tile of
+    them plus the call's remainder: selfcheck.sample_length), one split: against float64 attention over the
+    decoded span, the kernel may err twice as much as the same attention in the input dtype (plus ATTENTION_FLOOR
+    of the output); with `lowp`, against its emulation."""
+    q = qs[:, :selfcheck.sample_length("span_attention", "Nq", qs.shape[1])]
     S, Nq, D = q.shape
 
     def fold(fn, **kw) -> torch.Tensor:
