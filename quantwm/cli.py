@@ -1,7 +1,8 @@
 """Command line: `python -m quantwm {analyze,memory,plan,eval,trace,record,figures,frontier,synth-trace,query-stats,
-methods,app} ...` (also installed as `quantwm`).
+methods,selfcheck,app} ...` (also installed as `quantwm`).
 
 Long work shows a progress bar on stderr. Bad arguments or files print one line on stderr and exit 2.
+`quantwm selfcheck` exits 1 when a kernel fails its check against its reference, naming it on stderr.
 `quantwm app ...` starts the diagnostics app (the same as `python app.py ...`).
 """
 from __future__ import annotations
@@ -468,8 +469,9 @@ def cmd_methods(a) -> int:
 
 
 def cmd_selfcheck(a) -> int:
-    import json
-
+    """The kernel report (quantwm/evaluation/kernel_report.py); exit 1 when a kernel failed its check against its
+    reference, one stderr line per failed check."""
+    from .core import selfcheck
     from .evaluation.kernel_report import report
 
     for name in ("heads", "head_dim", "chunk_tokens"):
@@ -480,7 +482,10 @@ def cmd_selfcheck(a) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1)
-    return 0
+    failed = selfcheck.fallbacks()
+    for v in failed:
+        print(f"quantwm: kernel self-check failed: {v.line()}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 def cmd_app(argv: list[str]) -> int:

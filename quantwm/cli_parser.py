@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s = sub.add_parser("methods", help="list the registered methods")
     s = sub.add_parser("selfcheck", help="on this machine: the device, which path each method takes, every kernel "
-                                         "checked against its reference, and a timing table",
+                                         "checked against its reference (exit 1 if one fails), and a timing table",
                        parents=[method_flag(), json_out])
     s.add_argument("--model", choices=["wan-1.3b", "wan-14b", "tiny"], default=None,
                    help="shapes to time (default: wan-1.3b on a GPU, tiny on a CPU)")

@@ -1,7 +1,7 @@
 """quantwm/core/selfcheck.py: a wrong kernel is caught on its first use, falls back to its reference for the rest
 of the process and says so; a correct one passes once and is not checked again; a new shape class is checked
-again, a known one is not; the switches turn it off or on for every call.
-Kernels run under TRITON_INTERPRET=1 (conftest.py)."""
+again, a known one is not; the switches turn it off or on for every call; `quantwm selfcheck` exits 1 naming a
+failed kernel. Kernels run under TRITON_INTERPRET=1 (conftest.py)."""
 from __future__ import annotations
 
 import pytest
@@ -112,6 +112,31 @@ def test_the_selfcheck_command_refuses_bad_shapes_in_one_line(capsys):
     assert main(["selfcheck", "--heads", "0"]) == 2
     assert "--heads must be a positive integer, got 0" in capsys.readouterr().err
     assert main(["selfcheck", "--lengths", "a,b"]) == 2
+
+
+def test_the_selfcheck_command_exits_1_and_names_a_kernel_that_failed(monkeypatch, capsys, tmp_path):
+    """A quantize_pack that flips a code bit: the report runs to its end, writes its JSON, and the command exits 1
+    with one stderr line naming the kernel; all correct, 0. The report is cut to one method's paths and no timing
+    (the whole report runs in tests/test_gpu_check.py's dry run): the exit code is what is tested here."""
+    from quantwm.cli import main
+    from quantwm.evaluation import kernel_report
+
+    monkeypatch.setattr(kernel_report, "PATH_METHODS", ("rtn",))
+    monkeypatch.setattr(kernel_report, "time_paths", lambda *a, **kw: [])
+    argv = ["selfcheck", "--heads", "1", "--head-dim", "64", "--chunk-tokens", "64", "--json", str(tmp_path / "r.json")]
+    real = qp.quantize_pack
+    monkeypatch.setattr(qp, "quantize_pack", lambda *a, **kw: real(*a, **kw) ^ 1)
+    with pytest.warns(selfcheck.QuantWMKernelWarning):
+        assert main(argv) == 1
+    out = capsys.readouterr()
+    failed = [line for line in out.err.splitlines() if line.startswith("quantwm: kernel self-check failed: ")]
+    assert failed and all("quantize_pack [" in line and "FAILED, reference used" in line for line in failed)
+    assert len(failed) == len(selfcheck.fallbacks())
+    assert (tmp_path / "r.json").is_file() and ", 0 failed" not in out.out
+    monkeypatch.setattr(qp, "quantize_pack", real)
+    monkeypatch.setattr(selfcheck, "_VERDICTS", {})
+    assert main(argv) == 0
+    assert "self-check failed" not in capsys.readouterr().err and selfcheck.verdicts()
 
 
 def _unpack_args(rows: int) -> tuple:

@@ -9,7 +9,8 @@ It prints the device, the torch and Triton versions, and then:
 1. **paths**: which path each method's spans take (`fused kernel`, or `reference` and why), from a one-layer
    cache of three committed chunks (at most 4 heads and 256 tokens a chunk) read by a fourth;
 2. **self-check**: every kernel's first-use check against its PyTorch reference (quantwm/core/selfcheck.py), one
-   line per (kernel, layout, dtype, device) with both errors; a FAILED line means that kernel is not used here;
+   line per (kernel, layout, dtype, device, shape class) with both errors; a FAILED line means that kernel is not
+   used here, and the command exits 1 naming it (quantwm/cli.py);
 3. **timing** (quantwm/evaluation/kernel_timing.py): fused 2-bit and 8-bit attention against BF16 SDPA (flash
    where available) at each cache length, and the quantize cost per chunk.
 
