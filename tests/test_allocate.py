@@ -50,7 +50,9 @@ def test_decode_reads_only_what_was_stored_and_every_coded_value_sits_on_its_gri
     assert (r[~coded] == 0).all()  # a 0-bit channel decodes to its centroid
     assert torch.equal(enc.decode(), m.encode(x, "v", SpanContext()).decode())  # deterministic
     side = enc.kernel_side  # what the fused kernel reads: one buffer and a table of offsets and widths
-    assert side.data is ch.codes and side.data.numel() == sum((300 * b + 7) // 8 for b in bits.flatten().tolist())
+    needed = sum((300 * b + 7) // 8 for b in bits.flatten().tolist())
+    assert side.data is ch.codes and needed <= side.data.numel()  # a buffer sized by the budget, not read back
+    assert (side.data[needed:] == 0).all()
     assert torch.equal(side.meta & 15, bits) and torch.equal(side.meta >> 4, channel_offsets(ch.bits, 300))
     step = enc.step()  # +jensen's Δ: the grid step of coded channels, 0 where a channel has no grid
     assert step.shape == x.shape and torch.equal(step[:, 0] > 0, bits > 0)
@@ -135,7 +137,7 @@ def test_a_budget_the_tables_cannot_fit_says_so():
 def test_a_span_whose_channels_all_get_zero_bits_decodes_to_its_centroids():
     x = _span(2, 4096, 64, seed=11)
     enc = get_method("quantwm", budget=0.02).encode(x, "v", SpanContext())  # the tables alone nearly fill it
-    assert enc.residual.codes.numel() == 0 and enc.residual.max_bits == 0
+    assert (enc.residual.codes == 0).all() and enc.residual.max_bits == 0  # the budget's buffer, empty
     assert torch.equal(enc.decode(), enc.rows()) and enc.code_form().u.abs().sum() == 0
 
 

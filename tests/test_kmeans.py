@@ -90,8 +90,29 @@ def test_kmeans_warm_start_returns_init_shape_and_converges_immediately():
     assert c.shape == good.shape
     assert torch.equal(ids, labels)
     assert torch.allclose(c, good, atol=1e-5)
-    assert len(calls) == 2  # initial assignment + one update that changed nothing
+    assert len(calls) == 11  # initial assignment + every update: a fixed count, nothing read back to stop early
     assert torch.equal(calls[0], good)  # the warm start was used, not a random init
+    assert all(torch.allclose(c_i, good, atol=1e-5) for c_i in calls)  # converged at once: later updates change nothing
+
+
+def test_kmeans_early_stop_is_kept_on_the_device_and_freezes_where_qvg_stops():
+    x = _randn(2, 200, 8, seed=7)
+    stopped = []
+
+    def stop_at(n):  # the reference: QVG's loop, stopping at the first update that changes at most `tol` of the ids
+        c, ids = kmeans(x, 6, iters=0, seed=1)
+        for _ in range(n):
+            c = update_centroids(x, ids, c)
+            new = kmeans_assign_ref(x, c)
+            changed, ids = float((new != ids).float().mean()), new
+            stopped.append(changed)
+            if changed <= 0.02:
+                break
+        return c, ids
+    c_ref, ids_ref = stop_at(30)
+    assert 1 < len(stopped) < 30  # it did stop early, after some updates
+    c, ids = kmeans(x, 6, iters=30, seed=1, tol=0.02)
+    assert torch.equal(ids, ids_ref) and torch.allclose(c, c_ref)
 
 
 def test_kmeans_warm_start_does_not_depend_on_seed():

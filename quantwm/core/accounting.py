@@ -74,7 +74,7 @@ class MemoryAccounting:
         stored = {id(t) for st in self.layers for c in st.chunks for e in (c.k_enc, c.v_enc) if e is not None
                   for t in e.shared().values()}  # a PSAC basis the spans store is counted there
         warm = sum(t.numel() * t.element_size() for st in self.layers for t in st.method_state.values()
-                   if id(t) not in stored)
+                   if isinstance(t, torch.Tensor) and id(t) not in stored)  # host-side flags hold no device bytes
         derived = {t.data_ptr(): t for st in self.layers for c in st.chunks for e in (c.k_enc, c.v_enc) if e is not None
                    for t in e.view_tensors()}
         views = sum(t.numel() * t.element_size() for t in derived.values())

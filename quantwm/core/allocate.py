@@ -11,8 +11,8 @@ with λ_i = S_ii, the history Queries' energy along channel i, for Keys (quantiz
 channels are uncorrelated, so the logit error E[(q·e)²] = Σ_i S_ii e_i²), and λ_i = 1 for Values (the output
 is a convex mix of value rows, every channel counted alike). Minimising it under the bit budget is reverse
 water-filling: a channel whose λ_i·var_i is large gets many bits, one the Queries barely use gets 0 or 1.
-The rule: a Lagrangian bisection (each channel takes argmin_b λ_i E_i(b) + θ·cost(b)), then a greedy fill of
-what the bisection left. Each grid's clipping (its range shrunk by α ∈ CLIPS) is the α that minimises E_i(b).
+The rule: a Lagrangian search (each channel takes argmin_b λ_i E_i(b) + θ·cost(b)), then a greedy fill of
+what the search left, all as a fixed number of batched tensor ops on the span's device (`allocate`). Each grid's clipping (its range shrunk by α ∈ CLIPS) is the α that minimises E_i(b).
 
 Stored per stream: the bit table (one byte a channel), the grid's low end and step per channel (fp16, codes
 are computed against the stored values) and the codes, channel after channel, packed: the `Channels` layout
@@ -29,99 +29,113 @@ from .layouts import Channels
 
 LEVELS = tuple(range(9))  # bits a channel may take
 CLIPS = (1.0, 0.85, 0.7, 0.55, 0.42, 0.32)  # range shrink factors tried per (channel, bits)
+WIDE_CLIPS = 2  # above 4 bits only the first two clips are tried
 SAMPLE_TOKENS = 1024  # the error tables are measured on at most this many (evenly strided) tokens of a span
+SEARCH_ROUNDS, SEARCH_POINTS = 4, 64  # the Lagrangian search: rounds of a grid of θ candidates, each narrowing it
+FILL_ROUNDS = 3  # rounds of the greedy fill, each taking the best upgrade of as many channels as still fit
+TILE_ELEMENTS = 1 << 25  # the error tables evaluate at most this many (candidate, token, channel) values at once
 
 
-def _grid(r: torch.Tensor, bits: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(low, step) per (stream, channel) of a `bits` grid over r (S, N, D) with its range shrunk by alpha about
-    the middle; both already rounded to their fp16 storage."""
-    lo, hi = r.amin(1), r.amax(1)
+def _grid(lo: torch.Tensor, hi: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(low, step) of a `bits` grid over [lo, hi] with its range shrunk by alpha about the middle, both already
+    rounded to their fp16 storage; every argument broadcasts (e.g. lo (S, D), bits and alpha (C, 1, 1))."""
     mid, half = (hi + lo) / 2, (hi - lo) / 2 * alpha
     low = (mid - half).half().float()
-    step = torch.where(half > 0, 2 * half / (2 ** bits - 1), torch.ones_like(half)).half().float()
+    step = torch.where(half > 0, 2 * half / (2.0 ** bits - 1), 1.0).half().float()
     return low, step.clamp_min(torch.finfo(torch.float16).tiny)
 
 
-def _codes(r: torch.Tensor, low: torch.Tensor, step: torch.Tensor, bits: int) -> torch.Tensor:
-    return torch.round((r - low[:, None]) / step[:, None]).clamp(0, 2 ** bits - 1)
+def _clip_table(levels: tuple[int, ...]) -> list[tuple[int, float]]:
+    """The (level index, clip) candidates of the coded levels (b > 0), level by level, clips in CLIPS order."""
+    return [(j, a) for j, b in enumerate(levels) if b > 0 for a in (CLIPS if b <= 4 else CLIPS[:WIDE_CLIPS])]
 
 
 def error_tables(r: torch.Tensor, levels: tuple[int, ...] = LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
     """E (S, D, L): each channel's squared error at each level with its best clip, measured on a strided sample
-    of at most SAMPLE_TOKENS tokens and scaled to the span; alpha (S, D, L) the clip chosen (1 at 0 bits). Both
-    on the CPU, where the (small) allocation runs, whatever device r is on."""
+    of at most SAMPLE_TOKENS tokens and scaled to the span; alpha (S, D, L) the clip chosen (1 at 0 bits, the
+    first of equal clips). On r's device, every (level, clip) candidate at once (in tiles of TILE_ELEMENTS)."""
     S, N, D = r.shape
-    sample = r[:, :: max(1, math.ceil(N / SAMPLE_TOKENS))].float()
+    sample = r[:, :: max(1, math.ceil(N / SAMPLE_TOKENS))].float()  # (S, n, D)
     scale = N / sample.shape[1]
-    E = torch.empty(S, D, len(levels))
-    A = torch.ones(S, D, len(levels))
-    for j, b in enumerate(levels):
-        if b == 0:
-            E[..., j] = (sample.square().sum(1) * scale).cpu()
+    table = _clip_table(levels)
+    lo, hi = sample.amin(1), sample.amax(1)  # (S, D)
+    errors = []
+    tile = max(1, TILE_ELEMENTS // sample.numel())
+    for at in range(0, len(table), tile):  # one pass at the shapes QuantWM meets (a Wan-1.3B span: 2 tiles)
+        part = table[at:at + tile]
+        bits = sample.new_tensor([float(levels[j]) for j, _ in part])[:, None, None]  # (C, 1, 1)
+        alpha = sample.new_tensor([a for _, a in part])[:, None, None]
+        low, step = _grid(lo, hi, bits, alpha)  # (C, S, D)
+        codes = torch.round((sample - low[:, :, None]) / step[:, :, None]).clamp_(min=0).minimum(2.0 ** bits[..., None] - 1)
+        errors.append((sample - (low[:, :, None] + codes * step[:, :, None])).square().sum(2) * scale)  # (C, S, D)
+    E = sample.new_empty(len(levels), S, D)
+    A = sample.new_ones(len(levels), S, D)
+    if 0 in levels:
+        E[levels.index(0)] = sample.square().sum(1) * scale
+    errors = torch.cat(errors) if errors else None
+    at = 0
+    for n_clips in (len(CLIPS), WIDE_CLIPS):  # levels with six clips, then levels with two: (levels, clips, S, D)
+        rows = [j for j, b in enumerate(levels) if b > 0 and (b <= 4) == (n_clips == len(CLIPS))]
+        if not rows:
             continue
-        best = None
-        for a in CLIPS if b <= 4 else CLIPS[:2]:
-            low, step = _grid(sample, b, a)
-            e = (sample - (low[:, None] + _codes(sample, low, step, b) * step[:, None])).square().sum(1) * scale
-            if best is None:
-                best, alpha = e, torch.full_like(e, a)
-            else:
-                alpha = torch.where(e < best, a, alpha)
-                best = torch.minimum(best, e)
-        E[..., j], A[..., j] = best.cpu(), alpha.cpu()
-    return E, A
+        block = errors[at:at + len(rows) * n_clips].reshape(len(rows), n_clips, S, D)
+        at += len(rows) * n_clips
+        best, pick = block.min(1)  # the first of equal clips, as a strict `<` scan would take
+        clips = sample.new_tensor(CLIPS[:n_clips])
+        index = sample.new_tensor(rows, dtype=torch.long)
+        E[index], A[index] = best, clips[pick]
+    return E.permute(1, 2, 0), A.permute(1, 2, 0)
 
 
 def allocate(weighted: torch.Tensor, cost: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
     """Level index per (stream, channel) minimising Σ weighted[s, i, level] subject to Σ cost[level] <=
-    available[s]: weighted (S, D, L), cost (L,) bits with cost[0] = 0, available (S,) bits. Deterministic."""
+    available[s]: weighted (S, D, L), cost (L,) bits with cost[0] = 0, available (S,) bits. Deterministic, on
+    weighted's device, a fixed number of tensor ops (no host read).
+
+    The Lagrangian: each channel takes argmin_b weighted + θ·cost(b); the cheapest θ that fits is searched in
+    SEARCH_ROUNDS rounds of SEARCH_POINTS log-spaced candidates, each round narrowing to the bracket between the
+    last candidate that does not fit and the first that does. Then FILL_ROUNDS rounds of a greedy fill: every
+    channel's best upgrade (error drop per extra bit) that fits what is left, taken in order of that gain while
+    their sum fits."""
     S, D, L = weighted.shape
     cost = cost.to(weighted)
 
-    def pick(theta: torch.Tensor) -> torch.Tensor:
-        return (weighted + theta[:, None, None] * cost).argmin(-1)
+    def pick(theta: torch.Tensor) -> torch.Tensor:  # θ (S, T) -> levels (S, T, D)
+        return (weighted[:, None] + theta[:, :, None, None] * cost).argmin(-1)
 
-    def spent(levels: torch.Tensor) -> torch.Tensor:
-        return cost[levels].sum(-1)
-
-    # θ large enough that every channel takes 0 bits; bisect (in log space) for the cheapest θ that fits.
-    hi = torch.full((S,), float(weighted.amax().clamp_min(1e-30) / cost[1:].min() * 4 + 1))
-    lo = torch.full((S,), float(hi.min()) * 1e-12)
-    for _ in range(60):
-        mid = (lo * hi).sqrt()
-        fits = spent(pick(mid)) <= available
-        hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid)
-    levels = pick(hi)
-    # Greedy fill: the upgrade with the largest error drop per extra bit that still fits, until none does.
-    rows = torch.arange(S)
-    for _ in range(4 * D):
-        left = available - spent(levels)
-        cur_w = torch.gather(weighted, 2, levels[..., None])  # (S, D, 1)
-        extra = cost[None, None, :] - cost[levels][..., None]  # (S, D, L)
-        gain = (cur_w - weighted) / extra.clamp_min(1e-9)
+    # θ large enough that every channel takes 0 bits; its range reaches 1e-12 of that
+    top = (weighted.amax().clamp_min(1e-30) / cost[1:].min() * 4 + 1).log().expand(S)
+    hi, lo = top, top + math.log(1e-12)
+    t = torch.linspace(0, 1, SEARCH_POINTS, device=weighted.device, dtype=weighted.dtype)
+    for _ in range(SEARCH_ROUNDS):
+        logs = lo[:, None] + (hi - lo)[:, None] * t  # (S, T) ascending
+        fits = cost[pick(logs.exp())].sum(-1) <= available[:, None]  # monotone in θ: False ... False True ... True
+        first = (~fits).sum(-1, keepdim=True)  # the first candidate that fits (T when none does: keep hi)
+        hi = torch.where(first < SEARCH_POINTS, logs.gather(1, first.clamp(max=SEARCH_POINTS - 1)), hi[:, None])[:, 0]
+        lo = logs.gather(1, (first - 1).clamp(0, SEARCH_POINTS - 1))[:, 0]
+    levels = pick(hi.exp()[:, None])[:, 0]  # (S, D)
+    for _ in range(FILL_ROUNDS):
+        left = available - cost[levels].sum(-1)  # (S,)
+        extra = cost - cost[levels][..., None]  # (S, D, L)
+        gain = (weighted.gather(2, levels[..., None]) - weighted) / extra.clamp_min(1e-9)
         ok = (extra > 0) & (extra <= left[:, None, None]) & (gain > 0)
-        gain = torch.where(ok, gain, torch.full_like(gain, -1.0))
-        best = gain.reshape(S, -1).argmax(-1)
-        go = gain.reshape(S, -1)[rows, best] > 0
-        if not go.any():
-            break
-        ch, lv = best // L, best % L
-        levels[rows[go], ch[go]] = lv[go]
+        gain, level = torch.where(ok, gain, -1.0).max(-1)  # each channel's best upgrade (S, D)
+        extra = torch.where(gain > 0, extra.gather(2, level[..., None])[..., 0], 0.0)
+        order = gain.argsort(dim=-1, descending=True, stable=True)
+        take = (extra.gather(1, order).cumsum(-1) <= left[:, None]) & (gain.gather(1, order) > 0)
+        take = torch.zeros_like(take).scatter(1, order, take)
+        levels = torch.where(take, level, levels)
     return levels
 
 
-def encode_channels(r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor) -> Channels:
-    """Code r (S, N, D) with bits (S, D) per channel and clips alpha (S, D) (chosen on the CPU by `allocate`,
-    coded where r lives): the span's `Channels` layout."""
-    S, N, D = r.shape
-    bits, alpha = bits.to(r.device), alpha.to(r.device)
-    low = torch.zeros(S, D, device=r.device)
-    step = torch.ones(S, D, device=r.device)
-    for b in sorted(set(bits.unique().tolist()) - {0}):
-        m = bits == b
-        for a in sorted(set(alpha[m].tolist())):
-            sel = m & (alpha == a)
-            lo_b, st_b = _grid(r.float(), b, a)
-            low, step = torch.where(sel, lo_b, low), torch.where(sel, st_b, step)
-    codes = torch.round((r.float() - low[:, None]) / step[:, None]).long()  # (S, N, D), clamped per width by `pack`
-    return Channels.pack(codes, bits, low, step)
+def encode_channels(r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor, capacity: int | None = None) -> Channels:
+    """Code r (S, N, D) with bits (S, D) per channel and clips alpha (S, D): the span's `Channels` layout, on r's
+    device in a fixed number of tensor ops. `capacity`: the code buffer's size in bytes when the caller bounds it
+    (the allocator: its budget), else it is read from the widths (one host read)."""
+    bits, alpha = bits.to(r.device).long(), alpha.to(r.device).float()
+    rf = r.float()
+    low, step = _grid(rf.amin(1), rf.amax(1), bits, alpha)
+    coded = bits > 0
+    low, step = torch.where(coded, low, 0.0), torch.where(coded, step, 1.0)
+    codes = torch.round((rf - low[:, None]) / step[:, None]).long()  # (S, N, D), clamped per width by `pack`
+    return Channels.pack(codes, bits, low, step, capacity)

@@ -66,9 +66,11 @@ this module touches the cache's private fields:
 element from stored bytes; `budget_k`/`budget_v` apart) at the first quantized span, by its rule in
 quantwm.core.budget; `cache.configuration` says what it chose (`cache.budget_choice`: the options alone), and a
 method that cannot fit raises `BudgetError` (a ValueError).
-Inputs are checked at the boundary: shapes and dtypes always, NaN/Inf once per call (one host sync);
-`CacheConfig(check_inputs=False)` drops that check, so a pass over a warm cache never waits on the device
-(CUDA graphs, torch.compile). Quantizing a span at commit still validates what it encodes.
+Inputs are checked at the boundary: shapes and dtypes always, NaN/Inf once per call: read at once on the CPU; on
+an accelerator kept as a device flag and read at the layer's next commit, with the span's own checks (one host
+read a commit), so a pass over a warm cache never waits on the device. `CacheConfig(check_inputs=False)` drops the
+input check (CUDA graphs, torch.compile: no flag is kept). Quantizing a span at commit still validates what it
+encodes (quantwm.core.quant.DeferredChecks).
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ from .backend import use_kernels
 from .cache_types import LAYOUTS, ROPE_MODES, TARGETS, CacheConfig, CacheMemory, Chunk, LayerState, SpanView
 from .layouts import TokenSplit, split_tokens
 from .methods import make_method
-from .quant import check_finite
+from .quant import DeferredChecks, check_finite, deferred_checks, defers_checks, remembering
 from .query_history import QueryHistory
 from .rope import FrameShift
 
@@ -178,13 +180,32 @@ class KVCache(MemoryAccounting, QueryHistory):
             raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
         return x.transpose(1, 2) if self.config.layout == "BLHD" else x
 
-    def _check(self, **tensors: torch.Tensor) -> None:
-        """The boundary's NaN/Inf check: one host sync for all of a call's tensors (none with check_inputs=False)."""
+    def _check(self, layer: int, chunk: int, **tensors: torch.Tensor) -> None:
+        """The boundary's NaN/Inf check of a call's tensors (none with check_inputs=False). On the CPU it is read
+        at once; on an accelerator it is a flag kept on the device and read with the layer's next commit (one host
+        read there for every call since), so an attend never waits on the device."""
         if not self.config.check_inputs:
             return
-        if not bool(torch.stack([torch.isfinite(t).all() for t in tensors.values()]).all()):
+        ok = torch.stack([torch.isfinite(t).all() for t in tensors.values()]).all()
+        if defers_checks(ok):
+            self._layer(layer).unchecked.append((chunk, tuple(tensors), ok))
+        elif not bool(ok):
             for name, t in tensors.items():
                 check_finite(t, name)  # names the first bad tensor and counts its bad values
+
+    def _read_checks(self, layer: int, st: LayerState, checks: DeferredChecks | None = None) -> bool:
+        """Read the layer's deferred input checks and `checks` (a span's) in one host read: True when all hold;
+        raises for the first call whose inputs held NaN/Inf."""
+        unchecked, st.unchecked = st.unchecked, []
+        flags = DeferredChecks()
+        flags.flags = [ok for _, _, ok in unchecked] + (checks.flags if checks is not None else [])
+        if flags.passed():
+            return True
+        for chunk, names, ok in unchecked:  # the failure path: read each call's flag
+            if not bool(ok):
+                raise ValueError(f"layer {layer}: the {'/'.join(names)} written for chunk {chunk} contain NaN/Inf "
+                                 "(checked on the device, read at this commit)")
+        return False
 
     def _out(self, x: torch.Tensor) -> torch.Tensor:
         return x.transpose(1, 2) if self.config.layout == "BLHD" else x
@@ -203,7 +224,7 @@ class KVCache(MemoryAccounting, QueryHistory):
         st = self._layer(layer)
         k, v = self._in(k, "k"), self._in(v, "v")
         if check:
-            self._check(k=k, v=v)
+            self._check(layer, chunk, k=k, v=v)
         if k.shape != v.shape or k.shape[2] == 0:
             raise ValueError(f"k and v must have the same non-empty shape, got {tuple(k.shape)} and {tuple(v.shape)}")
         if chunk < st.next_chunk:
@@ -234,6 +255,8 @@ class KVCache(MemoryAccounting, QueryHistory):
             run, ready = ready[:n], ready[n:]
             with selfcheck.enabled(self.config.selfcheck):
                 self._quantize(layer, st, run[0] if n == 1 else self._merge(st, run))
+        if st.unchecked:  # no span read them with its own checks
+            self._read_checks(layer, st)
         limit = self.config.max_chunks
         while limit is not None and sum(x.n_chunks for x in st.chunks) > limit:
             victim = next(i for i, x in enumerate(st.chunks) if x.index >= self.config.sink_chunks)
@@ -260,28 +283,49 @@ class KVCache(MemoryAccounting, QueryHistory):
         return span
 
     def _quantize(self, layer: int, st: LayerState, c: Chunk) -> None:
+        """Quantize span `c` (its Keys, then its Values, with one context) with the value checks deferred: one host
+        read for them and the layer's deferred input checks; where a check fails the span is quantized again with
+        every check immediate (the clear error, or a wider storage dtype, comes from there)."""
         B, H, N, D = c.k.shape
         ctx = self._span_context(layer, st, c)
+        for kind, on in (("k", self.quantize_k), ("v", self.quantize_v)):
+            if on:  # the first span: the budget's configuration (its own host reads), chosen once and kept
+                self._budgeted(kind, (c.k if kind == "k" else c.v).reshape(B * H, N, D))
+        state = dict(ctx.state)
+        with deferred_checks(st.widened) as checks:
+            k_enc, v_enc = self._encode(c, ctx)
+        if not self._read_checks(layer, st, checks):  # again, checks immediate: an error, or a dtype to widen to
+            ctx.state.clear()
+            ctx.state.update(state)
+            ctx.span.clear()
+            with remembering(st.widened):
+                k_enc, v_enc = self._encode(c, ctx)
         fused = self.config.rope == "post" and (self.config.lowp is not None or use_kernels(c.k))  # read by kernels
-        if self.quantize_k:
-            self._budgeted("k", c.k.reshape(B * H, N, D))
+        if k_enc is not None:
             c.exact_k = c.k if self.config.keep_exact else None  # diagnostics only, not counted in nbytes
-            c.k_enc, c.k = self.k_method.encode(c.k.reshape(B * H, N, D), "k", ctx), None
+            c.k_enc, c.k = k_enc, None
             if fused:
                 c.k_enc.prepare(self.config.lowp)  # the kernel's view, built once (layouts/base.py)
-        held = ctx.span.get("held") if self.quantize_k else None  # the Keys' method kept these tokens in BF16
-        if self.quantize_v:
-            self._budgeted("v", c.v.reshape(B * H, N, D))
+        if v_enc is not None:
             c.exact_v = c.v if self.config.keep_exact else None
-            v = c.v.reshape(B * H, N, D)
-            if held is None:
-                c.v_enc = self.v_method.encode(v, "v", ctx)
-            else:  # the same tokens' Values in BF16 too: attention reads the loud tokens as one BF16 span
-                rest, loud = split_tokens(v, held)
-                c.v_enc = TokenSplit(self.v_method.encode(rest, "v", ctx), held, loud)
-            c.v = None
+            c.v_enc, c.v = v_enc, None
             if fused:
                 c.v_enc.prepare()
+
+    def _encode(self, c: Chunk, ctx) -> tuple:
+        """(Keys' layout or None, Values' layout or None) of span `c`; nothing in `c` changes."""
+        B, H, N, D = c.k.shape
+        k_enc = self.k_method.encode(c.k.reshape(B * H, N, D), "k", ctx) if self.quantize_k else None
+        held = ctx.span.get("held") if self.quantize_k else None  # the Keys' method kept these tokens in BF16
+        v_enc = None
+        if self.quantize_v:
+            v = c.v.reshape(B * H, N, D)
+            if held is None:
+                v_enc = self.v_method.encode(v, "v", ctx)
+            else:  # the same tokens' Values in BF16 too: attention reads the loud tokens as one BF16 span
+                rest, loud = split_tokens(v, held)
+                v_enc = TokenSplit(self.v_method.encode(rest, "v", ctx), held, loud)
+        return k_enc, v_enc
 
     # ---- reading --------------------------------------------------------------------------------
     def _chunks(self, st: LayerState) -> list[Chunk]:
@@ -416,7 +460,7 @@ class KVCache(MemoryAccounting, QueryHistory):
         qb, kb = self._in(q, "q"), self._in(k, "k")
         if qb.shape[:2] != kb.shape[:2] or qb.shape[3] != kb.shape[3]:
             raise ValueError(f"q shape {tuple(q.shape)} does not match k {tuple(k.shape)} on (B, H, D)")
-        self._check(q=q, k=k, v=v)  # once per call, at the boundary
+        self._check(layer, chunk, q=q, k=k, v=v)  # once per call, at the boundary (read at commit on a GPU)
         self._write(layer, k, v, chunk, check=False)
         D = qb.shape[-1]
         scale = D ** -0.5 if scale is None else float(scale)

@@ -32,7 +32,7 @@ class CacheConfig:
     rope:          "post" (keys stored after RoPE) or "pre" (stored before it, rotated at read)
     stats_decay:   None: S is the cumulative mean of the history queries; a number in (0, 1): an EMA
     keep_exact:    also keep the unquantized copy of quantized chunks (diagnostics; not counted in bytes)
-    check_inputs:  one NaN/Inf check of q, k, v per call (one host sync); False: none (CUDA graphs)
+    check_inputs:  one NaN/Inf check of q, k, v per call (on a GPU a device flag read at commit); False: none
     memo_decoded:  keep each quantized chunk's decoded copy on the reference path (working memory, not counted)
     seed:          seed of anything random (k-means initialisation), offset per layer and chunk
     method_options: extra options of the method, as ((name, value), ...) (the CLI's --set)
@@ -59,7 +59,7 @@ class CacheConfig:
     rope: str = "post"
     stats_decay: float | None = None
     keep_exact: bool = False
-    check_inputs: bool = True  # one NaN/Inf check of q, k, v per call (one host sync); False: none (CUDA graphs)
+    check_inputs: bool = True  # NaN/Inf check of q, k, v per call (a GPU reads it at commit); False: none
     memo_decoded: bool = False
     seed: int = 0
     method_options: tuple = ()
@@ -148,6 +148,8 @@ class LayerState:
     stats: QueryStats | None = None
     method_state: dict = field(default_factory=dict)
     pending: dict[int, QueryStats] = field(default_factory=dict)  # causal_stats: queries not yet in S, by fold point
+    unchecked: list = field(default_factory=list)  # (chunk, names, device flag): input checks read at the next commit
+    widened: dict = field(default_factory=dict)  # storage dtypes earlier spans widened to (quant.deferred_checks)
 
 
 @dataclass(frozen=True)

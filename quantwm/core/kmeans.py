@@ -41,10 +41,11 @@ def kmeans_assign(x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 
 def init_centroids(x: torch.Tensor, n_clusters: int, seed: int) -> torch.Tensor:
-    """K distinct tokens per stream, drawn with a seeded generator: (S, N, D) -> (S, K, D)."""
+    """K distinct tokens per stream, drawn with a seeded generator on the host (the same draw on every device):
+    (S, N, D) -> (S, K, D)."""
     S, N, D = x.shape
     g = torch.Generator().manual_seed(seed)
-    idx = torch.stack([torch.randperm(N, generator=g)[:n_clusters] for _ in range(S)]).to(x.device)
+    idx = torch.rand(S, N, generator=g).argsort(-1)[:, :n_clusters].to(x.device)  # one host-to-device copy
     return torch.gather(x, 1, idx[..., None].expand(S, n_clusters, D)).clone()
 
 
@@ -62,8 +63,9 @@ def kmeans(x: torch.Tensor, n_clusters: int, iters: int = 6, seed: int = 0, init
     """Lloyd iterations: x (S, N, D) -> centroids (S, K, D) float32, ids (S, N) int64.
 
     `init` (S, K, D) warm-starts from earlier centroids; `assign(x, c) -> ids` sets the objective.
-    Stops after `iters` updates, or once at most a fraction `tol` of the ids change (QVG's released code:
-    1e-4; 0 = only when none changes). K is clipped to N so that small spans still work.
+    Runs `iters` updates as tensor ops with no host read; from the first update after which at most a fraction
+    `tol` of the ids changed (QVG's released code: 1e-4) the result stays frozen, as if stopped there (0: when
+    none changes, where the updates are the identity anyway). K is clipped to N so that small spans still work.
     """
     if x.dim() != 3 or x.shape[1] == 0:
         raise ValueError(f"kmeans expects a non-empty (S, N, D) tensor, got shape {tuple(x.shape)}")
@@ -76,11 +78,13 @@ def kmeans(x: torch.Tensor, n_clusters: int, iters: int = 6, seed: int = 0, init
     else:
         c = init_centroids(x, K, seed)
     ids = assign(x, c)
-    for _ in range(iters):
-        c = update_centroids(x, ids, c)
-        new_ids = assign(x, c)
-        changed = float((new_ids != ids).float().mean())
-        ids = new_ids
-        if changed <= tol:
-            break
+    done = torch.zeros((), dtype=torch.bool, device=x.device)
+    for _ in range(iters):  # a fixed number of updates, nothing read back: a converged run stops changing
+        new_c = update_centroids(x, ids, c)
+        new_ids = assign(x, new_c)
+        if tol > 0:  # QVG's early stop, kept on the device: once at most `tol` of the ids change, freeze
+            c, ids, done = (torch.where(done, c, new_c), torch.where(done, ids, new_ids),
+                            done | ((new_ids != ids).float().mean() <= tol))
+        else:  # at tol 0 the stop is where nothing changes: the later updates are the identity
+            c, ids = new_c, new_ids
     return c, ids

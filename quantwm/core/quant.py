@@ -21,6 +21,8 @@ last group's scale and zero come from its real members only, and padded codes ar
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
@@ -62,10 +64,76 @@ def check_pack_bits(bits: int) -> int:
     return bits
 
 
+class DeferredChecks:
+    """The value checks of one span's quantization, kept on the device instead of read one by one: each records a
+    0-dim bool; `passed()` reads them all with one host read. What is checked: the span is finite
+    (`check_finite`), each stored tensor fits the dtype asked for (`storage_dtype`, assumed), a code buffer is
+    as large as its widths need (`Channels.pack`). Where one fails the cache quantizes the span again with every
+    check immediate: the clear error, or the wider dtype, comes from there."""
+
+    def __init__(self):
+        self.flags: list[torch.Tensor] = []
+
+    def record(self, ok: torch.Tensor) -> None:
+        self.flags.append(ok.reshape(()))
+
+    def passed(self) -> bool:
+        """True when every recorded check holds: one host read for all of them (none when nothing was recorded)."""
+        if not self.flags:
+            return True
+        return bool(torch.stack([f.to(self.flags[0].device) for f in self.flags]).all())  # the span's one host read
+
+
+_DEFERRED: contextvars.ContextVar[DeferredChecks | None] = contextvars.ContextVar("quantwm_deferred", default=None)
+_WIDENED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("quantwm_widened", default=None)
+
+
+@contextlib.contextmanager
+def deferred_checks(widened: dict | None = None):
+    """Within: value checks are recorded on the device (`DeferredChecks`), not read on the host one by one.
+    `widened` (a cache's, kept across spans): the storage dtypes earlier spans had to widen to, by (dtype asked
+    for, shape), which a deferred `storage_dtype` starts from, so a widening costs one repeated span, not one each."""
+    checks = DeferredChecks()
+    token, memory = _DEFERRED.set(checks), _WIDENED.set(widened)
+    try:
+        yield checks
+    finally:
+        _DEFERRED.reset(token)
+        _WIDENED.reset(memory)
+
+
+@contextlib.contextmanager
+def remembering(widened: dict):
+    """Within (checks immediate): every widening `storage_dtype` decides is remembered in `widened`."""
+    memory = _WIDENED.set(widened)
+    try:
+        yield
+    finally:
+        _WIDENED.reset(memory)
+
+
+def deferring() -> DeferredChecks | None:
+    """The checks being deferred, if any (the quantization of a span under `deferred_checks`)."""
+    return _DEFERRED.get()
+
+
+def defers_checks(x: torch.Tensor) -> bool:
+    """Whether a check of a tensor on x's device is kept as a device flag rather than read at once: on an
+    accelerator (a read is a host sync there); on the CPU a read costs nothing."""
+    return x.device.type != "cpu"
+
+
 def check_finite(x: torch.Tensor, what: str = "input") -> None:
+    """A clear error naming `what` when x holds NaN/Inf (one host read); under `deferred_checks`, a recorded flag."""
     if not torch.is_floating_point(x):
         raise ValueError(f"{what} must be a floating-point tensor, got dtype {x.dtype}")
-    if x.numel() and not torch.isfinite(x).all():
+    if not x.numel():
+        return
+    checks = deferring()
+    if checks is not None:
+        checks.record(torch.isfinite(x).all())
+        return
+    if not torch.isfinite(x).all():
         bad = (~torch.isfinite(x)).sum().item()
         raise ValueError(f"{what} contains {bad} NaN/Inf value(s)")
 
@@ -152,20 +220,32 @@ STORAGE_LADDER = (torch.float8_e4m3fn, torch.float16, torch.float32)
 STORAGE_REL_TOL, STORAGE_RMS_TOL = 2.0 ** -3, 2.0 ** -4
 
 
+def _fits(x: torch.Tensor, ax: torch.Tensor, tol: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """0-dim bool: x survives the cast to dt (no saturation; every element within tol)."""
+    return (ax.max() <= torch.finfo(dt).max) & ((x.to(dt).float() - x).abs() <= tol).all()
+
+
 def storage_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     """The narrowest dtype at or above `dtype` on STORAGE_LADDER (fp8-e4m3 -> fp16 -> fp32) that stores x
-    without saturating or underflowing (the tolerance above). Widening is counted in the stored bytes."""
+    without saturating or underflowing (the tolerance above). Widening is counted in the stored bytes. Under
+    `deferred_checks` the dtype asked for is assumed and the check recorded (the span is quantized again if not)."""
     if not x.numel() or dtype not in STORAGE_LADDER:  # bf16 has fp32's range: nothing to widen
         return dtype
     x = x.float()
     ax = x.abs()
     tol = STORAGE_REL_TOL * ax + STORAGE_RMS_TOL * x.square().mean().sqrt()
-    for dt in STORAGE_LADDER[STORAGE_LADDER.index(dtype):]:
-        if dt == torch.float32:
-            return dt
-        if ax.max() <= torch.finfo(dt).max and ((x.to(dt).float() - x).abs() <= tol).all():
-            return dt
-    return torch.float32
+    widened, key = _WIDENED.get(), (dtype, tuple(x.shape))
+    start = dtype if widened is None else widened.get(key, dtype)
+    checks = deferring()
+    if checks is not None:
+        if start != torch.float32:
+            checks.record(_fits(x, ax, tol, start))
+        return start
+    chosen = next(dt for dt in STORAGE_LADDER[STORAGE_LADDER.index(start):] if dt == torch.float32 or
+                  _fits(x, ax, tol, dt))
+    if widened is not None and chosen != start:
+        widened[key] = chosen
+    return chosen
 
 
 def to_storage(x: torch.Tensor, dtype: torch.dtype, toward: str | None = None) -> torch.Tensor:
@@ -179,9 +259,7 @@ def to_storage(x: torch.Tensor, dtype: torch.dtype, toward: str | None = None) -
     s = torch.where(s.float() == 0, torch.zeros_like(s), s)  # no negative zero
     if toward is None:
         return s
-    wrong = s.float() < x if toward == "up" else s.float() > x
-    if not wrong.any():
-        return s
+    wrong = s.float() < x if toward == "up" else s.float() > x  # stepped where wrong, by tensor ops (no host read)
     # Neighbouring floats differ by one in the magnitude bits (sign-magnitude layout).
     int_t = torch.uint8 if info.bits == 8 else torch.int16
     bits = s.view(int_t).to(torch.int32)

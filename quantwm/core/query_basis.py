@@ -63,14 +63,17 @@ def basis_matrix(reflectors: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
 
 
 def _product(reflectors: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    v = reflectors.double() * scales.double()[..., None]  # (S, R, D)
+    """U = H_1 ⋯ H_R (S, D, D) float32 in one LAPACK/cuSOLVER call (householder_product): each stored v̂_i,
+    scaled so that its i-th entry is 1 (H_i does not change), is a column of the factor with τ_i = 2 / v̂ᵀv̂; the
+    columns past R have τ = 0 (H = I)."""
+    v = reflectors.double() * scales.double()[..., None]  # (S, R, D), zero above entry i
     S, R, D = v.shape
-    U = torch.eye(D, dtype=torch.float64, device=v.device).expand(S, D, D).clone()
-    for i in reversed(range(R)):  # U <- H_i U, from H_R up to H_1
-        vi = v[:, i]  # (S, D)
-        coef = 2 / vi.square().sum(-1).clamp_min(1e-300)
-        U = U - coef[:, None, None] * vi[:, :, None] * (vi[:, None, :] @ U)
-    return U.float()
+    v = v / v.diagonal(dim1=-2, dim2=-1)[..., None]  # entry i of v_i is 1 (it was, before rounding, ±1/127 apart)
+    tau = 2 / v.square().sum(-1)  # (S, R)
+    A = torch.zeros(S, D, D, dtype=torch.float64, device=v.device)
+    A[:, :, :R] = v.transpose(1, 2)
+    tau = torch.cat([tau, tau.new_zeros(S, D - R)], -1)
+    return torch.linalg.householder_product(A, tau).float()
 
 
 def key_covariance(x: torch.Tensor) -> torch.Tensor:
@@ -102,19 +105,22 @@ def captured(U: torch.Tensor, stats: torch.Tensor, rank: int) -> torch.Tensor:
     return torch.where(top > 0, held / top.clamp_min(1e-300), torch.ones_like(top))
 
 
-def gaussian_price(weights: torch.Tensor, variances: torch.Tensor, tokens: int, bits: float) -> float:
+def gaussian_price(weights: torch.Tensor, variances: torch.Tensor, tokens: int, bits: float) -> torch.Tensor:
     """The error Σ_t Σ_i λ_i e_ti² a Gaussian source of `tokens` tokens with these per-coordinate variances (S, D)
-    would have at `bits` bits per stream, spent by reverse water-filling, weights λ (S, D). How the allocator prices
-    a basis U before coding in it, from the keys' covariance C, var(y_i) = u_iᵀ C u_i, without projecting the span
-    (the ranking, not the value, is what it reads; scalar grids sit a fixed gap above)."""
+    would have at `bits` bits per stream, spent by reverse water-filling, weights λ (S, D): a 0-dim float64 tensor
+    on their device. How the allocator prices a basis U before coding in it, from the keys' covariance C,
+    var(y_i) = u_iᵀ C u_i, without projecting the span (the ranking, not the value, is what it reads; scalar grids
+    sit a fixed gap above).
+
+    Closed form, no search: with the weighted variances σ² sorted down, the water level of the k loudest is
+    log θ_k = (Σ_{i≤k} log σ_i² − 2·rate·log 2) / k, and the level is θ_k of the largest k with σ_k² > θ_k (none:
+    every coordinate is dropped, θ = σ_1²)."""
     S, D = variances.shape
-    sigma2 = (weights.double() * variances.double()).clamp_min(1e-300)  # (S, D) weighted variance per token
-    rate = torch.full((S,), max(bits, 0.0) / tokens, dtype=torch.float64)  # bits per token
-    lo = torch.full((S,), 1e-300, dtype=torch.float64).log()
-    hi = sigma2.amax(-1).log()
-    for _ in range(80):  # θ with Σ_i max(0, ½ log2(σ_i² / θ)) = rate, bisected in log θ
-        mid = (lo + hi) / 2
-        spent = (0.5 * (sigma2.log() - mid[:, None]).clamp_min(0) / math.log(2)).sum(-1)
-        lo, hi = torch.where(spent > rate, mid, lo), torch.where(spent > rate, hi, mid)
-    theta = hi.exp()
-    return float(tokens * torch.minimum(sigma2, theta[:, None]).sum())
+    sigma2 = (weights.double() * variances.double()).clamp_min(1e-300).sort(-1, descending=True).values  # (S, D)
+    rate = max(bits, 0.0) / tokens  # bits per token
+    k = torch.arange(1, D + 1, device=sigma2.device, dtype=torch.float64)
+    log_theta = (sigma2.log().cumsum(-1) - 2 * rate * math.log(2)) / k  # (S, D): the level with the top k active
+    active = sigma2.log() > log_theta
+    last = (active * k).argmax(-1, keepdim=True)  # the largest active k (index 0 when none is: θ = σ_1²)
+    theta = torch.where(active.any(-1, keepdim=True), log_theta.gather(-1, last).exp(), sigma2[:, :1])
+    return tokens * torch.minimum(sigma2, theta).sum()

@@ -63,7 +63,7 @@ class QueryHistory:
         spans get S rotated into their keys' space when they are quantized, `stats.rope_conjugate`). A cache that
         keeps no statistics (`tracks_queries` False) ignores them."""
         qb = self._in(q, "q")
-        self._check(q=q)
+        self._check(layer, self._layer(layer).next_chunk, q=q)
         if self.tracks_queries:
             self._observe(layer, qb)
 

@@ -13,12 +13,13 @@ bits: (0·16+2, 2·16+0, 2·16+3) = (2, 32, 35).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from ...kernels.span_args import CHANNELS, SideArgs
-from ..quant import pack_bits_ref
+from ..quant import deferring
 from .base import CodeForm, Layout
 
 
@@ -40,32 +41,47 @@ def channel_offsets(bits: torch.Tensor, n_tokens: int) -> torch.Tensor:
 
 @dataclass(frozen=True, eq=False)
 class Channels(Layout):
-    """codes: the uint8 buffer; bits (S, D) uint8; low, step (S, D) fp16; max_bits: the widest channel."""
+    """codes: the uint8 buffer; bits (S, D) uint8; low, step (S, D) fp16; n_tokens: N."""
 
     codes: torch.Tensor
     bits: torch.Tensor
     low: torch.Tensor
     step_: torch.Tensor
     n_tokens: int
-    max_bits: int
 
     @classmethod
-    def pack(cls, codes: torch.Tensor, bits: torch.Tensor, low: torch.Tensor, step: torch.Tensor) -> Channels:
-        """Lay out integer codes (S, N, D) of channels of widths bits (S, D) in one buffer (see the module)."""
+    def pack(cls, codes: torch.Tensor, bits: torch.Tensor, low: torch.Tensor, step: torch.Tensor,
+             capacity: int | None = None) -> Channels:
+        """Lay out integer codes (S, N, D) of channels of widths bits (S, D) in one buffer (see the module), in a
+        fixed number of tensor ops on codes' device. `capacity`: the buffer's size in bytes, at least what the
+        widths need (the allocator's budget bounds it; bytes past the last channel stay 0 and are counted);
+        None: exactly what they need, read on the host (one sync)."""
         S, N, D = codes.shape
-        start = channel_offsets(bits, N)
-        total = int(channel_bytes(N, bits.long()).sum())
-        buf = torch.zeros(total, dtype=torch.uint8, device=codes.device)
-        widest = 0
-        for b in range(1, 9):
-            s_idx, c_idx = (bits == b).nonzero(as_tuple=True)
-            if not len(s_idx):
-                continue
-            widest = b
-            packed = pack_bits_ref(codes[s_idx, :, c_idx].clamp(0, 2 ** b - 1), b)  # (channels, bytes of each)
-            pos = start[s_idx, c_idx][:, None] + torch.arange(packed.shape[1], device=codes.device)
-            buf[pos.flatten()] = packed.flatten()
-        return cls(buf, bits.to(torch.uint8), low.half(), step.half(), N, widest)
+        b = bits.long()
+        start = channel_offsets(b, N)  # (S, D) first byte of each channel
+        needed = channel_bytes(N, b).sum()
+        if capacity is None:
+            total = int(needed)  # host read: only without a bound
+        else:
+            total = capacity
+            checks = deferring()
+            if checks is not None:
+                checks.record(needed <= capacity)
+            elif bool(needed > capacity):
+                raise ValueError(f"channel widths need {int(needed)} bytes, more than the buffer's {capacity}")
+        # (S, N, D) -> each code's first bit in the buffer, its value (clamped to its width) shifted into place
+        pos = start[:, None, :] * 8 + torch.arange(N, device=codes.device)[None, :, None] * b[:, None, :]
+        val = torch.where(b[:, None, :] > 0, codes.clamp(0).minimum((1 << b[:, None, :]) - 1), 0) << (pos & 7)
+        byte = torch.where(b[:, None, :] > 0, pos >> 3, 0).flatten()
+        buf = torch.zeros(total + 2, dtype=torch.int32, device=codes.device)  # + 2: 0-bit channels' (empty) writes
+        buf.index_add_(0, byte, (val & 255).flatten().int())  # the codes' bits are disjoint: adding is or-ing
+        buf.index_add_(0, byte + 1, (val >> 8).flatten().int())
+        return cls(buf[:total].to(torch.uint8), bits.to(torch.uint8), low.half(), step.half(), N)
+
+    @functools.cached_property
+    def max_bits(self) -> int:
+        """The widest channel (one host read, on the paths that ask: reports and the low-precision emulation)."""
+        return int(self.bits.max()) if self.bits.numel() else 0
 
     @property
     def shape(self) -> tuple[int, int, int]:

@@ -108,9 +108,14 @@ class QuantWMAlloc(QVGBudget):
         return ctx.stats_or_identity(S, D, x.device)
 
     def smoothings(self, x: torch.Tensor, kind: str, ctx: SpanContext, w: torch.Tensor):
-        """Yield (residual, stages) for k-means centroids and for one mean row per span."""
+        """Yield (residual, stages) for k-means centroids and for one mean row per span: both on the first span
+        of `kind`, then only the one that won there (kept in ctx.state: the choice is made once, not read back on
+        every span)."""
         smoother = self if x.shape[-1] % self.group_size == 0 else replace(self, group_size=x.shape[-1])
+        kept = ctx.state.get(f"{kind}.smoothing")
         for K in dict.fromkeys((self.n_clusters(x.shape[1]), 1)):
+            if kept is not None and (K > 1) != bool(kept):
+                continue
             if K > 1:
                 yield smoother.smooth(x, kind, ctx, assign=lambda xs, c: weighted_sqdist(xs, c, w).argmin(-1))
             else:
@@ -118,27 +123,33 @@ class QuantWMAlloc(QVGBudget):
                 yield x.float() - row.float(), ((row, None),)
 
     def allocated(self, x: torch.Tensor, kind: str, ctx: SpanContext, w: torch.Tensor, charge: float = 0.0):
-        """(predicted error, build) of the best smoothing of x (S, N, D) with weights w within the budget less
-        `charge` bits per stream, `build()` coding the span (only the chosen candidate is coded); None when
-        nothing fits."""
+        """(predicted error (a 0-dim tensor), build) of the best smoothing of x (S, N, D) with weights w within the
+        budget less `charge` bits per stream, `build()` coding the span (only the chosen candidate is coded); None
+        when nothing fits. Every step runs on x's device; the one host read is the first span's choice between
+        the two smoothings (`smoothings`)."""
         S, N, D = x.shape
-        cost = torch.tensor([8.0 * channel_bytes(N, b) for b in range(9)])
-        best = None
+        cost = x.new_tensor([8.0 * channel_bytes(N, b) for b in range(9)], dtype=torch.float32)
+        candidates = []
         for r, stages in self.smoothings(x, kind, ctx, w):
             fixed = sum(t.numel() * t.element_size() for stage in stages for t in stage if t is not None)
-            available = torch.full((S,), self.budget * N * D - 8 * (fixed + table_bytes(S, D)) / S - charge)
-            if bool((available < 0).any()):
+            available = self.budget * N * D - 8 * (fixed + table_bytes(S, D)) / S - charge  # bits per stream
+            if available < 0:
                 continue
             E, alpha = error_tables(r)
-            weighted = w.cpu()[:, :, None] * E
-            levels = allocate(weighted, cost, available)
-            predicted = float(torch.gather(weighted, 2, levels[..., None]).sum())
-            if best is None or predicted < best[0]:
-                best = (predicted, r, stages, levels, torch.gather(alpha, 2, levels[..., None])[..., 0])
-        if best is None:
+            weighted = w.float()[:, :, None] * E
+            levels = allocate(weighted, cost, torch.full((S,), available, device=x.device))
+            predicted = torch.gather(weighted, 2, levels[..., None]).sum()
+            capacity = S * int(available // 8)  # the allocation keeps each stream's codes within its bits
+            candidates.append((predicted, r, stages, levels, torch.gather(alpha, 2, levels[..., None])[..., 0], capacity))
+        if not candidates:
             return None
-        predicted, r, stages, levels, alpha = best
-        return predicted, lambda: Codebook(stages, encode_channels(r, levels, alpha))
+        if len(candidates) > 1:  # the first span of this kind: the smoothing with the lower predicted error, kept
+            at = int(torch.stack([c[0] for c in candidates]).argmin())  # host read: once per cache and kind
+            k_means = candidates[at][2][0][1] is not None  # the k-means stage stores ids; the mean row does not
+            ctx.state[f"{kind}.smoothing"] = k_means  # a host-side flag (not a tensor: no bytes on the device)
+            candidates = [candidates[at]]
+        predicted, r, stages, levels, alpha, capacity = candidates[0]
+        return predicted, lambda: Codebook(stages, encode_channels(r, levels, alpha, capacity))
 
     def in_query_basis(self, x: torch.Tensor, ctx: SpanContext, plain):
         """(predicted error, build) of the Keys in the Queries' basis (the eigenvectors of `basis_source_of`). A
@@ -178,19 +189,22 @@ class QuantWMAlloc(QVGBudget):
         # price each by the Gaussian model from the span's covariance (no projection, no allocation), code the winner
         total, unbiased = self.budget * N * D, N / max(N - 1, 1)
 
-        def price(U: torch.Tensor, charge: float) -> float:
+        def price(U: torch.Tensor, charge: float) -> torch.Tensor:
             lam = coordinate_weights(U, stats)
             variances = torch.einsum("sdi,sde,sei->si", U.double(), cov, U.double()) * unbiased
             return gaussian_price(lam, variances, N, total - charge)
 
         prices = [price(basis_matrix(*b), charge) for b, charge in candidates]
-        channels = None if stored is not None else gaussian_price(
-            torch.diagonal(stats, dim1=-2, dim2=-1), torch.diagonal(cov, dim1=-2, dim2=-1) * unbiased, N, total)
-        if channels is not None and (not prices or channels <= min(prices)):
+        if stored is None:  # the model's channels compete too, and win ties
+            prices.insert(0, gaussian_price(torch.diagonal(stats, dim1=-2, dim2=-1),
+                                            torch.diagonal(cov, dim1=-2, dim2=-1) * unbiased, N, total))
+        best = int(torch.stack(prices).argmin())  # host read: only on a span that prices a new basis
+        if stored is None and best == 0:
             if candidates:
                 ctx.state.update({"k.declined_reflectors": candidates[0][0][0], "k.declined_scales": candidates[0][0][1]})
             return plain()
-        basis, charge = candidates[prices.index(min(prices))]
+        best -= stored is None
+        basis, charge = candidates[best]
         got = self.coded_in(basis, ctx, *self.coordinates(x, stats, basis), charge)
         if got is None:
             return plain()
@@ -206,7 +220,7 @@ class QuantWMAlloc(QVGBudget):
         N = x.shape[1]
         total, count = ctx.state.get("k.cov_sum"), ctx.state.get("k.cov_count")  # tensors: counted as method state
         total = cov * N + (0 if total is None else total)
-        count = torch.tensor(float(N)) + (0 if count is None else count)
+        count = cov.new_tensor(float(N)) + (0 if count is None else count)
         ctx.state.update({"k.cov_sum": total, "k.cov_count": count})
         return weighted_source(stats, total / count)
 
