@@ -27,7 +27,7 @@ def rope_angles(coords: torch.Tensor, head_dim: int, theta: float = 10000.0) -> 
     d_hw = 2 * (head_dim // 6)
     parts = []
     for i, d in enumerate((head_dim - 2 * d_hw, d_hw, d_hw)):  # channels for (t, row, col)
-        freqs = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        freqs = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64, device=coords.device) / d)
         parts.append(coords[..., i:i + 1].double() * freqs)
     return torch.cat(parts, -1)
 
@@ -52,11 +52,11 @@ class Rope3D:
         self.split = (head_dim - 2 * d_hw, d_hw, d_hw)  # channels for (t, row, col)
 
     def angles(self, positions: torch.Tensor) -> torch.Tensor:
-        """(N,) -> (N, D/2) rotation angle of every channel pair."""
-        return rope_angles(token_coords(positions.cpu(), self.grid), self.head_dim, self.theta)
+        """(N,) -> (N, D/2) rotation angle of every channel pair, on the positions' device."""
+        return rope_angles(token_coords(positions, self.grid), self.head_dim, self.theta)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        ang = self.angles(positions).to(x.device)
+        ang = self.angles(positions.to(x.device))  # host positions are copied over, never read back
         return apply_rope(x, -ang if inverse else ang)
 
 
