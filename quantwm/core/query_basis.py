@@ -76,18 +76,51 @@ def _product(reflectors: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.linalg.householder_product(A, tau).float()
 
 
-def key_covariance(x: torch.Tensor) -> torch.Tensor:
-    """C (streams, D, D) float64: the covariance of a span's keys x (streams, N, D) about their mean."""
+SQRT_ITERS = 20  # Newton–Schulz steps of `psd_sqrt`: top-16 energy of W within 1e-6 of eigh's on query spectra
+TOP_ITERS = 4  # subspace iterations of `top_energy` from a stored basis
+
+
+def key_covariance(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """C (streams, D, D) float64: the covariance of a span's keys x (streams, N, D) about their mean; `keep` (N,)
+    bool: over those tokens only (the same as the covariance of x[:, keep], without a host read)."""
     k = x.double()
-    c = k - k.mean(1, keepdim=True)
-    return c.transpose(1, 2) @ c / k.shape[1]
+    if keep is None:
+        c = k - k.mean(1, keepdim=True)
+        return c.transpose(1, 2) @ c / k.shape[1]
+    m = keep.to(k)[None, :, None]  # (1, N, 1)
+    n = m.sum(1, keepdim=True)
+    c = (k - (k * m).sum(1, keepdim=True) / n) * m
+    return c.transpose(1, 2) @ c / n
+
+
+def psd_sqrt(A: torch.Tensor, iters: int = SQRT_ITERS) -> torch.Tensor:
+    """A^½ (streams, D, D) float64 of symmetric PSD A by the coupled Newton–Schulz iteration (Y → A^½, Z → A^-½
+    on A scaled by its trace, so every eigenvalue lies in [0, 1]): a fixed number of batched matmuls, no
+    eigendecomposition (which on a GPU waits on the host for its error check, and takes milliseconds)."""
+    A = A.double()
+    c = A.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(1e-300)[:, None, None]
+    eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand_as(A)
+    Y, Z = A / c, eye
+    for _ in range(iters):  # three batched matmuls a step
+        T = torch.baddbmm(eye, Z, Y, beta=1.5, alpha=-0.5)  # (3 I - Z Y) / 2
+        Y, Z = Y @ T, T @ Z
+    return Y * c.sqrt()
+
+
+def top_energy(A: torch.Tensor, start: torch.Tensor, iters: int = TOP_ITERS) -> torch.Tensor:
+    """Σ of the top r eigenvalues of symmetric PSD A (streams, D, D), from below, by `iters` subspace iterations
+    from `start` (streams, D, r) (a stored basis: close to A's top space already): tr(Qᵀ A Q) (streams,) float64."""
+    A = A.double()
+    Q = start.double()
+    for _ in range(iters):
+        Q = torch.linalg.qr(A @ Q).Q
+    return torch.einsum("sdi,sde,sei->s", Q, A, Q)
 
 
 def weighted_source(stats: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
     """W = S^½ C S^½ (streams, D, D): the keys' covariance C seen in the Queries' metric S, the covariance of the
     logit error's source; its eigenvectors are the directions a transform coder of the logits codes apart."""
-    lam, vec = torch.linalg.eigh(stats.double())
-    half = vec @ torch.diag_embed(lam.clamp_min(0).sqrt()) @ vec.transpose(1, 2)
+    half = psd_sqrt(stats)
     W = half @ cov.double() @ half
     return ((W + W.transpose(1, 2)) / 2).float()
 
@@ -99,9 +132,9 @@ def coordinate_weights(U: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
 
 def captured(U: torch.Tensor, stats: torch.Tensor, rank: int) -> torch.Tensor:
     """Per stream: the share of the energy S's top-`rank` eigen-directions hold that U's first `rank` columns
-    capture (1 for S's own basis)."""
+    capture (1 for S's own basis); the top energy by subspace iteration from those columns (`top_energy`)."""
     held = coordinate_weights(U[..., :rank], stats).sum(-1).double()
-    top = torch.linalg.eigvalsh(stats.double())[..., -rank:].clamp_min(0).sum(-1)
+    top = torch.maximum(top_energy(stats, U[..., :rank]).clamp_min(0), held)
     return torch.where(top > 0, held / top.clamp_min(1e-300), torch.ones_like(top))
 
 

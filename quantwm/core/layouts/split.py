@@ -50,7 +50,7 @@ class TokenSplit(Layout):
     def _scatter(self, rest: torch.Tensor, loud: torch.Tensor) -> torch.Tensor:
         S, N, D = self.shape
         out = torch.empty(S, N, D, dtype=torch.float32, device=rest.device)
-        out[:, self.kept()] = rest.float()
+        out[:, kept_index(N, self.index)] = rest.float()  # integer indices: no host read
         out[:, self.index.long()] = loud.float()
         return out
 
@@ -76,7 +76,14 @@ class TokenSplit(Layout):
 
 def split_tokens(x: torch.Tensor, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the rest (S, N − n, D), the loud tokens (S, n, D) in BF16) of x (S, N, D) at `index` (n,)."""
-    return x[:, kept_tokens(x.shape[1], index)], x[:, index.long()].to(torch.bfloat16)
+    return x[:, kept_index(x.shape[1], index)], x[:, index.long()].to(torch.bfloat16)
+
+
+def kept_index(n_tokens: int, index: torch.Tensor) -> torch.Tensor:
+    """(n_tokens − n,) int64 ascending: the positions not in `index` (n,), found without a host read (a stable sort
+    of the kept mask puts the kept positions first, in order)."""
+    keep = kept_tokens(n_tokens, index)
+    return keep.to(torch.uint8).argsort(descending=True, stable=True)[: n_tokens - index.shape[0]]
 
 
 def kept_tokens(n_tokens: int, index: torch.Tensor) -> torch.Tensor:

@@ -151,31 +151,22 @@ class QuantWMAlloc(QVGBudget):
         predicted, r, stages, levels, alpha, capacity = candidates[0]
         return predicted, lambda: Codebook(stages, encode_channels(r, levels, alpha, capacity))
 
-    def in_query_basis(self, x: torch.Tensor, ctx: SpanContext, plain):
+    def in_query_basis(self, x: torch.Tensor, ctx: SpanContext, plain, plan: tuple):
         """(predicted error, build) of the Keys in the Queries' basis (the eigenvectors of `basis_source_of`). A
         stored basis that still holds is used as it is. Otherwise new ones of 16 and of `basis_rank` directions
         (as many as `basis_share` of the span's bits buy), each paid in full by this span, are priced against the
         stale basis or, with none, the model's channels (`plain()`) by the Gaussian model of their error, from the
         span's covariance (`gaussian_price`), and the winner is coded. Keeps the basis in use in ctx.state; where the channels won,
-        the basis they beat, so that while it holds later spans skip the pricing."""
+        the basis they beat, so that while it holds later spans skip the pricing. `plan`: what `basis_plan` computed
+        before the span's one host read (S, the span's covariance, the source, the stored basis and whether it and
+        a declined basis hold)."""
         S, N, D = x.shape
-        stats = self.query_metric(x, ctx)
-        cov = key_covariance(x)  # the span's: prices every candidate basis, and feeds W
-        source = self.basis_source_of(x, ctx, stats, cov)
-
-        def kept(key: str) -> tuple | None:
-            return (ctx.state[f"{key}_reflectors"], ctx.state[f"{key}_scales"]) if f"{key}_scales" in ctx.state else None
-
-        def holds(basis: tuple) -> bool:  # read on its first (at most) REUSE_RANK columns
-            rank = min(REUSE_RANK, basis[0].shape[1])
-            return bool((captured(basis_matrix(*basis), source, rank) >= self.basis_reuse).all())
-
-        stored, declined = kept("k.basis"), kept("k.declined")
-        if stored is None and declined is not None and holds(declined):
+        stats, cov, source, stored, stored_holds, declined_holds = plan
+        if stored is None and declined_holds:
             return plain()  # the channels beat a basis of this S before
         # a reused basis is paid for; under a rolling window its payer may be evicted, so each user pays 1/window
         share = 0.0 if stored is None or ctx.window is None else 8.0 * basis_bytes(stored[0].shape[1], D) / ctx.window
-        if stored is not None and holds(stored):
+        if stored is not None and stored_holds:
             got = self.coded_in(stored, ctx, *self.coordinates(x, stats, stored), share)  # shared, already paid for
             if got is not None:
                 return got
@@ -211,18 +202,37 @@ class QuantWMAlloc(QVGBudget):
         ctx.state.update({"k.basis_reflectors": basis[0], "k.basis_scales": basis[1]})
         return got
 
-    def basis_source_of(self, x: torch.Tensor, ctx: SpanContext, stats: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+    def basis_source_of(self, ctx: SpanContext, stats: torch.Tensor, cov: torch.Tensor, n: torch.Tensor | int) -> torch.Tensor:
         """The matrix whose top eigenvectors a new basis takes: S, or W = S^½ C S^½ with C the keys' covariance
-        over every span coded so far, this one's (`cov`) included (a running mean kept in ctx.state, so that a stored basis
-        keeps holding while the keys' statistics do)."""
+        over every span coded so far, this one's (`cov`, of `n` tokens) included (a running mean kept in ctx.state,
+        so that a stored basis keeps holding while the keys' statistics do)."""
         if self.basis_source == "queries":
             return stats
-        N = x.shape[1]
         total, count = ctx.state.get("k.cov_sum"), ctx.state.get("k.cov_count")  # tensors: counted as method state
-        total = cov * N + (0 if total is None else total)
-        count = cov.new_tensor(float(N)) + (0 if count is None else count)
+        n = cov.new_tensor(float(n)) if isinstance(n, int) else n.to(cov)
+        total = cov * n + (0 if total is None else total)
+        count = n + (0 if count is None else count)
         ctx.state.update({"k.cov_sum": total, "k.cov_count": count})
         return weighted_source(stats, total / count)
+
+    def basis_plan(self, x: torch.Tensor, ctx: SpanContext, keep: torch.Tensor | None) -> tuple[tuple, list[torch.Tensor]]:
+        """What the Keys in the Queries' basis need of span x (S, N, D), over the tokens `keep` (N,) bool (None:
+        all): (S, the span's covariance, the source W (the running covariance updated), the stored basis, and two
+        places for whether it and a declined basis hold), and the 0-dim flag to read for the one that applies."""
+        stats = self.query_metric(x, ctx)
+        cov = key_covariance(x, keep)  # the span's: prices every candidate basis, and feeds W
+        source = self.basis_source_of(ctx, stats, cov, x.shape[1] if keep is None else keep.sum())
+
+        def kept(key: str) -> tuple | None:
+            return (ctx.state[f"{key}_reflectors"], ctx.state[f"{key}_scales"]) if f"{key}_scales" in ctx.state else None
+
+        def holds(basis: tuple) -> torch.Tensor:  # read on its first (at most) REUSE_RANK columns
+            rank = min(REUSE_RANK, basis[0].shape[1])
+            return (captured(basis_matrix(*basis), source, rank) >= self.basis_reuse).all()
+
+        stored, declined = kept("k.basis"), kept("k.declined")
+        flags = [holds(stored)] if stored is not None else [holds(declined)] if declined is not None else []
+        return (stats, cov, source, stored, None, None), flags
 
     @staticmethod
     def coordinates(x: torch.Tensor, stats: torch.Tensor, basis: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,31 +249,55 @@ class QuantWMAlloc(QVGBudget):
         got = self.allocated(y, "k", ctx, w, charge)
         return None if got is None else (got[0], lambda: InBasis(got[1](), *basis))
 
-    def loud_tokens(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The span's loud tokens (n,) int16 ascending, or None: tokens whose key norm is over `loud` times its
-        stream's median in any stream, at most `loud_share` of the span (the loudest)."""
-        if not self.loud or not self.loud_share:
+    def loud_candidates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the `loud_share` · N loudest tokens (cap,), by their key norm over the stream's median in any stream,
+        loudest first; whether each is loud: over `loud` times) on x's device, or None where none can be. The
+        loud ones lead the candidates: the span's loud tokens are the first n, n read on the host."""
+        cap = int(self.loud_share * x.shape[1])
+        if not self.loud or not cap:
             return None
         norms = x.float().norm(dim=-1)  # (S, N)
         ratio = (norms / norms.median(-1, keepdim=True).values.clamp_min(1e-30)).amax(0)  # (N,)
-        cap = int(self.loud_share * x.shape[1])
-        index = (ratio > self.loud).nonzero()[:, 0]
-        if not len(index) or not cap:
-            return None
-        index = index[ratio[index].argsort(descending=True)[:cap]]
-        return index.sort().values.to(torch.int16)
+        top, order = ratio.topk(cap)
+        return order, top > self.loud
+
+    def key_plan(self, x: torch.Tensor, ctx: SpanContext) -> tuple[torch.Tensor | None, tuple | None]:
+        """The Keys' decisions on span x (S, N, D), with one host read for all of them: the loud tokens held in
+        BF16 ((n,) int16 ascending, or None) and, where Keys go to the Queries' basis, `basis_plan` over the other
+        tokens with its flag read (None where the Keys stay in the channels)."""
+        N = x.shape[1]
+        loud = self.loud_candidates(x)
+        keep = None
+        if loud is not None:  # (N,) False at the loud tokens
+            keep = torch.ones(N, dtype=torch.bool, device=x.device).scatter(0, loud[0], ~loud[1])
+        rotate = self.qsac and self.query_basis and ctx.history
+        saved = {k: ctx.state[k] for k in ("k.cov_sum", "k.cov_count") if k in ctx.state}
+        plan, flags = self.basis_plan(x, ctx, keep) if rotate else (None, [])
+        counts = [loud[1].sum()] if loud is not None else []
+        read = torch.stack([t.double() for t in counts + flags]).tolist() if counts or flags else []  # the one read
+        n = int(read[0]) if counts else 0
+        if n and 16 * n > 0.5 * self.budget * N:
+            n = 0  # a tight budget codes them with the rest: their BF16 would take half the span's bits
+            if rotate:  # the plan over every token (a second read, only on this rare path)
+                ctx.state.update(saved)
+                plan, flags = self.basis_plan(x, ctx, None)
+                read = [0.0] + (torch.stack([t.double() for t in flags]).tolist() if flags else [])
+        held = loud[0][:n].sort().values.to(torch.int16) if n else None
+        if plan is not None:
+            holds = bool(read[len(counts)]) if flags else None
+            plan = plan[:4] + ((holds, None) if plan[3] is not None else (None, holds))
+        return held, plan
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
         Method.validate(self, x, kind)  # any head dim: the allocator's grids are per channel, not groups of them
         if kind == "k":  # the loud keys in BF16; the cache splits the span's Values at the same tokens ("held")
-            held = self.loud_tokens(x)
-            if held is not None and 16 * len(held) > 0.5 * self.budget * x.shape[1]:
-                held = None  # a tight budget codes them with the rest: their BF16 would take half the span's bits
+            held, plan = self.key_plan(x, ctx)
             ctx.span["held"] = held
             if held is not None:
                 rest, kept = split_tokens(x, held)
-                return TokenSplit(self.holding(len(held), rest.shape)._encode(rest, kind, ctx), held, kept)
-        elif ctx.span.get("held") is not None:  # Values the cache split where the Keys did: pay for the held ones
+                return TokenSplit(self.holding(len(held), rest.shape)._encode(rest, kind, ctx, plan), held, kept)
+            return self._encode(x, kind, ctx, plan)
+        if ctx.span.get("held") is not None:  # Values the cache split where the Keys did: pay for the held ones
             return self.holding(len(ctx.span["held"]), x.shape)._encode(x, kind, ctx)
         return self._encode(x, kind, ctx)
 
@@ -273,14 +307,13 @@ class QuantWMAlloc(QVGBudget):
         S, M, D = shape
         return replace(self, budget=(self.budget * (M + n) * D - 16.0 * n * D - 16.0 * n / S) / (M * D))
 
-    def _encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
+    def _encode(self, x: torch.Tensor, kind: str, ctx: SpanContext, plan: tuple | None = None) -> Layout:
         S, N, D = x.shape
 
         def plain():
             return self.allocated(x, kind, ctx, self.weights(x, kind, ctx))
 
-        rotate = kind == "k" and self.qsac and self.query_basis and ctx.history
-        best = self.in_query_basis(x, ctx, plain) if rotate else plain()
+        best = self.in_query_basis(x, ctx, plain, plan) if kind == "k" and plan is not None else plain()
         if best is None:
             raise BudgetError(f"quantwm cannot fit {self.budget:g} bits per element on spans of {N} tokens at head "
                               f"dim {D}: its centroids and per-channel tables alone take more")
