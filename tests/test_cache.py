@@ -949,9 +949,52 @@ def test_attend_over_a_warm_cache_makes_no_host_sync(method):
             cache.attend(0, q, k, v, chunk=i, commit=True)
     q, k, v = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(3))
     assert _host_syncs(caches[0], q, k, v, 4) == []  # nothing waits on the device: CUDA graphs can capture it
-    assert _host_syncs(caches[1], q, k, v, 4) == ["__bool__"]  # the boundary's one NaN/Inf check
+    assert _host_syncs(caches[1], q, k, v, 4) == ["__bool__"]  # on the CPU the NaN/Inf check is read at once
     with pytest.raises(ValueError, match="v contains 1 NaN/Inf"):
         caches[1].attend(0, q, k, v.index_put((torch.tensor([0]),) * 4, torch.tensor(float("nan"))), chunk=4)
+
+
+@pytest.mark.parametrize("method", ["bf16", "kivi", "quantwm"])
+def test_a_warm_attend_on_an_accelerator_makes_no_host_sync_with_the_default_configuration(method, monkeypatch):
+    """Where a read is a host sync (a GPU), the default NaN/Inf check is a device flag read at the layer's next
+    commit with the span's own checks: the attend waits on nothing, the commit reads once, and bad inputs are still
+    named."""
+    import quantwm.core.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "defers_checks", lambda x: True)  # as on a CUDA tensor
+    g = torch.Generator().manual_seed(0)
+    cache = KVCache(CacheConfig(method), 1)  # check_inputs=True, the default
+    for i in range(4):
+        q, k, v = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(3))
+        cache.attend(0, q, k, v, chunk=i, commit=True)
+    q, k, v = (torch.randn(1, 2, 16, 64, generator=g) for _ in range(3))
+    assert _host_syncs(cache, q, k, v, 4) == [] and _host_syncs(cache, q, k, v, 4) == []  # two denoising passes
+    assert len(cache.layers[0].unchecked) == 2  # their flags wait on the device for the commit
+    cache.commit(0, 4)
+    assert cache.layers[0].unchecked == []
+    bad = v.index_put((torch.tensor([0]),) * 4, torch.tensor(float("nan")))
+    cache.attend(0, q, k, v, chunk=5)
+    cache.attend(0, q, k, bad, chunk=5)  # no error yet: nothing was read
+    with pytest.raises(ValueError, match=r"layer 0: the q/k/v written for chunk 5 contain NaN/Inf"):
+        cache.commit(0, 5)
+
+
+def test_a_storage_dtype_that_must_widen_is_found_at_commit_and_remembered(monkeypatch):
+    """A span's value checks are read once at commit; where fp8 cannot hold a scale the span is quantized again
+    with the checks immediate (the wider dtype counted), and later spans start from it: one repeat, not one each."""
+    from quantwm.core.methods.rtn import RTN
+
+    encodes = []
+    encode = RTN.encode
+    monkeypatch.setattr(RTN, "encode", lambda self, x, kind, ctx: encodes.append(kind) or encode(self, x, kind, ctx))
+    cache = KVCache(CacheConfig("rtn", k_bits=2, v_bits=2, method_options=(("scale_dtype", "fp8"),)), 1)
+    g = torch.Generator().manual_seed(0)
+    for i in range(5):
+        q, k, v = (torch.randn(1, 2, 16, 64, generator=g) * 1e-3 for _ in range(3))  # scales under fp8's normal range
+        cache.attend(0, q, k, v, chunk=i, commit=True)
+    assert encodes == ["k", "v", "k", "v"] + ["k", "v"] * 2  # span 1 twice (deferred, then at once), spans 2-3 once
+    scales = cache.layers[0].chunks[1].k_enc.components()["scales"]
+    assert scales.dtype == torch.float16  # widened from fp8, and stored so
 
 
 @pytest.mark.parametrize("method", ["bf16", "rtn", "kivi", "qvg"])

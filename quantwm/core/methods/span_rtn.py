@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..allocate import encode_channels, error_tables
+from ..layouts.channels import channel_bytes
 from ..layouts import Layout
 from ..quant import SUPPORTED_BITS, check_bits
 from .base import Method, SpanContext, register
@@ -46,8 +47,9 @@ class SpanRTN(Method):
         self.validate(x, kind)
         S, _, D = x.shape
         _, alpha = error_tables(x, (self.bits,))  # (S, D, 1): each channel's best clip at this width
-        bits = torch.full((S, D), self.bits, dtype=torch.long)
-        return encode_channels(x.float(), bits, alpha[..., 0])
+        bits = torch.full((S, D), self.bits, dtype=torch.long, device=x.device)
+        capacity = S * D * channel_bytes(x.shape[1], self.bits)  # every channel alike: the size is known here
+        return encode_channels(x.float(), bits, alpha[..., 0], capacity)
 
 
 def check_values(values: str, bits: int) -> None:
