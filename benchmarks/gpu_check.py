@@ -10,15 +10,18 @@ Steps, each in its own process with its own time limit, skipped with a message o
 2. `warm attend`: `benchmarks/warm_attend.py`, a warm `quantwm` cache at a 2.5-bit budget attended under
    `torch.cuda.set_sync_debug_mode("error")` (no host sync, no kernel view built), then captured in a CUDA graph
    and replayed against an eager attend (on the CPU: the sync count only).
-3. `kernel bench`: `quantwm selfcheck --model wan-1.3b` (the command a user runs; its timing is
+3. `commit cost`: `benchmarks/commit_cost.py` for quantwm and kivi at 2.5 bits at Wan-1.3B shapes: each commit's
+   ATen ops, kernel launches and host syncs per layer, its cost estimated by the script's stated model, and on
+   CUDA the commit timed with CUDA events beside a BF16 SDPA over the same cache (issue 42).
+4. `kernel bench`: `quantwm selfcheck --model wan-1.3b` (the command a user runs; its timing is
    quantwm/evaluation/kernel_timing.py, which `benchmarks/kernel_bench.py` runs too): which path every method
    takes, every kernel checked against its reference on first use, and the timing at Wan-1.3B shapes (12 heads
    x 128, chunks of 4680 queries, caches of 8K/32K/64K tokens): BF16 SDPA (the flash backend on CUDA), dequantize-then-SDPA, the fused 2-bit
    kernel, its 8-bit paths (INT8 and e4m3 QKᵀ, e4m3 PV), and the cost of quantizing a committed chunk as a share
    of the chunk's attention time.
-4. `real shapes`: `benchmarks/real_shapes.py`, a randomly initialised Wan-1.3B-sized transformer generating
+5. `real shapes`: `benchmarks/real_shapes.py`, a randomly initialised Wan-1.3B-sized transformer generating
    chunk by chunk through the cache (bytes, peak memory, time per chunk).
-5. `live rollout`: a random Self-Forcing model (diffusers Wan classes, 2 layers at Wan-1.3B's 12 heads x 128 and
+6. `live rollout`: a random Self-Forcing model (diffusers Wan classes, 2 layers at Wan-1.3B's 12 heads x 128 and
    its 480x832 frames) recorded BF16 vs quantwm through the live backend's recorder, written as a run file
    and read back.
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -52,6 +56,9 @@ def steps(out: Path, dry: bool) -> list[dict]:
                  *(["tests/test_kernels.py", "-k", "pack_bits or kmeans_assign or (lowp_kernel_matches and int8)"] if dry else tests)]},
         {"name": "warm attend", "limit": 60 if dry else 50,
          "cmd": [py, "benchmarks/warm_attend.py", *(["--dry-run"] if dry else [])]},
+        {"name": "commit cost", "limit": 60 if dry else 90,  # issue 42: a commit's cost, counted, priced and timed
+         "cmd": [py, "benchmarks/commit_cost.py", "--preset", "wan-1.3b", "--methods", "quantwm,kivi", "--budget", "2.5",
+                 "--json", str(out / "commit_cost.json"), *(["--dry-run"] if dry else [])]},
         {"name": "kernel bench", "limit": 150 if dry else 180,  # the user's own check: `quantwm selfcheck`
          "cmd": [py, "-m", "quantwm", "selfcheck", "--model", "tiny" if dry else "wan-1.3b",
                  *([] if dry else ["--lengths", "8192,32768,65536"]), "--json", str(out / "kernel_bench.json")]},
@@ -104,6 +111,13 @@ def figures(name: str, out: Path, text: str) -> dict:
             return {"summary": last[-1].strip("= ") if last else "no summary"}
         if name == "warm attend":
             return {"checks": [line for line in text.splitlines() if line.startswith(("ok", "FAILED", "skip"))]}
+        if name == "commit cost":  # per method: steady commit ms per layer (measured on CUDA, else None), the
+            rows = json.loads((out / "commit_cost.json").read_text())["rows"]  # estimate, syncs, share of the chunk
+            return {r["method"]: {"measured_ms": round(statistics.fmean(r["measured"]["commit_ms"][1:]), 3)
+                                  if r.get("measured") else None,
+                                  "estimated_ms": round(r["estimate"]["commit_gpu_ms"]["steady"], 3),
+                                  "syncs": r["commit"]["mean"]["syncs"],
+                                  "share": round(r["estimate"]["commit_share"]["steady"], 4)} for r in rows}
         if name == "kernel bench":
             rows = json.loads((out / "kernel_bench.json").read_text())["rows"]
             return {f"{r['path']} @ {r['cache_tokens']}": round(r["vs_bf16"], 3) for r in rows}
@@ -164,7 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU at tiny shapes")
     ap.add_argument("--budget", type=float, help=f"seconds in all (default {BUDGET_S}; dry run {DRY_BUDGET_S})")
     ap.add_argument("--out", default=str(ROOT / "out" / "gpu_check"), help="folder for the JSON and step outputs")
-    ap.add_argument("--live-rollout", metavar="PATH", help=argparse.SUPPRESS)  # step 4 in its own process
+    ap.add_argument("--live-rollout", metavar="PATH", help=argparse.SUPPRESS)  # the live-rollout step, in its own process
     a = ap.parse_args(argv)
     if a.live_rollout:
         print(json.dumps(live_rollout(a.live_rollout, a.dry_run)))
