@@ -31,9 +31,9 @@ LEVELS = tuple(range(9))  # bits a channel may take
 CLIPS = (1.0, 0.85, 0.7, 0.55, 0.42, 0.32)  # range shrink factors tried per (channel, bits)
 WIDE_CLIPS = 2  # above 4 bits only the first two clips are tried
 SAMPLE_TOKENS = 1024  # the error tables are measured on at most this many (evenly strided) tokens of a span
-SEARCH_ROUNDS, SEARCH_POINTS = 4, 64  # the Lagrangian search: rounds of a grid of θ candidates, each narrowing it
-FILL_ROUNDS = 3  # rounds of the greedy fill, each taking the best upgrade of as many channels as still fit
-TILE_ELEMENTS = 1 << 25  # the error tables evaluate at most this many (candidate, token, channel) values at once
+SEARCH_ROUNDS, SEARCH_POINTS = 2, 256  # the Lagrangian search: rounds of a grid of θ candidates, each narrowing it
+FILL_ROUNDS = 1  # rounds of the greedy fill, each taking the best upgrade of as many channels as still fit
+TILE_ELEMENTS = 1 << 26  # the error tables evaluate at most this many (candidate, token, channel) values at once
 
 
 def _grid(lo: torch.Tensor, hi: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
