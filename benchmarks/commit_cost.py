@@ -40,7 +40,9 @@ PyTorch reference path instead. On CUDA both are also timed with CUDA events (co
 attend on the same chunk) on an otherwise idle stream, so the host's launch time shows where it exceeds the GPU's (an
 upper bound of what the commit adds behind a model's queued work), beside a BF16 SDPA over the same cache length;
 the syncs `torch.cuda.set_sync_debug_mode("warn")` reports are counted as a cross-check of the counter's.
-Known limits: iid Gaussian queries (S near isotropic), so work that depends on the queries' subspace (a PSAC basis
+Known limits: code that branches on the device is counted as the CPU runs it (the cache's NaN/Inf input check is
+one host read per attend on the CPU; on an accelerator a device flag read with the next commit's checks), as are
+host-to-device copies (op_count.py); iid Gaussian queries (S near isotropic), so work that depends on the queries' subspace (a PSAC basis
 stored anew) may run less often than in a real video; the budget rule's candidate table (core/budget.py
 measured_bits: CPU, once per process) is warmed before counting; the kernels' first-use self-check (once per
 process) is off; Triton kernels' bytes are their tensor arguments'.
