@@ -98,9 +98,9 @@ def measured_bits(method: str, options: tuple, head_dim: int, span_tokens: int, 
     m = get_method(base, **dict(options))
     if any(f.name == "iters" for f in dataclasses.fields(m)):  # bytes do not depend on the k-means iterations
         m = dataclasses.replace(m, iters=1)
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, span_tokens, head_dim, generator=g)
-    stats = torch.eye(head_dim)[None] + 0.1 * torch.ones(1, head_dim, head_dim)  # a history: PSAC stores a basis
+    g = torch.Generator().manual_seed(0)  # measured on the host: a count of bytes, the same on every device
+    x = torch.randn(1, span_tokens, head_dim, generator=g, device="cpu")
+    stats = torch.eye(head_dim, device="cpu")[None] + 0.1 * torch.ones(1, head_dim, head_dim, device="cpu")  # PSAC's basis
     enc = m.encode(x, kind, SpanContext(stats=stats, history=1))
     stored = sum(t.numel() * t.element_size() for t in enc.components().values()) if m.layer_constants else enc.nbytes()
     return 8 * stored / x.numel()

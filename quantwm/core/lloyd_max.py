@@ -19,6 +19,8 @@ from typing import NamedTuple
 
 import torch
 
+from .tables import on_device
+
 LLOYD_MAX_BITS = (1, 2, 3, 4)  # TurboQuant's widths (wider tables take seconds of Lloyd iterations)
 
 
@@ -60,14 +62,15 @@ def lloyd_max(bits: int) -> LloydMax:
             break
     t = _cells(c)
     mse = 1 - sum((_cdf(t[i + 1]) - _cdf(t[i])) * c[i] ** 2 for i in range(n))
-    return LloydMax(torch.tensor(c, dtype=torch.float32), torch.tensor(t[1:-1], dtype=torch.float32), mse)
+    return LloydMax(torch.tensor(c, dtype=torch.float32, device="cpu"),
+                    torch.tensor(t[1:-1], dtype=torch.float32, device="cpu"), mse)
 
 
 def lloyd_max_codes(z: torch.Tensor, bits: int) -> torch.Tensor:
     """Codes in [0, 2^bits) (int64, the shape of z) of the nearest level to each element of z (unit variance)."""
-    return torch.bucketize(z.float(), lloyd_max(bits).thresholds.to(z.device))
+    return torch.bucketize(z.float(), on_device(lloyd_max(bits).thresholds, z.device))
 
 
 def lloyd_max_values(codes: torch.Tensor, bits: int) -> torch.Tensor:
     """The levels (float32) the codes name."""
-    return lloyd_max(bits).levels.to(codes.device)[codes.long()]
+    return on_device(lloyd_max(bits).levels, codes.device)[codes.long()]

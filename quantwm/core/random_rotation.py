@@ -26,7 +26,7 @@ def hadamard(d: int) -> torch.Tensor:
     """The d x d Sylvester-Hadamard matrix (float32, entries ±1), d a power of two."""
     if not is_power_of_two(d):
         raise ValueError(f"a Sylvester-Hadamard matrix needs a power-of-two size, got {d}")
-    h = torch.ones(1, 1)
+    h = torch.ones(1, 1, device="cpu")
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)  # (n, n) -> (2n, 2n)
     return h
@@ -39,7 +39,7 @@ def random_rotation(d: int, seed: int) -> torch.Tensor:
         raise ValueError(f"a rotation needs a positive dimension, got {d}")
     g = torch.Generator().manual_seed(seed)
     if is_power_of_two(d):
-        signs = torch.randint(0, 2, (d,), generator=g).float() * 2 - 1
+        signs = torch.randint(0, 2, (d,), generator=g, device="cpu").float() * 2 - 1
         return hadamard(d) * signs / d ** 0.5  # H diag(s) / √d: column j scaled by s_j
-    q, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64))
+    q, r = torch.linalg.qr(torch.randn(d, d, generator=g, dtype=torch.float64, device="cpu"))
     return (q * torch.sign(torch.diagonal(r))).float()

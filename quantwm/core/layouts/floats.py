@@ -15,17 +15,18 @@ from dataclasses import dataclass
 import torch
 
 from ..quant import unpack_bits_ref
+from ..tables import on_device
 from .base import Layout
 
-E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # the FP4 e2m1 magnitudes, code 0..7
-E2M1_CELLS = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.75, 1.0, 1.5, 1.0])  # width of each code's rounding cell
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], device="cpu")  # the FP4 e2m1 magnitudes, code 0..7
+E2M1_CELLS = torch.tensor([0.5, 0.5, 0.5, 0.5, 0.75, 1.0, 1.5, 1.0], device="cpu")  # each code's rounding cell
 NVFP4_BLOCK = 16
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """4-bit e2m1 codes (sign << 3 | magnitude code) -> float32 values."""
     c = codes.long()
-    mag = E2M1.to(codes.device)[c & 7]
+    mag = on_device(E2M1, codes.device)[c & 7]
     return torch.where((c >> 3) == 1, -mag, mag)
 
 
@@ -65,7 +66,7 @@ class E2M1Blocks(Layout):
     def step(self) -> torch.Tensor:
         """The width of each element's rounding cell, scaled: e2m1's spacing grows with the magnitude."""
         codes, scale = self._parts()
-        return (E2M1_CELLS.to(codes.device)[codes.long() & 7] * scale).reshape(self.shape)
+        return (on_device(E2M1_CELLS, codes.device)[codes.long() & 7] * scale).reshape(self.shape)
 
     def describe(self) -> str:
         return "FP4 e2m1 values, one fp8-e4m3 scale per 16 channels, one fp32 scale per stream"

@@ -16,18 +16,21 @@ The fused kernel does not read this form (`kernel_side` is None): the reference 
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from ..random_rotation import hadamard, is_power_of_two, random_rotation
+from ..tables import on_device
 from .base import Layout
 from .grouped import Grouped
 
 
+@functools.lru_cache(maxsize=16)
 def data_free_rotation(d: int) -> torch.Tensor:
     """The rotation of a span coded before any history (d, d) float32: H_d / √d (a seeded random orthogonal
-    matrix where d is not a power of two)."""
+    matrix where d is not a power of two), built once per d on the host (callers must not modify it)."""
     return hadamard(d) / d ** 0.5 if is_power_of_two(d) else random_rotation(d, 0)
 
 
@@ -47,7 +50,7 @@ class OscarSpan(Layout):
         """R (1, D, D) float32 as the decoder applies it."""
         D = self.shape[2]
         if self.rotation is None:
-            return data_free_rotation(D).to(self.inner.q.codes.device)[None]
+            return on_device(data_free_rotation(D), self.inner.q.codes.device)[None]
         return self.rotation.float()
 
     def components(self) -> dict[str, torch.Tensor]:

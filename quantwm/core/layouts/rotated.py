@@ -31,6 +31,7 @@ import torch
 from ..lloyd_max import lloyd_max, lloyd_max_values
 from ..quant import unpack_bits_ref
 from ..random_rotation import random_rotation
+from ..tables import on_device
 from .base import Layout
 
 
@@ -46,8 +47,8 @@ def part_channels(channels: torch.Tensor | None, head_dim: int) -> list[torch.Te
 
 
 def part_rotation(d: int, seed: int, part: int, device: torch.device) -> torch.Tensor:
-    """Part `part`'s rotation (d, d) float32 on `device`."""
-    return random_rotation(d, 2 * seed + part).to(device)
+    """Part `part`'s rotation (d, d) float32 on `device` (copied there once)."""
+    return on_device(random_rotation(d, 2 * seed + part), device)
 
 
 @dataclass(frozen=True, eq=False)

@@ -26,13 +26,14 @@ import torch
 from ..layouts import ChannelFP8, E2M1Blocks, Layout, TokenBlockInt8
 from ..layouts.floats import E2M1, NVFP4_BLOCK, e2m1_values
 from ..quant import pack_bits_ref
+from ..tables import on_device
 from .base import Method, SpanContext, register
 
 __all__ = ["E2M1", "NVFP4", "Int8KFP8V", "e2m1_codes", "e2m1_values", "e4m3"]
 # Rounding to e2m1: the midpoints between neighbours; a value exactly on one goes to the even code, which is
 # the upper neighbour at 0.75, 1.75 and 3.5 and the lower one at 0.25, 1.25, 2.5 and 5.
-E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
-E2M1_TIES_UP = torch.tensor([0.75, 1.75, 3.5])
+E2M1_MIDPOINTS = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device="cpu")
+E2M1_TIES_UP = torch.tensor([0.75, 1.75, 3.5], device="cpu")
 E4M3_MAX = 448.0
 INT8_BLOCK_TOKENS = 64
 
@@ -45,8 +46,8 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
 def e2m1_codes(y: torch.Tensor) -> torch.Tensor:
     """4-bit codes (sign << 3 | magnitude code) of y rounded to e2m1, saturating at ±6: (...) -> uint8 (...)."""
     a = y.abs().clamp(max=6.0)
-    mag = torch.bucketize(a, E2M1_MIDPOINTS.to(a.device))  # a on a midpoint goes to the lower code...
-    mag = mag + torch.isin(a, E2M1_TIES_UP.to(a.device)).long()  # ...unless the upper one is even
+    mag = torch.bucketize(a, on_device(E2M1_MIDPOINTS, a.device))  # a on a midpoint goes to the lower code...
+    mag = mag + torch.isin(a, on_device(E2M1_TIES_UP, a.device)).long()  # ...unless the upper one is even
     return (mag | ((y < 0).long() << 3)).to(torch.uint8)
 
 

@@ -47,6 +47,7 @@ from ..layouts import Grouped, Layout
 from ..layouts.oscar import OscarSpan, data_free_rotation
 from ..quant import SCALE_DTYPES, check_bits, quantize_groups, to_storage
 from ..random_rotation import hadamard, is_power_of_two, random_rotation
+from ..tables import on_device
 from .base import Method, SpanContext, register
 from .span_rtn import channel_values, check_values
 
@@ -55,16 +56,17 @@ def bit_reversed(d: int) -> torch.Tensor:
     """The bit-reversal permutation of range(d) (d a power of two); otherwise that of the next power of two with the
     entries ≥ d left out: (d,) int64."""
     n = max(1, (d - 1).bit_length())
-    order = torch.tensor([int(format(i, f"0{n}b")[::-1], 2) for i in range(2 ** n)]) if d > 1 else torch.zeros(1)
+    order = (torch.tensor([int(format(i, f"0{n}b")[::-1], 2) for i in range(2 ** n)], device="cpu") if d > 1
+             else torch.zeros(1, device="cpu"))
     return order[order < d].long()
 
 
 def oscar_rotation(cov: torch.Tensor) -> torch.Tensor:
     """R = U · H · P of a covariance (D, D) (see the module): (D, D) float32, orthogonal."""
     D = cov.shape[-1]
-    vals, U = torch.linalg.eigh(cov.double().cpu())
+    vals, U = torch.linalg.eigh(cov.double().cpu())  # on the host: one read, once per layer and kind
     mix = hadamard(D).double() / D ** 0.5 if is_power_of_two(D) else random_rotation(D, 0).double()
-    perm = torch.empty(D, dtype=torch.long)
+    perm = torch.empty(D, dtype=torch.long, device="cpu")
     perm[bit_reversed(D)] = vals.argsort(descending=True)  # column bitreverse(i) <- the i-th largest eigenvalue's
     return (U @ mix)[:, perm].float()
 
@@ -149,7 +151,7 @@ class OSCAR(Method):
         xf = x.float()
         D = x.shape[-1]
         stored = self.rotation(xf, kind, ctx)
-        R = data_free_rotation(D).to(x.device)[None] if stored is None else stored.float()  # (1, D, D)
+        R = on_device(data_free_rotation(D), x.device)[None] if stored is None else stored.float()  # (1, D, D)
         y = clip_rows(xf @ R, self.k_clip if kind == "k" else self.v_clip)  # (S, N, D) rotated, clipped
         q = quantize_groups(y, self.bits, self.group_size or D, "channel", False, self.scale_dtype, "up")
         return OscarSpan(Grouped(q), stored)
