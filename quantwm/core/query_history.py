@@ -27,10 +27,10 @@ class QueryHistory:
         if not self.tracks_queries:
             return SpanContext(state=st.method_state, seed=seed)
         for j in sorted(j for j in st.pending if j <= c.index):  # causal_stats: queries of earlier chunks only
-            self._stats(st, H, D).merge(st.pending.pop(j))
-        stats = self._stats(st, H, D).matrix().to(c.k.device)
+            self._stats(st, H, D, c.k.device).merge(st.pending.pop(j))
+        stats = self._stats(st, H, D, c.k.device).matrix().to(c.k.device)
         if self.config.rope == "pre" and st.stats.count:  # S into the keys' space
-            stats = rope_conjugate(stats, self.rope, torch.arange(c.start, c.start + N))
+            stats = rope_conjugate(stats, self.rope, torch.arange(c.start, c.start + N, device=c.k.device))
         aim = None
         if self.config.rope == "post" and self.frame_shift is not None:
             def aim(chunks: int) -> torch.Tensor | None:
@@ -53,9 +53,10 @@ class QueryHistory:
         sink, n = self.config.sink_chunks, self.config.span_chunks
         return sink if chunk < sink else sink + n * ((chunk - sink) // n + 1)
 
-    def _stats(self, st: LayerState, H: int, D: int) -> QueryStats:
+    def _stats(self, st: LayerState, H: int, D: int, device=None) -> QueryStats:
+        """The layer's S, made (on `device`: where the queries are, no copy at their first update) if none yet."""
         if st.stats is None:
-            st.stats = QueryStats(H, D, self.config.stats_decay)
+            st.stats = QueryStats(H, D, self.config.stats_decay, device)
         return st.stats
 
     def observe(self, layer: int, q: torch.Tensor) -> None:
@@ -70,19 +71,19 @@ class QueryHistory:
     def _observe(self, layer: int, qb: torch.Tensor) -> None:
         st = self._layer(layer)
         H, D = qb.shape[1], qb.shape[3]
-        stats = self._stats(st, H, D)
+        stats = self._stats(st, H, D, qb.device)
         if self.causal_stats:  # held back until the chunks before it are quantized, grouped by when that happens
             idx = st.current.index if st.current is not None else st.next_chunk
-            stats = st.pending.setdefault(self._fold_point(idx), QueryStats(H, D, self.config.stats_decay))
-        stats.update(qb, anchor=self._anchor(st))
+            stats = st.pending.setdefault(self._fold_point(idx), QueryStats(H, D, self.config.stats_decay, qb.device))
+        stats.update(qb, anchor=self._anchor(st, qb.device))
 
-    def _anchor(self, st: LayerState) -> torch.Tensor | None:
+    def _anchor(self, st: LayerState, device: torch.device) -> torch.Tensor | None:
         """M (D, D) moving the queries of the chunk being written back to frame 0 by its first frame (the cache's
         `frame_shift`), or None: no frame shift, or a chunk that does not start on a frame."""
         if self.frame_shift is None or self.config.rope != "post":
             return None
         frames = self.frame_shift.frames(st.current.start if st.current is not None else st.next_token)
-        return None if frames is None else self.frame_shift.matrix(-frames)
+        return None if frames is None else self.frame_shift.matrix(-frames, device)
 
     def aimed(self, st: LayerState, c: Chunk, chunks: int) -> torch.Tensor | None:
         """S (H, D, D) re-aimed at the frames that read span `c` next: the anchored queries moved to the starts of
@@ -96,13 +97,13 @@ class QueryHistory:
         if any(f is None for f in shifts):
             return None
         S0 = stats.anchored
-        out = sum(M.T @ S0 @ M for M in (self.frame_shift.matrix(f).to(S0.device) for f in shifts)) / chunks
+        out = sum(M.T @ S0 @ M for M in (self.frame_shift.matrix(f, S0.device) for f in shifts)) / chunks
         return out.float()
 
     def load_query_stats(self, layer: int, second: torch.Tensor, count: int = 1) -> None:
         """Seed layer's S (H, D, D) from a calibration run or a trace's earlier queries."""
         H, D = second.shape[0], second.shape[-1]
-        self._stats(self._layer(layer), H, D).load(second, count)
+        self._stats(self._layer(layer), H, D, second.device).load(second, count)
 
     def query_stats(self, layer: int) -> torch.Tensor:
         """S (H, D, D) of `layer` (identity before any query). Needs a cache that keeps them (`tracks_queries`)."""

@@ -46,7 +46,7 @@ class Rope3D:
     """rope(x, positions, inverse=False): rotate x (B, H, N, D) by the 3-D positions of its tokens."""
 
     def __init__(self, head_dim: int, grid: tuple[int, int], theta: float = 10000.0):
-        rope_angles(torch.zeros(1, 3), head_dim, theta)  # validates head_dim
+        rope_angles(torch.zeros(1, 3, device="cpu"), head_dim, theta)  # validates head_dim
         self.grid, self.head_dim, self.theta = grid, head_dim, theta
         d_hw = 2 * (head_dim // 6)
         self.split = (head_dim - 2 * d_hw, d_hw, d_hw)  # channels for (t, row, col)
@@ -71,7 +71,7 @@ class FrameShift:
     theta: float = 10000.0
 
     def __post_init__(self):
-        rope_angles(torch.zeros(1, 3), self.head_dim, self.theta)  # validates head_dim
+        rope_angles(torch.zeros(1, 3, device="cpu"), self.head_dim, self.theta)  # validates head_dim
         if self.tokens_per_frame < 1:
             raise ValueError(f"tokens_per_frame must be >= 1, got {self.tokens_per_frame}")
 
@@ -79,19 +79,22 @@ class FrameShift:
         """`tokens` as whole frames, None when it is not a whole number of them."""
         return None if tokens % self.tokens_per_frame else tokens // self.tokens_per_frame
 
-    def matrix(self, frames: int) -> torch.Tensor:
-        """M (D, D) float64 with x M = x moved forward by `frames` frames, for row vectors x (kept per `frames`: one
-        per chunk start; callers must not modify it)."""
-        return _frame_matrix(self.head_dim, self.theta, frames)
+    def matrix(self, frames: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """M (D, D) float64 on `device` with x M = x moved forward by `frames` frames, for row vectors x (built there,
+        nothing copied from the host; kept per `frames` and device: one per chunk start; callers must not modify
+        it)."""
+        return _frame_matrix(self.head_dim, self.theta, frames, torch.device(device))
 
 
 # kept for the frame counts of the chunks near the one being written (its anchor and aims): a long rollout asks
 # for new ones every chunk, and 256 of them held 8 MiB
 @functools.lru_cache(maxsize=16)
-def _frame_matrix(head_dim: int, theta: float, frames: int) -> torch.Tensor:
-    angles = rope_angles(torch.tensor([[frames, 0, 0]]), head_dim, theta)  # (1, D/2)
+def _frame_matrix(head_dim: int, theta: float, frames: int, device: torch.device) -> torch.Tensor:
+    coords = torch.zeros(1, 3, dtype=torch.long, device=device)
+    coords[0, 0] = frames  # a fill on the device, no copy of host data
+    angles = rope_angles(coords, head_dim, theta)  # (1, D/2)
     cos, sin = angles[0].cos(), angles[0].sin()
-    M = torch.zeros(head_dim, head_dim, dtype=torch.float64)
-    i = torch.arange(0, head_dim, 2)
+    M = torch.zeros(head_dim, head_dim, dtype=torch.float64, device=device)
+    i = torch.arange(0, head_dim, 2, device=device)
     M[i, i], M[i, i + 1], M[i + 1, i], M[i + 1, i + 1] = cos, sin, -sin, cos
     return M

@@ -101,7 +101,7 @@ def rope_conjugate(stats: torch.Tensor, rope, positions: torch.Tensor, samples: 
     H, D, _ = stats.shape
     pos = positions.long().flatten()
     if len(pos) > samples:
-        pos = pos[torch.linspace(0, len(pos) - 1, samples).round().long()]
+        pos = pos[torch.linspace(0, len(pos) - 1, samples, device=pos.device).round().long()]
     ev, vec = torch.linalg.eigh(stats.double())
     cols = (vec * ev.clamp_min(0).sqrt()[:, None, :]).transpose(1, 2).float()  # (H, D, D): row j = column j of L
     x = cols.repeat(1, len(pos), 1)[None]  # (1, H, n*D, D)
