@@ -120,8 +120,14 @@ class Channels(Layout):
 
     def make_kernel_side(self) -> SideArgs:
         meta = channel_offsets(self.bits, self.n_tokens) * 16 + self.bits.long()
-        return SideArgs(CHANNELS, self.codes, self.n_tokens, self.step_, self._low_read(), meta,
-                        max_bits=self.max_bits)
+        # the widest channel, where the 8-bit path asked for it (`prepare`); else 8, a bound read by nothing
+        widest = self.__dict__.get("max_bits", 8)
+        return SideArgs(CHANNELS, self.codes, self.n_tokens, self.step_, self._low_read(), meta, max_bits=widest)
+
+    def prepare(self, lowp: str | None = None) -> None:
+        if lowp == "e4m3":  # its rule reads the widest channel: one host read, at commit, on this path only
+            _ = self.max_bits
+        super().prepare(lowp)
 
     def reads_codes(self, qk: str) -> bool:
         """Any width in INT8; e4m3 holds codes of at most 4 bits exactly."""
