@@ -230,13 +230,13 @@ def _rollout(model, vae, text, cache_config: CacheConfig, latent_frames: int, ch
             x = noise[:, :, sl].to(device)  # the sampler's arithmetic in float32; the model in its own dtype
             for j, s in enumerate(sig):
                 with wan.chunk(i):
-                    v = model(x.to(dtype), torch.tensor([s * 1000.0], device=device), text).sample.float()
+                    v = model(x.to(dtype), torch.full((1,), s * 1000.0, device=device), text).sample.float()
                 x0 = x - s * v
                 if j + 1 < len(sig):
                     x = (1 - sig[j + 1]) * x0 + sig[j + 1] * torch.randn(x0.shape, generator=g).to(device)
             out[:, :, sl] = x0.cpu()
             with wan.chunk(i, commit=True):
-                model(x0.to(dtype), torch.tensor([0.0], device=device), text)
+                model(x0.to(dtype), torch.zeros(1, device=device), text)
             if progress:
                 progress(i + 1, n_chunks)
         mean = torch.tensor(vae.config.latents_mean).view(1, -1, 1, 1, 1)

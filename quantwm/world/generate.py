@@ -214,6 +214,7 @@ def rollout(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n
     if bad:
         raise ValueError(f"logit layer/head {bad[0]} out of range: the model has {cfg.layers} layers, {cfg.heads} heads")
     pc = ProbingCache(cache, places, layers, heads)
+    places_on_device = places.to(device)  # once: each chunk's RoPE coordinates are built from it there
     g = torch.Generator().manual_seed(noise_seed * 1_000_003 + world_seed)
     n_chunks = n_frames // F
     conditioning: dict = {}  # flow time -> the model's conditioning: every chunk has the same F * n tokens
@@ -229,8 +230,8 @@ def rollout(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", n
     def chunk(c: int):  # leave gradients off in its caller's thread while it waits (and forever if dropped)
         frames = slice(c * F, (c + 1) * F)
         gt = render(world_map, poses[frames], cfg.view, cfg.patch)  # (F, H, W, 3)
-        coords = torch.cat([torch.arange(c * F, (c + 1) * F).repeat_interleave(n)[:, None],
-                            places[c * F * n:(c + 1) * F * n]], -1)
+        coords = torch.cat([torch.arange(c * F, (c + 1) * F, device=device).repeat_interleave(n)[:, None],
+                            places_on_device[c * F * n:(c + 1) * F * n]], -1)
         noise = torch.randn(1, F * n, cfg.patch_dim, generator=g).to(device)
         out, chunk_probe = (patchify(gt, cfg.patch) * 2 - 1).to(device), None  # (F, N, P)
         if c * F >= cfg.context_frames:
