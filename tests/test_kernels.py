@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 import triton.language as tl
+from quantwm.kernels import channel_errors as _ce
 from quantwm.kernels import kmeans_assign as _km
 from quantwm.kernels import pack_bits as _pb
 from quantwm.kernels import qsac_assign as _qa
@@ -20,6 +21,7 @@ from quantwm.kernels import span_attention as _sa
 from quantwm.kernels import unpack_bits as _ub
 from quantwm.kernels.span_args import full_side
 
+from quantwm.core.allocate import CLIPS, _clip_table, channel_errors_ref, error_tables
 from quantwm.core.attention import chunk_spans, merge_splits, new_state, span_attention_ref
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.kmeans import kmeans_assign_ref
@@ -311,3 +313,35 @@ def test_span_attention_rejects_bad_state_and_jensen_on_full_keys():
         span_attention(q, acc[:, :, :3], m, l, side, side, 1.0)
     with pytest.raises(ValueError, match="Jensen"):
         span_attention(q, acc, m, l, side, side, 1.0, jensen=True)
+
+
+@pytest.mark.parametrize("n, D", [(1, 16), (97, 40), (1025, 128)])
+def test_channel_errors_kernel_matches_ref_on_every_candidate(n, D):
+    g = torch.Generator().manual_seed(n + D)
+    x = torch.randn(3, n, D, generator=g) * (torch.rand(1, 1, D, generator=g) * 3 + 0.01)
+    x[0, 0, 0] = 30.0  # an outlier: the clipped candidates matter
+    x[1, :, 1] = 0.5  # a flat channel: a zero range (step 1)
+    x[2, :, 2] = torch.arange(n) * 0.25  # values on exact half-steps: ties round to even
+    table = _clip_table(tuple(range(9)))
+    qmax = torch.tensor([2.0 ** b - 1 for b in (j for j, _ in table)])
+    alpha = torch.tensor([a for _, a in table])
+    lo, hi = x.amin(1), x.amax(1)
+    ref = channel_errors_ref(x, lo, hi, qmax, alpha, 1.5)
+    ref_low = channel_errors_ref(x.half().float(), lo.half().float(), hi.half().float(), qmax, alpha, 1.5)
+    out = _ce.channel_errors(*map(_move, (x, lo, hi, qmax, alpha)), 1.5).cpu()
+    assert out.shape == (len(table), 3, D)
+    # float sums in another order (and a tie's code one step apart): far below the error of the same tables on
+    # fp16-rounded inputs, the reference's own precision
+    assert (out - ref).abs().max() <= 2 * (ref_low - ref).abs().max() + 1e-4 * ref.abs().max()
+    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+
+
+def test_error_tables_pick_the_same_clips_on_the_kernel_path(monkeypatch):
+    g = torch.Generator().manual_seed(7)
+    r = torch.randn(2, 300, 24, generator=g)
+    r[:, 0] = 25.0
+    E_ref, A_ref = error_tables(r)
+    monkeypatch.setenv("QUANTWM_KERNELS", "triton")
+    E, A = error_tables(r)
+    assert torch.equal(A, A_ref) and torch.isin(A, torch.tensor(CLIPS)).all()
+    assert torch.allclose(E, E_ref, rtol=1e-4, atol=1e-3)

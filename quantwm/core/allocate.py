@@ -25,6 +25,7 @@ import math
 
 import torch
 
+from .backend import kernel, use_kernels
 from .layouts import Channels
 
 LEVELS = tuple(range(9))  # bits a channel may take
@@ -50,29 +51,44 @@ def _clip_table(levels: tuple[int, ...]) -> list[tuple[int, float]]:
     return [(j, a) for j, b in enumerate(levels) if b > 0 for a in (CLIPS if b <= 4 else CLIPS[:WIDE_CLIPS])]
 
 
+def channel_errors_ref(sample: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qmax: torch.Tensor,
+                       alpha: torch.Tensor, scale: float) -> torch.Tensor:
+    """sample (S, n, D), lo/hi (S, D) its per-channel range, qmax/alpha (C,) each candidate's top code 2^b − 1 and
+    clip -> (C, S, D): Σ_t (x − Q(x))² per channel on the candidate's grid, times `scale` (kernels/channel_errors.py
+    on the fast path). Candidates in tiles of at most TILE_ELEMENTS values."""
+    errors = []
+    tile = max(1, TILE_ELEMENTS // max(sample.numel(), 1))
+    for at in range(0, qmax.shape[0], tile):  # one pass at the shapes QuantWM meets
+        top = qmax[at:at + tile, None, None]  # (C, 1, 1)
+        low, step = _grid(lo, hi, torch.log2(top + 1), alpha[at:at + tile, None, None])  # (C, S, D)
+        codes = torch.round((sample - low[:, :, None]) / step[:, :, None]).clamp_(min=0).minimum(top[..., None])
+        errors.append((sample - (low[:, :, None] + codes * step[:, :, None])).square().sum(2) * scale)
+    return torch.cat(errors)
+
+
+def channel_errors(sample: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qmax: torch.Tensor,
+                   alpha: torch.Tensor, scale: float) -> torch.Tensor:
+    """`channel_errors_ref`, by kernels/channel_errors.py on the fast path (one launch for every candidate)."""
+    if use_kernels(sample):
+        return kernel("channel_errors")(sample, lo, hi, qmax, alpha, scale)
+    return channel_errors_ref(sample, lo, hi, qmax, alpha, scale)
+
+
 def error_tables(r: torch.Tensor, levels: tuple[int, ...] = LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
     """E (S, D, L): each channel's squared error at each level with its best clip, measured on a strided sample
     of at most SAMPLE_TOKENS tokens and scaled to the span; alpha (S, D, L) the clip chosen (1 at 0 bits, the
-    first of equal clips). On r's device, every (level, clip) candidate at once (in tiles of TILE_ELEMENTS)."""
+    first of equal clips). On r's device, every (level, clip) candidate at once (`channel_errors`)."""
     S, N, D = r.shape
     sample = r[:, :: max(1, math.ceil(N / SAMPLE_TOKENS))].float()  # (S, n, D)
     scale = N / sample.shape[1]
     table = _clip_table(levels)
     lo, hi = sample.amin(1), sample.amax(1)  # (S, D)
-    errors = []
-    tile = max(1, TILE_ELEMENTS // sample.numel())
-    for at in range(0, len(table), tile):  # one pass at the shapes QuantWM meets (a Wan-1.3B span: 2 tiles)
-        part = table[at:at + tile]
-        bits = sample.new_tensor([float(levels[j]) for j, _ in part])[:, None, None]  # (C, 1, 1)
-        alpha = sample.new_tensor([a for _, a in part])[:, None, None]
-        low, step = _grid(lo, hi, bits, alpha)  # (C, S, D)
-        codes = torch.round((sample - low[:, :, None]) / step[:, :, None]).clamp_(min=0).minimum(2.0 ** bits[..., None] - 1)
-        errors.append((sample - (low[:, :, None] + codes * step[:, :, None])).square().sum(2) * scale)  # (C, S, D)
+    qmax = sample.new_tensor([2.0 ** levels[j] - 1 for j, _ in table])
+    errors = channel_errors(sample, lo, hi, qmax, sample.new_tensor([a for _, a in table]), scale) if table else None
     E = sample.new_empty(len(levels), S, D)
     A = sample.new_ones(len(levels), S, D)
     if 0 in levels:
         E[levels.index(0)] = sample.square().sum(1) * scale
-    errors = torch.cat(errors) if errors else None
     at = 0
     for n_clips in (len(CLIPS), WIDE_CLIPS):  # levels with six clips, then levels with two: (levels, clips, S, D)
         rows = [j for j, b in enumerate(levels) if b > 0 and (b <= 4) == (n_clips == len(CLIPS))]
@@ -81,9 +97,7 @@ def error_tables(r: torch.Tensor, levels: tuple[int, ...] = LEVELS) -> tuple[tor
         block = errors[at:at + len(rows) * n_clips].reshape(len(rows), n_clips, S, D)
         at += len(rows) * n_clips
         best, pick = block.min(1)  # the first of equal clips, as a strict `<` scan would take
-        clips = sample.new_tensor(CLIPS[:n_clips])
-        index = sample.new_tensor(rows, dtype=torch.long)
-        E[index], A[index] = best, clips[pick]
+        E[rows[0]:rows[-1] + 1], A[rows[0]:rows[-1] + 1] = best, sample.new_tensor(CLIPS[:n_clips])[pick]
     return E.permute(1, 2, 0), A.permute(1, 2, 0)
 
 
