@@ -12,6 +12,7 @@ import os
 import pytest
 import torch
 import triton.language as tl
+from quantwm.kernels import allocate_levels as _al
 from quantwm.kernels import channel_errors as _ce
 from quantwm.kernels import kmeans_assign as _km
 from quantwm.kernels import pack_bits as _pb
@@ -21,7 +22,7 @@ from quantwm.kernels import span_attention as _sa
 from quantwm.kernels import unpack_bits as _ub
 from quantwm.kernels.span_args import full_side
 
-from quantwm.core.allocate import CLIPS, _clip_table, channel_errors_ref, error_tables
+from quantwm.core.allocate import CLIPS, _clip_table, allocate_levels_ref, channel_errors_ref, error_tables
 from quantwm.core.attention import chunk_spans, merge_splits, new_state, span_attention_ref
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.kmeans import kmeans_assign_ref
@@ -345,3 +346,18 @@ def test_error_tables_pick_the_same_clips_on_the_kernel_path(monkeypatch):
     E, A = error_tables(r)
     assert torch.equal(A, A_ref) and torch.isin(A, torch.tensor(CLIPS)).all()
     assert torch.allclose(E, E_ref, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("S, D, N", [(3, 40, 97), (2, 128, 1025), (1, 16, 1), (2, 9, 4680)])
+def test_allocate_levels_kernel_equals_ref(S, D, N):
+    g = torch.Generator().manual_seed(S * D + N)
+    E = torch.rand(S, D, 9, generator=g).sort(-1, descending=True).values * torch.rand(S, D, 1, generator=g) * 10
+    E[0, 0] = E[0, 1]  # two channels alike: ties go to the first, in both
+    cost = torch.tensor([8.0 * ((N * b + 7) // 8) for b in range(9)])
+    available = torch.full((S,), 2.5 * N * D) - torch.rand(S, generator=g) * 100
+    available[-1] = 3.0 * N * D  # a stream with room to spare: the greedy fill runs
+    top = E.amax() / cost[1:].min() * 4 + 1
+    ref = allocate_levels_ref(E, cost, available, top)
+    out = _al.allocate_levels(*map(_move, (E, cost, available, top))).cpu()
+    assert torch.equal(out, ref)
+    assert (cost[out].sum(-1) <= available).all()

@@ -11,8 +11,8 @@ with λ_i = S_ii, the history Queries' energy along channel i, for Keys (quantiz
 channels are uncorrelated, so the logit error E[(q·e)²] = Σ_i S_ii e_i²), and λ_i = 1 for Values (the output
 is a convex mix of value rows, every channel counted alike). Minimising it under the bit budget is reverse
 water-filling: a channel whose λ_i·var_i is large gets many bits, one the Queries barely use gets 0 or 1.
-The rule: a Lagrangian search (each channel takes argmin_b λ_i E_i(b) + θ·cost(b)), then a greedy fill of
-what the search left, all as a fixed number of batched tensor ops on the span's device (`allocate`). Each grid's clipping (its range shrunk by α ∈ CLIPS) is the α that minimises E_i(b).
+The rule: a Lagrangian bisection (each channel takes argmin_b λ_i E_i(b) + θ·cost(b)), then a greedy fill of
+what the bisection left; on a GPU one Triton launch (kernels/allocate_levels.py), with nothing read back. Each grid's clipping (its range shrunk by α ∈ CLIPS) is the α that minimises E_i(b).
 
 Stored per stream: the bit table (one byte a channel), the grid's low end and step per channel (fp16, codes
 are computed against the stored values) and the codes, channel after channel, packed: the `Channels` layout
@@ -32,8 +32,7 @@ LEVELS = tuple(range(9))  # bits a channel may take
 CLIPS = (1.0, 0.85, 0.7, 0.55, 0.42, 0.32)  # range shrink factors tried per (channel, bits)
 WIDE_CLIPS = 2  # above 4 bits only the first two clips are tried
 SAMPLE_TOKENS = 1024  # the error tables are measured on at most this many (evenly strided) tokens of a span
-SEARCH_ROUNDS, SEARCH_POINTS = 2, 256  # the Lagrangian search: rounds of a grid of θ candidates, each narrowing it
-FILL_ROUNDS = 1  # rounds of the greedy fill, each taking the best upgrade of as many channels as still fit
+BISECTION_STEPS = 60  # of the Lagrangian θ (kernels/allocate_levels.py holds the same number)
 TILE_ELEMENTS = 1 << 26  # the error tables evaluate at most this many (candidate, token, channel) values at once
 
 
@@ -104,41 +103,48 @@ def error_tables(r: torch.Tensor, levels: tuple[int, ...] = LEVELS) -> tuple[tor
 def allocate(weighted: torch.Tensor, cost: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
     """Level index per (stream, channel) minimising Σ weighted[s, i, level] subject to Σ cost[level] <=
     available[s]: weighted (S, D, L), cost (L,) bits with cost[0] = 0, available (S,) bits. Deterministic, on
-    weighted's device, a fixed number of tensor ops (no host read).
+    weighted's device: kernels/allocate_levels.py on the fast path (one launch, nothing read back), else
+    `allocate_levels_ref`."""
+    cost = cost.to(weighted)
+    top = weighted.amax().clamp_min(1e-30) / cost[1:].min() * 4 + 1  # θ at which every channel takes 0 bits
+    if use_kernels(weighted):
+        return kernel("allocate_levels")(weighted, cost, available, top)
+    return allocate_levels_ref(weighted, cost, available, top)
 
-    The Lagrangian: each channel takes argmin_b weighted + θ·cost(b); the cheapest θ that fits is searched in
-    SEARCH_ROUNDS rounds of SEARCH_POINTS log-spaced candidates, each round narrowing to the bracket between the
-    last candidate that does not fit and the first that does. Then FILL_ROUNDS rounds of a greedy fill: every
-    channel's best upgrade (error drop per extra bit) that fits what is left, taken in order of that gain while
-    their sum fits."""
+
+def allocate_levels_ref(weighted: torch.Tensor, cost: torch.Tensor, available: torch.Tensor,
+                        top: torch.Tensor) -> torch.Tensor:
+    """The allocation rule (module docstring): BISECTION_STEPS bisection steps (in log space, from `top` down to
+    1e-12 of it) for the cheapest Lagrangian θ whose levels argmin_l weighted + θ·cost(l) fit each stream's bits,
+    then a greedy fill: the upgrade with the largest error drop per extra bit that still fits, one a step, until
+    none does. Sums of costs in fp64 (whole numbers: exact). The fill reads whether any stream moved after each
+    step: free on the CPU; on a GPU kernels/allocate_levels.py runs the same rule in one launch."""
     S, D, L = weighted.shape
     cost = cost.to(weighted)
+    cost64, avail = cost.double(), available.to(weighted.device).double()
 
-    def pick(theta: torch.Tensor) -> torch.Tensor:  # θ (S, T) -> levels (S, T, D)
-        return (weighted[:, None] + theta[:, :, None, None] * cost).argmin(-1)
+    def pick(theta: torch.Tensor) -> torch.Tensor:
+        return (weighted + theta[:, None, None] * cost).argmin(-1)
 
-    # θ large enough that every channel takes 0 bits; its range reaches 1e-12 of that
-    top = (weighted.amax().clamp_min(1e-30) / cost[1:].min() * 4 + 1).log().expand(S)
-    hi, lo = top, top + math.log(1e-12)
-    t = torch.linspace(0, 1, SEARCH_POINTS, device=weighted.device, dtype=weighted.dtype)
-    for _ in range(SEARCH_ROUNDS):
-        logs = lo[:, None] + (hi - lo)[:, None] * t  # (S, T) ascending
-        fits = cost[pick(logs.exp())].sum(-1) <= available[:, None]  # monotone in θ: False ... False True ... True
-        first = (~fits).sum(-1, keepdim=True)  # the first candidate that fits (T when none does: keep hi)
-        hi = torch.where(first < SEARCH_POINTS, logs.gather(1, first.clamp(max=SEARCH_POINTS - 1)), hi[:, None])[:, 0]
-        lo = logs.gather(1, (first - 1).clamp(0, SEARCH_POINTS - 1))[:, 0]
-    levels = pick(hi.exp()[:, None])[:, 0]  # (S, D)
-    for _ in range(FILL_ROUNDS):
-        left = available - cost[levels].sum(-1)  # (S,)
+    hi = top.to(weighted).expand(S).clone()
+    lo = hi * 1e-12
+    for _ in range(BISECTION_STEPS):
+        mid = (lo * hi).sqrt()
+        fits = cost64[pick(mid)].sum(-1) <= avail
+        hi, lo = torch.where(fits, mid, hi), torch.where(fits, lo, mid)
+    levels = pick(hi)
+    channels = torch.arange(D, device=weighted.device)
+    for _ in range(4 * D):
+        left = avail - cost64[levels].sum(-1)
         extra = cost - cost[levels][..., None]  # (S, D, L)
-        gain = (weighted.gather(2, levels[..., None]) - weighted) / extra.clamp_min(1e-9)
-        ok = (extra > 0) & (extra <= left[:, None, None]) & (gain > 0)
-        gain, level = torch.where(ok, gain, -1.0).max(-1)  # each channel's best upgrade (S, D)
-        extra = torch.where(gain > 0, extra.gather(2, level[..., None])[..., 0], 0.0)
-        order = gain.argsort(dim=-1, descending=True, stable=True)
-        take = (extra.gather(1, order).cumsum(-1) <= left[:, None]) & (gain.gather(1, order) > 0)
-        take = torch.zeros_like(take).scatter(1, order, take)
-        levels = torch.where(take, level, levels)
+        gain = (torch.gather(weighted, 2, levels[..., None]) - weighted) / extra.clamp_min(1e-9)
+        ok = (extra > 0) & (extra.double() <= left[:, None, None]) & (gain > 0)
+        gain = torch.where(ok, gain, -1.0).reshape(S, -1)
+        best = gain.argmax(-1)
+        go = gain.gather(1, best[:, None])[:, 0] > 0
+        if not bool(go.any()):  # the reference's one host read a step
+            break
+        levels = torch.where(go[:, None] & (channels == (best // L)[:, None]), (best % L)[:, None], levels)
     return levels
 
 
