@@ -163,6 +163,11 @@ class Codebook(Layout):
     def reads_codes(self, qk: str) -> bool:
         return self.kernel_side is not None and self.residual.reads_codes(qk)
 
+    def prepare(self, lowp: str | None = None) -> None:
+        if lowp is not None:  # the residual's answer now, at commit (Channels' widest channel: a host read on e4m3)
+            self.reads_codes(lowp)
+        super().prepare(lowp)
+
     def code_form(self) -> CodeForm:
         form = self.residual.code_form()
         codebook, ids = self.stages[0]
