@@ -164,8 +164,8 @@ class Codebook(Layout):
         return self.kernel_side is not None and self.residual.reads_codes(qk)
 
     def prepare(self, lowp: str | None = None) -> None:
-        if lowp is not None:  # the residual's answer now, at commit (Channels' widest channel: a host read on e4m3)
-            self.reads_codes(lowp)
+        if lowp is not None:  # the residual's answer at commit, before the view is built from it (Channels: its
+            self.residual.reads_codes(lowp)  # widest channel, a host read on the e4m3 path)
         super().prepare(lowp)
 
     def code_form(self) -> CodeForm:
