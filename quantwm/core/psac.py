@@ -41,6 +41,7 @@ def psac_basis(stats: torch.Tensor, rank: int, prev: torch.Tensor | None = None,
     """The span's basis (S, D, R) in `dtype`: `prev` itself when every stream's top-R subspace still overlaps
     it by at least `reuse` (so a stored basis serves many spans), else the new top-R eigenvectors of S."""
     U = principal_basis(stats, min(rank, stats.shape[-1]))
+    # host read, once a span: a kept basis is the same tensor, shared by the spans and stored once
     if prev is not None and prev.shape == U.shape and bool((subspace_overlap(prev, U) >= reuse).all()):
         return prev
     return U.to(dtype)
