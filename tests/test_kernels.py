@@ -16,17 +16,19 @@ from quantwm.kernels import allocate_levels as _al
 from quantwm.kernels import channel_errors as _ce
 from quantwm.kernels import kmeans_assign as _km
 from quantwm.kernels import pack_bits as _pb
+from quantwm.kernels import pack_channels as _pc
 from quantwm.kernels import qsac_assign as _qa
 from quantwm.kernels import quantize_pack as _qp
 from quantwm.kernels import span_attention as _sa
 from quantwm.kernels import unpack_bits as _ub
 from quantwm.kernels.span_args import full_side
 
-from quantwm.core.allocate import CLIPS, _clip_table, allocate_levels_ref, channel_errors_ref, error_tables
+from quantwm.core.allocate import CLIPS, allocate_levels_ref, channel_errors_ref, error_tables
 from quantwm.core.attention import chunk_spans, merge_splits, new_state, span_attention_ref
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.kmeans import kmeans_assign_ref
 from quantwm.core.layouts import Channels, Codebook, Full, Grouped
+from quantwm.core.layouts.channels import channel_bytes, channel_offsets, pack_channels_ref
 from quantwm.core.qsac import qsac_assign_ref
 from quantwm.core.quant import pack_bits_ref, quantize_groups, quantize_pack_ref, unpack_bits_ref
 
@@ -317,24 +319,23 @@ def test_span_attention_rejects_bad_state_and_jensen_on_full_keys():
 
 
 @pytest.mark.parametrize("n, D", [(1, 16), (97, 40), (1025, 128)])
-def test_channel_errors_kernel_matches_ref_on_every_candidate(n, D):
+def test_channel_errors_kernel_matches_ref_at_every_width(n, D):
     g = torch.Generator().manual_seed(n + D)
     x = torch.randn(3, n, D, generator=g) * (torch.rand(1, 1, D, generator=g) * 3 + 0.01)
     x[0, 0, 0] = 30.0  # an outlier: the clipped candidates matter
     x[1, :, 1] = 0.5  # a flat channel: a zero range (step 1)
     x[2, :, 2] = torch.arange(n) * 0.25  # values on exact half-steps: ties round to even
-    table = _clip_table(tuple(range(9)))
-    qmax = torch.tensor([2.0 ** b - 1 for b in (j for j, _ in table)])
-    alpha = torch.tensor([a for _, a in table])
+    qmax, clips = torch.tensor([2.0 ** b - 1 for b in range(9)]), torch.tensor(CLIPS)
     lo, hi = x.amin(1), x.amax(1)
-    ref = channel_errors_ref(x, lo, hi, qmax, alpha, 1.5)
-    ref_low = channel_errors_ref(x.half().float(), lo.half().float(), hi.half().float(), qmax, alpha, 1.5)
-    out = _ce.channel_errors(*map(_move, (x, lo, hi, qmax, alpha)), 1.5).cpu()
-    assert out.shape == (len(table), 3, D)
+    E_ref, A_ref = channel_errors_ref(x, lo, hi, qmax, clips, 1.5)
+    E_low, _ = channel_errors_ref(x.half().float(), lo.half().float(), hi.half().float(), qmax, clips, 1.5)
+    E, A = (t.cpu() for t in _ce.channel_errors(*map(_move, (x, lo, hi, qmax, clips)), 1.5))
+    assert E.shape == A.shape == (9, 3, D)
     # float sums in another order (and a tie's code one step apart): far below the error of the same tables on
     # fp16-rounded inputs, the reference's own precision
-    assert (out - ref).abs().max() <= 2 * (ref_low - ref).abs().max() + 1e-4 * ref.abs().max()
-    assert torch.allclose(out, ref, rtol=1e-4, atol=1e-4 * float(ref.abs().max()))
+    assert (E - E_ref).abs().max() <= 2 * (E_low - E_ref).abs().max() + 1e-4 * E_ref.abs().max()
+    assert torch.allclose(E, E_ref, rtol=1e-4, atol=1e-4 * float(E_ref.abs().max()))
+    assert (A == A_ref).float().mean() > 0.99 and (A[0] == 1).all()  # the clip; near-equal ones may swap
 
 
 def test_error_tables_pick_the_same_clips_on_the_kernel_path(monkeypatch):
@@ -361,3 +362,27 @@ def test_allocate_levels_kernel_equals_ref(S, D, N):
     out = _al.allocate_levels(*map(_move, (E, cost, available, top))).cpu()
     assert torch.equal(out, ref)
     assert (cost[out].sum(-1) <= available).all()
+
+
+@pytest.mark.parametrize("N, D", [(1, 9), (97, 40), (1025, 16)])
+def test_pack_channels_kernel_bytes_and_grids_equal_ref_at_every_width(N, D):
+    g = torch.Generator().manual_seed(N + D)
+    S = 2
+    bits = torch.randint(0, 9, (S, D), generator=g)
+    bits[0, :9] = torch.arange(9)  # every width, 0 to 8: codes of 3, 5, 6 and 7 bits straddle bytes
+    r = torch.randn(S, N, D, generator=g) * 3
+    r[1, :, 1] = 0.75  # a flat channel: no range, step 1
+    alpha = torch.tensor(CLIPS)[torch.randint(0, 6, (S, D), generator=g)]
+    lo, hi = r.amin(1), r.amax(1)
+    offsets = channel_offsets(bits, N)
+    total = int(channel_bytes(N, bits).sum()) + 5  # a budget's spare bytes stay zero
+    ref = pack_channels_ref(r, lo, hi, alpha, bits, offsets, total)
+    out = [t.cpu() for t in _pc.pack_channels(*map(_move, (r, lo, hi, alpha, bits, offsets)), total)]
+    assert torch.equal(out[0], ref[0]) and (out[0][-5:] == 0).all()
+    assert torch.equal(out[1], ref[1]) and torch.equal(out[2], ref[2])  # the grids, bit for bit
+    buf, low, step = ref
+    decoded = Channels(buf, bits.to(torch.uint8), low.half(), step.half(), N).decode()
+    top = (2 ** bits - 1)[:, None, :]
+    codes = torch.minimum(torch.round((r - low[:, None]) / step[:, None]).clamp(min=0), top)
+    expect = torch.where(bits[:, None, :] > 0, low[:, None] + codes * step[:, None], 0.0)
+    assert torch.allclose(decoded, expect)  # what was packed reads back as the grid's codes

@@ -21,12 +21,15 @@ quality beyond the span and the statistics the encoder already has.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
 from .backend import kernel, use_kernels
 from .layouts import Channels
+from .layouts.channels import channel_grid
+from .tables import on_device
 
 LEVELS = tuple(range(9))  # bits a channel may take
 CLIPS = (1.0, 0.85, 0.7, 0.55, 0.42, 0.32)  # range shrink factors tried per (channel, bits)
@@ -36,67 +39,69 @@ BISECTION_STEPS = 60  # of the Lagrangian θ (kernels/allocate_levels.py holds t
 TILE_ELEMENTS = 1 << 26  # the error tables evaluate at most this many (candidate, token, channel) values at once
 
 
-def _grid(lo: torch.Tensor, hi: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(low, step) of a `bits` grid over [lo, hi] with its range shrunk by alpha about the middle, both already
-    rounded to their fp16 storage; every argument broadcasts (e.g. lo (S, D), bits and alpha (C, 1, 1))."""
-    mid, half = (hi + lo) / 2, (hi - lo) / 2 * alpha
-    low = (mid - half).half().float()
-    step = torch.where(half > 0, 2 * half / (2.0 ** bits - 1), 1.0).half().float()
-    return low, step.clamp_min(torch.finfo(torch.float16).tiny)
+@functools.lru_cache(maxsize=64)
+def _tables(levels: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qmax (L,): 2^b − 1 of each level, CLIPS (6,)): host tables, copied to a device once (tables.on_device)."""
+    return (torch.tensor([2.0 ** b - 1 for b in levels], device="cpu"), torch.tensor(CLIPS, device="cpu"))
 
 
-def _clip_table(levels: tuple[int, ...]) -> list[tuple[int, float]]:
-    """The (level index, clip) candidates of the coded levels (b > 0), level by level, clips in CLIPS order."""
-    return [(j, a) for j, b in enumerate(levels) if b > 0 for a in (CLIPS if b <= 4 else CLIPS[:WIDE_CLIPS])]
+@functools.lru_cache(maxsize=256)
+def level_costs(n_tokens: int) -> torch.Tensor:
+    """(len(LEVELS),) float32 on the host: the bits a channel of `n_tokens` codes stores at each level."""
+    return torch.tensor([8.0 * ((n_tokens * b + 7) // 8) for b in LEVELS], device="cpu")
 
 
 def channel_errors_ref(sample: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qmax: torch.Tensor,
-                       alpha: torch.Tensor, scale: float) -> torch.Tensor:
-    """sample (S, n, D), lo/hi (S, D) its per-channel range, qmax/alpha (C,) each candidate's top code 2^b − 1 and
-    clip -> (C, S, D): Σ_t (x − Q(x))² per channel on the candidate's grid, times `scale` (kernels/channel_errors.py
-    on the fast path). Candidates in tiles of at most TILE_ELEMENTS values."""
+                       clips: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample (S, n, D), lo/hi (S, D) its per-channel range, qmax (L,) each width's top code 2^b − 1 (0: width 0),
+    clips (6,) -> (E (L, S, D): each channel's least Σ_t (x − Q(x))² over the width's clips (six up to 4 bits, two
+    above), times `scale`; A (L, S, D): the clip that gave it, the first of equal ones, 1 at width 0). The twin of
+    kernels/channel_errors.py: every (width, clip) candidate at once, in tiles of at most TILE_ELEMENTS values;
+    the widths are read on the host (the CPU's path; a GPU runs the kernel)."""
+    S, n, D = sample.shape
+    tops = qmax.tolist()
+    table = [(j, c) for j, top in enumerate(tops) if top > 0 for c in range(len(CLIPS) if top <= 15 else WIDE_CLIPS)]
+    E = sample.new_empty(len(tops), S, D)
+    A = sample.new_ones(len(tops), S, D)
+    for j, top in enumerate(tops):
+        if top == 0:
+            E[j] = sample.square().sum(1) * scale
     errors = []
     tile = max(1, TILE_ELEMENTS // max(sample.numel(), 1))
-    for at in range(0, qmax.shape[0], tile):  # one pass at the shapes QuantWM meets
-        top = qmax[at:at + tile, None, None]  # (C, 1, 1)
-        low, step = _grid(lo, hi, torch.log2(top + 1), alpha[at:at + tile, None, None])  # (C, S, D)
+    for at in range(0, len(table), tile):  # one pass at the shapes QuantWM meets
+        part = table[at:at + tile]
+        top = sample.new_tensor([tops[j] for j, _ in part])[:, None, None]  # (C, 1, 1)
+        alpha = clips[[c for _, c in part]][:, None, None]
+        low, step = channel_grid(lo, hi, torch.log2(top + 1), alpha)  # (C, S, D)
         codes = torch.round((sample - low[:, :, None]) / step[:, :, None]).clamp_(min=0).minimum(top[..., None])
         errors.append((sample - (low[:, :, None] + codes * step[:, :, None])).square().sum(2) * scale)
-    return torch.cat(errors)
+    at = 0
+    for j, top in enumerate(tops):
+        if top > 0:
+            k = len(CLIPS) if top <= 15 else WIDE_CLIPS
+            block = torch.cat(errors)[at:at + k] if len(errors) > 1 else errors[0][at:at + k]
+            at += k
+            E[j], pick = block.min(0)  # the first of equal clips, as a strict `<` scan would take
+            A[j] = clips[pick]
+    return E, A
 
 
 def channel_errors(sample: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qmax: torch.Tensor,
-                   alpha: torch.Tensor, scale: float) -> torch.Tensor:
-    """`channel_errors_ref`, by kernels/channel_errors.py on the fast path (one launch for every candidate)."""
+                   clips: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """`channel_errors_ref`, by kernels/channel_errors.py on the fast path (one launch for every width and clip)."""
     if use_kernels(sample):
-        return kernel("channel_errors")(sample, lo, hi, qmax, alpha, scale)
-    return channel_errors_ref(sample, lo, hi, qmax, alpha, scale)
+        return kernel("channel_errors")(sample, lo, hi, qmax, clips, scale)
+    return channel_errors_ref(sample, lo, hi, qmax, clips, scale)
 
 
 def error_tables(r: torch.Tensor, levels: tuple[int, ...] = LEVELS) -> tuple[torch.Tensor, torch.Tensor]:
     """E (S, D, L): each channel's squared error at each level with its best clip, measured on a strided sample
     of at most SAMPLE_TOKENS tokens and scaled to the span; alpha (S, D, L) the clip chosen (1 at 0 bits, the
-    first of equal clips). On r's device, every (level, clip) candidate at once (`channel_errors`)."""
+    first of equal clips). On r's device (`channel_errors`)."""
     S, N, D = r.shape
     sample = r[:, :: max(1, math.ceil(N / SAMPLE_TOKENS))].float()  # (S, n, D)
-    scale = N / sample.shape[1]
-    table = _clip_table(levels)
-    lo, hi = sample.amin(1), sample.amax(1)  # (S, D)
-    qmax = sample.new_tensor([2.0 ** levels[j] - 1 for j, _ in table])
-    errors = channel_errors(sample, lo, hi, qmax, sample.new_tensor([a for _, a in table]), scale) if table else None
-    E = sample.new_empty(len(levels), S, D)
-    A = sample.new_ones(len(levels), S, D)
-    if 0 in levels:
-        E[levels.index(0)] = sample.square().sum(1) * scale
-    at = 0
-    for n_clips in (len(CLIPS), WIDE_CLIPS):  # levels with six clips, then levels with two: (levels, clips, S, D)
-        rows = [j for j, b in enumerate(levels) if b > 0 and (b <= 4) == (n_clips == len(CLIPS))]
-        if not rows:
-            continue
-        block = errors[at:at + len(rows) * n_clips].reshape(len(rows), n_clips, S, D)
-        at += len(rows) * n_clips
-        best, pick = block.min(1)  # the first of equal clips, as a strict `<` scan would take
-        E[rows[0]:rows[-1] + 1], A[rows[0]:rows[-1] + 1] = best, sample.new_tensor(CLIPS[:n_clips])[pick]
+    qmax, clips = (on_device(t, sample.device) for t in _tables(levels))
+    E, A = channel_errors(sample, sample.amin(1), sample.amax(1), qmax, clips, N / sample.shape[1])
     return E.permute(1, 2, 0), A.permute(1, 2, 0)
 
 
@@ -150,12 +155,6 @@ def allocate_levels_ref(weighted: torch.Tensor, cost: torch.Tensor, available: t
 
 def encode_channels(r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor, capacity: int | None = None) -> Channels:
     """Code r (S, N, D) with bits (S, D) per channel and clips alpha (S, D): the span's `Channels` layout, on r's
-    device in a fixed number of tensor ops. `capacity`: the code buffer's size in bytes when the caller bounds it
-    (the allocator: its budget), else it is read from the widths (one host read)."""
-    bits, alpha = bits.to(r.device).long(), alpha.to(r.device).float()
-    rf = r.float()
-    low, step = _grid(rf.amin(1), rf.amax(1), bits, alpha)
-    coded = bits > 0
-    low, step = torch.where(coded, low, 0.0), torch.where(coded, step, 1.0)
-    codes = torch.round((rf - low[:, None]) / step[:, None]).long()  # (S, N, D), clamped per width by `pack`
-    return Channels.pack(codes, bits, low, step, capacity)
+    device (one kernel launch on the fast path). `capacity`: the code buffer's size in bytes when the caller bounds
+    it (the allocator: its budget), else it is read from the widths (one host read)."""
+    return Channels.code(r, bits.to(r.device), alpha.to(r.device), capacity)

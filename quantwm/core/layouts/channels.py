@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ...kernels.span_args import CHANNELS, SideArgs
+from ..backend import kernel, use_kernels
 from ..quant import deferring
 from .base import CodeForm, Layout
 
@@ -39,6 +40,54 @@ def channel_offsets(bits: torch.Tensor, n_tokens: int) -> torch.Tensor:
     return (nbytes.cumsum(0) - nbytes).reshape(bits.shape)
 
 
+def channel_grid(lo: torch.Tensor, hi: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(low, step) of a `bits` grid over [lo, hi] with its range shrunk by alpha about the middle, both already
+    rounded to their fp16 storage; every argument broadcasts (e.g. lo (S, D), bits and alpha (C, 1, 1))."""
+    mid, half = (hi + lo) / 2, (hi - lo) / 2 * alpha
+    low = (mid - half).half().float()
+    step = torch.where(half > 0, 2 * half / (2.0 ** bits - 1), 1.0).half().float()
+    return low, step.clamp_min(torch.finfo(torch.float16).tiny)
+
+
+def _buffer_size(bits: torch.Tensor, n_tokens: int, capacity: int | None) -> int:
+    """The code buffer's bytes: `capacity` (checked to hold the widths: a deferred flag under the cache's checks,
+    else one host read), or exactly what the widths need (one host read)."""
+    needed = channel_bytes(n_tokens, bits.long()).sum()
+    if capacity is None:
+        return int(needed)  # host read: only without a bound
+    checks = deferring()
+    if checks is not None:
+        checks.record(needed <= capacity)
+    elif bool(needed > capacity):
+        raise ValueError(f"channel widths need {int(needed)} bytes, more than the buffer's {capacity}")
+    return capacity
+
+
+def _scatter_codes(codes: torch.Tensor, b: torch.Tensor, start: torch.Tensor, total: int) -> torch.Tensor:
+    """Integer codes (S, N, D) of widths b (S, D) from byte offsets start (S, D) into a uint8 buffer (total,), in a
+    fixed number of tensor ops: every code's bits shifted into place and added (they are disjoint: adding is or-ing)."""
+    S, N, D = codes.shape
+    pos = start[:, None, :] * 8 + torch.arange(N, device=codes.device)[None, :, None] * b[:, None, :]  # first bits
+    val = torch.where(b[:, None, :] > 0, codes.clamp(0).minimum((1 << b[:, None, :]) - 1), 0) << (pos & 7)
+    byte = torch.where(b[:, None, :] > 0, pos >> 3, 0).flatten()
+    buf = torch.zeros(total + 2, dtype=torch.int32, device=codes.device)  # + 2: 0-bit channels' (empty) writes
+    buf.index_add_(0, byte, (val & 255).flatten().int())
+    buf.index_add_(0, byte + 1, (val >> 8).flatten().int())
+    return buf[:total].to(torch.uint8)
+
+
+def pack_channels_ref(r: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: torch.Tensor, bits: torch.Tensor,
+                      offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(buffer (total,), low (S, D), step (S, D)): each channel of r (S, N, D) on its grid (`channel_grid` of its
+    range lo/hi, clip alpha and width bits; 0 and 1 on 0-bit channels), coded round((r − low) / step), clamped to
+    its width and packed from `offsets`: the twin of kernels/pack_channels.py."""
+    low, step = channel_grid(lo, hi, bits, alpha)
+    coded = bits > 0
+    low, step = torch.where(coded, low, 0.0), torch.where(coded, step, 1.0)
+    codes = torch.round((r.float() - low[:, None]) / step[:, None]).long()
+    return _scatter_codes(codes, bits.long(), offsets, total), low, step
+
+
 @dataclass(frozen=True, eq=False)
 class Channels(Layout):
     """codes: the uint8 buffer; bits (S, D) uint8; low, step (S, D) fp16; n_tokens: N."""
@@ -52,31 +101,25 @@ class Channels(Layout):
     @classmethod
     def pack(cls, codes: torch.Tensor, bits: torch.Tensor, low: torch.Tensor, step: torch.Tensor,
              capacity: int | None = None) -> Channels:
-        """Lay out integer codes (S, N, D) of channels of widths bits (S, D) in one buffer (see the module), in a
-        fixed number of tensor ops on codes' device. `capacity`: the buffer's size in bytes, at least what the
-        widths need (the allocator's budget bounds it; bytes past the last channel stay 0 and are counted);
-        None: exactly what they need, read on the host (one sync)."""
+        """Lay out integer codes (S, N, D) of channels of widths bits (S, D) in one buffer (see the module).
+        `capacity`: the buffer's size in bytes, at least what the widths need (bytes past the last channel stay 0
+        and are counted); None: exactly what they need, read on the host (one sync)."""
         S, N, D = codes.shape
-        b = bits.long()
-        start = channel_offsets(b, N)  # (S, D) first byte of each channel
-        needed = channel_bytes(N, b).sum()
-        if capacity is None:
-            total = int(needed)  # host read: only without a bound
-        else:
-            total = capacity
-            checks = deferring()
-            if checks is not None:
-                checks.record(needed <= capacity)
-            elif bool(needed > capacity):
-                raise ValueError(f"channel widths need {int(needed)} bytes, more than the buffer's {capacity}")
-        # (S, N, D) -> each code's first bit in the buffer, its value (clamped to its width) shifted into place
-        pos = start[:, None, :] * 8 + torch.arange(N, device=codes.device)[None, :, None] * b[:, None, :]
-        val = torch.where(b[:, None, :] > 0, codes.clamp(0).minimum((1 << b[:, None, :]) - 1), 0) << (pos & 7)
-        byte = torch.where(b[:, None, :] > 0, pos >> 3, 0).flatten()
-        buf = torch.zeros(total + 2, dtype=torch.int32, device=codes.device)  # + 2: 0-bit channels' (empty) writes
-        buf.index_add_(0, byte, (val & 255).flatten().int())  # the codes' bits are disjoint: adding is or-ing
-        buf.index_add_(0, byte + 1, (val >> 8).flatten().int())
-        return cls(buf[:total].to(torch.uint8), bits.to(torch.uint8), low.half(), step.half(), N)
+        total = _buffer_size(bits, N, capacity)
+        buf = _scatter_codes(codes, bits.long(), channel_offsets(bits, N), total)
+        return cls(buf, bits.to(torch.uint8), low.half(), step.half(), N)
+
+    @classmethod
+    def code(cls, r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor, capacity: int | None = None) -> Channels:
+        """r (S, N, D) coded channel by channel on a grid over its range shrunk by alpha (S, D) with bits (S, D)
+        (low end and step stored in fp16) and packed: kernels/pack_channels.py on the fast path (one launch), else
+        `pack_channels_ref`. `capacity` as in `pack`."""
+        S, N, D = r.shape
+        rf = r.float()
+        args = (rf, rf.amin(1), rf.amax(1), alpha.to(rf), bits.long(), channel_offsets(bits, N),
+                _buffer_size(bits, N, capacity))
+        buf, low, step = kernel("pack_channels")(*args) if use_kernels(r) else pack_channels_ref(*args)
+        return cls(buf, bits.to(torch.uint8), low.half(), step.half(), N)
 
     @functools.cached_property
     def max_bits(self) -> int:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..allocate import allocate, encode_channels, error_tables
+from ..allocate import allocate, encode_channels, error_tables, level_costs
 from ..kmeans import weighted_sqdist
 from ..layouts import Codebook, InBasis, Layout, TokenSplit, split_tokens
 from ..layouts.channels import channel_bytes, table_bytes
@@ -45,6 +45,7 @@ from ..query_basis import (
     make_reflectors,
     weighted_source,
 )
+from ..tables import on_device
 from .base import Method, SpanContext, register
 from .qvg import QVGBudget
 
@@ -128,7 +129,7 @@ class QuantWMAlloc(QVGBudget):
         when nothing fits. Every step runs on x's device; the one host read is the first span's choice between
         the two smoothings (`smoothings`)."""
         S, N, D = x.shape
-        cost = x.new_tensor([8.0 * channel_bytes(N, b) for b in range(9)], dtype=torch.float32)
+        cost = on_device(level_costs(N), x.device)
         candidates = []
         for r, stages in self.smoothings(x, kind, ctx, w):
             fixed = sum(t.numel() * t.element_size() for stage in stages for t in stage if t is not None)
