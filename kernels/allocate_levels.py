@@ -36,7 +36,6 @@ def _allocate_levels_kernel(w_ptr, cost_ptr, avail_ptr, top_ptr, out_ptr, D, L,
         fits = spent <= avail
         hi, lo = tl.where(fits, mid, hi), tl.where(fits, lo, mid)
     levels = tl.argmin(w + hi * cost[None, :], axis=1, tie_break_left=True)  # (BLOCK_D,)
-    flat = d[:, None] * BLOCK_L + lv[None, :]
     go = tl.full((), 1, tl.int32)
     steps = tl.full((), 0, tl.int32)
     while (go + (steps < 4 * D).to(tl.int32)) == 2:  # greedy fill: one upgrade a step, the best gain per bit that fits

@@ -1,4 +1,5 @@
-"""A span's residual coded on per-channel grids (each set from the channel's range and clip) and packed into the `Channels` buffer in one pass: the twin of
+"""A span's residual coded on per-channel grids (each set from the channel's range and clip) and packed into the
+`Channels` buffer in one pass: the twin of
 quantwm.core.layouts.channels.pack_channels_ref (QuantWM's allocator format, docs/method.md §2.6).
 
 Channel i of stream s holds N codes of b_si bits (0-8) from its first byte, code t at bits [t b, t b + b),

@@ -12,7 +12,8 @@ channels are uncorrelated, so the logit error E[(q·e)²] = Σ_i S_ii e_i²), an
 is a convex mix of value rows, every channel counted alike). Minimising it under the bit budget is reverse
 water-filling: a channel whose λ_i·var_i is large gets many bits, one the Queries barely use gets 0 or 1.
 The rule: a Lagrangian bisection (each channel takes argmin_b λ_i E_i(b) + θ·cost(b)), then a greedy fill of
-what the bisection left; on a GPU one Triton launch (kernels/allocate_levels.py), with nothing read back. Each grid's clipping (its range shrunk by α ∈ CLIPS) is the α that minimises E_i(b).
+what the bisection left; on a GPU one Triton launch (kernels/allocate_levels.py), with nothing read back. Each
+grid's clipping (its range shrunk by α ∈ CLIPS) is the α that minimises E_i(b).
 
 Stored per stream: the bit table (one byte a channel), the grid's low end and step per channel (fp16, codes
 are computed against the stored values) and the codes, channel after channel, packed: the `Channels` layout
@@ -56,34 +57,23 @@ def channel_errors_ref(sample: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     """sample (S, n, D), lo/hi (S, D) its per-channel range, qmax (L,) each width's top code 2^b − 1 (0: width 0),
     clips (6,) -> (E (L, S, D): each channel's least Σ_t (x − Q(x))² over the width's clips (six up to 4 bits, two
     above), times `scale`; A (L, S, D): the clip that gave it, the first of equal ones, 1 at width 0). The twin of
-    kernels/channel_errors.py: every (width, clip) candidate at once, in tiles of at most TILE_ELEMENTS values;
-    the widths are read on the host (the CPU's path; a GPU runs the kernel)."""
-    S, n, D = sample.shape
-    tops = qmax.tolist()
-    table = [(j, c) for j, top in enumerate(tops) if top > 0 for c in range(len(CLIPS) if top <= 15 else WIDE_CLIPS)]
-    E = sample.new_empty(len(tops), S, D)
-    A = sample.new_ones(len(tops), S, D)
-    for j, top in enumerate(tops):
-        if top == 0:
-            E[j] = sample.square().sum(1) * scale
+    kernels/channel_errors.py: every (width, clip) pair at once (a clip a width does not try counts as infinite),
+    in tiles of at most TILE_ELEMENTS values, nothing read on the host."""
+    L, K = qmax.shape[0], clips.shape[0]
+    top = qmax[:, None].expand(L, K).reshape(-1, 1, 1)  # (L·K, 1, 1), width-major
+    alpha = clips[None, :].expand(L, K).reshape(-1, 1, 1)
     errors = []
     tile = max(1, TILE_ELEMENTS // max(sample.numel(), 1))
-    for at in range(0, len(table), tile):  # one pass at the shapes QuantWM meets
-        part = table[at:at + tile]
-        top = sample.new_tensor([tops[j] for j, _ in part])[:, None, None]  # (C, 1, 1)
-        alpha = clips[[c for _, c in part]][:, None, None]
-        low, step = channel_grid(lo, hi, torch.log2(top + 1), alpha)  # (C, S, D)
-        codes = torch.round((sample - low[:, :, None]) / step[:, :, None]).clamp_(min=0).minimum(top[..., None])
+    for at in range(0, L * K, tile):  # one pass at the shapes QuantWM meets
+        t, a = top[at:at + tile], alpha[at:at + tile]
+        low, step = channel_grid(lo, hi, torch.log2(t + 1), a)  # (C, S, D)
+        codes = torch.round((sample - low[:, :, None]) / step[:, :, None]).clamp_(min=0).minimum(t[..., None])
         errors.append((sample - (low[:, :, None] + codes * step[:, :, None])).square().sum(2) * scale)
-    at = 0
-    for j, top in enumerate(tops):
-        if top > 0:
-            k = len(CLIPS) if top <= 15 else WIDE_CLIPS
-            block = torch.cat(errors)[at:at + k] if len(errors) > 1 else errors[0][at:at + k]
-            at += k
-            E[j], pick = block.min(0)  # the first of equal clips, as a strict `<` scan would take
-            A[j] = clips[pick]
-    return E, A
+    tried = torch.arange(K, device=sample.device) < torch.where(qmax > 15, WIDE_CLIPS, len(CLIPS))[:, None]  # (L, K)
+    E = torch.where(tried[:, :, None, None], torch.cat(errors).reshape(L, K, *lo.shape), float("inf"))
+    E, pick = E.min(1)  # the first of equal clips, as a strict `<` scan would take
+    coded = (qmax > 0)[:, None, None]
+    return torch.where(coded, E, sample.square().sum(1) * scale), torch.where(coded, clips[pick], 1.0)
 
 
 def channel_errors(sample: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qmax: torch.Tensor,

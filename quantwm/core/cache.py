@@ -201,8 +201,10 @@ class KVCache(MemoryAccounting, QueryHistory):
         flags.flags = [ok for _, _, ok in unchecked] + (checks.flags if checks is not None else [])
         if flags.passed():
             return True
-        for chunk, names, ok in unchecked:  # the failure path: read each call's flag
-            if not bool(ok):
+        if unchecked and not bool(torch.stack([ok for _, _, ok in unchecked]).all()):  # the failure path
+            for chunk, names, ok in unchecked:  # which call's inputs: read each flag
+                if bool(ok):
+                    continue
                 raise ValueError(f"layer {layer}: the {'/'.join(names)} written for chunk {chunk} contain NaN/Inf "
                                  "(checked on the device, read at this commit)")
         return False
@@ -389,15 +391,18 @@ class KVCache(MemoryAccounting, QueryHistory):
             c.decoded[which] = x
         return x
 
-    def positions(self, layer: int) -> torch.Tensor:
-        """Absolute token positions (L,) of everything cached in `layer`, in cache order."""
+    def positions(self, layer: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Absolute token positions (L,) of everything cached in `layer`, in cache order, made on `device` (the host
+        by default, where callers index their own tables; the pre-RoPE read asks for the keys' device: no copy)."""
         cs = self._chunks(self._layer(layer))
-        if not cs:
-            return torch.zeros(0, dtype=torch.long)
-        return torch.cat([torch.arange(c.start, c.start + c.n_tokens) for c in cs])
+        return torch.cat([torch.zeros(0, dtype=torch.long, device=device)] +
+                         [torch.arange(c.start, c.start + c.n_tokens, device=device) for c in cs])
 
-    def _rotate(self, k: torch.Tensor, pos: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        return self.rope(k, pos.to(k.device), inverse=inverse) if self.config.rope == "pre" else k
+    def _read_keys(self, layer: int, exact: bool) -> torch.Tensor:
+        """Every cached key of `layer` (B, H, L, D) float32 as attention reads it: dequantized (or exact) and, with
+        pre-RoPE keys, rotated at their positions (made on the keys' device)."""
+        K = self._gather(layer, "k", exact)
+        return self.rope(K, self.positions(layer, K.device)) if self.config.rope == "pre" else K
 
     def _gather(self, layer: int, which: str, exact: bool) -> torch.Tensor:
         """All cached keys or values of `layer`, (B, H, L, D) float32, dequantized or exact."""
@@ -421,7 +426,7 @@ class KVCache(MemoryAccounting, QueryHistory):
 
         exact=True returns the unquantized keys (needs keep_exact=True for quantized chunks).
         """
-        return self._out(self._rotate(self._gather(layer, "k", exact), self.positions(layer)))
+        return self._out(self._read_keys(layer, exact))
 
     def values(self, layer: int, exact: bool = False) -> torch.Tensor:
         """All cached values, dequantized: caller's layout, float32 (exact=True as for keys)."""
@@ -472,7 +477,7 @@ class KVCache(MemoryAccounting, QueryHistory):
             with selfcheck.enabled(self.config.selfcheck):
                 out = fused_attention(self, layer, qb, scale, use_kernel=use_kernels(qb), lowp=self.config.lowp)
         if out is None:
-            K = self._rotate(self._gather(layer, "k", False), self.positions(layer))  # (B, H, L, D), internal layout
+            K = self._read_keys(layer, False)  # (B, H, L, D), internal layout
             V = self._gather(layer, "v", False)
             bias = self.logit_bias(layer, qb, scale)
             out = F.scaled_dot_product_attention(qb.float(), K, V, attn_mask=bias, scale=scale)

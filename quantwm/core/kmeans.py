@@ -45,7 +45,7 @@ def init_centroids(x: torch.Tensor, n_clusters: int, seed: int) -> torch.Tensor:
     (S, N, D) -> (S, K, D)."""
     S, N, D = x.shape
     g = torch.Generator().manual_seed(seed)
-    idx = torch.rand(S, N, generator=g).argsort(-1)[:, :n_clusters].to(x.device)  # one host-to-device copy
+    idx = torch.rand(S, N, generator=g, device="cpu").argsort(-1)[:, :n_clusters].to(x.device)  # one host copy
     return torch.gather(x, 1, idx[..., None].expand(S, n_clusters, D)).clone()
 
 

@@ -116,14 +116,22 @@ class Channels(Layout):
         `pack_channels_ref`. `capacity` as in `pack`."""
         S, N, D = r.shape
         rf = r.float()
-        args = (rf, rf.amin(1), rf.amax(1), alpha.to(rf), bits.long(), channel_offsets(bits, N),
-                _buffer_size(bits, N, capacity))
+        offsets = channel_offsets(bits, N)
+        args = (rf, rf.amin(1), rf.amax(1), alpha.to(rf), bits.long(), offsets, _buffer_size(bits, N, capacity))
         buf, low, step = kernel("pack_channels")(*args) if use_kernels(r) else pack_channels_ref(*args)
-        return cls(buf, bits.to(torch.uint8), low.half(), step.half(), N)
+        out = cls(buf, bits.to(torch.uint8), low.half(), step.half(), N)
+        out.__dict__["offsets"] = offsets  # the cached property, already computed
+        return out
+
+    @functools.cached_property
+    def offsets(self) -> torch.Tensor:
+        """Each channel's first byte (S, D) int64 (`channel_offsets`), computed once."""
+        return channel_offsets(self.bits, self.n_tokens)
 
     @functools.cached_property
     def max_bits(self) -> int:
-        """The widest channel (one host read, on the paths that ask: reports and the low-precision emulation)."""
+        """The widest channel (one host read, kept: the e4m3 path's `prepare` asks for it before the kernel view is
+        built, which then carries it, and `reads_codes` answers from it; elsewhere both take 8)."""
         return int(self.bits.max()) if self.bits.numel() else 0
 
     @property
@@ -139,7 +147,7 @@ class Channels(Layout):
     def int_codes(self) -> torch.Tensor:
         """The codes (S, N, D) int64, read from the buffer as the kernel reads them (0 on 0-bit channels)."""
         bits = self.bits.long()
-        off = channel_offsets(self.bits, self.n_tokens)
+        off = self.offsets
         pos = torch.arange(self.n_tokens, device=bits.device)[None, :, None] * bits[:, None, :]  # bit positions
         buf = torch.nn.functional.pad(self.codes.long(), (0, 2))  # a code's second byte; an empty buffer reads 0
         byte = torch.where(bits[:, None, :] > 0, off[:, None, :] + pos // 8, 0)
@@ -155,14 +163,15 @@ class Channels(Layout):
         return step[:, None, :].expand(self.shape).contiguous()
 
     def describe(self) -> str:
-        return f"per-channel grids over the span, 0-{self.max_bits} bits per channel"
+        widest = self.__dict__.get("max_bits") or int(self.bits.max())  # a report: its host read is not kept
+        return f"per-channel grids over the span, 0-{widest} bits per channel"
 
     def _low_read(self) -> torch.Tensor:
         """The low ends as the kernel reads them: 0 on 0-bit channels (code 0 there)."""
         return torch.where(self.bits > 0, self.low.float(), 0.0)
 
     def make_kernel_side(self) -> SideArgs:
-        meta = channel_offsets(self.bits, self.n_tokens) * 16 + self.bits.long()
+        meta = self.offsets * 16 + self.bits.long()
         # the widest channel, where the 8-bit path asked for it (`prepare`); else 8, a bound read by nothing
         widest = self.__dict__.get("max_bits", 8)
         return SideArgs(CHANNELS, self.codes, self.n_tokens, self.step_, self._low_read(), meta, max_bits=widest)
@@ -174,7 +183,8 @@ class Channels(Layout):
 
     def reads_codes(self, qk: str) -> bool:
         """Any width in INT8; e4m3 holds codes of at most 4 bits exactly."""
-        return qk == "int8" or self.max_bits <= 4
+        # the widest channel where the e4m3 path settled it at commit (`prepare`), else 8: the kernel view's rule
+        return qk == "int8" or self.__dict__.get("max_bits", 8) <= 4
 
     def code_form(self) -> CodeForm:
         bits = self.bits.long()

@@ -14,6 +14,7 @@ import torch
 from ...kernels.span_args import BLOCK_N, CHANNELS, FULL, GROUPED, SideArgs
 from ..quant import GroupQuant, dequantize_groups, group_step, unpack_bits_ref
 from .base import CodeForm, Layout
+from .channels import Channels
 
 
 def gather_rows(c: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -164,8 +165,8 @@ class Codebook(Layout):
         return self.kernel_side is not None and self.residual.reads_codes(qk)
 
     def prepare(self, lowp: str | None = None) -> None:
-        if lowp is not None:  # the residual's answer at commit, before the view is built from it (Channels: its
-            self.residual.reads_codes(lowp)  # widest channel, a host read on the e4m3 path)
+        if lowp == "e4m3" and isinstance(self.residual, Channels):  # its widest channel, before the view is built
+            _ = self.residual.max_bits  # from it (one host read at commit, on this path only)
         super().prepare(lowp)
 
     def code_form(self) -> CodeForm:

@@ -31,7 +31,7 @@ import torch
 from ..allocate import allocate, encode_channels, error_tables, level_costs
 from ..kmeans import weighted_sqdist
 from ..layouts import Codebook, InBasis, Layout, TokenSplit, split_tokens
-from ..layouts.channels import channel_bytes, table_bytes
+from ..layouts.channels import table_bytes
 from ..psac import principal_basis
 from ..qsac import channel_sensitivity
 from ..quant import SCALE_DTYPES, BudgetError, check_budget, to_storage
@@ -120,8 +120,9 @@ class QuantWMAlloc(QVGBudget):
             if K > 1:
                 yield smoother.smooth(x, kind, ctx, assign=lambda xs, c: weighted_sqdist(xs, c, w).argmin(-1))
             else:
-                row = to_storage(x.float().mean(1, keepdim=True), SCALE_DTYPES[self.codebook_dtype])
-                yield x.float() - row.float(), ((row, None),)
+                xf = x.float()
+                row = to_storage(xf.mean(1, keepdim=True), SCALE_DTYPES[self.codebook_dtype])
+                yield xf - row.float(), ((row, None),)
 
     def allocated(self, x: torch.Tensor, kind: str, ctx: SpanContext, w: torch.Tensor, charge: float = 0.0):
         """(predicted error (a 0-dim tensor), build) of the best smoothing of x (S, N, D) with weights w within the
@@ -210,7 +211,7 @@ class QuantWMAlloc(QVGBudget):
         if self.basis_source == "queries":
             return stats
         total, count = ctx.state.get("k.cov_sum"), ctx.state.get("k.cov_count")  # tensors: counted as method state
-        n = cov.new_tensor(float(n)) if isinstance(n, int) else n.to(cov)
+        n = torch.full((), float(n), dtype=cov.dtype, device=cov.device) if isinstance(n, int) else n.to(cov)
         total = cov * n + (0 if total is None else total)
         count = n + (0 if count is None else count)
         ctx.state.update({"k.cov_sum": total, "k.cov_count": count})

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from ..allocate import encode_channels, error_tables
-from ..layouts.channels import channel_bytes
 from ..layouts import Layout
+from ..layouts.channels import channel_bytes
 from ..quant import SUPPORTED_BITS, check_bits
 from .base import Method, SpanContext, register
 
