@@ -17,7 +17,7 @@ BISECTION_STEPS = 60
 
 
 @triton.jit
-def _allocate_levels_kernel(w_ptr, cost_ptr, avail_ptr, top_ptr, out_ptr, D, L,
+def _allocate_levels_kernel(w_ptr, cost_ptr, avail_ptr, out_ptr, D, L,
                             STEPS: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_L: tl.constexpr):
     s = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
@@ -27,7 +27,9 @@ def _allocate_levels_kernel(w_ptr, cost_ptr, avail_ptr, top_ptr, out_ptr, D, L,
     cost = tl.load(cost_ptr + lv, mask=lv < L, other=0.0)  # fp32
     cost64 = cost.to(tl.float64)
     avail = tl.load(avail_ptr + s).to(tl.float64)
-    hi = tl.load(top_ptr)
+    top = tl.maximum(tl.max(tl.max(tl.where(on, w, float("-inf")), axis=1), axis=0), 1e-30)
+    cheapest = tl.min(tl.where((lv >= 1) & (lv < L), cost, float("inf")), axis=0)
+    hi = top / cheapest * 4 + 1  # θ at which every channel of the stream takes 0 bits
     lo = hi * 1e-12
     for _ in range(STEPS):  # bisection in log space: the cheapest θ that fits
         mid = tl.sqrt_rn(lo * hi)
@@ -55,10 +57,8 @@ def _allocate_levels_kernel(w_ptr, cost_ptr, avail_ptr, top_ptr, out_ptr, D, L,
     tl.store(out_ptr + s * D + d, levels.to(tl.int64), mask=d < D)
 
 
-def allocate_levels(weighted: torch.Tensor, cost: torch.Tensor, available: torch.Tensor,
-                    top: torch.Tensor) -> torch.Tensor:
-    """weighted (S, D, L) float32, cost (L,) float32 with cost[0] = 0, available (S,) bits, top (0-dim) the θ at
-    which every channel takes 0 bits -> levels (S, D) int64."""
+def allocate_levels(weighted: torch.Tensor, cost: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
+    """weighted (S, D, L) float32, cost (L,) float32 with cost[0] = 0, available (S,) bits -> levels (S, D) int64."""
     if weighted.dim() != 3 or cost.shape != weighted.shape[2:] or available.shape != weighted.shape[:1]:
         raise ValueError(f"expected weighted (S, D, L), cost (L,), available (S,), got {tuple(weighted.shape)}, "
                          f"{tuple(cost.shape)}, {tuple(available.shape)}")
@@ -67,6 +67,6 @@ def allocate_levels(weighted: torch.Tensor, cost: torch.Tensor, available: torch
     if S and D:
         BLOCK_D, BLOCK_L = max(16, triton.next_power_of_2(D)), max(16, triton.next_power_of_2(L))
         _allocate_levels_kernel[(S,)](weighted.float().contiguous(), cost.float().contiguous(),
-                                      available.float().contiguous(), top.float().reshape(1), out, D, L,
+                                      available.float().contiguous(), out, D, L,
                                       STEPS=BISECTION_STEPS, BLOCK_D=BLOCK_D, BLOCK_L=BLOCK_L, enable_fp_fusion=False)
     return out

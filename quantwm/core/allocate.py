@@ -101,16 +101,14 @@ def allocate(weighted: torch.Tensor, cost: torch.Tensor, available: torch.Tensor
     weighted's device: kernels/allocate_levels.py on the fast path (one launch, nothing read back), else
     `allocate_levels_ref`."""
     cost = cost.to(weighted)
-    top = weighted.amax().clamp_min(1e-30) / cost[1:].min() * 4 + 1  # θ at which every channel takes 0 bits
     if use_kernels(weighted):
-        return kernel("allocate_levels")(weighted, cost, available, top)
-    return allocate_levels_ref(weighted, cost, available, top)
+        return kernel("allocate_levels")(weighted, cost, available)
+    return allocate_levels_ref(weighted, cost, available)
 
 
-def allocate_levels_ref(weighted: torch.Tensor, cost: torch.Tensor, available: torch.Tensor,
-                        top: torch.Tensor) -> torch.Tensor:
-    """The allocation rule (module docstring): BISECTION_STEPS bisection steps (in log space, from `top` down to
-    1e-12 of it) for the cheapest Lagrangian θ whose levels argmin_l weighted + θ·cost(l) fit each stream's bits,
+def allocate_levels_ref(weighted: torch.Tensor, cost: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
+    """The allocation rule (module docstring): BISECTION_STEPS bisection steps (in log space, from the θ at which
+    each stream's channels all take 0 bits down to 1e-12 of it) for the cheapest Lagrangian θ whose levels argmin_l weighted + θ·cost(l) fit each stream's bits,
     then a greedy fill: the upgrade with the largest error drop per extra bit that still fits, one a step, until
     none does. Sums of costs in fp64 (whole numbers: exact). The fill reads whether any stream moved after each
     step: free on the CPU; on a GPU kernels/allocate_levels.py runs the same rule in one launch."""
@@ -121,7 +119,7 @@ def allocate_levels_ref(weighted: torch.Tensor, cost: torch.Tensor, available: t
     def pick(theta: torch.Tensor) -> torch.Tensor:
         return (weighted + theta[:, None, None] * cost).argmin(-1)
 
-    hi = top.to(weighted).expand(S).clone()
+    hi = weighted.amax((1, 2)).clamp_min(1e-30) / cost[1:].min() * 4 + 1  # (S,)
     lo = hi * 1e-12
     for _ in range(BISECTION_STEPS):
         mid = (lo * hi).sqrt()

@@ -76,8 +76,8 @@ def _product(reflectors: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.linalg.householder_product(A, tau).float()
 
 
-SQRT_ITERS = 10  # Newton–Schulz steps of `psd_sqrt`: top-16 energy of W within 5e-5 of eigh's on query spectra
-TOP_ITERS = 4  # subspace iterations of `top_energy` from a stored basis
+SQRT_ITERS = 8  # Newton–Schulz steps of `psd_sqrt`: top-16 energy of W within 5e-5 of eigh's on query spectra
+TOP_ITERS = 3  # subspace iterations of `top_energy` from a stored basis
 
 
 def key_covariance(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:

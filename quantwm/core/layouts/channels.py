@@ -36,8 +36,14 @@ def table_bytes(n_streams: int, head_dim: int) -> int:
 
 def channel_offsets(bits: torch.Tensor, n_tokens: int) -> torch.Tensor:
     """Each channel's first byte in the buffer, (S, D) int64, from the widths (S, D)."""
+    return _byte_layout(bits, n_tokens)[0]
+
+
+def _byte_layout(bits: torch.Tensor, n_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each channel's first byte (S, D) int64, the bytes every channel takes (0-dim)) from the widths (S, D)."""
     nbytes = channel_bytes(n_tokens, bits.long()).flatten()
-    return (nbytes.cumsum(0) - nbytes).reshape(bits.shape)
+    ends = nbytes.cumsum(0)
+    return (ends - nbytes).reshape(bits.shape), (ends[-1] if len(ends) else ends.new_zeros(()))
 
 
 def channel_grid(lo: torch.Tensor, hi: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -49,10 +55,9 @@ def channel_grid(lo: torch.Tensor, hi: torch.Tensor, bits: torch.Tensor, alpha: 
     return low, step.clamp_min(torch.finfo(torch.float16).tiny)
 
 
-def _buffer_size(bits: torch.Tensor, n_tokens: int, capacity: int | None) -> int:
-    """The code buffer's bytes: `capacity` (checked to hold the widths: a deferred flag under the cache's checks,
-    else one host read), or exactly what the widths need (one host read)."""
-    needed = channel_bytes(n_tokens, bits.long()).sum()
+def _buffer_size(needed: torch.Tensor, capacity: int | None) -> int:
+    """The code buffer's bytes: `capacity` (checked to hold the `needed` bytes: a deferred flag under the cache's
+    checks, else one host read), or exactly what is needed (one host read)."""
     if capacity is None:
         return int(needed)  # host read: only without a bound
     checks = deferring()
@@ -105,8 +110,8 @@ class Channels(Layout):
         `capacity`: the buffer's size in bytes, at least what the widths need (bytes past the last channel stay 0
         and are counted); None: exactly what they need, read on the host (one sync)."""
         S, N, D = codes.shape
-        total = _buffer_size(bits, N, capacity)
-        buf = _scatter_codes(codes, bits.long(), channel_offsets(bits, N), total)
+        offsets, needed = _byte_layout(bits, N)
+        buf = _scatter_codes(codes, bits.long(), offsets, _buffer_size(needed, capacity))
         return cls(buf, bits.to(torch.uint8), low.half(), step.half(), N)
 
     @classmethod
@@ -116,11 +121,12 @@ class Channels(Layout):
         `pack_channels_ref`. `capacity` as in `pack`."""
         S, N, D = r.shape
         rf = r.float()
-        offsets = channel_offsets(bits, N)
-        args = (rf, rf.amin(1), rf.amax(1), alpha.to(rf), bits.long(), offsets, _buffer_size(bits, N, capacity))
+        offsets, needed = _byte_layout(bits, N)
+        args = (rf, rf.amin(1), rf.amax(1), alpha.to(rf), bits.long(), offsets, _buffer_size(needed, capacity))
         buf, low, step = kernel("pack_channels")(*args) if use_kernels(r) else pack_channels_ref(*args)
         out = cls(buf, bits.to(torch.uint8), low.half(), step.half(), N)
-        out.__dict__["offsets"] = offsets  # the cached property, already computed
+        out.__dict__["offsets"] = offsets  # the cached properties, already computed (low is 0 on 0-bit channels)
+        out.__dict__["low_read"] = low  # fp16 values in fp32 already
         return out
 
     @functools.cached_property
@@ -166,15 +172,16 @@ class Channels(Layout):
         widest = self.__dict__.get("max_bits") or int(self.bits.max())  # a report: its host read is not kept
         return f"per-channel grids over the span, 0-{widest} bits per channel"
 
-    def _low_read(self) -> torch.Tensor:
-        """The low ends as the kernel reads them: 0 on 0-bit channels (code 0 there)."""
+    @functools.cached_property
+    def low_read(self) -> torch.Tensor:
+        """The low ends (S, D) float32 as the kernel reads them: 0 on 0-bit channels (code 0 there); computed once."""
         return torch.where(self.bits > 0, self.low.float(), 0.0)
 
     def make_kernel_side(self) -> SideArgs:
         meta = self.offsets * 16 + self.bits.long()
         # the widest channel, where the 8-bit path asked for it (`prepare`); else 8, a bound read by nothing
         widest = self.__dict__.get("max_bits", 8)
-        return SideArgs(CHANNELS, self.codes, self.n_tokens, self.step_, self._low_read(), meta, max_bits=widest)
+        return SideArgs(CHANNELS, self.codes, self.n_tokens, self.step_, self.low_read, meta, max_bits=widest)
 
     def prepare(self, lowp: str | None = None) -> None:
         if lowp == "e4m3":  # its rule reads the widest channel: one host read, at commit, on this path only
@@ -190,9 +197,9 @@ class Channels(Layout):
         bits = self.bits.long()
         half = torch.where(bits > 0, 2.0 ** (bits - 1).clamp_min(0), 0.0)[:, None, :]  # (S, 1, D)
         sc = self.step_.float()[:, None, :]
-        return CodeForm(self.int_codes().float() - half, sc, self._low_read()[:, None, :] + half * sc, self.n_tokens,
+        return CodeForm(self.int_codes().float() - half, sc, self.low_read[:, None, :] + half * sc, self.n_tokens,
                         True, two_term=True)
 
     def make_center(self) -> torch.Tensor:
         """Low end plus half the grid."""
-        return self._low_read() + self.step_.float() * (2.0 ** self.bits.float() - 1) / 2
+        return self.low_read + self.step_.float() * (2.0 ** self.bits.float() - 1) / 2

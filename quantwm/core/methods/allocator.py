@@ -194,7 +194,9 @@ class QuantWMAlloc(QVGBudget):
         best = int(torch.stack(prices).argmin())  # host read: only on a span that prices a new basis
         if stored is None and best == 0:
             if candidates:
-                ctx.state.update({"k.declined_reflectors": candidates[0][0][0], "k.declined_scales": candidates[0][0][1]})
+                declined = candidates[0][0]  # its matrix kept beside it: checked on every later span
+                ctx.state.update({"k.declined_reflectors": declined[0], "k.declined_scales": declined[1],
+                                  "k.declined_matrix": basis_matrix(*declined)})
             return plain()
         best -= stored is None
         basis, charge = candidates[best]
@@ -230,7 +232,7 @@ class QuantWMAlloc(QVGBudget):
 
         def holds(basis: tuple) -> torch.Tensor:  # read on its first (at most) REUSE_RANK columns
             rank = min(REUSE_RANK, basis[0].shape[1])
-            return (captured(basis_matrix(*basis), source, rank) >= self.basis_reuse).all()
+            return (captured(basis_matrix(*basis), source, rank) >= self.basis_reuse).all()  # U held by a span or state
 
         stored, declined = kept("k.basis"), kept("k.declined")
         flags = [holds(stored)] if stored is not None else [holds(declined)] if declined is not None else []
@@ -249,7 +251,12 @@ class QuantWMAlloc(QVGBudget):
         mean = lam.mean(-1, keepdim=True)
         w = torch.where(mean > 0, lam / mean.clamp_min(1e-30), 1.0)
         got = self.allocated(y, "k", ctx, w, charge)
-        return None if got is None else (got[0], lambda: InBasis(got[1](), *basis))
+
+        def build() -> InBasis:
+            out = InBasis(got[1](), *basis)
+            out.__dict__["basis"] = basis_matrix(*basis)  # the U the span was coded with: kept with it
+            return out
+        return None if got is None else (got[0], build)
 
     def loud_candidates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the `loud_share` · N loudest tokens (cap,), by their key norm over the stream's median in any stream,
