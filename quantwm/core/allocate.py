@@ -108,10 +108,11 @@ def allocate(weighted: torch.Tensor, cost: torch.Tensor, available: torch.Tensor
 
 def allocate_levels_ref(weighted: torch.Tensor, cost: torch.Tensor, available: torch.Tensor) -> torch.Tensor:
     """The allocation rule (module docstring): BISECTION_STEPS bisection steps (in log space, from the θ at which
-    each stream's channels all take 0 bits down to 1e-12 of it) for the cheapest Lagrangian θ whose levels argmin_l weighted + θ·cost(l) fit each stream's bits,
-    then a greedy fill: the upgrade with the largest error drop per extra bit that still fits, one a step, until
-    none does. Sums of costs in fp64 (whole numbers: exact). The fill reads whether any stream moved after each
-    step: free on the CPU; on a GPU kernels/allocate_levels.py runs the same rule in one launch."""
+    each stream's channels all take 0 bits down to 1e-12 of it) for the cheapest Lagrangian θ whose levels
+    argmin_l weighted + θ·cost(l) fit each stream's bits, then a greedy fill: the upgrade with the largest error
+    drop per extra bit that still fits, one a step, until none does. Sums of costs in fp64 (whole numbers:
+    exact). The fill reads whether any stream moved after each step: free on the CPU; on a GPU
+    kernels/allocate_levels.py runs the same rule in one launch."""
     S, D, L = weighted.shape
     cost = cost.to(weighted)
     cost64, avail = cost.double(), available.to(weighted.device).double()
