@@ -76,8 +76,8 @@ def _product(reflectors: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return torch.linalg.householder_product(A, tau).float()
 
 
-SQRT_ITERS = 8  # Newton–Schulz steps of `psd_sqrt`: top-16 energy of W within 5e-5 of eigh's on query spectra
-TOP_ITERS = 3  # subspace iterations of `top_energy` from a stored basis
+SQRT_ITERS = 13  # Newton–Schulz steps of `psd_sqrt` (Frobenius-scaled): the held-out traces' choices as with eigh
+TOP_ITERS = 3  # subspace iterations of `captured`'s top energy, from a stored basis
 
 
 def key_covariance(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -98,23 +98,13 @@ def psd_sqrt(A: torch.Tensor, iters: int = SQRT_ITERS) -> torch.Tensor:
     on A scaled by its trace, so every eigenvalue lies in [0, 1]): a fixed number of batched matmuls, no
     eigendecomposition (which on a GPU waits on the host for its error check, and takes milliseconds)."""
     A = A.double()
-    c = A.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(1e-300)[:, None, None]
+    c = torch.linalg.matrix_norm(A).clamp_min(1e-300)[:, None, None]  # Frobenius: at least the top eigenvalue
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand_as(A)
     Y, Z = A / c, eye
     for _ in range(iters):  # three batched matmuls a step
         T = torch.baddbmm(eye, Z, Y, beta=1.5, alpha=-0.5)  # (3 I - Z Y) / 2
         Y, Z = Y @ T, T @ Z
     return Y * c.sqrt()
-
-
-def top_energy(A: torch.Tensor, start: torch.Tensor, iters: int = TOP_ITERS) -> torch.Tensor:
-    """Σ of the top r eigenvalues of symmetric PSD A (streams, D, D), from below, by `iters` subspace iterations
-    from `start` (streams, D, r) (a stored basis: close to A's top space already): tr(Qᵀ A Q) (streams,) float64."""
-    A = A.double()
-    Q = start.double()
-    for _ in range(iters):
-        Q = torch.linalg.qr(A @ Q).Q
-    return torch.einsum("sdi,sde,sei->s", Q, A, Q)
 
 
 def weighted_source(stats: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
@@ -132,10 +122,17 @@ def coordinate_weights(U: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
 
 def captured(U: torch.Tensor, stats: torch.Tensor, rank: int) -> torch.Tensor:
     """Per stream: the share of the energy S's top-`rank` eigen-directions hold that U's first `rank` columns
-    capture (1 for S's own basis); the top energy by subspace iteration from those columns (`top_energy`)."""
-    held = coordinate_weights(U[..., :rank], stats).sum(-1).double()
-    top = torch.maximum(top_energy(stats, U[..., :rank]).clamp_min(0), held)
-    return torch.where(top > 0, held / top.clamp_min(1e-300), torch.ones_like(top))
+    capture (1 for S's own basis). The top energy comes from below, by TOP_ITERS subspace iterations from those
+    columns (close to S's top space already), as tr(Qᵀ S Q): no eigendecomposition, which on a GPU waits on the
+    host for its error check and takes milliseconds."""
+    A, Q = stats.double(), U[..., :rank].double()
+    AQ = A @ Q
+    held = (AQ * Q).sum((-2, -1))  # tr(Qᵀ A Q): what U's columns capture, and the subspace iteration's start
+    for _ in range(TOP_ITERS):
+        Q = torch.linalg.qr(AQ).Q
+        AQ = A @ Q
+    top = torch.maximum((AQ * Q).sum((-2, -1)), held)
+    return torch.where(top > 0, held / top.clamp_min(1e-300), 1.0)
 
 
 def gaussian_price(weights: torch.Tensor, variances: torch.Tensor, tokens: int, bits: float) -> torch.Tensor:
