@@ -7,21 +7,24 @@ Steps, each in its own process with its own time limit, skipped with a message o
 
 1. `cuda tests`: the kernel and attention tests (every kernel compiled, the fused path against the reference
    for every method); on the CPU (dry run) a small subset under the Triton interpreter.
-2. `warm attend`: `benchmarks/warm_attend.py`, a warm `quantwm` cache at a 2.5-bit budget attended under
+2. `cuda tier`: tests/test_fake_cuda.py on real CUDA tensors (every method on K, V, KV at 2 bits and a budget,
+   pre-RoPE, loud tokens, windows, re-aimed S, the adapters, a rollout; host reads counted by site); on the CPU
+   (dry run) a subset on fake `cuda` tensors.
+3. `warm attend`: `benchmarks/warm_attend.py`, a warm `quantwm` cache at a 2.5-bit budget attended under
    `torch.cuda.set_sync_debug_mode("error")` (no host sync, no kernel view built), then captured in a CUDA graph
    and replayed against an eager attend (on the CPU: the sync count only).
-3. `commit cost`: `benchmarks/commit_cost.py` for quantwm and kivi at 2.5 bits at Wan-1.3B shapes: each commit's
+4. `commit cost`: `benchmarks/commit_cost.py` for quantwm and kivi at 2.5 bits at Wan-1.3B shapes: each commit's
    ATen ops, kernel launches and host syncs per layer, its cost estimated by the script's stated model, and on
    CUDA the commit timed with CUDA events beside a BF16 SDPA over the same cache (issue 42).
-4. `kernel bench`: `quantwm selfcheck --model wan-1.3b` (the command a user runs; its timing is
+5. `kernel bench`: `quantwm selfcheck --model wan-1.3b` (the command a user runs; its timing is
    quantwm/evaluation/kernel_timing.py, which `benchmarks/kernel_bench.py` runs too): which path every method
    takes, every kernel checked against its reference on first use, and the timing at Wan-1.3B shapes (12 heads
    x 128, chunks of 4680 queries, caches of 8K/32K/64K tokens): BF16 SDPA (the flash backend on CUDA), dequantize-then-SDPA, the fused 2-bit
    kernel, its 8-bit paths (INT8 and e4m3 QKᵀ, e4m3 PV), and the cost of quantizing a committed chunk as a share
    of the chunk's attention time.
-5. `real shapes`: `benchmarks/real_shapes.py`, a randomly initialised Wan-1.3B-sized transformer generating
+6. `real shapes`: `benchmarks/real_shapes.py`, a randomly initialised Wan-1.3B-sized transformer generating
    chunk by chunk through the cache (bytes, peak memory, time per chunk).
-6. `live rollout`: a random Self-Forcing model (diffusers Wan classes, 2 layers at Wan-1.3B's 12 heads x 128 and
+7. `live rollout`: a random Self-Forcing model (diffusers Wan classes, 2 layers at Wan-1.3B's 12 heads x 128 and
    its 480x832 frames) recorded BF16 vs quantwm through the live backend's recorder, written as a run file
    and read back.
 
@@ -54,6 +57,9 @@ def steps(out: Path, dry: bool) -> list[dict]:
         {"name": "cuda tests", "limit": 120 if dry else 140,
          "cmd": [py, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-x",
                  *(["tests/test_kernels.py", "-k", "pack_bits or kmeans_assign or (lowp_kernel_matches and int8)"] if dry else tests)]},
+        {"name": "cuda tier", "limit": 60 if dry else 60,  # issue 42: the fake-CUDA tier, on real CUDA tensors
+         "cmd": [py, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/test_fake_cuda.py",
+                 *(["-k", "kivi or quantwm-alloc"] if dry else [])]},
         {"name": "warm attend", "limit": 60 if dry else 50,
          "cmd": [py, "benchmarks/warm_attend.py", *(["--dry-run"] if dry else [])]},
         {"name": "commit cost", "limit": 60 if dry else 90,  # issue 42: a commit's cost, counted, priced and timed
@@ -106,7 +112,7 @@ def _text(x) -> str:
 def figures(name: str, out: Path, text: str) -> dict:
     """The figures of one step that the table shows, from its JSON or its output."""
     try:
-        if name == "cuda tests":
+        if name in ("cuda tests", "cuda tier"):
             last = [line for line in text.splitlines() if " passed" in line or " failed" in line or " error" in line]
             return {"summary": last[-1].strip("= ") if last else "no summary"}
         if name == "warm attend":

@@ -257,3 +257,63 @@ def _target(name: str, args: tuple, kwargs: dict, wanted: list, fakes: list) -> 
     if name in ("__setitem__", "copy_"):
         return args[0].device
     return CUDA if fakes else CPU
+
+
+class RealCuda(TorchFunctionMode):
+    """The same count on a machine with a GPU: `device="cuda"` makes real CUDA tensors (CUDA raises its own device
+    mismatches), and every host read of a device value, value-shaped result or copy of host data to the device is
+    counted in `syncs` by quantwm site, with FakeCuda's rule. `device` names the device to watch (tests of this
+    class use "cpu"). What a C++ call syncs inside (linalg's error checks, a kernel's own copies) is not seen here:
+    `torch.cuda.set_sync_debug_mode` sees those (benchmarks/warm_attend.py)."""
+
+    def __init__(self, device: str = "cuda"):
+        super().__init__()
+        self.syncs: Counter = Counter()
+        self.device_type = device
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        flat = _leaves(kwargs, _leaves(args, []))
+        name = _name(func)
+        if name not in METADATA:
+            on = [x for x in flat if isinstance(x, torch.Tensor) and x.device.type == self.device_type]
+            wanted = [d for d in map(_device_of, flat) if d is not None]
+            if on and _real_reads(name, args, kwargs, wanted, self.device_type):
+                self.syncs[(sync_site(), name)] += 1
+            elif _real_uploads(name, args, kwargs, flat, wanted, self.device_type):
+                self.syncs[(sync_site(), f"{name} (upload)")] += 1
+        return func(*args, **kwargs)
+
+
+def _real_reads(name: str, args: tuple, kwargs: dict, wanted: list, device: str) -> bool:
+    """FakeCuda's `_reads` for real tensors on `device`."""
+    if name in HOST_READS or name in VALUE_SHAPED:
+        return True
+    if name == "to":
+        return bool(wanted) and wanted[-1].type == "cpu" and device != "cpu"
+    if name == "where":
+        return len(args) + len(kwargs) == 1
+    if name == "repeat_interleave":
+        return any(isinstance(a, torch.Tensor) and a.device.type == device for a in (*args[1:], *kwargs.values()))
+    if name in INDEXING:
+        index = args[1] if len(args) > 1 else None
+        return any(isinstance(p, torch.Tensor) and p.device.type == device and p.dtype == torch.bool
+                   for p in _leaves(index, []))
+    return False
+
+
+def _real_uploads(name: str, args: tuple, kwargs: dict, flat: list, wanted: list, device: str) -> bool:
+    """FakeCuda's `_uploads` for real tensors: host data copied to `device` (never on a CPU run of this class)."""
+    if device == "cpu" or not (wanted and wanted[-1].type == device or any(
+            isinstance(x, torch.Tensor) and x.device.type == device for x in flat)):
+        return False
+    if name in ("to", "cuda", "copy_"):
+        return any(isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0 for x in flat)
+    if name in ("tensor", "as_tensor", "new_tensor"):
+        return True
+    if name in INDEXING:
+        index = _leaves(args[1] if len(args) > 1 else None, [])
+        value = args[2] if len(args) > 2 else None
+        return any(isinstance(p, torch.Tensor) and p.device.type == "cpu" for p in index) or (
+            isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() > 0)
+    return False

@@ -7,10 +7,13 @@ through write/attend/commit until spans are quantized and attended warm; pre-RoP
 rolling windows, re-aimed query statistics, the fused path's Python side; the Wan, Self-Forcing, SANA-WM and SGLang
 adapters on tiny models, and a rollout of the built-in world model.
 
+On a machine with a GPU the same tests run on real CUDA tensors (`RealCuda`: CUDA raises its own device mismatches;
+host reads and copies counted by the same rule), as benchmarks/gpu_check.py's `cuda tier` step does.
+
 Kernels: fake tensors cannot enter Triton, so the tier runs with QUANTWM_KERNELS=ref: the cache's reference read
 path (decode, SDPA) and, with `lowp`, the fused path (the kernel views each layout builds at commit, the span fold
 of quantwm/core/attention.py) with `span_attention_ref` in the kernel's place. Syncs inside a C++ call (linalg's
-error checks) are not seen. On a machine with a GPU the tier is skipped: benchmarks/gpu_check.py runs the real one.
+error checks) are not seen.
 
 Host syncs are named and counted, never hidden: a warm attend makes none (the default configuration: its NaN/Inf
 check a device flag read at commit), and a commit reads
@@ -28,13 +31,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from fake_cuda import FakeCuda, FakeCudaTensor
+from fake_cuda import FakeCuda, FakeCudaTensor, RealCuda
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.methods import method_sources
 
-pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU runs the real paths (benchmarks/gpu_check.py)")
 
 B, H, N, D = 1, 2, 64, 64  # one chunk: 64 tokens of 2 heads x 64
 METHODS = [name for name, _, _ in method_sources()]  # what `python -m quantwm methods` lists
@@ -87,10 +89,14 @@ ONCE = {("quantwm/core/tables.py:on_device", "to (upload)"): "a constant table c
 
 
 
+REAL = torch.cuda.is_available()  # a GPU: the same tier on real CUDA tensors (benchmarks/gpu_check.py runs it)
+fake_only = pytest.mark.skipif(REAL, reason="checks the fake device itself")
+
+
 @pytest.fixture
 def gpu(monkeypatch):
-    monkeypatch.setenv("QUANTWM_KERNELS", "ref")
-    with FakeCuda() as mode:
+    monkeypatch.setenv("QUANTWM_KERNELS", "ref")  # the references: the tier checks devices and host reads
+    with (RealCuda() if REAL else FakeCuda()) as mode:
         yield mode
 
 
@@ -135,7 +141,7 @@ def drive(cache: KVCache, gpu: FakeCuda, chunks: int = 5, n: int = N, qkv=None) 
         out = cache.attend(0, q, k, v, chunk=c)
         if held:
             reads.warm.append(gpu.syncs - before)
-        assert isinstance(out, FakeCudaTensor) and out.dtype == q.dtype
+        assert out.is_cuda and out.dtype == q.dtype
         if c < chunks - 1:
             before = gpu.syncs.copy()
             cache.attend(0, q, k, v, chunk=c, commit=True)
@@ -194,6 +200,7 @@ def check_on_device(cache: KVCache) -> None:
 
 # ---- the helper ------------------------------------------------------------------------------------------------
 
+@fake_only
 def test_fake_cuda_raises_where_a_cpu_tensor_meets_a_device_tensor(gpu):
     x = torch.randn(4, D, device="cuda")
     assert isinstance(x, FakeCudaTensor) and x.is_cuda and x.device == torch.device("cuda", 0)
@@ -210,6 +217,20 @@ def test_fake_cuda_raises_where_a_cpu_tensor_meets_a_device_tensor(gpu):
     assert isinstance(linear.weight, torch.nn.Parameter) and linear(x).is_cuda
 
 
+def test_real_cuda_counts_host_reads_by_site_with_the_fake_rule():
+    """RealCuda, the tier's counter on a machine with a GPU, watched here on the CPU device: the same calls count."""
+    from quantwm.core.quant import check_finite
+
+    with RealCuda("cpu") as real:
+        x = torch.arange(6.0)
+        assert float(x[2]) == 2.0 and x[x > 3].tolist() == [4.0, 5.0]
+        check_finite(x)
+        (x * 2).sum(), x[torch.tensor([0, 2])], x.to(torch.float64)  # device work and indexing: nothing read
+    assert real.syncs == {("<outside quantwm>", "__float__"): 1, ("<outside quantwm>", "__getitem__"): 1,
+                          ("<outside quantwm>", "tolist"): 1, ("quantwm/core/quant.py:check_finite", "__bool__"): 1}
+
+
+@fake_only
 def test_fake_cuda_counts_host_syncs_by_site_and_keeps_their_values(gpu):
     from quantwm.core.quant import check_finite
 
@@ -311,7 +332,7 @@ def test_fused_path_reads_spans_on_the_device(monkeypatch, method, budget, lowp,
     """lowp runs quantwm/core/attention.py's fused fold (span_attention_ref in the kernel's place) over the kernel
     views each layout builds at commit; a GPU below compute capability 8.9 gets fp8 sides widened to fp16."""
     monkeypatch.setenv("QUANTWM_KERNELS", "ref")
-    with FakeCuda(capability) as gpu:
+    with (RealCuda() if REAL else FakeCuda(capability)) as gpu:
         cache = KVCache(_config(method, "kv", budget, lowp=lowp), 1)
         reads = drive(cache, gpu)
     check_on_device(cache)
@@ -439,10 +460,10 @@ def test_the_tier_fails_on_a_host_constant_in_the_allocators_pricing(gpu, monkey
 
     monkeypatch.setattr(allocator, "gaussian_price", _gaussian_price_with_host_constants)
     cache = KVCache(_config("quantwm", "kv", True), 1)
-    with pytest.raises(FakeTensorDeviceMismatchError) as raised:
+    with pytest.raises(RuntimeError, match="device") as raised:  # FakeTensorDeviceMismatchError, or CUDA's own
         drive(cache, gpu)
-    assert raised.traceback[-1].name == "_check_devices" and any(
-        entry.name == "_gaussian_price_with_host_constants" for entry in raised.traceback)
+    assert any(entry.name == "_gaussian_price_with_host_constants" for entry in raised.traceback)
+    assert REAL or raised.traceback[-1].name == "_check_devices"
 
 
 # ---- constructors name their device -----------------------------------------------------------------------------

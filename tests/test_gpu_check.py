@@ -18,10 +18,11 @@ def test_the_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     steps = {s["name"]: s for s in report["steps"]}
-    assert list(steps) == ["cuda tests", "warm attend", "commit cost", "kernel bench", "real shapes", "live rollout"]
+    assert list(steps) == ["cuda tests", "cuda tier", "warm attend", "commit cost", "kernel bench", "real shapes",
+                           "live rollout"]
     assert steps["warm attend"]["figures"]["checks"][0].startswith("ok     3 attends: 0 host syncs")
     assert all(s["status"] == "ok" for s in steps.values()), {k: s["tail"][-500:] for k, s in steps.items()}
-    assert " passed" in steps["cuda tests"]["figures"]["summary"]
+    assert " passed" in steps["cuda tests"]["figures"]["summary"] and " passed" in steps["cuda tier"]["figures"]["summary"]
     commit = steps["commit cost"]["figures"]  # per method: estimated steady commit ms per layer, nothing measured
     assert set(commit) == {"quantwm", "kivi"} and all(f["estimated_ms"] > 0 and f["measured_ms"] is None
                                                       for f in commit.values())
