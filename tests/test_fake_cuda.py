@@ -37,7 +37,6 @@ from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.methods import method_sources
 
-
 B, H, N, D = 1, 2, 64, 64  # one chunk: 64 tokens of 2 heads x 64
 METHODS = [name for name, _, _ in method_sources()]  # what `python -m quantwm methods` lists
 # budget per method where 2.5 bits cannot hold a 64-token span of head dim 64 (codebooks' share), or a fixed format
