@@ -42,8 +42,9 @@ upper bound of what the commit adds behind a model's queued work), beside a BF16
 the syncs `torch.cuda.set_sync_debug_mode("warn")` reports are counted as a cross-check of the counter's.
 Known limits: code that branches on the device is counted as the CPU runs it (the cache's NaN/Inf input check is
 one host read per attend on the CPU; on an accelerator a device flag read with the next commit's checks), as are
-host-to-device copies (op_count.py); iid Gaussian queries (S near isotropic), so work that depends on the queries' subspace (a PSAC basis
-stored anew) may run less often than in a real video; the budget rule's candidate table (core/budget.py
+host-to-device copies (op_count.py); the queries hold most of their energy in QUERY_DIMS directions per head
+with a decaying spectrum, the same in every chunk (a model's are so; with iid queries S stays isotropic and every
+span would store a new basis): a video whose queries move more stores new bases more often; the budget rule's candidate table (core/budget.py
 measured_bits: CPU, once per process) is warmed before counting; the kernels' first-use self-check (once per
 process) is off; Triton kernels' bytes are their tensor arguments'.
 """
@@ -74,6 +75,7 @@ FP64_FLOPS = 34e12         # H200 FP64 vector peak (datasheet)
 FLOP_UTILISATION = 0.5     # share of peak a commit's kernel reaches (small grids; a guess, the CUDA timing checks it)
 EIGH_US_PER_MATRIX = 1800.0  # pytorch/pytorch#174674: torch.linalg.eigh on 500 matrices of 100x100, 914 ms on a GPU
 SYNC_DRAIN_US = 20.0       # per host sync: the queue drains, the GPU idles until the host launches again
+QUERY_DIMS = 16            # the chunks' queries: this many directions per head hold most of their energy
 CHUNK_UTILISATION = 0.4    # the BF16 model's share of BF16 peak over a chunk (large GEMMs and flash attention)
 COST_MODEL = {k: v for k, v in globals().items() if k.isupper() and isinstance(v, float)}
 
@@ -150,7 +152,15 @@ def chunk_model(s: Shapes, passes: int, window_frames: int) -> dict:
 def chunk_inputs(i: int, s: Shapes, device: torch.device) -> tuple[torch.Tensor, ...]:
     """Chunk i's q, k, v: (1, H, N, D) BF16, seeded by the chunk index."""
     g = torch.Generator(device="cpu").manual_seed(1000 + i)
-    return tuple(torch.randn(1, s.heads, s.chunk, s.head_dim, generator=g).to(device, torch.bfloat16) for _ in range(3))
+    q, k, v = (torch.randn(1, s.heads, s.chunk, s.head_dim, generator=g) for _ in range(3))
+    # queries as a model's: most of their energy in a QUERY_DIMS-dimensional subspace per head, the same in every
+    # chunk (seeded once), so S settles and a stored basis holds as it does in a video (iid queries keep S
+    # isotropic, its top directions arbitrary, and every span would store a new basis)
+    basis = torch.linalg.qr(torch.randn(s.heads, s.head_dim, s.head_dim, generator=torch.Generator().manual_seed(7)))[0]
+    spread = 3 * 0.85 ** torch.arange(QUERY_DIMS, dtype=torch.float32)  # a decaying spectrum: distinct directions
+    coords = torch.randn(1, s.heads, s.chunk, QUERY_DIMS, generator=g) * spread
+    q = 0.3 * q + coords @ basis[:, :, :QUERY_DIMS].transpose(1, 2)
+    return tuple(t.to(device, torch.bfloat16) for t in (q, k, v))
 
 
 def make_cache(method: str, s: Shapes, budget: float | None, target: str, check_inputs: bool):

@@ -25,6 +25,9 @@ import torch
 from .quant import GroupQuant, dequantize_groups, quantize_groups
 
 
+SUBSPACE_ITERS = 4  # subspace iterations that check whether a stored basis still spans S's top directions
+
+
 def principal_basis(stats: torch.Tensor, rank: int) -> torch.Tensor:
     """Top-`rank` eigenvectors of S: (S, D, D) -> (S, D, R), columns by decreasing eigenvalue."""
     evals, evecs = torch.linalg.eigh(stats.double())
@@ -40,11 +43,17 @@ def psac_basis(stats: torch.Tensor, rank: int, prev: torch.Tensor | None = None,
                dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """The span's basis (S, D, R) in `dtype`: `prev` itself when every stream's top-R subspace still overlaps
     it by at least `reuse` (so a stored basis serves many spans), else the new top-R eigenvectors of S."""
-    U = principal_basis(stats, min(rank, stats.shape[-1]))
-    # host read, once a span: a kept basis is the same tensor, shared by the spans and stored once
-    if prev is not None and prev.shape == U.shape and bool((subspace_overlap(prev, U) >= reuse).all()):
-        return prev
-    return U.to(dtype)
+    R = min(rank, stats.shape[-1])
+    if prev is not None and prev.shape[-1] == R:
+        # S's top-R subspace by subspace iteration from the stored basis (no eigendecomposition: on a GPU eigh waits
+        # on the host for its error check and takes milliseconds); host read, once a span: a kept basis is the
+        # same tensor, shared by the spans and stored once
+        Q = prev.double()
+        for _ in range(SUBSPACE_ITERS):
+            Q = torch.linalg.qr(stats.double() @ Q).Q
+        if bool((subspace_overlap(prev, Q) >= reuse).all()):
+            return prev
+    return principal_basis(stats, R).to(dtype)  # a new basis: the exact top-R eigenvectors (one eigh)
 
 
 def psac_encode(err: torch.Tensor, U: torch.Tensor, bits: int, per_token: bool = False, symmetric: bool = False,
