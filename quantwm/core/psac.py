@@ -24,7 +24,6 @@ import torch
 
 from .quant import GroupQuant, dequantize_groups, quantize_groups
 
-
 SUBSPACE_ITERS = 4  # subspace iterations that check whether a stored basis still spans S's top directions
 
 
