@@ -44,8 +44,8 @@ Known limits: code that branches on the device is counted as the CPU runs it (th
 one host read per attend on the CPU; on an accelerator a device flag read with the next commit's checks), as are
 host-to-device copies (op_count.py); the queries hold most of their energy in QUERY_DIMS directions per head
 with a decaying spectrum, the same in every chunk (a model's are so; with iid queries S stays isotropic and every
-span would store a new basis): a video whose queries move more stores new bases more often; the budget rule's candidate table (core/budget.py
-measured_bits: CPU, once per process) is warmed before counting; the kernels' first-use self-check (once per
+span would store a new basis): a video whose queries move more stores new bases more often; the budget rule's
+candidate table (core/budget.py measured_bits: CPU, once per process) is warmed before counting; the kernels' first-use self-check (once per
 process) is off; Triton kernels' bytes are their tensor arguments'.
 """
 from __future__ import annotations
