@@ -50,8 +50,8 @@ COMMIT_READ = ("quantwm/core/quant.py:DeferredChecks.passed", "__bool__")
 SYNCS = {
     ("quantwm/core/quant.py:DeferredChecks.passed", "__bool__"):
         (1, "the span's value checks and the inputs' NaN/Inf flags, in one read"),
-    ("quantwm/core/psac.py:psac_basis", "__bool__"):
-        (1, "whether the stored PSAC basis still holds (then it is shared, stored once)"),
+    ("quantwm/core/psac.py:holds", "cpu"):
+        (1, "whether the stored PSAC basis still holds: the block's small projection, to the host"),
     ("quantwm/core/methods/allocator.py:QuantWMAlloc.key_plan", "tolist"):
         (1, "the loud-token count and whether the stored basis holds, in one read"),
     ("quantwm/core/methods/allocator.py:QuantWMAlloc.in_query_basis", "__int__"):

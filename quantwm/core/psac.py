@@ -43,16 +43,28 @@ def psac_basis(stats: torch.Tensor, rank: int, prev: torch.Tensor | None = None,
     """The span's basis (S, D, R) in `dtype`: `prev` itself when every stream's top-R subspace still overlaps
     it by at least `reuse` (so a stored basis serves many spans), else the new top-R eigenvectors of S."""
     R = min(rank, stats.shape[-1])
-    if prev is not None and prev.shape[-1] == R:
-        # S's top-R subspace by subspace iteration from the stored basis (no eigendecomposition: on a GPU eigh waits
-        # on the host for its error check and takes milliseconds); host read, once a span: a kept basis is the
-        # same tensor, shared by the spans and stored once
-        Q = prev.double()
-        for _ in range(SUBSPACE_ITERS):
-            Q = torch.linalg.qr(stats.double() @ Q).Q
-        if bool((subspace_overlap(prev, Q) >= reuse).all()):
-            return prev
+    if prev is not None and prev.shape[-1] == R and bool(holds(stats, prev, reuse)):
+        return prev  # the same tensor: shared by the spans, stored once
     return principal_basis(stats, R).to(dtype)  # a new basis: the exact top-R eigenvectors (one eigh)
+
+
+def holds(stats: torch.Tensor, prev: torch.Tensor, reuse: float) -> bool:
+    """Whether every stream's top-R subspace of S (S, D, D) still overlaps the stored basis prev (S, D, R) by at
+    least `reuse`, without an eigendecomposition of S (on a GPU eigh waits on the host for its error check and
+    takes milliseconds): SUBSPACE_ITERS subspace iterations on a block of 2R directions (the stored basis and the R
+    columns of S of most energy, where the energy may have moved), then the top R Ritz vectors from the block's
+    small (2R x 2R) projection, eigendecomposed on the host after the one read a span that copies it there."""
+    S, D, R = prev.shape
+    A = stats.double()
+    extra = min(R, D - R)
+    cols = A.norm(dim=-2).topk(extra, dim=-1).indices  # (S, extra): the columns of S of most energy
+    block = torch.cat([prev.double(), A.gather(2, cols[:, None, :].expand(S, D, extra))], -1)
+    for _ in range(SUBSPACE_ITERS):
+        block = torch.linalg.qr(A @ block).Q  # (S, D, R + extra), orthonormal
+    small = torch.cat([block.transpose(1, 2) @ A @ block, prev.double().transpose(1, 2) @ block], 1).cpu()  # host read
+    T, P = small[:, :R + extra], small[:, R + extra:]  # the projection of S, and prev in the block's coordinates
+    ritz = torch.linalg.eigh(T).eigenvectors[..., -R:]  # (S, R + extra, R): the top R, on the host
+    return bool(((P @ ritz).square().sum((1, 2)) / R >= reuse).all())
 
 
 def psac_encode(err: torch.Tensor, U: torch.Tensor, bits: int, per_token: bool = False, symmetric: bool = False,
