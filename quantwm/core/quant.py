@@ -220,10 +220,11 @@ STORAGE_LADDER = (torch.float8_e4m3fn, torch.float16, torch.float32)
 STORAGE_REL_TOL, STORAGE_RMS_TOL = 2.0 ** -3, 2.0 ** -4
 
 
-def _fits(x: torch.Tensor, ax: torch.Tensor, tol: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
-    """0-dim bool: x survives the cast to dt (no saturation: fp8 clamps at its max, fp16 overflows; every element
-    within tol)."""
-    return ((x.to(dt).float() - x).abs() <= torch.where(ax <= torch.finfo(dt).max, tol, -1.0)).all()
+def _fits(x: torch.Tensor, ax: torch.Tensor, rms: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
+    """0-dim bool: x survives the cast to dt: every element within STORAGE_REL_TOL |x_i| + STORAGE_RMS_TOL rms(x)
+    of itself and none past dt's largest value (fp8 clamps there, fp16 overflows)."""
+    excess = torch.add((x.to(dt).float() - x).abs(), ax, alpha=-STORAGE_REL_TOL)  # error beyond the relative part
+    return (excess <= torch.where(ax <= torch.finfo(dt).max, STORAGE_RMS_TOL * rms, -1.0)).all()
 
 
 def storage_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
@@ -234,16 +235,16 @@ def storage_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
         return dtype
     x = x.float()
     ax = x.abs()
-    tol = STORAGE_REL_TOL * ax + STORAGE_RMS_TOL * x.square().mean().sqrt()
+    rms = torch.linalg.vector_norm(x) * x.numel() ** -0.5
     widened, key = _WIDENED.get(), (dtype, tuple(x.shape))
     start = dtype if widened is None else widened.get(key, dtype)
     checks = deferring()
     if checks is not None:
         if start != torch.float32:
-            checks.record(_fits(x, ax, tol, start))
+            checks.record(_fits(x, ax, rms, start))
         return start
     chosen = next(dt for dt in STORAGE_LADDER[STORAGE_LADDER.index(start):] if dt == torch.float32 or
-                  _fits(x, ax, tol, dt))
+                  _fits(x, ax, rms, dt))
     if widened is not None and chosen != start:
         widened[key] = chosen
     return chosen

@@ -77,20 +77,22 @@ def _product(reflectors: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
 
 
 SQRT_ITERS = 13  # Newton–Schulz steps of `psd_sqrt` (Frobenius-scaled): the held-out traces' choices as with eigh
-TOP_ITERS = 3  # subspace iterations of `captured`'s top energy, from a stored basis
+TOP_ITERS = 2  # subspace iterations of `captured`'s top energy, from a stored basis
 
 
 def key_covariance(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     """C (streams, D, D) float64: the covariance of a span's keys x (streams, N, D) about their mean; `keep` (N,)
-    bool: over those tokens only (the same as the covariance of x[:, keep], without a host read)."""
-    k = x.float()  # centred and multiplied in fp32 (half fp64's bytes and twice its rate), returned in fp64
-    if keep is None:
-        c = k - k.mean(1, keepdim=True)
-        return (c.transpose(1, 2) @ c).double() / k.shape[1]
-    m = keep.to(k)[None, :, None]  # (1, N, 1)
-    n = m.sum(1, keepdim=True)
-    c = (k - (k * m).sum(1, keepdim=True) / n) * m
-    return (c.transpose(1, 2) @ c).double() / n.double()
+    bool: over those tokens only (the same as the covariance of x[:, keep], without a host read).
+
+    One pass over the span: shifted by its first token (so the keys' offset does not cancel in fp32), masked, then
+    C = Σ y yᵀ / n − ȳ ȳᵀ in fp32 (a third of a centred fp64 pass's bytes), returned in fp64."""
+    N = x.shape[1]
+    y = x - x[:, :1].float()  # (S, N, D) fp32
+    if keep is not None:
+        y = y * keep.to(y)[None, :, None]
+    n = y.new_full((), float(N)) if keep is None else keep.sum().to(y)
+    mean = y.sum(1, keepdim=True) / n  # (S, 1, D)
+    return ((y.transpose(1, 2) @ y) / n - mean.transpose(1, 2) @ mean).double()
 
 
 def psd_sqrt(A: torch.Tensor, iters: int = SQRT_ITERS) -> torch.Tensor:
@@ -100,10 +102,12 @@ def psd_sqrt(A: torch.Tensor, iters: int = SQRT_ITERS) -> torch.Tensor:
     A = A.double()
     c = torch.linalg.matrix_norm(A).clamp_min(1e-300)[:, None, None]  # Frobenius: at least the top eigenvalue
     eye = torch.eye(A.shape[-1], dtype=A.dtype, device=A.device).expand_as(A)
-    Y, Z = A / c, eye
-    for _ in range(iters):  # three batched matmuls a step
-        T = torch.baddbmm(eye, Z, Y, beta=1.5, alpha=-0.5)  # (3 I - Z Y) / 2
-        Y, Z = Y @ T, T @ Z
+    Y = A / c
+    Z = torch.add(1.5 * eye, Y, alpha=-0.5)  # the first step from Z = I: T = (3 I − Y) / 2, Y T, and Z = T
+    Y = Y @ Z
+    for step in range(1, iters):  # three batched matmuls a step (two in the last: Z is not read after it)
+        T = torch.baddbmm(eye, Z, Y, beta=1.5, alpha=-0.5)  # (3 I − Z Y) / 2
+        Y, Z = Y @ T, (T @ Z if step < iters - 1 else Z)
     return Y * c.sqrt()
 
 

@@ -178,7 +178,7 @@ class Channels(Layout):
         return torch.where(self.bits > 0, self.low.float(), 0.0)
 
     def make_kernel_side(self) -> SideArgs:
-        meta = self.offsets * 16 + self.bits.long()
+        meta = torch.add(self.bits.long(), self.offsets, alpha=16)  # offset * 16 + bits
         # the widest channel, where the 8-bit path asked for it (`prepare`); else 8, a bound read by nothing
         widest = self.__dict__.get("max_bits", 8)
         return SideArgs(CHANNELS, self.codes, self.n_tokens, self.step_, self.low_read, meta, max_bits=widest)

@@ -249,7 +249,7 @@ class QuantWMAlloc(QVGBudget):
         """(predicted error, build) of the coordinates y in `basis` with weights λ (normalised to mean 1) within the
         budget less `charge` bits per stream, `build()` giving the InBasis layout; None when it does not fit."""
         mean = lam.mean(-1, keepdim=True)
-        w = torch.where(mean > 0, lam / mean.clamp_min(1e-30), 1.0)
+        w = torch.where(mean > 0, lam / mean, 1.0)  # (a zero mean's quotient is never taken)
         got = self.allocated(y, "k", ctx, w, charge)
 
         def build() -> InBasis:
@@ -265,7 +265,7 @@ class QuantWMAlloc(QVGBudget):
         cap = int(self.loud_share * x.shape[1])
         if not self.loud or not cap:
             return None
-        norms = x.float().norm(dim=-1)  # (S, N)
+        norms = torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32)  # (S, N), no fp32 copy of the span
         ratio = (norms / norms.median(-1, keepdim=True).values.clamp_min(1e-30)).amax(0)  # (N,)
         top, order = ratio.topk(cap)
         return order, top > self.loud
