@@ -50,7 +50,7 @@ COMMIT_READ = ("quantwm/core/quant.py:DeferredChecks.passed", "__bool__")
 SYNCS = {
     ("quantwm/core/quant.py:DeferredChecks.passed", "__bool__"):
         (1, "the span's value checks and the inputs' NaN/Inf flags, in one read"),
-    ("quantwm/core/psac.py:holds", "cpu"):
+    ("quantwm/core/psac.py:holds", "tolist"):
         (1, "whether the stored PSAC basis still holds: the block's small projection, to the host"),
     ("quantwm/core/methods/allocator.py:QuantWMAlloc.key_plan", "tolist"):
         (1, "the loud-token count and whether the stored basis holds, in one read"),

@@ -20,6 +20,7 @@ cost 32 bits a token more, which a 2-bit budget barely carries (docs/results.md,
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from .quant import GroupQuant, dequantize_groups, quantize_groups
@@ -43,7 +44,7 @@ def psac_basis(stats: torch.Tensor, rank: int, prev: torch.Tensor | None = None,
     """The span's basis (S, D, R) in `dtype`: `prev` itself when every stream's top-R subspace still overlaps
     it by at least `reuse` (so a stored basis serves many spans), else the new top-R eigenvectors of S."""
     R = min(rank, stats.shape[-1])
-    if prev is not None and prev.shape[-1] == R and bool(holds(stats, prev, reuse)):
+    if prev is not None and prev.shape[-1] == R and holds(stats, prev, reuse):
         return prev  # the same tensor: shared by the spans, stored once
     return principal_basis(stats, R).to(dtype)  # a new basis: the exact top-R eigenvectors (one eigh)
 
@@ -61,10 +62,10 @@ def holds(stats: torch.Tensor, prev: torch.Tensor, reuse: float) -> bool:
     block = torch.cat([prev.double(), A.gather(2, cols[:, None, :].expand(S, D, extra))], -1)
     for _ in range(SUBSPACE_ITERS):
         block = torch.linalg.qr(A @ block).Q  # (S, D, R + extra), orthonormal
-    small = torch.cat([block.transpose(1, 2) @ A @ block, prev.double().transpose(1, 2) @ block], 1).cpu()  # host read
-    T, P = small[:, :R + extra], small[:, R + extra:]  # the projection of S, and prev in the block's coordinates
-    ritz = torch.linalg.eigh(T).eigenvectors[..., -R:]  # (S, R + extra, R): the top R, on the host
-    return bool(((P @ ritz).square().sum((1, 2)) / R >= reuse).all())
+    small = np.array(torch.cat([block.transpose(1, 2) @ A @ block, prev.double().transpose(1, 2) @ block], 1).tolist())
+    T, P = small[:, :R + extra], small[:, R + extra:]  # (the host read) S projected, and prev, in the block's terms
+    ritz = np.linalg.eigh(T)[1][..., -R:]  # (S, R + extra, R): the top R Ritz vectors, on the host
+    return bool((np.square(P @ ritz).sum((1, 2)) / R >= reuse).all())
 
 
 def psac_encode(err: torch.Tensor, U: torch.Tensor, bits: int, per_token: bool = False, symmetric: bool = False,
