@@ -357,6 +357,9 @@ def test_allocate_levels_kernel_equals_ref(S, D, N):
     cost = torch.tensor([8.0 * ((N * b + 7) // 8) for b in range(9)])
     available = torch.full((S,), 2.5 * N * D) - torch.rand(S, generator=g) * 100
     available[-1] = 3.0 * N * D  # a stream with room to spare: the greedy fill runs
+    from quantwm.core.allocate import BISECTION_STEPS
+
+    assert _al.BISECTION_STEPS == BISECTION_STEPS  # the kernel runs the reference's rule, step for step
     ref = allocate_levels_ref(E, cost, available)
     out = _al.allocate_levels(*map(_move, (E, cost, available))).cpu()
     assert torch.equal(out, ref)
