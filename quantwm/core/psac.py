@@ -5,8 +5,8 @@ much (E[(q·e)^2] = eᵀ S e). PSAC stores, per stream, the top-R eigenvectors U
 for every token the coefficients a = Uᵀ e of the residual error e = k - k̂, quantized; the read is
 k̂ + U â. In a fused kernel the correction is (Uᵀ q)·â: R extra MACs per key.
 
-A basis is computed when a span is committed and shared with later spans for as long as their top-R
-subspace overlaps it by at least `reuse` (||Uᵀ U'||²_F / R): with a settled S one stored basis serves many
+A basis is computed when a span is committed and shared with later spans for as long as it captures at least
+`reuse` of the energy of their S's top R directions (`holds`): with a settled S one stored basis serves many
 spans, which is what lets bases amortise over short spans. The cache counts each shared basis once.
 
 With `share` (adaptive rank, beyond the paper), each stream keeps only as many directions as hold that
@@ -41,8 +41,9 @@ def subspace_overlap(U: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
 
 def psac_basis(stats: torch.Tensor, rank: int, prev: torch.Tensor | None = None, reuse: float = 0.95,
                dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """The span's basis (S, D, R) in `dtype`: `prev` itself when every stream's top-R subspace still overlaps
-    it by at least `reuse` (so a stored basis serves many spans), else the new top-R eigenvectors of S."""
+    """The span's basis (S, D, R) in `dtype`: `prev` itself when it still captures at least `reuse` of the energy of
+    every stream's top R directions (`holds`; so a stored basis serves many spans), else the new top-R
+    eigenvectors of S."""
     R = min(rank, stats.shape[-1])
     if prev is not None and prev.shape[-1] == R and holds(stats, prev, reuse):
         return prev  # the same tensor: shared by the spans, stored once
@@ -50,11 +51,13 @@ def psac_basis(stats: torch.Tensor, rank: int, prev: torch.Tensor | None = None,
 
 
 def holds(stats: torch.Tensor, prev: torch.Tensor, reuse: float) -> bool:
-    """Whether every stream's top-R subspace of S (S, D, D) still overlaps the stored basis prev (S, D, R) by at
-    least `reuse`, without an eigendecomposition of S (on a GPU eigh waits on the host for its error check and
-    takes milliseconds): SUBSPACE_ITERS subspace iterations on a block of 2R directions (the stored basis and the R
-    columns of S of most energy, where the energy may have moved), then the top R Ritz vectors from the block's
-    small (2R x 2R) projection, eigendecomposed on the host after the one read a span that copies it there."""
+    """Whether every stream's stored basis prev (S, D, R) still captures at least `reuse` of the energy S's top R
+    directions hold (S (S, D, D)), without an eigendecomposition of S (on a GPU eigh waits on the host for its error
+    check and takes milliseconds): that energy is the sum of the top R Ritz values of SUBSPACE_ITERS subspace
+    iterations on a block of 2R directions (the stored basis and the R columns of S of most energy, where the
+    energy may have moved), from the block's small (2R x 2R) projection, read with the captured energy in one host
+    read a span and eigendecomposed on the host. Directions of equal energy are interchangeable: a basis among
+    them holds."""
     S, D, R = prev.shape
     A = stats.double()
     extra = min(R, D - R)
@@ -62,10 +65,12 @@ def holds(stats: torch.Tensor, prev: torch.Tensor, reuse: float) -> bool:
     block = torch.cat([prev.double(), A.gather(2, cols[:, None, :].expand(S, D, extra))], -1)
     for _ in range(SUBSPACE_ITERS):
         block = torch.linalg.qr(A @ block).Q  # (S, D, R + extra), orthonormal
-    small = np.array(torch.cat([block.transpose(1, 2) @ A @ block, prev.double().transpose(1, 2) @ block], 1).tolist())
-    T, P = small[:, :R + extra], small[:, R + extra:]  # (the host read) S projected, and prev, in the block's terms
-    ritz = np.linalg.eigh(T)[1][..., -R:]  # (S, R + extra, R): the top R Ritz vectors, on the host
-    return bool((np.square(P @ ritz).sum((1, 2)) / R >= reuse).all())
+    P = prev.double()
+    held = (P * (A @ P)).sum((1, 2))  # (S,) tr(prevᵀ S prev): the energy the stored basis captures
+    small = np.array(torch.cat([(block.transpose(1, 2) @ A @ block).flatten(1), held[:, None]], 1).tolist())
+    T = small[:, :-1].reshape(S, R + extra, R + extra)  # (the host read) S projected on the block
+    top = np.linalg.eigvalsh(T)[:, -R:].sum(-1)  # the top R Ritz values: S's top-R energy, from below
+    return bool((small[:, -1] >= reuse * top).all())
 
 
 def psac_encode(err: torch.Tensor, U: torch.Tensor, bits: int, per_token: bool = False, symmetric: bool = False,
