@@ -46,7 +46,7 @@ def _allocate_levels_kernel(w_ptr, cost_ptr, avail_ptr, out_ptr, D, L,
         cur_w = tl.sum(tl.where(chosen, w, 0.0), axis=1)
         cur_c = tl.sum(tl.where(chosen, cost, 0.0), axis=1)
         extra = cost[None, :] - cur_c[:, None]
-        gain = tl.math.div_rn(cur_w[:, None] - w, tl.maximum(extra, 1e-9))
+        gain = tl.math.div_rn(cur_w[:, None] - tl.where(on, w, 0.0), tl.maximum(extra, 1e-9))  # padding: no inf - inf
         ok = (extra > 0) & (extra.to(tl.float64) <= left) & (gain > 0) & on
         gain = tl.where(ok, gain, -1.0)
         best = tl.argmax(tl.reshape(gain, (BLOCK_D * BLOCK_L,)), axis=0, tie_break_left=True)
