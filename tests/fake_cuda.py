@@ -174,7 +174,7 @@ class FakeCuda(TorchFunctionMode):
         gen = kwargs.get("generator")
         if gen is not None and gen.device.type != target.type:
             raise FakeTensorDeviceMismatchError(func, target, gen.device)
-        if fakes and _reads(name, args, kwargs, target):
+        if fakes and _reads(name, args, kwargs, target.type == "cpu"):
             self.syncs[(sync_site(), name)] += 1
         elif target.type == "cuda" and _uploads(name, args, kwargs, flat):
             self.syncs[(sync_site(), f"{name} (upload)")] += 1
@@ -196,20 +196,33 @@ def _to_fake(t, elems: dict, host: set):
     return FakeCudaTensor(t.clone() if id(t) in host else t)  # .to("cuda") of a CPU tensor copies it, as on a GPU
 
 
-def _reads(name: str, args: tuple, kwargs: dict, target: torch.device) -> bool:
-    """Whether the call makes the host wait for a device value (quantwm.core.syncs' list, on device tensors)."""
+def _is_fake(x) -> bool:
+    return isinstance(x, FakeCudaTensor)
+
+
+def _reads(name: str, args: tuple, kwargs: dict, to_host: bool, on_device=_is_fake) -> bool:
+    """Whether a call on device tensors makes the host wait for a device value (quantwm.core.syncs' list);
+    `to_host`: a `to` call copies to the host; `on_device(x)`: x is a device tensor."""
     if name in HOST_READS or name in VALUE_SHAPED:
         return True
     if name == "to":
-        return target.type == "cpu"
+        return to_host
     if name == "where":
         return len(args) + len(kwargs) == 1
     if name == "repeat_interleave":
-        return any(isinstance(a, FakeCudaTensor) for a in (*args[1:], *kwargs.values()))
+        return any(on_device(a) for a in (*args[1:], *kwargs.values()))
     if name in INDEXING:
         index = args[1] if len(args) > 1 else None
-        return any(isinstance(p, FakeCudaTensor) and p.dtype == torch.bool for p in _leaves(index, []))
+        return any(on_device(p) and p.dtype == torch.bool for p in _leaves(index, []))
     return False
+
+
+def _index_uploads(args: tuple) -> bool:
+    """Whether an indexing call copies host data over: CPU indices, or a CPU value (not 0-dim) assigned."""
+    index = _leaves(args[1] if len(args) > 1 else None, [])
+    value = args[2] if len(args) > 2 else None
+    return any(isinstance(p, torch.Tensor) and p.device.type == "cpu" for p in index) or (
+        isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() > 0)
 
 
 def _uploads(name: str, args: tuple, kwargs: dict, flat: list) -> bool:
@@ -218,12 +231,7 @@ def _uploads(name: str, args: tuple, kwargs: dict, flat: list) -> bool:
     if name in ("to", "cuda", "copy_", "tensor", "as_tensor", "new_tensor"):
         return any(isinstance(x, torch.Tensor) and not isinstance(x, FakeCudaTensor) for x in flat) or \
             name in ("tensor", "as_tensor", "new_tensor")
-    if name in INDEXING:
-        index = _leaves(args[1] if len(args) > 1 else None, [])
-        value = args[2] if len(args) > 2 else None
-        return any(isinstance(p, torch.Tensor) and p.device.type == "cpu" for p in index) or (
-            isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() > 0)
-    return False
+    return name in INDEXING and _index_uploads(args)
 
 
 def _check_devices(func, flat: list) -> None:
@@ -271,35 +279,22 @@ class RealCuda(TorchFunctionMode):
         self.syncs: Counter = Counter()
         self.device_type = device
 
+    def _on_device(self, x) -> bool:
+        return isinstance(x, torch.Tensor) and x.device.type == self.device_type
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         flat = _leaves(kwargs, _leaves(args, []))
         name = _name(func)
         if name not in METADATA:
-            on = [x for x in flat if isinstance(x, torch.Tensor) and x.device.type == self.device_type]
+            on = [x for x in flat if self._on_device(x)]
             wanted = [d for d in map(_device_of, flat) if d is not None]
-            if on and _real_reads(name, args, kwargs, wanted, self.device_type):
+            to_host = bool(wanted) and wanted[-1].type == "cpu" and self.device_type != "cpu"
+            if on and _reads(name, args, kwargs, to_host, self._on_device):
                 self.syncs[(sync_site(), name)] += 1
             elif _real_uploads(name, args, kwargs, flat, wanted, self.device_type):
                 self.syncs[(sync_site(), f"{name} (upload)")] += 1
         return func(*args, **kwargs)
-
-
-def _real_reads(name: str, args: tuple, kwargs: dict, wanted: list, device: str) -> bool:
-    """FakeCuda's `_reads` for real tensors on `device`."""
-    if name in HOST_READS or name in VALUE_SHAPED:
-        return True
-    if name == "to":
-        return bool(wanted) and wanted[-1].type == "cpu" and device != "cpu"
-    if name == "where":
-        return len(args) + len(kwargs) == 1
-    if name == "repeat_interleave":
-        return any(isinstance(a, torch.Tensor) and a.device.type == device for a in (*args[1:], *kwargs.values()))
-    if name in INDEXING:
-        index = args[1] if len(args) > 1 else None
-        return any(isinstance(p, torch.Tensor) and p.device.type == device and p.dtype == torch.bool
-                   for p in _leaves(index, []))
-    return False
 
 
 def _real_uploads(name: str, args: tuple, kwargs: dict, flat: list, wanted: list, device: str) -> bool:
@@ -311,9 +306,4 @@ def _real_uploads(name: str, args: tuple, kwargs: dict, flat: list, wanted: list
         return any(isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.dim() > 0 for x in flat)
     if name in ("tensor", "as_tensor", "new_tensor"):
         return True
-    if name in INDEXING:
-        index = _leaves(args[1] if len(args) > 1 else None, [])
-        value = args[2] if len(args) > 2 else None
-        return any(isinstance(p, torch.Tensor) and p.device.type == "cpu" for p in index) or (
-            isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.dim() > 0)
-    return False
+    return name in INDEXING and _index_uploads(args)
