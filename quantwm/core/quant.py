@@ -68,7 +68,7 @@ class DeferredChecks:
     """The value checks of one span's quantization, kept on the device instead of read one by one: each records a
     0-dim bool; `passed()` reads them all with one host read. What is checked: the span is finite
     (`check_finite`), each stored tensor fits the dtype asked for (`storage_dtype`, assumed), a code buffer is
-    as large as its widths need (`Channels.pack`). Where one fails the cache quantizes the span again with every
+    as large as its widths need (layouts/channels.py `_buffer_size`). Where one fails the cache quantizes the span again with every
     check immediate: the clear error, or the wider dtype, comes from there."""
 
     def __init__(self):
@@ -94,17 +94,18 @@ def deferred_checks(widened: dict | None = None):
     `widened` (a cache's, kept across spans): the storage dtypes earlier spans had to widen to, by (dtype asked
     for, shape), which a deferred `storage_dtype` starts from, so a widening costs one repeated span, not one each."""
     checks = DeferredChecks()
-    token, memory = _DEFERRED.set(checks), _WIDENED.set(widened)
+    token = _DEFERRED.set(checks)
     try:
-        yield checks
+        with remembering(widened):
+            yield checks
     finally:
         _DEFERRED.reset(token)
-        _WIDENED.reset(memory)
 
 
 @contextlib.contextmanager
-def remembering(widened: dict):
-    """Within (checks immediate): every widening `storage_dtype` decides is remembered in `widened`."""
+def remembering(widened: dict | None):
+    """Within: the widenings `storage_dtype` decides (checks immediate) are remembered in `widened`, and a deferred
+    check starts from them."""
     memory = _WIDENED.set(widened)
     try:
         yield

@@ -160,15 +160,15 @@ class QuantWMAlloc(QVGBudget):
         stale basis or, with none, the model's channels (`plain()`) by the Gaussian model of their error, from the
         span's covariance (`gaussian_price`), and the winner is coded. Keeps the basis in use in ctx.state; where the channels won,
         the basis they beat, so that while it holds later spans skip the pricing. `plan`: what `basis_plan` computed
-        before the span's one host read (S, the span's covariance, the source, the stored basis and whether it and
-        a declined basis hold)."""
+        before the span's one host read (S, the span's covariance, the source, the stored basis and whether it, or
+        with none stored the basis the channels beat, still holds)."""
         S, N, D = x.shape
-        stats, cov, source, stored, stored_holds, declined_holds = plan
-        if stored is None and declined_holds:
+        stats, cov, source, stored, holds = plan
+        if stored is None and holds:
             return plain()  # the channels beat a basis of this S before
         # a reused basis is paid for; under a rolling window its payer may be evicted, so each user pays 1/window
         share = 0.0 if stored is None or ctx.window is None else 8.0 * basis_bytes(stored[0].shape[1], D) / ctx.window
-        if stored is not None and stored_holds:
+        if stored is not None and holds:
             got = self.coded_in(stored, ctx, *self.coordinates(x, stats, stored), share)  # shared, already paid for
             if got is not None:
                 return got
@@ -221,8 +221,8 @@ class QuantWMAlloc(QVGBudget):
 
     def basis_plan(self, x: torch.Tensor, ctx: SpanContext, keep: torch.Tensor | None) -> tuple[tuple, list[torch.Tensor]]:
         """What the Keys in the Queries' basis need of span x (S, N, D), over the tokens `keep` (N,) bool (None:
-        all): (S, the span's covariance, the source W (the running covariance updated), the stored basis, and two
-        places for whether it and a declined basis hold), and the 0-dim flag to read for the one that applies."""
+        all): (S, the span's covariance, the source W (the running covariance updated), the stored basis), and the
+        0-dim flags to read: whether the stored basis, or with none the basis the channels beat, still holds."""
         stats = self.query_metric(x, ctx)
         cov = key_covariance(x, keep)  # the span's: prices every candidate basis, and feeds W
         source = self.basis_source_of(ctx, stats, cov, x.shape[1] if keep is None else keep.sum())
@@ -236,7 +236,7 @@ class QuantWMAlloc(QVGBudget):
 
         stored, declined = kept("k.basis"), kept("k.declined")
         flags = [holds(stored)] if stored is not None else [holds(declined)] if declined is not None else []
-        return (stats, cov, source, stored, None, None), flags
+        return (stats, cov, source, stored), flags
 
     @staticmethod
     def coordinates(x: torch.Tensor, stats: torch.Tensor, basis: tuple) -> tuple[torch.Tensor, torch.Tensor]:
@@ -293,8 +293,7 @@ class QuantWMAlloc(QVGBudget):
                 read = [0.0] + (torch.stack([t.double() for t in flags]).tolist() if flags else [])
         held = loud[0][:n].sort().values.to(torch.int16) if n else None
         if plan is not None:
-            holds = bool(read[len(counts)]) if flags else None
-            plan = plan[:4] + ((holds, None) if plan[3] is not None else (None, holds))
+            plan = (*plan, bool(read[len(counts)]) if flags else False)
         return held, plan
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
