@@ -29,7 +29,7 @@ import torch
 
 from .backend import kernel, use_kernels
 from .layouts import Channels
-from .layouts.channels import channel_grid
+from .layouts.channels import channel_bytes, channel_grid
 from .tables import on_device
 
 LEVELS = tuple(range(9))  # bits a channel may take
@@ -49,7 +49,7 @@ def _tables(levels: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
 @functools.lru_cache(maxsize=256)
 def level_costs(n_tokens: int) -> torch.Tensor:
     """(len(LEVELS),) float32 on the host: the bits a channel of `n_tokens` codes stores at each level."""
-    return torch.tensor([8.0 * ((n_tokens * b + 7) // 8) for b in LEVELS], device="cpu")
+    return torch.tensor([8.0 * channel_bytes(n_tokens, b) for b in LEVELS], device="cpu")
 
 
 def channel_errors_ref(sample: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, qmax: torch.Tensor,
