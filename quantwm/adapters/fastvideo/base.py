@@ -1,0 +1,197 @@
+"""What every FastVideo world model shares here: its description (`FastVideoModel`), the rollout plan and result,
+the cache's window rules from the model's own, and the hook that gives a FastVideo attention module QuantWM's cache.
+
+A model module (lingbot.py, matrixgame.py, causal_wan.py, hyworld.py, longcat.py) subclasses `FastVideoModel`
+and writes two things: `tiny_arch()`, a small architecture of FastVideo's own config class, and `rollout(model,
+plan, attn)`, the model's generation loop as FastVideo's pipeline runs it. With `attn=None` the loop runs through
+FastVideo's own KV-cache code, untouched: the reference. With a `ChunkedAttention`, each self-attention module's
+forward is swapped (`swapped_forwards`) for one that computes q, k, v with the module's own layers and RoPE and
+hands them to QuantWM's cache; everything else is FastVideo's.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from ...core.cache import CacheConfig
+from ..attention import ChunkedAttention
+from . import runtime
+
+
+@dataclass(frozen=True)
+class RealShape:
+    """A model's cache shapes at its released configuration (for `quantwm memory --preset`)."""
+
+    layers: int
+    heads: int
+    head_dim: int
+    tokens_per_frame: int  # latent tokens per latent frame at the paper's resolution
+    chunk_frames: int  # latent frames generated per chunk
+    window_frames: int | None  # latent frames the rolling cache holds (None: every frame)
+    sink_frames: int  # latent frames kept at the start of the window
+    paper_frames: int  # latent frames at the paper's length
+    source: str  # where FastVideo says so
+    resolution: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One rollout: latent frames, frames per chunk, the latent grid (h, w) before patching, and the seed that draws
+    the noise and the conditioning."""
+
+    latent_frames: int
+    chunk_frames: int
+    latent_hw: tuple[int, int]
+    seed: int = 0
+
+    @property
+    def chunks(self) -> int:
+        return self.latent_frames // self.chunk_frames
+
+
+@dataclass
+class Rollout:
+    """A rollout's latents (C, F, h, w) float32 and, per chunk, which latent frames its queries read and how they
+    were held (`cache_map`: [{"chunk", "frames", "read": {"bf16": [...], "quantized": [...], "memory": [...],
+    "conditioning": [...]}}]; "memory" and "conditioning" name frames a model attends for its own reasons)."""
+
+    latents: torch.Tensor
+    cache_map: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+class FastVideoModel:
+    """One FastVideo world model as QuantWM drives it (subclasses fill the class attributes and two methods)."""
+
+    name: str = ""
+    aliases: tuple[str, ...] = ()
+    title: str = ""
+    class_name: str = ""  # FastVideo's registry name (config.json's _class_name)
+    model_module: str = ""  # the module that defines the class
+    config_path: str = ""  # "module:Class" of FastVideo's DiT config
+    source: str = ""  # the file in FastVideo
+    real: RealShape | None = None
+    latent_channels: int = 16
+    vae_spatial: int = 8  # pixels per latent cell (the preview upsamples by this)
+    patch: int = 2
+    flash: tuple[tuple[str, str], ...] = ()  # flash-attn calls the CPU arrangement replaces (runtime.on_cpu)
+    default_frames: int = 8  # latent frames of a --tiny run
+
+    # ---- to be written per model -----------------------------------------------------------------
+    def tiny_arch(self) -> dict:
+        raise NotImplementedError
+
+    def rollout(self, model: torch.nn.Module, plan: Plan, attn: ChunkedAttention | None,
+                progress: Callable | None = None) -> Rollout:
+        raise NotImplementedError
+
+    def tiny_plan(self, latent_frames: int | None, seed: int) -> Plan:
+        """The plan of a --tiny run (an 8x8 latent grid, the tiny config's chunk)."""
+        return Plan(latent_frames or self.default_frames, self.tiny_arch().get("chunk_size", 2), (8, 8), seed)
+
+    def plan(self, model: torch.nn.Module, latent_frames: int, latent_hw: tuple[int, int], seed: int) -> Plan:
+        """The plan of a run of `model` (its chunk from its config)."""
+        return Plan(latent_frames, self.chunk_frames(model), latent_hw, seed)
+
+    # ---- shared ----------------------------------------------------------------------------------
+    def config_cls(self) -> type:
+        mod, cls = self.config_path.split(":")
+        return getattr(runtime.module(mod), cls)
+
+    def model_cls(self) -> type:
+        return getattr(runtime.module(self.model_module), self.class_name)
+
+    def arch(self, model: torch.nn.Module):
+        return model.config.arch_config if hasattr(model.config, "arch_config") else model.config
+
+    def shape(self, model: torch.nn.Module) -> tuple[int, int, int]:
+        """(layers, heads, head_dim) of the model's self-attention."""
+        a = self.arch(model)
+        return a.num_layers, a.num_attention_heads, a.attention_head_dim
+
+    def chunk_frames(self, model: torch.nn.Module) -> int:
+        return int(getattr(self.arch(model), "chunk_size", 0) or getattr(self.arch(model), "num_frame_per_block", 1))
+
+    def window(self, model: torch.nn.Module) -> tuple[int | None, int]:
+        """(window frames or None for all, sink frames) of the model's rolling cache."""
+        a = self.arch(model)
+        local = getattr(a, "local_attn_size", -1)
+        return (None if local in (-1, None) else int(local)), int(getattr(a, "sink_size", 0) or 0)
+
+    def cache_config(self, model: torch.nn.Module, notes: list[str] | None = None, **kw) -> CacheConfig:
+        """QuantWM's CacheConfig with the model's window: sink frames as sink chunks, a window of W frames as at
+        most W / chunk - 1 committed chunks held beside the one being generated. A window or sink that is not a
+        whole number of chunks is rounded up to whole chunks (QuantWM evicts whole chunks) and said in `notes`."""
+        window, sink = self.window(model)
+        chunk = self.chunk_frames(model)
+        sink_chunks = math.ceil(sink / chunk)
+        max_chunks = None
+        if window is not None:
+            max_chunks = max(math.ceil(window / chunk) - 1, sink_chunks + 1)
+        if notes is not None and (sink % chunk or (window is not None and window % chunk)):
+            notes.append(f"{self.title}'s window ({window} latent frames, sink {sink}) is not a whole number of "
+                         f"{chunk}-frame chunks: QuantWM held sink {sink_chunks * chunk} and "
+                         f"{(max_chunks or 0) * chunk + chunk} frames in all (whole chunks)")
+        return CacheConfig(layout="BLHD", sink_chunks=sink_chunks, max_chunks=max_chunks, **kw)
+
+    def build_tiny(self, seed: int = 0) -> torch.nn.Module:
+        """A randomly initialised model of FastVideo's class at `tiny_arch()` (float32, CPU)."""
+        runtime.init_single_process()
+        cfg = self.config_cls()()
+        cfg.update_model_arch(dict(self.tiny_arch()))
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = self.model_cls()(cfg, {})
+            randomize_zeros(model, seed)
+        return model.eval()
+
+
+def randomize_zeros(model: torch.nn.Module, seed: int) -> None:
+    """Give parameters a release initialises to zero (output heads, gates, modulation) small random values, so a
+    tiny model's every path carries signal."""
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.numel() and p.dim() >= 1 and not p.is_meta and bool((p == 0).all()):
+                p.copy_(0.02 * torch.randn(p.shape, generator=g).to(p.dtype))
+
+
+@contextmanager
+def swapped_forwards(modules: list[torch.nn.Module], make: Callable[[int, torch.nn.Module], Callable]) -> Iterator[None]:
+    """Replace modules[i].forward with make(i, modules[i]) while inside; restored on exit."""
+    saved = [m.__dict__.get("forward") for m in modules]
+    try:
+        for i, m in enumerate(modules):
+            m.forward = make(i, m)
+        yield
+    finally:
+        for m, f in zip(modules, saved, strict=True):
+            if f is None:
+                del m.forward
+            else:
+                m.forward = f
+
+
+def check_chunk(attn: ChunkedAttention, current_start: int, chunk_tokens: int) -> None:
+    """The pipeline's token offset must be where the cache's position says chunk `attn.chunk` starts."""
+    if attn.chunk is None:
+        raise ValueError("no chunk position set: run the model inside `with attention.at(chunk, commit=...)`")
+    if current_start != attn.chunk * chunk_tokens:
+        raise ValueError(f"the model is at token {current_start}, but the cache at chunk {attn.chunk} "
+                         f"(token {attn.chunk * chunk_tokens})")
+
+
+def read_map(cache, chunk: int, chunk_frames: int, layer: int = 0) -> dict:
+    """Which latent frames chunk `chunk`'s queries read from `cache` (layer `layer`, committed chunks) and how each is
+    held: {"chunk", "frames", "read": {"bf16": [...], "quantized": [...]}}."""
+    read = {"bf16": [], "quantized": []}
+    for span in cache.inspect(layer):
+        if span.index >= chunk:
+            continue
+        for c in range(span.index, span.index + span.n_chunks):
+            read["quantized" if span.quantized else "bf16"] += list(range(c * chunk_frames, (c + 1) * chunk_frames))
+    return {"chunk": chunk, "frames": list(range(chunk * chunk_frames, (chunk + 1) * chunk_frames)), "read": read}
