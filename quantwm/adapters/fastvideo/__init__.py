@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 
-from .base import FastVideoModel, Plan, RealShape, Rollout
+from .base import FastVideoModel, Plan, Rollout
 
 # name -> (module, class); aliases point at the same class
 _MODELS = {
@@ -39,4 +39,4 @@ def get_model(name: str) -> FastVideoModel:
     return getattr(importlib.import_module(mod, __name__), cls)()
 
 
-__all__ = ["ALIASES", "NAMES", "FastVideoModel", "Plan", "RealShape", "Rollout", "get_model"]
+__all__ = ["ALIASES", "NAMES", "FastVideoModel", "Plan", "Rollout", "get_model"]

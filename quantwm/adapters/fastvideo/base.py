@@ -23,22 +23,6 @@ from . import runtime
 
 
 @dataclass(frozen=True)
-class RealShape:
-    """A model's cache shapes at its released configuration (for `quantwm memory --preset`)."""
-
-    layers: int
-    heads: int
-    head_dim: int
-    tokens_per_frame: int  # latent tokens per latent frame at the paper's resolution
-    chunk_frames: int  # latent frames generated per chunk
-    window_frames: int | None  # latent frames the rolling cache holds (None: every frame)
-    sink_frames: int  # latent frames kept at the start of the window
-    paper_frames: int  # latent frames at the paper's length
-    source: str  # where FastVideo says so
-    resolution: str = ""
-
-
-@dataclass(frozen=True)
 class Plan:
     """One rollout: latent frames, frames per chunk, the latent grid (h, w) before patching, and the seed that draws
     the noise and the conditioning."""
@@ -74,7 +58,6 @@ class FastVideoModel:
     model_module: str = ""  # the module that defines the class
     config_path: str = ""  # "module:Class" of FastVideo's DiT config
     source: str = ""  # the file in FastVideo
-    real: RealShape | None = None
     latent_channels: int = 16
     vae_spatial: int = 8  # pixels per latent cell (the preview upsamples by this)
     patch: int = 2
@@ -137,6 +120,15 @@ class FastVideoModel:
                          f"{chunk}-frame chunks: QuantWM held sink {sink_chunks * chunk} and "
                          f"{(max_chunks or 0) * chunk + chunk} frames in all (whole chunks)")
         return CacheConfig(layout="BLHD", sink_chunks=sink_chunks, max_chunks=max_chunks, **kw)
+
+    def load(self, folder, device: str = "cpu") -> torch.nn.Module:
+        """The model from a FastVideo transformer folder (or a model folder with transformer/), by FastVideo's own
+        loader (runtime.load_transformer)."""
+        return runtime.load_transformer(folder, self.config_cls(), self.class_name, device).eval()
+
+    def save(self, model: torch.nn.Module, folder, arch: dict | None = None):
+        """`model` as a FastVideo transformer folder (config.json with `arch`, default the tiny one)."""
+        return runtime.save_transformer(model, folder, self.class_name, arch or self.tiny_arch())
 
     def build_tiny(self, seed: int = 0) -> torch.nn.Module:
         """A randomly initialised model of FastVideo's class at `tiny_arch()` (float32, CPU)."""
