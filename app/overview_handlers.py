@@ -3,7 +3,9 @@ on it as a frame, and its (layer, head) table with heatmaps. Plain values in, pl
 the numbers come from quantwm.drivers.overview."""
 from __future__ import annotations
 
-from quantwm.drivers.overview import overview, overview_strip, strip_frame, table_rows
+import numpy as np
+
+from quantwm.drivers.overview import cache_band, cache_entry, describe_cache, overview, overview_strip, strip_frame, table_rows
 from quantwm.evaluation.figures import layer_sensitivity_figure
 
 from .world_handlers import error
@@ -36,7 +38,15 @@ def overview_handler(runs, run_id, frame=None) -> dict:
     except (ValueError, TypeError) as e:
         return error(str(e))
     strip = overview_strip(ov["curves"], view.run.method.numpy(), ov["context_frames"], current)
-    out = {"status": _describe(ov), "strip": strip, "frames": ov["frames"]}
+    status = _describe(ov)
+    if ov["cache_map"]:  # a FastVideo run: how the current frame's chunk read the cache, as a band under the strip
+        facts = view.run.facts
+        entry = cache_entry(ov["cache_map"], facts.latent_frame(ov["frames"] - 1 if current is None else current))
+        if entry is not None:
+            strip = np.concatenate([strip, cache_band(entry, [facts.latent_frame(t) for t in range(ov["frames"])],
+                                                      strip.shape[1])])
+            status += " " + describe_cache(entry)
+    out = {"status": status, "strip": strip, "frames": ov["frames"]}
     if ov["head_table"]:
         ls = ov["layer_sensitivity"]
         out["header"], out["rows"] = table_rows(ov["head_table"], ls)

@@ -208,6 +208,9 @@ def open_run_handler(runs, path, files: bool = True) -> dict:
     origin = (f"opened: {f.model}, latent grid {f.latent_grid[0]}x{f.latent_grid[1]}, {f.pixels_per_token} pixels "
               f"per token, {f.vae_temporal} output frame(s) per latent frame")
     meta = lr.run.meta
+    for said in (meta.get("frames_are"), *(meta.get("notes") or ())):  # FastVideo runs: what the frames are
+        if isinstance(said, str) and said:
+            origin += f"; {said}"
     controls = {"method": meta["method"], "target": meta["target"], "bits": meta["bits"]}
     if f.model == "quantwm built-in world model":  # the same world can be generated again from these
         controls.update(seed=meta["source"]["seed"], trajectory=meta["source"]["trajectory"],

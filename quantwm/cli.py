@@ -389,6 +389,11 @@ def cmd_record(a) -> int:
 
     layers = _ints(a.logit_layers, "--logit-layers") if a.logit_layers else []
     heads = _ints(a.logit_heads, "--logit-heads") if a.logit_heads else []
+    if a.pipeline is not None:
+        return _record_pipeline(a, layers, heads)
+    if a.tiny:
+        raise ValueError("--tiny builds a tiny FastVideo model: give --pipeline fastvideo:NAME")
+    a.frames = 32 if a.frames is None else a.frames
     if a.model != "builtin" and (a.window is not None or a.budget is not None):
         raise ValueError(f"--window and --budget record the built-in model (--model builtin), not {a.model}")
     if a.model == "sana-wm":
@@ -438,6 +443,27 @@ def cmd_record(a) -> int:
     write_run(a.out, run)
     print(f"wrote {a.out} ({os.path.getsize(a.out) / 2 ** 20:.1f} MB): {key.id} against BF16; open it with "
           f"python app.py --run {a.out}")
+    return 0
+
+
+def _record_pipeline(a, layers: list[int], heads: list[int]) -> int:
+    """`quantwm record --pipeline fastvideo:NAME` (quantwm/adapters/fastvideo/record.py)."""
+    import os
+
+    from .evaluation.runfile import write_run
+
+    engine, _, name = a.pipeline.partition(":")
+    if engine != "fastvideo" or not name:
+        raise ValueError(f"--pipeline must be fastvideo:NAME, got {a.pipeline!r}")
+    if a.model != "builtin" or a.window is not None:
+        raise ValueError("--pipeline records a FastVideo model: leave out --model and --window")
+    from .adapters.fastvideo.record import record_fastvideo
+
+    run = record_fastvideo(name, a.method, a.target, a.bits, a.budget, a.frames, a.seed, a.tiny, a.weights, a.device,
+                           None if a.tiny else (a.height, a.width), layers, heads, progress=_progress("record"))
+    write_run(a.out, run)
+    print(f"wrote {a.out} ({os.path.getsize(a.out) / 2 ** 20:.1f} MB): {run.facts.model}, {a.method} {a.target} "
+          f"against BF16, {run.meta['bits_per_element']:.3f} bits per element; open it with python app.py --run {a.out}")
     return 0
 
 

@@ -152,15 +152,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--out", required=True)
     s = sub.add_parser("record", help="write a run file (BF16 and a method from the same noise) for the app",
                        parents=[method_flag(), target_flag(), bits_flag()])
+    s.add_argument("--pipeline", default=None, metavar="fastvideo:NAME",
+                   help="a world model of the QuantWM paper run through FastVideo's own model code: fastvideo:NAME for "
+                        "NAME in lingbot-world-v2, matrix-game-2, hy-world-1.5, longcat-video, self-forcing "
+                        "(causal-forcing); with --tiny (a randomly initialised model of FastVideo's class) or --weights "
+                        "DIR (a FastVideo model folder); --frames counts latent frames (docs/real-models.md)")
+    s.add_argument("--tiny", action="store_true", help="with --pipeline: a tiny randomly initialised model")
     s.add_argument("--model", choices=("builtin", "self-forcing", "sana-wm"), default="builtin",
                    help="builtin: the built-in world model; self-forcing: Self-Forcing's causal Wan2.1 generator "
                         "(--checkpoint, --base, --embeddings or --prompt); sana-wm: SANA-WM's stage-2 refiner, "
                         "diffusers' SanaWMLTX2Refiner (--base, --latents, --prompt)")
     s.add_argument("--seed", type=int, default=0, help="world seed (builtin: 0..99999) or noise seed")
     s.add_argument("--trajectory", default="loop")
-    s.add_argument("--frames", type=int, default=32)
+    s.add_argument("--frames", type=int, default=None,
+                   help="frames (builtin: 32); with --pipeline: latent frames (default: the model's tiny run)")
     s.add_argument("--budget", type=float, default=None,
-                   help="builtin: bits per element; the method configures itself within it (replaces --bits)")
+                   help="builtin and --pipeline: bits per element; the method configures itself within it "
+                        "(replaces --bits)")
     s.add_argument("--window", type=int, default=None,
                    help="builtin: a rolling window of the sink chunks plus this many most recent chunks; the file is "
                         "written chunk by chunk, so frames in the hundreds take the window's memory "
@@ -171,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "world (2 L + 2 short rollouts), for the app's layer table")
     s.add_argument("--logit-layers", default="1", help="layers whose attention logits the file keeps (size bound)")
     s.add_argument("--logit-heads", default="0", help="heads whose attention logits the file keeps")
-    s.add_argument("--weights", help="builtin: world-model weights (default: the built-in model)")
+    s.add_argument("--weights", help="builtin: world-model weights (default: the built-in model); --pipeline: a FastVideo "
+                                     "model folder (transformer/config.json and *.safetensors)")
     s.add_argument("--checkpoint", help="self-forcing: the released generator checkpoint (.pt, original Wan names)")
     s.add_argument("--base", help="self-forcing: a local diffusers Wan2.1 folder (transformer/config.json, vae/); "
                                   "sana-wm: a SanaWMLTX2Refiner folder saved with its vae")

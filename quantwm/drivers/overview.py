@@ -39,7 +39,69 @@ def overview(view) -> dict:
             "window": long and {"window": long["window"], "sink_chunks": long["sink_chunks"]},
             "long_summary": long and {k: long[k] for k in ("first_frame_below_threshold", "threshold_db", "drift")
                                       if k in long},
-            "head_table": meta.get("head_table"), "layer_sensitivity": meta.get("layer_sensitivity")}
+            "head_table": meta.get("head_table"), "layer_sensitivity": meta.get("layer_sensitivity"),
+            "cache_map": meta.get("cache_map") if isinstance(meta.get("cache_map"), list) else None}
+
+
+CACHE_COLOURS = {"current": (20, 20, 20), "bf16": (31, 119, 180), "quantized": (255, 127, 14),
+                 "unread": (225, 225, 225)}
+MARK_COLOURS = {"memory": (44, 160, 44), "conditioning": (148, 103, 189)}
+BAND = 14  # pixels: the cache band's height (a 4-pixel mark on top for memory / conditioning frames)
+
+
+def cache_entry(cache_map: list[dict], latent_frame: int) -> dict | None:
+    """The cache map's entry of the chunk that generated `latent_frame` (the last chunk's when none did, e.g. a
+    conditioning frame)."""
+    for entry in cache_map:
+        if latent_frame in entry["frames"]:
+            return entry
+    return cache_map[-1] if cache_map else None
+
+
+def cache_band(entry: dict, latent_of: list[int], width: int = STRIP_WIDTH) -> np.ndarray:
+    """(BAND, width, 3) uint8: for each output frame (columns as the strip's), how the chunk of `entry` read it:
+    black, the chunk itself; blue, a BF16 frame; orange, a quantized one; light grey, not read (evicted, not yet
+    made, or left out by a memory); a green mark on top, a retrieved memory frame; purple, a conditioning frame."""
+    T = len(latent_of)
+    read = entry["read"]
+    band = np.zeros((BAND, width, 3), np.uint8)
+    for t, f in enumerate(latent_of):
+        lo, hi = t * width // T, max(t * width // T + 1, (t + 1) * width // T)
+        role = ("current" if f in entry["frames"] else "quantized" if f in read.get("quantized", ())
+                else "bf16" if f in read.get("bf16", ()) else "unread")
+        band[:, lo:hi] = CACHE_COLOURS[role]
+        for mark, colour in MARK_COLOURS.items():
+            if f in read.get(mark, ()):
+                band[:4, lo:hi] = colour
+        band[:, lo] = 255  # a thin rule between frames
+    return band
+
+
+def describe_cache(entry: dict) -> str:
+    """One sentence: which latent frames the chunk of `entry` read and how they were held."""
+    read = entry["read"]
+    parts = [f"{name} {_ranges(read[key])}" for key, name in (("bf16", "BF16"), ("quantized", "quantized"))
+             if read.get(key)]
+    for key in MARK_COLOURS:
+        if read.get(key):
+            parts.append(f"{key} frames {_ranges(read[key])}")
+    frames = entry["frames"]
+    return (f"Cache: chunk {entry['chunk']} (latent frames {_ranges(frames)}) read "
+            + ("; ".join(parts) if parts else "no earlier frame")
+            + " (band: black the chunk, blue BF16, orange quantized, grey not read; green mark memory, purple "
+              "conditioning).")
+
+
+def _ranges(xs) -> str:
+    xs = sorted(set(xs))
+    out, i = [], 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ", ".join(out)
 
 
 def strip_frame(x: float, frames: int, width: int = STRIP_WIDTH) -> int:

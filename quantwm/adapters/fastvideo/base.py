@@ -46,6 +46,7 @@ class Rollout:
     latents: torch.Tensor
     cache_map: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    context_frames: int = 0  # leading latent frames given, not generated (LongCat's conditioning)
 
 
 class FastVideoModel:
