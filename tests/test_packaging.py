@@ -42,7 +42,7 @@ def test_wheel_claims_no_top_level_name_but_quantwm(wheel):
     meta = wheel.read(next(n for n in wheel.namelist() if n.endswith("METADATA"))).decode()
     for dep in ("torch", "tqdm", "safetensors", "scikit-image", "opencv-python-headless", "matplotlib", "gradio"):
         assert f"Requires-Dist: {dep}" in meta, dep
-    for extra in ("app", "kernels", "diffusers", "test", "sglang"):
+    for extra in ("app", "kernels", "diffusers", "test", "sglang", "fastvideo"):
         assert f"Provides-Extra: {extra}" in meta
 
 

@@ -178,10 +178,7 @@ def load_transformer(folder: str | Path, config_cls: type, class_name: str, devi
     loader_mod.get_local_torch_device = lambda: torch.device(device)  # FastVideo reads a CPU-only host as "mps"
     try:
         return loader_mod.TransformerLoader().load(str(folder), args)
-    except ValueError as e:
-        raise ValueError(f"{folder}: does not load into FastVideo's {class_name} ({str(e).splitlines()[0][:200]})"
-                         ) from None
-    except RuntimeError as e:
+    except Exception as e:  # noqa: BLE001 - a corrupt file, a missing or misshapen tensor: the same user error
         raise ValueError(f"{folder}: does not load into FastVideo's {class_name} ({str(e).splitlines()[0][:200]})"
                          ) from None
     finally:
