@@ -28,7 +28,7 @@ def tiny_loaded(spec, tmp_path, arch: dict | None = None, seed: int = 0):
 def bf16_pair(spec, model, plan):
     """(FastVideo's own rollout, the same rollout through QuantWM's cache with method bf16)."""
     ref = spec.rollout(model, plan, None)
-    cache = KVCache(spec.cache_config(model), spec.shape(model)[0])
+    cache = KVCache(spec.cache_config(model), spec.shape(model)[0], rope=spec.key_rope(model))
     return ref, spec.rollout(model, plan, ChunkedAttention(cache))
 
 
@@ -36,7 +36,8 @@ def quantized(spec, model, plan, budget: float = 2.5):
     """A quantwm rollout at `budget` bits: (rollout, cache, probe)."""
     L = spec.shape(model)[0]
     probe = ProbeCapture(L, [0], [0])
-    cache = KVCache(spec.cache_config(model, method="quantwm", budget=budget, keep_exact=True, track_queries=True), L)
+    cache = KVCache(spec.cache_config(model, method="quantwm", budget=budget, keep_exact=True, track_queries=True), L,
+                    rope=spec.key_rope(model))
     return spec.rollout(model, plan, ChunkedAttention(cache, probe)), cache, probe
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -75,7 +75,7 @@ class FastVideoModel:
 
     def tiny_plan(self, latent_frames: int | None, seed: int) -> Plan:
         """The plan of a --tiny run (an 8x8 latent grid, the tiny config's chunk)."""
-        return Plan(latent_frames or self.default_frames, self.tiny_arch().get("chunk_size", 2), (8, 8), seed)
+        return Plan(latent_frames or self.default_frames, _chunk_of(self.tiny_arch()), (8, 8), seed)
 
     def plan(self, model: torch.nn.Module, latent_frames: int, latent_hw: tuple[int, int], seed: int) -> Plan:
         """The plan of a run of `model` (its chunk from its config)."""
@@ -98,7 +98,13 @@ class FastVideoModel:
         return a.num_layers, a.num_attention_heads, a.attention_head_dim
 
     def chunk_frames(self, model: torch.nn.Module) -> int:
-        return int(getattr(self.arch(model), "chunk_size", 0) or getattr(self.arch(model), "num_frame_per_block", 1))
+        """Latent frames per chunk, under whichever name the model's config gives them."""
+        return _chunk_of(vars(self.arch(model)))
+
+    def key_rope(self, model: torch.nn.Module):
+        """The rope function a KVCache needs when the model stores keys before RoPE (CacheConfig(rope="pre")); None
+        for the models that store them rotated."""
+        return None
 
     def window(self, model: torch.nn.Module) -> tuple[int | None, int]:
         """(window frames or None for all, sink frames) of the model's rolling cache."""
@@ -136,11 +142,34 @@ class FastVideoModel:
         runtime.init_single_process()
         cfg = self.config_cls()()
         cfg.update_model_arch(dict(self.tiny_arch()))
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), runtime.sdpa_backend_on_cpu():
             torch.manual_seed(seed)
             model = self.model_cls()(cfg, {})
+            init_linear_layers(model, seed)
             randomize_zeros(model, seed)
         return model.eval()
+
+
+CHUNK_FIELDS = ("chunk_size", "num_frames_per_block", "num_frame_per_block")  # the names FastVideo's configs use
+
+
+def _chunk_of(arch: dict) -> int:
+    for name in CHUNK_FIELDS:
+        if arch.get(name):
+            return int(arch[name])
+    raise ValueError(f"the model's config names no chunk length (one of {', '.join(CHUNK_FIELDS)})")
+
+
+def init_linear_layers(model: torch.nn.Module, seed: int) -> None:
+    """Seeded values for FastVideo's own linear layers, which allocate with torch.empty and leave the values to the
+    checkpoint (fastvideo/layers/linear.py): weights N(0, 1/fan_in), biases N(0, 0.02^2)."""
+    LinearBase = runtime.module("fastvideo.layers.linear").LinearBase
+    g = torch.Generator().manual_seed(seed + 2)
+    with torch.no_grad():
+        for layer in (m for m in model.modules() if isinstance(m, LinearBase)):
+            for name, p in layer.named_parameters(recurse=False):
+                std = p.shape[-1] ** -0.5 if name == "weight" else 0.02
+                p.copy_(std * torch.randn(p.shape, generator=g).to(p.dtype))
 
 
 def randomize_zeros(model: torch.nn.Module, seed: int) -> None:
@@ -167,6 +196,16 @@ def swapped_forwards(modules: list[torch.nn.Module], make: Callable[[int, torch.
                 del m.forward
             else:
                 m.forward = f
+
+
+def at(attn: ChunkedAttention | None, chunk: int, commit: bool):
+    """`attn.at(chunk, commit)`, or nothing for FastVideo's own path (attn None)."""
+    return attn.at(chunk, commit=commit) if attn is not None else nullcontext()
+
+
+def hooked(hooks: Callable[[], object], attn: ChunkedAttention | None):
+    """The model's attention hooks (a context manager from `hooks()`) when attn is given, else nothing."""
+    return hooks() if attn is not None else nullcontext()
 
 
 def check_chunk(attn: ChunkedAttention, current_start: int, chunk_tokens: int) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from ..attention import ChunkedAttention
 from . import runtime
-from .base import FastVideoModel, Plan, Rollout, check_chunk, read_map, swapped_forwards
+from .base import FastVideoModel, Plan, Rollout, at, check_chunk, hooked, read_map, swapped_forwards
 
 MODULE = "fastvideo.models.dits.lingbotworld2.causal_fast"
 
@@ -75,7 +75,7 @@ class LingBotWorld2(FastVideoModel):
                   "is_init": torch.zeros(1, dtype=torch.bool, device=device)} for _ in range(L)]
         out, cache_map = [], []
         g = inp["g"]
-        hooks = self.hooks(model, attn, chunk * frame_seqlen) if attn is not None else _null()
+        hooks = hooked(lambda: self.hooks(model, attn, chunk * frame_seqlen), attn)
         with torch.no_grad(), runtime.on_cpu(model, self.flash), hooks:
             for i in range(plan.chunks):
                 sl = slice(i * chunk, (i + 1) * chunk)
@@ -88,7 +88,7 @@ class LingBotWorld2(FastVideoModel):
                 x = inp["noise"][:, sl]
                 x0 = x
                 for j, t in enumerate(timesteps):
-                    with _at(attn, i, False):
+                    with at(attn, i, False):
                         flow = model(x=[x], t=t.reshape(1).to(device), cross_attn_first_call=(i == 0 and j == 0),
                                      **kwargs)[0]
                     sigma = scheduler.sigmas[torch.argmin((scheduler.timesteps - t).abs())].double()
@@ -97,7 +97,7 @@ class LingBotWorld2(FastVideoModel):
                         x = scheduler.add_noise(x0, torch.randn(x0.shape, generator=g).to(device),
                                                 timesteps[j + 1].reshape(1))
                 out.append(x0.float().cpu())
-                with _at(attn, i, True):
+                with at(attn, i, True):
                     model(x=[x0], t=(timesteps[-1] * 0.0).reshape(1).to(device), cross_attn_first_call=False,
                           **kwargs)
                 if progress:
@@ -122,15 +122,3 @@ class LingBotWorld2(FastVideoModel):
             return forward
 
         return swapped_forwards([blk.self_attn for blk in model.blocks], make)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _at(attn: ChunkedAttention | None, chunk: int, commit: bool):
-    return attn.at(chunk, commit=commit) if attn is not None else _null()

@@ -12,28 +12,30 @@ and RMS norms, applies `causal_rope_apply` at the chunk's absolute start frame a
 `ChunkedAttention`: keys are stored post-RoPE as FastVideo stores them, the sink and window become the cache's
 `sink_chunks`/`max_chunks` (base.FastVideoModel.cache_config). The loop is FastVideo's
 `MatrixGame2CausalDenoisingStage` (fastvideo/pipelines/stages/matrixgame2_denoising.py): per chunk of
-`num_frames_per_block` latent frames, the pipeline config's few-step timesteps ([1000, 666, 333] warped onto a
-flow-matching schedule with shift 5), x0 from the flow prediction, re-noised to the next step, then a clean pass at
-t = 0 that writes and commits the chunk. The image conditioning (mask + first-frame latents, concatenated on channels
-through the forward context, and CLIP-like image tokens) and the keyboard/mouse actions are drawn from the seed for a
-tiny run. The "relativistic" RoPE policy (raw keys cached, roped per window) is not supported.
+`num_frames_per_block` latent frames, the pipeline config's few-step timesteps ([1000, 666, 333] warped onto
+FastVideo's FlowMatchEulerDiscreteScheduler at the config's shift 5, as its Wan DMD pipelines build it; the
+Matrix-Game DMD pipeline takes the scheduler from the checkpoint folder), x0 from the flow prediction, re-noised to
+the next step, then a clean pass at t = 0 that writes and commits the chunk. The image conditioning (mask +
+first-frame latents, concatenated on channels through the forward context, and CLIP-like image tokens) and the
+keyboard/mouse actions are drawn from the seed for a tiny run. The "relativistic" RoPE policy (raw keys cached,
+roped per window) is not supported, nor a window of -1 (FastVideo's stage refuses it too). On a CPU the model is built
+with FastVideo's SDPA attention backend, which its CPU platform does not name (runtime.sdpa_backend_on_cpu).
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
 
 from ..attention import ChunkedAttention
 from . import runtime
-from .base import FastVideoModel, Plan, Rollout, check_chunk, read_map, swapped_forwards
+from .base import FastVideoModel, Plan, Rollout, at, check_chunk, hooked, read_map, swapped_forwards
 
 MODULE = "fastvideo.models.dits.matrixgame2.causal_model"
 PIPELINE_CONFIG = "fastvideo.configs.pipelines.matrixgame2:MatrixGame2I2V480PConfig"
-SDPA_BACKEND = "fastvideo.attention.backends.sdpa.SDPABackend"
 MASK_CHANNELS = 4  # the I2V mask channels ahead of the first-frame latents in the conditioning
+IMAGE_TOKENS = 9  # a tiny run's image-encoder tokens (CLIP's 257 x 1280 in the release)
 
 
 class MatrixGame2(FastVideoModel):
@@ -57,23 +59,10 @@ class MatrixGame2(FastVideoModel):
                     in_channels=36, out_channels=16, text_dim=0, image_dim=32, added_kv_proj_dim=64,
                     local_attn_size=15, sink_size=0, num_frames_per_block=3, action_config=action)
 
-    def tiny_plan(self, latent_frames: int | None, seed: int) -> Plan:
-        return Plan(latent_frames or self.default_frames, self.tiny_arch()["num_frames_per_block"], (8, 8), seed)
-
-    def chunk_frames(self, model) -> int:
-        return int(getattr(self.arch(model), "num_frames_per_block", 1))
-
     def window(self, model) -> tuple[int | None, int]:
-        """FastVideo's model reads `local_attn_size` and `sink_size` at construction (causal_model.py __init__)."""
-        return (None if model.local_attn_size == -1 else int(model.local_attn_size)), int(model.sink_size)
-
-    def build_tiny(self, seed: int = 0) -> torch.nn.Module:
-        with _sdpa_backend_on_cpu():
-            return super().build_tiny(seed)
-
-    def load(self, folder, device: str = "cpu") -> torch.nn.Module:
-        with _sdpa_backend_on_cpu():
-            return super().load(folder, device)
+        """(window, sink) latent frames as the model holds them: FastVideo reads them from the config at construction
+        and `set_causal_attention_window` changes them (causal_model.py)."""
+        return int(model.local_attn_size), int(model.sink_size)
 
     def _inputs(self, model, plan: Plan, device) -> dict:
         a = self.arch(model)
@@ -85,16 +74,16 @@ class MatrixGame2(FastVideoModel):
         noise = torch.randn(1, a.out_channels, F, h, w, generator=g)
         cond = torch.randn(1, a.in_channels - a.out_channels, F, h, w, generator=g)  # mask + first-frame latents
         cond[:, :MASK_CHANNELS, 1:] = 0.0  # only the first frame is given
-        image = torch.randn(1, 9, a.image_dim, generator=g)  # CLIP tokens (257 x 1280 in the release)
+        image = torch.randn(1, IMAGE_TOKENS, a.image_dim, generator=g)
         keyboard = (torch.rand(1, pixel_frames, act["keyboard_dim_in"], generator=g) < 0.3).float()
         mouse = 0.1 * torch.randn(1, pixel_frames, act["mouse_dim_in"], generator=g)
         return {"noise": noise.to(device), "cond": cond.to(device), "image": image.to(device),
                 "keyboard": keyboard.to(device), "mouse": mouse.to(device), "g": g}
 
-    def _caches(self, model, plan: Plan, frame_seqlen: int, device, own_kv: bool) -> dict:
+    def _caches(self, model, frame_seqlen: int, device, own_kv: bool) -> dict:
         """FastVideo's per-block cache dicts as MatrixGame2CausalDenoisingStage allocates them (bf16)."""
         L, H, D = self.shape(model)
-        window = model.local_attn_size if model.local_attn_size != -1 else 15  # the stage's sliding_window_num_frames
+        window = model.local_attn_size
         act = model.action_config
         heads = act["heads_num"]
         dt = torch.bfloat16
@@ -105,17 +94,19 @@ class MatrixGame2(FastVideoModel):
                     "global_end_index": torch.zeros(1, dtype=torch.long, device=device),
                     "local_end_index": torch.zeros(1, dtype=torch.long, device=device)}
 
-        image_tokens = 9
         return {
             "kv_cache": [entry(1, window * frame_seqlen, H, D) if own_kv else {} for _ in range(L)],
             "kv_cache_keyboard": [entry(1, window, heads, act["keyboard_hidden_dim"] // heads) for _ in range(L)],
             "kv_cache_mouse": [entry(frame_seqlen, window, heads, act["mouse_hidden_dim"] // heads) for _ in range(L)],
-            "crossattn_cache": [{"k": torch.zeros(1, image_tokens, H, D, dtype=dt, device=device),
-                                 "v": torch.zeros(1, image_tokens, H, D, dtype=dt, device=device),
+            "crossattn_cache": [{"k": torch.zeros(1, IMAGE_TOKENS, H, D, dtype=dt, device=device),
+                                 "v": torch.zeros(1, IMAGE_TOKENS, H, D, dtype=dt, device=device),
                                  "is_init": False} for _ in range(L)],
         }
 
     def rollout(self, model, plan: Plan, attn: ChunkedAttention | None, progress: Callable | None = None) -> Rollout:
+        if model.local_attn_size == -1:  # FastVideo's stage asserts the same (matrixgame2_denoising.py)
+            raise ValueError("Matrix-Game-2 needs a window: local_attn_size is -1 (the action module's caches have "
+                             "no global mode)")
         a = self.arch(model)
         device = next(model.parameters()).device
         pc = _pipeline_config()
@@ -132,13 +123,13 @@ class MatrixGame2(FastVideoModel):
         h, w = plan.latent_hw
         frame_seqlen = h * w // (a.patch_size[1] * a.patch_size[2])
         chunk = plan.chunk_frames
-        caches = self._caches(model, plan, frame_seqlen, device, own_kv=attn is None)
+        caches = self._caches(model, frame_seqlen, device, own_kv=attn is None)
         # the forward context carries the I2V conditioning the model concatenates on channels (causal_model.py)
         batch = SimpleNamespace(image_latent=inp["cond"].to(torch.bfloat16))
         vae_t = model.action_config["vae_time_compression_ratio"]
         g = inp["g"]
         out, cache_map = [], []
-        hooks = self.hooks(model, attn, chunk * frame_seqlen) if attn is not None else _null()
+        hooks = hooked(lambda: self.hooks(model, attn, chunk * frame_seqlen), attn)
         with torch.no_grad(), runtime.on_cpu(model, self.flash), hooks:
             for i in range(plan.chunks):
                 start = i * chunk
@@ -151,7 +142,7 @@ class MatrixGame2(FastVideoModel):
                 x = inp["noise"][:, :, start:start + chunk]  # (1, C, f, h, w)
                 for j, t in enumerate(timesteps):
                     t_frames = t * torch.ones(1, chunk, dtype=torch.long, device=device)
-                    with _at(attn, i, False), set_forward_context(current_timestep=j, attn_metadata=None,
+                    with at(attn, i, False), set_forward_context(current_timestep=j, attn_metadata=None,
                                                                   forward_batch=batch):
                         flow = model(x.to(torch.bfloat16), None, t_frames, **kwargs)
                     # (1, C, f, h, w) -> (f, C, h, w): the stage's per-frame layout
@@ -164,7 +155,7 @@ class MatrixGame2(FastVideoModel):
                     x = x0.transpose(0, 1).unsqueeze(0)
                 out.append(x[0].float().cpu())
                 t_clean = torch.full((1, chunk), int(pc.context_noise), dtype=torch.long, device=device)
-                with _at(attn, i, True), set_forward_context(current_timestep=0, attn_metadata=None,
+                with at(attn, i, True), set_forward_context(current_timestep=0, attn_metadata=None,
                                                              forward_batch=batch):
                     model(x.to(torch.bfloat16), None, t_clean, **kwargs)
                 if progress:
@@ -196,39 +187,6 @@ class MatrixGame2(FastVideoModel):
         return swapped_forwards([blk.attn1 for blk in model.blocks], make)
 
 
-@contextmanager
-def _sdpa_backend_on_cpu() -> Iterator[None]:
-    """FastVideo's CPU platform names no attention backend, so its `LocalAttention` (cross and action attention
-    here) cannot be built there (fastvideo/attention/selector.py raises "Invalid attention backend for CPU"); while
-    inside, the CPU platform answers with FastVideo's SDPA backend, as its MPS platform does. Nothing on a GPU."""
-    platforms = runtime.module("fastvideo.platforms")
-    cls = type(platforms.current_platform)
-    if not platforms.current_platform.is_cpu():
-        yield
-        return
-    saved = cls.__dict__["get_attn_backend_cls"] if "get_attn_backend_cls" in cls.__dict__ else None
-    cls.get_attn_backend_cls = classmethod(lambda c, selected, head_size, dtype: SDPA_BACKEND)
-    try:
-        yield
-    finally:
-        if saved is None:
-            del cls.get_attn_backend_cls
-        else:
-            cls.get_attn_backend_cls = saved
-
-
 def _pipeline_config():
     mod, cls = PIPELINE_CONFIG.split(":")
     return getattr(runtime.module(mod), cls)()
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _at(attn: ChunkedAttention | None, chunk: int, commit: bool):
-    return attn.at(chunk, commit=commit) if attn is not None else _null()

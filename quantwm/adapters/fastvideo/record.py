@@ -114,7 +114,7 @@ def record_fastvideo(name: str, method: str = "quantwm", target: str = "kv", bit
     ref = spec.rollout(model, plan, None, step)
     notes: list[str] = []
     cache = KVCache(spec.cache_config(model, notes, method=method, target=target, k_bits=bits, v_bits=bits,
-                                      budget=budget, keep_exact=True, track_queries=True), L)
+                                      budget=budget, keep_exact=True, track_queries=True), L, rope=spec.key_rope(model))
     probe = PositionProbe(L, logit_layers, logit_heads)
     step = (lambda a, n: progress(n + a, 2 * n, f"{method} (QuantWM's cache)")) if progress else None
     out = spec.rollout(model, plan, ChunkedAttention(cache, probe), step)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -63,13 +64,44 @@ def module(name: str):
 def init_single_process() -> None:
     """FastVideo's distributed state as a world of one process (idempotent)."""
     parallel_state = module("fastvideo.distributed.parallel_state")
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29517"), ("RANK", "0"), ("LOCAL_RANK", "0"),
-                 ("WORLD_SIZE", "1")):
+    if parallel_state.model_parallel_is_initialized():
+        return
+    if "MASTER_PORT" not in os.environ:  # a free port: two processes on one machine must not meet
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
         os.environ.setdefault(k, v)
     if int(os.environ["WORLD_SIZE"]) != 1:
         raise ValueError(f"WORLD_SIZE={os.environ['WORLD_SIZE']}: the FastVideo adapters run one process "
                          "(sequence parallelism is not supported)")
     parallel_state.maybe_init_distributed_environment_and_model_parallel(1, 1)
+
+
+SDPA_BACKEND = "fastvideo.attention.backends.sdpa.SDPABackend"
+
+
+@contextmanager
+def sdpa_backend_on_cpu() -> Iterator[None]:
+    """FastVideo's CPU platform names no attention backend, so its `LocalAttention` layers cannot be built there
+    (fastvideo/attention/selector.py: "Invalid attention backend for CPU"); while inside, the CPU platform answers
+    with FastVideo's SDPA backend, as its MPS platform does. Nothing changes on a GPU."""
+    platforms = module("fastvideo.platforms")
+    cls = type(platforms.current_platform)
+    if not platforms.current_platform.is_cpu():
+        yield
+        return
+    saved = cls.__dict__.get("get_attn_backend_cls")
+    cls.get_attn_backend_cls = classmethod(lambda c, selected, head_size, dtype: SDPA_BACKEND)
+    try:
+        yield
+    finally:
+        if saved is None:
+            del cls.get_attn_backend_cls
+        else:
+            cls.get_attn_backend_cls = saved
 
 
 class _CpuAutocast(torch.amp.autocast):
@@ -124,13 +156,13 @@ def on_cpu(model: torch.nn.Module, flash: tuple[tuple[str, str], ...] = ()) -> I
 def save_transformer(model: torch.nn.Module, folder: str | Path, class_name: str, arch: dict) -> Path:
     """`model` as a FastVideo transformer folder: config.json (`_class_name` and `arch`) and
     diffusion_pytorch_model.safetensors in the checkpoint's parameter names."""
-    import re
 
     from safetensors.torch import save_file
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    reverse = getattr(model, "reverse_param_names_mapping", None) or {}
+    reverse = getattr(model, "reverse_param_names_mapping", None) or invert_mapping(
+        getattr(model, "param_names_mapping", None) or {})  # classes without a reverse mapping: the forward turned around
     state = {}
     for name, t in model.state_dict().items():
         for pattern, target in reverse.items():
@@ -141,6 +173,26 @@ def save_transformer(model: torch.nn.Module, folder: str | Path, class_name: str
     save_file(state, str(folder / "diffusion_pytorch_model.safetensors"))
     (folder / "config.json").write_text(json.dumps({"_class_name": class_name, **_jsonable(arch)}, indent=1))
     return folder
+
+
+def invert_mapping(mapping: dict) -> dict:
+    """FastVideo's checkpoint -> model name regexes turned around (model -> checkpoint), for the plain ones: a
+    pattern `^a\\.(\\d+)\\.b\\.(.*)$` with target `a.\\1.c.\\2` gives `^a\\.(\\d+)\\.c\\.(.*)$` -> `a.\\1.b.\\2`."""
+    out = {}
+    for pattern, target in mapping.items():
+        if not isinstance(target, str):
+            continue
+        groups = re.findall(r"\([^()]*\)", pattern)
+        parts = re.split(r"\([^()]*\)", pattern.removeprefix("^").removesuffix("$"))
+        pieces = re.split(r"\\(\d)", target)  # literal, group number, literal, ...
+        order = [int(p) for p in pieces[1::2]]  # the inverse's groups, in the target's order
+        if sorted(order) != list(range(1, len(groups) + 1)):
+            continue
+        regex = "".join(re.escape(p) if n % 2 == 0 else groups[int(p) - 1] for n, p in enumerate(pieces))
+        back = "".join(p.replace("\\", "") + (f"\\{order.index(i + 1) + 1}" if i < len(groups) else "")
+                       for i, p in enumerate(parts))
+        out["^" + regex + "$"] = back
+    return out
 
 
 def _jsonable(arch: dict) -> dict:
@@ -177,7 +229,8 @@ def load_transformer(folder: str | Path, config_cls: type, class_name: str, devi
     saved = loader_mod.get_local_torch_device
     loader_mod.get_local_torch_device = lambda: torch.device(device)  # FastVideo reads a CPU-only host as "mps"
     try:
-        return loader_mod.TransformerLoader().load(str(folder), args)
+        with sdpa_backend_on_cpu():
+            return loader_mod.TransformerLoader().load(str(folder), args)
     except Exception as e:  # noqa: BLE001 - a corrupt file, a missing or misshapen tensor: the same user error
         raise ValueError(f"{folder}: does not load into FastVideo's {class_name} ({str(e).splitlines()[0][:200]})"
                          ) from None
