@@ -77,6 +77,12 @@ class FastVideoModel:
         """The plan of a --tiny run (an 8x8 latent grid, the tiny config's chunk)."""
         return Plan(latent_frames or self.default_frames, _chunk_of(self.tiny_arch()), (8, 8), seed)
 
+    def check_plan(self, plan: Plan) -> None:
+        """ValueError unless the plan is whole chunks, at least two (a model with another rule overrides this)."""
+        if plan.latent_frames % plan.chunk_frames or plan.chunks < 2:
+            raise ValueError(f"{self.name}: latent frames must be a multiple of its {plan.chunk_frames}-frame chunk, "
+                             f"at least two chunks, got {plan.latent_frames}")
+
     def plan(self, model: torch.nn.Module, latent_frames: int, latent_hw: tuple[int, int], seed: int) -> Plan:
         """The plan of a run of `model` (its chunk from its config)."""
         return Plan(latent_frames, self.chunk_frames(model), latent_hw, seed)
@@ -183,22 +189,24 @@ def randomize_zeros(model: torch.nn.Module, seed: int) -> None:
 
 
 @contextmanager
-def swapped_forwards(modules: list[torch.nn.Module], make: Callable[[int, torch.nn.Module], Callable]) -> Iterator[None]:
-    """Replace modules[i].forward with make(i, modules[i]) while inside; restored on exit."""
-    saved = [m.__dict__.get("forward") for m in modules]
+def swapped_forwards(modules: list[torch.nn.Module], make: Callable[[int, torch.nn.Module], Callable],
+                     name: str = "forward") -> Iterator[None]:
+    """Replace method `name` (forward by default) of modules[i] with make(i, modules[i]) while inside; restored on
+    exit."""
+    saved = [m.__dict__.get(name) for m in modules]
     try:
         for i, m in enumerate(modules):
-            m.forward = make(i, m)
+            setattr(m, name, make(i, m))
         yield
     finally:
         for m, f in zip(modules, saved, strict=True):
             if f is None:
-                del m.forward
+                m.__dict__.pop(name, None)
             else:
-                m.forward = f
+                setattr(m, name, f)
 
 
-def at(attn: ChunkedAttention | None, chunk: int, commit: bool):
+def at(attn: ChunkedAttention | None, chunk: int, commit: bool = False):
     """`attn.at(chunk, commit)`, or nothing for FastVideo's own path (attn None)."""
     return attn.at(chunk, commit=commit) if attn is not None else nullcontext()
 

@@ -64,12 +64,6 @@ def latent_preview(ref: torch.Tensor, other: torch.Tensor, spatial: int) -> tupl
     return img(ref), img(other)
 
 
-def _check_plan(spec, plan) -> None:
-    if plan.latent_frames % plan.chunk_frames or plan.chunks < 2:
-        raise ValueError(f"{spec.name}: latent frames must be a multiple of its {plan.chunk_frames}-frame chunk, at "
-                         f"least two chunks, got {plan.latent_frames}")
-
-
 def record_fastvideo(name: str, method: str = "quantwm", target: str = "kv", bits: int = 2,
                      budget: float | None = None, latent_frames: int | None = None, seed: int = 0,
                      tiny: bool = False, weights: str | Path | None = None, device: str = "cpu",
@@ -90,7 +84,7 @@ def record_fastvideo(name: str, method: str = "quantwm", target: str = "kv", bit
     CacheConfig(method=method, target=target, k_bits=bits, v_bits=bits, budget=budget)  # the cache's own messages
     runtime.require()
     if tiny:
-        _check_plan(spec, spec.tiny_plan(latent_frames, seed))
+        spec.check_plan(spec.tiny_plan(latent_frames, seed))
         model = spec.build_tiny(0)
         with tempfile.TemporaryDirectory() as tmp:  # the checkpoint road: FastVideo's folder, FastVideo's loader
             spec.save(model, Path(tmp) / "transformer")
@@ -107,7 +101,7 @@ def record_fastvideo(name: str, method: str = "quantwm", target: str = "kv", bit
             raise ValueError(f"height and width must be multiples of {cell}, got {size[0]}x{size[1]}")
         plan = spec.plan(model, latent_frames or spec.default_frames, (size[0] // spec.vae_spatial,
                                                                        size[1] // spec.vae_spatial), seed)
-    _check_plan(spec, plan)
+    spec.check_plan(plan)
     L, H, D = spec.shape(model)
     check_logit_picks(L, H, logit_layers, logit_heads)
     step = (lambda a, n: progress(a, 2 * n, "BF16 (FastVideo's cache)")) if progress else None
@@ -122,7 +116,7 @@ def record_fastvideo(name: str, method: str = "quantwm", target: str = "kv", bit
     h, w = plan.latent_hw
     facts = RunFacts(f"{spec.title} (FastVideo {spec.class_name})", L, H, D, (h // spec.patch, w // spec.patch),
                      plan.chunk_frames, out.context_frames, vae_spatial=spec.vae_spatial, patch=spec.patch,
-                     vae_temporal=1, chunk_start=out.context_frames)
+                     vae_temporal=1)  # chunks count from frame 0: conditioning frames are cache chunks too
     stats = torch.stack([cache.query_stats(layer).float().cpu() for layer in range(L)])
     meta = {"method": method, "target": target, "bits": bits, **memory_meta(cache.memory()),
             "logit_layers": list(logit_layers), "logit_heads": list(logit_heads),

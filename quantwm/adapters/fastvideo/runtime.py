@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
 
 FASTVIDEO_VERSION = "0.2.1"  # the version these adapters were written and tested against
 INSTALL_HINT = ("pip install 'quantwm[fastvideo]' (FastVideo " + FASTVIDEO_VERSION + ", installed with --no-deps as "
@@ -117,6 +118,20 @@ class _CpuAutocast(torch.amp.autocast):
         super().__init__(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
 
 
+class _Fp32Linear(TorchFunctionMode):
+    """On the CPU, a linear layer inside a float32 autocast region (`on_cpu` runs those with autocast off) gets its
+    bf16 input, and a bias cast to it, in its weight's float32, as CUDA's float32 autocast would (e.g. LongCat's AdaLN
+    modulation, fastvideo/models/dits/longcat.py:794)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear and not torch.is_autocast_enabled("cpu") and args[0].dtype != args[1].dtype:
+            w = args[1]
+            args = tuple(a.to(w.dtype) if isinstance(a, torch.Tensor) else a for a in args)
+            kwargs = {k: a.to(w.dtype) if isinstance(a, torch.Tensor) else a for k, a in kwargs.items()}
+        return func(*args, **kwargs)
+
+
 def sdpa_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args, softmax_scale=None,
                          causal: bool = False, dtype: torch.dtype = torch.bfloat16, **kwargs) -> torch.Tensor:
     """flash-attn's call (q, k, v as (B, L, H, D)) computed by SDPA in `dtype`, for CPU checks. Padding lengths
@@ -146,7 +161,7 @@ def on_cpu(model: torch.nn.Module, flash: tuple[tuple[str, str], ...] = ()) -> I
             mod = importlib.import_module(mod_name)
             saved.append((mod, fn, getattr(mod, fn)))
             setattr(mod, fn, sdpa_flash_attention)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast("cpu", dtype=torch.bfloat16), _Fp32Linear():
             yield
     finally:
         for owner, name, value in reversed(saved):
