@@ -126,14 +126,21 @@ def cmd_analyze(a) -> int:
 
 
 def cmd_memory(a) -> int:
-    from .evaluation.memory import memory_report
+    from .evaluation.memory import get_preset, memory_report
 
     parse_method_name(a.method)
-    r = memory_report(a.preset, a.latent_frames, a.method, a.target, a.bits, a.sample_layers,
-                      progress=_progress("memory"), span_chunks=a.span_chunks, queries=a.queries, budget=_budget(a))
+    p = get_preset(a.preset)
+    frames = a.latent_frames if a.latent_frames is not None else p.length or 21
+    r = memory_report(a.preset, frames, a.method, a.target, a.bits, a.sample_layers,
+                      progress=_progress("memory"), span_chunks=a.span_chunks, queries=a.queries, budget=_budget(a),
+                      recent_chunks=a.recent_chunks)
     _write_json(r, a.json)
-    print(f"{a.method} on {a.preset}, {a.latent_frames} latent frames, spans of {a.span_chunks} chunk(s), "
-          f"queries {a.queries} ({r['layers_quantized']} layer(s) quantized); grid: {r['grid']}")
+    print(f"{a.method} on {p.name}, {frames} latent frames, spans of {a.span_chunks} chunk(s), "
+          f"queries {a.queries} ({r['layers_quantized']} of {p.layers} layer(s) quantized, bytes scaled); grid: {r['grid']}")
+    print(f"  shapes: {p.layers} layers x {p.heads} heads x {p.head_dim}, {p.tokens_per_frame} tokens per latent frame, "
+          f"chunks of {p.chunk_frames}; {r['window']}; the cache holds {r['held_frames']} latent frame(s)")
+    if p.source:
+        print(f"  source: {p.source}")
     print(f"  quantized spans {r['bits_per_element']:.3f} bits/element ({r['compression']:.3f}x); whole cache "
           f"{r['total_bytes'] / 2**30:.3f} GiB vs {r['bf16_bytes'] / 2**30:.3f} GiB BF16 ({r['cache_compression']:.3f}x)")
     if any(b is not None for b in _budget(a)):
@@ -460,7 +467,8 @@ def _record_pipeline(a, layers: list[int], heads: list[int]) -> int:
     from .adapters.fastvideo.record import record_fastvideo
 
     run = record_fastvideo(name, a.method, a.target, a.bits, a.budget, a.frames, a.seed, a.tiny, a.weights, a.device,
-                           None if a.tiny else (a.height, a.width), layers, heads, progress=_progress("record"))
+                           None if a.tiny else (a.height, a.width), layers, heads, progress=_progress("record"),
+                           inputs=a.inputs)
     write_run(a.out, run)
     print(f"wrote {a.out} ({os.path.getsize(a.out) / 2 ** 20:.1f} MB): {run.facts.model}, {a.method} {a.target} "
           f"against BF16, {run.meta['bits_per_element']:.3f} bits per element; open it with python app.py --run {a.out}")

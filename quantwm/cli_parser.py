@@ -81,8 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--recent-chunks", type=int, default=1)
     s = sub.add_parser("memory", help="stored bytes of the cache at a real model's shapes",
                        parents=[method_flag(), target_flag(), bits_flag(), budget, json_out])
-    s.add_argument("--preset", default="wan-1.3b")
-    s.add_argument("--latent-frames", type=int, default=21)
+    s.add_argument("--preset", default="wan-1.3b",
+                   help=f"shapes: {', '.join(PRESETS)}, causal-forcing; the QuantWM paper's five models carry their "
+                        "window and length as FastVideo 0.2.1 runs them (docs/results.md)")
+    s.add_argument("--latent-frames", type=int, default=None,
+                   help="video length in latent frames (default: the preset's paper length, else 21)")
+    s.add_argument("--recent-chunks", type=int, default=1, help="most recent committed chunks kept BF16")
     s.add_argument("--sample-layers", type=int, default=None, help="quantize this many layers and scale")
     s.add_argument("--span-chunks", type=int, default=1, help="chunks quantized together as one span (QVG: 8)")
     s.add_argument("--queries", choices=("drift", "none"), default="drift",
@@ -158,6 +162,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(causal-forcing); with --tiny (a randomly initialised model of FastVideo's class) or --weights "
                         "DIR (a FastVideo model folder); --frames counts latent frames (docs/real-models.md)")
     s.add_argument("--tiny", action="store_true", help="with --pipeline: a tiny randomly initialised model")
+    s.add_argument("--inputs", default=None, metavar="FILE",
+                   help="with --pipeline: a safetensors file of conditioning tensors (the prompt's embeddings, the first "
+                        "frame's latents, the camera...) by the model's input names, in place of the ones drawn from "
+                        "--seed (docs/real-models.md lists each model's)")
     s.add_argument("--model", choices=("builtin", "self-forcing", "sana-wm"), default="builtin",
                    help="builtin: the built-in world model; self-forcing: Self-Forcing's causal Wan2.1 generator "
                         "(--checkpoint, --base, --embeddings or --prompt); sana-wm: SANA-WM's stage-2 refiner, "

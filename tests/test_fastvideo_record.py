@@ -125,3 +125,34 @@ def test_latent_preview_is_one_projection_for_both_runs():
     assert a.shape == (3, 32, 32, 3) and a.dtype == torch.uint8 and torch.equal(a, b)
     _, c = latent_preview(ref, ref + 0.5 * torch.randn(ref.shape, generator=g), 8)
     assert not torch.equal(a, c)
+
+
+def test_given_inputs_replace_the_drawn_ones_by_name(runs, tmp_path):
+    """--inputs FILE: a tensor of the model's own input name is used in place of the seed's draw (the same tensor
+    gives the same run, another one another run); an unknown name or shape is refused naming the model's inputs."""
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+
+    from quantwm.adapters.fastvideo.record import record_fastvideo
+
+    spec = get_model("lingbot-world-v2")
+    model = spec.build_tiny(0)
+    plan = spec.tiny_plan(4, 3)
+    drawn = spec._inputs(model, plan, "cpu")["context"]
+    same = spec.rollout(model, replace(plan, given=(("context", drawn.clone()),)), None).latents
+    assert torch.equal(same, spec.rollout(model, plan, None).latents)
+    other = spec.rollout(model, replace(plan, given=(("context", drawn + 1),)), None).latents
+    assert not torch.equal(same, other)
+    path = tmp_path / "inputs.safetensors"
+    save_file({"prompt": torch.zeros(3)}, str(path))
+    with pytest.raises(ValueError, match="takes no input 'prompt'; its inputs: cam, context, noise, y"):
+        record_fastvideo("lingbot-world-v2", tiny=True, latent_frames=4, inputs=str(path))
+    with pytest.raises(ValueError, match=r"input 'context' must have shape \(8, 32\) for this run, got \(2, 32\)"):
+        record_fastvideo("lingbot-world-v2", tiny=True, latent_frames=4, inputs={"context": torch.zeros(2, 32)})
+    with pytest.raises(ValueError, match="holds NaN or Inf"):
+        record_fastvideo("lingbot-world-v2", tiny=True, latent_frames=4,
+                         inputs={"context": torch.full((8, 32), float("nan"))})
+    (tmp_path / "bad.safetensors").write_bytes(b"junk")
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        record_fastvideo("lingbot-world-v2", tiny=True, latent_frames=4, inputs=str(tmp_path / "bad.safetensors"))

@@ -24,13 +24,15 @@ from . import runtime
 
 @dataclass(frozen=True)
 class Plan:
-    """One rollout: latent frames, frames per chunk, the latent grid (h, w) before patching, and the seed that draws
-    the noise and the conditioning."""
+    """One rollout: latent frames, frames per chunk, the latent grid (h, w) before patching, the seed that draws
+    the noise and the conditioning, and `given` inputs (a conditioning file's tensors: the prompt's embeddings, the
+    first frame's latents, the camera...) that replace the drawn ones of the same name."""
 
     latent_frames: int
     chunk_frames: int
     latent_hw: tuple[int, int]
     seed: int = 0
+    given: tuple = field(default=(), compare=False)  # ((name, tensor), ...): inputs in place of the drawn ones
 
     @property
     def chunks(self) -> int:
@@ -88,6 +90,26 @@ class FastVideoModel:
         return Plan(latent_frames, self.chunk_frames(model), latent_hw, seed)
 
     # ---- shared ----------------------------------------------------------------------------------
+    def given(self, drawn: dict, plan: Plan) -> dict:
+        """`drawn` (name -> tensor, drawn from the seed) with `plan.given`'s tensors in place of those they name, each
+        on its drawn tensor's device and dtype; ValueError for a name the model does not take, another shape, or
+        NaN/Inf."""
+        out = dict(drawn)
+        names = sorted(k for k, v in drawn.items() if torch.is_tensor(v))
+        for name, t in plan.given:
+            if name not in names:
+                raise ValueError(f"{self.name} takes no input {name!r}; its inputs: {', '.join(names)}")
+            want = drawn[name]
+            if not torch.is_tensor(t) or tuple(t.shape) != tuple(want.shape):
+                got = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
+                raise ValueError(f"input {name!r} must have shape {tuple(want.shape)} for this run, got {got}")
+            if not torch.is_floating_point(t) and torch.is_floating_point(want):
+                raise ValueError(f"input {name!r} must be floating point, got {t.dtype}")
+            if torch.is_floating_point(t) and not bool(torch.isfinite(t).all()):
+                raise ValueError(f"input {name!r} holds NaN or Inf")
+            out[name] = t.to(want.device, want.dtype)
+        return out
+
     def config_cls(self) -> type:
         mod, cls = self.config_path.split(":")
         return getattr(runtime.module(mod), cls)

@@ -116,6 +116,8 @@ class SelfForcing(FastVideoModel):
         g = torch.Generator().manual_seed(plan.seed)
         latents = torch.randn(1, a.out_channels, plan.latent_frames, h, w, generator=g, device="cpu").to(device)
         context = torch.randn(1, 8, a.text_dim, generator=g, device="cpu").to(device, dt)  # 8 prompt tokens, no encoder
+        inp = self.given({"latents": latents, "context": context}, plan)
+        latents, context = inp["latents"], inp["context"]
         window = a.local_attn_size if a.local_attn_size != -1 else a.sliding_window_num_frames
         kv = [{} for _ in range(L)] if attn is not None else [
             {"k": torch.zeros(1, window * frame_seqlen, H, D, dtype=dt, device=device),

@@ -131,8 +131,8 @@ class HYWorld15(FastVideoModel):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(plan.seed)
             points = runtime.module(RETRIEVAL).generate_points_in_sphere(self.points, 8.0)
-        return {"noise": noise, "cond": cond, "text": text, "masks": masks, "image": image, "w2c": w2c[None],
-                "Ks": Ks[None], "action": action[None], "points": points}
+        return self.given({"noise": noise, "cond": cond, "text": text, "masks": masks, "image": image,
+                           "w2c": w2c[None], "Ks": Ks[None], "action": action[None], "points": points}, plan)
 
     def memory(self, inp: dict, chunk: int, chunk_frames: int) -> list[int]:
         """The history frames chunk `chunk` reads, as FastVideo's stage picks them: the union over the chunk's

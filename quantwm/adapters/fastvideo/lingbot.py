@@ -47,8 +47,8 @@ class LingBotWorld2(FastVideoModel):
         y = torch.randn(a.in_dim - a.out_dim, F, h, w, generator=g)  # mask + first-frame latents (I2V)
         cam = 0.1 * torch.randn(1, 6 * 64, F, h, w, generator=g)  # Plücker embedding at latent resolution
         context = torch.randn(a.text_len, a.text_dim, generator=g)
-        return {"noise": noise.to(device), "y": y.to(device), "cam": cam.to(device), "context": context.to(device),
-                "g": g}
+        return self.given({"noise": noise.to(device), "y": y.to(device), "cam": cam.to(device),
+                           "context": context.to(device), "g": g}, plan)
 
     def rollout(self, model, plan: Plan, attn: ChunkedAttention | None, progress: Callable | None = None) -> Rollout:
         a = self.arch(model)

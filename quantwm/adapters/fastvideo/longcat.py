@@ -85,7 +85,7 @@ class LongCatVideo(FastVideoModel):
         cond = torch.randn(1, a.in_channels, self.cond_frames, h, w, generator=g)  # the VAE's conditioning latents
         noise = torch.randn(1, a.in_channels, plan.latent_frames - self.cond_frames, h, w, generator=g)
         text = torch.randn(1, TEXT_TOKENS, a.caption_channels, generator=g)  # UMT5's output, shape only
-        return {"latents": torch.cat([cond, noise], 2).to(device), "text": text.to(device)}
+        return self.given({"latents": torch.cat([cond, noise], 2).to(device), "text": text.to(device)}, plan)
 
     def check_plan(self, plan: Plan) -> None:
         if self.cond_frames % plan.chunk_frames or plan.latent_frames <= self.cond_frames:

@@ -77,8 +77,8 @@ class MatrixGame2(FastVideoModel):
         image = torch.randn(1, IMAGE_TOKENS, a.image_dim, generator=g)
         keyboard = (torch.rand(1, pixel_frames, act["keyboard_dim_in"], generator=g) < 0.3).float()
         mouse = 0.1 * torch.randn(1, pixel_frames, act["mouse_dim_in"], generator=g)
-        return {"noise": noise.to(device), "cond": cond.to(device), "image": image.to(device),
-                "keyboard": keyboard.to(device), "mouse": mouse.to(device), "g": g}
+        return self.given({"noise": noise.to(device), "cond": cond.to(device), "image": image.to(device),
+                           "keyboard": keyboard.to(device), "mouse": mouse.to(device), "g": g}, plan)
 
     def _caches(self, model, frame_seqlen: int, device, own_kv: bool) -> dict:
         """FastVideo's per-block cache dicts as MatrixGame2CausalDenoisingStage allocates them (bf16)."""

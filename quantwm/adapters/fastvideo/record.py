@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import tempfile
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -64,13 +65,31 @@ def latent_preview(ref: torch.Tensor, other: torch.Tensor, spatial: int) -> tupl
     return img(ref), img(other)
 
 
+def _given(inputs) -> tuple:
+    """((name, tensor), ...) from a safetensors file or a dict; ValueError naming an unreadable file."""
+    if inputs is None:
+        return ()
+    if isinstance(inputs, dict):
+        return tuple(sorted(inputs.items()))
+    from safetensors.torch import load_file
+
+    if not Path(inputs).is_file():
+        raise ValueError(f"--inputs {inputs}: no such file")
+    try:
+        return tuple(sorted(load_file(str(inputs)).items()))
+    except Exception as e:  # noqa: BLE001 - any unreadable file is the same user error
+        raise ValueError(f"--inputs {inputs}: not a safetensors file ({str(e).splitlines()[0][:100]})") from None
+
+
 def record_fastvideo(name: str, method: str = "quantwm", target: str = "kv", bits: int = 2,
                      budget: float | None = None, latent_frames: int | None = None, seed: int = 0,
                      tiny: bool = False, weights: str | Path | None = None, device: str = "cpu",
                      size: tuple[int, int] | None = None, logit_layers=(), logit_heads=(),
-                     progress: Callable | None = None):
+                     progress: Callable | None = None, inputs: str | Path | dict | None = None):
     """The run file contents (`runfile.Run`) of FastVideo model `name` with `method`'s cache against BF16.
-    size: (height, width) in pixels of a --weights run (a tiny run's latent grid is 8x8)."""
+    size: (height, width) in pixels of a --weights run (a tiny run's latent grid is 8x8). inputs: a safetensors file
+    (or a dict) of conditioning tensors that replace the ones drawn from the seed, by name (the model's names: the
+    error for an unknown one lists them); without it every input is drawn from `seed`."""
     from ...core.cache import CacheConfig
     from ...evaluation.runfile import Run, RunFacts, memory_meta
 
@@ -82,6 +101,7 @@ def record_fastvideo(name: str, method: str = "quantwm", target: str = "kv", bit
     if seed < 0:
         raise ValueError(f"seed must be >= 0, got {seed}")
     CacheConfig(method=method, target=target, k_bits=bits, v_bits=bits, budget=budget)  # the cache's own messages
+    given = _given(inputs)
     runtime.require()
     if tiny:
         spec.check_plan(spec.tiny_plan(latent_frames, seed))
@@ -89,7 +109,7 @@ def record_fastvideo(name: str, method: str = "quantwm", target: str = "kv", bit
         with tempfile.TemporaryDirectory() as tmp:  # the checkpoint road: FastVideo's folder, FastVideo's loader
             spec.save(model, Path(tmp) / "transformer")
             model = spec.load(tmp, device)
-        plan = spec.tiny_plan(latent_frames, seed)
+        plan = replace(spec.tiny_plan(latent_frames, seed), given=given)
     else:
         if not Path(weights).is_dir():
             raise ValueError(f"--weights {weights}: no such folder")
@@ -99,8 +119,9 @@ def record_fastvideo(name: str, method: str = "quantwm", target: str = "kv", bit
         cell = spec.vae_spatial * spec.patch
         if size[0] % cell or size[1] % cell:
             raise ValueError(f"height and width must be multiples of {cell}, got {size[0]}x{size[1]}")
-        plan = spec.plan(model, latent_frames or spec.default_frames, (size[0] // spec.vae_spatial,
-                                                                       size[1] // spec.vae_spatial), seed)
+        plan = replace(spec.plan(model, latent_frames or spec.default_frames, (size[0] // spec.vae_spatial,
+                                                                               size[1] // spec.vae_spatial), seed),
+                       given=given)
     spec.check_plan(plan)
     L, H, D = spec.shape(model)
     check_logit_picks(L, H, logit_layers, logit_heads)
@@ -124,7 +145,9 @@ def record_fastvideo(name: str, method: str = "quantwm", target: str = "kv", bit
             "frames_are": "latent preview (three principal directions of the BF16 latents), one image per latent frame",
             "source": {"pipeline": f"fastvideo:{spec.name}", "class": spec.class_name, "fastvideo_file": spec.source,
                        "fastvideo": runtime.FASTVIDEO_VERSION, "tiny": tiny, "weights": None if tiny else str(weights),
-                       "seed": seed, "latent_frames": plan.latent_frames, "budget": budget, "device": device}}
+                       "seed": seed, "latent_frames": plan.latent_frames, "budget": budget, "device": device,
+                       "inputs": {"given": sorted(n for n, _ in given), "file": str(inputs) if isinstance(inputs, str | Path)
+                                  else None, "drawn_from_seed": "every input not given"}}}
     top1 = probe.top1()
     positions = {c: p for c, p in probe.positions.items() if c in top1}
     return Run(facts, meta, bf16, frames, stats, top1, probe.logits(), positions)
