@@ -44,16 +44,18 @@ def require():
     except ModuleNotFoundError as e:
         if e.name == "fastvideo":
             raise ValueError(f"FastVideo is not installed: {INSTALL_HINT}") from None
-        raise ValueError(f"FastVideo is installed but cannot import: it needs {e.name!r} ({INSTALL_HINT}). "
-                         + _TORCHVISION if e.name and e.name.startswith("torchvision") else "") from None
+        if e.name and e.name.startswith("torchvision"):
+            raise ValueError(f"FastVideo is installed but cannot import: {_TORCHVISION}") from None
+        raise ValueError(f"FastVideo is installed but cannot import: it needs {e.name!r} ({INSTALL_HINT})") from None
     except (ImportError, RuntimeError) as e:
         msg = str(e).splitlines()[0][:160]
-        raise ValueError(f"FastVideo cannot import here ({msg}). " + (_TORCHVISION if "torchvision" in msg else "")
-                         ) from None
+        raise ValueError(f"FastVideo cannot import here ({msg})" + (f". {_TORCHVISION}" if "torchvision" in msg
+                                                                    else "")) from None
 
 
-_TORCHVISION = ("FastVideo imports torchvision at the top of fastvideo/utils.py; a torchvision built for this torch "
-                "is needed (the CPU build of torch 2.13 loads none: docs/real-models.md).")
+_TORCHVISION = ("it imports torchvision at the top of fastvideo/utils.py, and no torchvision that loads beside this "
+                "torch is installed (install the one built for your torch; the CPU build of torch 2.13 has none: "
+                "docs/real-models.md)")
 
 
 def module(name: str):
