@@ -53,7 +53,8 @@ def overview_handler(runs, run_id, frame=None) -> dict:
         report = {"rows": ls["rows"], "all": ls["all"]} if ls else {}
         out["heatmap"] = layer_sensitivity_figure({view.run.meta["method"]: {**report, "allocation": ov["head_table"]}})
     else:
-        out["status"] += (" No per-(layer, head) table in this run: `quantwm record --window N` writes one "
+        out["status"] += (" No per-(layer, head) table in this run." if ov["cache_map"] else
+                          " No per-(layer, head) table in this run: `quantwm record --window N` writes one "
                           "(and the layer sensitivity with --sensitivity-frames).")
         out["header"], out["rows"] = ["layer", "head"], []
     return out
