@@ -86,7 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "window and length as FastVideo 0.2.1 runs them (docs/results.md)")
     s.add_argument("--latent-frames", type=int, default=None,
                    help="video length in latent frames (default: the preset's paper length, else 21)")
-    s.add_argument("--recent-chunks", type=int, default=1, help="most recent committed chunks kept BF16")
+    s.add_argument("--recent-chunks", type=int, default=None,
+                   help="most recent committed chunks kept BF16 (default: the preset's adapter's, else 1)")
     s.add_argument("--sample-layers", type=int, default=None, help="quantize this many layers and scale")
     s.add_argument("--span-chunks", type=int, default=1, help="chunks quantized together as one span (QVG: 8)")
     s.add_argument("--queries", choices=("drift", "none"), default="drift",

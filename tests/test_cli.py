@@ -124,3 +124,11 @@ def test_cli_methods_lists_each_method_with_its_source(capsys):
     for name, paper in (("turboquant", "2504.19874"), ("kivi", "2402.02750"), ("qvg", "2602.02958")):
         assert f"arXiv {paper}" in rows[name][1]
     assert "this project" in rows["span-rtn"][1] and rows["nvfp4"][0] == "fixed"
+
+
+def test_cli_memory_paper_preset_prints_its_source_window_and_length(capsys):
+    assert main(["memory", "--preset", "matrix-game-2", "--method", "bf16", "--sample-layers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "matrix-game-2, 15 latent frames" in out  # its length by default
+    assert "window 6 latent frames" in out and "holds 6 latent frame(s)" in out
+    assert "source: fastvideo 0.2.1: fastvideo/configs/models/dits/matrixgame2.py" in out

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from quantwm.core.cache import CacheConfig, CacheMemory, KVCache
-from quantwm.evaluation.memory import PRESETS, memory_report
+from quantwm.evaluation.memory import PAPER_PRESETS, PRESETS, get_preset, held_frames, memory_report, window_chunks
 
 
 def test_memory_bf16_matches_the_shape_formula():
@@ -82,3 +82,46 @@ def test_memory_reports_runtime_state_and_a_drifting_query_stream_stores_more_ba
     assert drift["runtime_bytes"]["method_state"] > 0
     with pytest.raises(ValueError, match="query stream"):
         memory_report("tiny", 8, "rtn", queries="calibrated")
+
+
+@pytest.mark.parametrize("name", PAPER_PRESETS)
+def test_paper_presets_carry_their_fastvideo_source_and_length(name):
+    p = get_preset(name)
+    assert p.source.startswith("fastvideo 0.2.1: fastvideo/") and ".py:" in p.source
+    assert p.length and p.sink_frames is not None and p.head_dim == 128
+
+
+def test_causal_forcing_is_an_alias_of_self_forcing():
+    assert get_preset("causal-forcing") is PRESETS["self-forcing"]
+    assert memory_report("causal-forcing", 3, "bf16", sample_layers=1)["preset"]["name"] == "self-forcing"
+
+
+def test_lingbot_world_v2_window_rounds_up_to_whole_chunks_and_says_so():
+    """Window 18 with a 6-frame sink at chunks of 4: sink 2 chunks, 4 committed + the current = 20 frames."""
+    sink, most, note = window_chunks(PRESETS["lingbot-world-v2"])
+    assert (sink, most) == (2, 4) and "rounded up" in note and "20 frames held" in note
+    assert held_frames(PRESETS["lingbot-world-v2"], 24, sink, most) == 20
+
+
+def test_memory_windowed_cache_holds_no_more_than_its_window():
+    p = PRESETS["tiny-window"]  # window 8 frames, sink 2, chunks of 2
+    frame = 2 * p.layers * p.tokens_per_frame * p.heads * p.head_dim * 2
+    bf16 = memory_report("tiny-window", 20, "bf16")
+    assert bf16["held_frames"] == p.window and bf16["total_bytes"] == bf16["bf16_bytes"] == p.window * frame
+    q = memory_report("tiny-window", None, "quantwm")  # its length, 12 frames: sink, 1 quantized, recent, current
+    assert q["latent_frames"] == p.length and q["held_frames"] == p.window
+    assert q["bf16_bytes"] == p.window * frame and 1 < q["cache_compression"] < q["compression"]
+
+
+def test_memory_report_length_defaults_to_the_presets():
+    with pytest.raises(ValueError, match="no default length"):
+        memory_report("tiny", None, "bf16")
+
+
+def test_hy_world_keeps_its_adapters_recent_context_bf16_and_counts_both_attentions():
+    """HY-World 1.5's preset holds every frame (any may be retrieved), 108 cache layers (RoPE and PRoPE per block),
+    and by default the 12 recent frames BF16 as its adapter does: 3 chunks of 4."""
+    p = PRESETS["hy-world-1.5"]
+    assert p.layers == 108 and p.window is None and p.recent_frames == 12
+    assert memory_report("hy-world-1.5", 8, "bf16", sample_layers=1)["recent_chunks"] == 3
+    assert memory_report("hy-world-1.5", 8, "bf16", sample_layers=1, recent_chunks=0)["recent_chunks"] == 0

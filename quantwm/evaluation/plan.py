@@ -155,7 +155,8 @@ def preset_with(name: str, **overrides) -> Preset:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(PRESETS)}")
     p = PRESETS[name]
     values = {**p.__dict__, **{k: v for k, v in overrides.items() if v is not None}}
-    bad = [k for k, v in values.items() if k != "name" and (not isinstance(v, int) or v < 1)]
+    shapes = ("layers", "heads", "head_dim", "tokens_per_frame", "chunk_frames")
+    bad = [k for k in shapes if not isinstance(values[k], int) or values[k] < 1]
     if bad:
         raise ValueError(f"{', '.join(bad)} must be positive integers")
     return Preset(**values)
