@@ -302,10 +302,11 @@ class _Hooks:
         cache.write(layer, k, v, self.chunk)
         if not self.mem:
             return k[:, :0], v[:, :0]
-        frame = cache.positions(layer) // self.tokens  # (L,) latent frame of every held token, cache order
-        order = torch.cat([torch.nonzero(frame == f).flatten() for f in self.mem])  # host sync: once per layer
-        mk = cache.keys(layer)[:, order].to(k.dtype)  # (1, M, H, D), frames in `mem` order
-        mv = cache.values(layer)[:, order].to(v.dtype)
+        frame = cache.positions(layer) // self.tokens  # (L,) latent frame of every held token, cache order (host)
+        order = torch.cat([torch.nonzero(frame == f).flatten() for f in self.mem])  # host indices: no device sync
+        # every held span decoded, then the retrieved ones taken (the reference read path, not the fused kernel)
+        mk = cache.keys(layer)[:, order.to(k.device)].to(k.dtype)  # (1, M, H, D), frames in `mem` order
+        mv = cache.values(layer)[:, order.to(v.device)].to(v.dtype)
         if rope and self.shift is not None:
             cos, sin = (x.to(k.device) for x in self.shift)
             mk = runtime.module("fastvideo.layers.rotary_embedding")._apply_rotary_emb(mk, cos, sin,
