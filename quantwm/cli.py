@@ -553,8 +553,6 @@ def cmd_figures(a) -> int:
 
 def cmd_frontier(a) -> int:
     from .drivers.frontier import (
-        GRID,
-        QUICK_GRID,
         describe_leads,
         describe_meter,
         frontier_figure,
@@ -562,6 +560,7 @@ def cmd_frontier(a) -> int:
         make_tasks,
         summarise,
         sweep,
+        sweep_grid,
         within,
     )
     from .evaluation.figures import check_formats
@@ -572,12 +571,13 @@ def cmd_frontier(a) -> int:
     for s in sources:
         if s != "world" and not (s.startswith("trace:") and Path(s[6:]).is_file()):
             raise ValueError(f"a source is 'world' or 'trace:FILE' (an existing trace file), got {s!r}")
-    grid = QUICK_GRID if a.quick else GRID
+    full = sweep_grid()
+    grid = sweep_grid(quick=True) if a.quick else full
     if a.methods:
-        unknown = [m for m in _methods(a.methods) if m not in GRID]
+        unknown = [m for m in _methods(a.methods) if m not in full]
         if unknown:
-            raise ValueError(f"no sweep defined for {unknown[0]!r}; sweepable: {', '.join(GRID)}")
-        grid = {m: grid.get(m, GRID[m]) for m in _methods(a.methods)}
+            raise ValueError(f"no sweep defined for {unknown[0]!r}; sweepable: {', '.join(full)}")
+        grid = {m: grid.get(m, full[m]) for m in _methods(a.methods)}
     budgets = _floats(a.budget, "--budget") if a.budget else None
     tasks = make_tasks(sources, grid, _ints(a.bits, "--bits"), a.target, _ints(a.seeds, "--seeds"), a.frames, budgets)
     if a.max_bits is not None:

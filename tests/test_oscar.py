@@ -123,19 +123,28 @@ def test_oscar_rejects_bad_options():
         get_method("oscar", group_size=48).encode(_randn(1, 8, 64), "k", SpanContext())
 
 
-def test_oscar_budget_rule_counts_a_spans_own_bytes_richest_first():
-    assert candidates("oscar", 128) == [{"bits": 4}, {"bits": 3}, {"bits": 2}]
-    assert configure("oscar", 2.5, 128, 1728, "k") == ({"bits": 2}, 2.25)
-    assert configure("oscar", 3.0, 128, 1728, "v") == ({"bits": 2}, 2.25)  # INT3 in one group of 128 stores 3.25
-    assert configure("oscar", 3.5, 128, 1728, "k") == ({"bits": 3}, 3.25)
+def test_oscar_budget_rule_counts_its_rotation_over_the_layer():
+    assert candidates("oscar", 128) == [{"bits": 4}, {"bits": 3}, {"bits": 2}, {"bits": 2, "scale_dtype": "fp8"}]
+    rotation = 8 * 2 * 128 * 128  # bits of the layer's D x D fp16 rotation
+    held = 2 * 4 * 1728 * 128  # two spans of 4 heads x 1728 tokens: 0.148 bits per element
+    assert configure("oscar", 2.5, 128, 1728, "k", layer_elements=held) == ({"bits": 2}, 2.25 + rotation / held)
+    assert configure("oscar", 3.5, 128, 1728, "k", layer_elements=held) == ({"bits": 3}, 3.25 + rotation / held)
+    # unknown: over the first span (here one stream of 1728 tokens, 1.19 bits), all a cache can be sure of
+    opts, bits = configure("oscar", 3.5, 128, 1728, "v")
+    assert opts == {"bits": 2} and bits == pytest.approx(2.25 + rotation / (1728 * 128))
+    with pytest.raises(ValueError, match="cannot fit"):  # fp8 scales and zeros: 2.125 + 1.19
+        configure("oscar", 3.0, 128, 1728, "k")
 
 
-def test_an_oscar_cache_at_a_budget_stores_the_chosen_width_and_its_rotation():
-    cache = KVCache(CacheConfig("oscar", budget=3.5, sink_chunks=1, recent_chunks=1), 1)
+@pytest.mark.parametrize("held_chunks,own", [(None, 2.25), (2, 3.25)])
+def test_an_oscar_cache_at_a_budget_stores_at_most_its_budget_rotation_included(held_chunks, own):
+    cache = KVCache(CacheConfig("oscar", budget=3.8, sink_chunks=1, recent_chunks=1, held_chunks=held_chunks), 1)
     g = torch.Generator().manual_seed(9)
     for i in range(4):
         k, v, q = (torch.randn(1, 4, 512, 128, generator=g) for _ in range(3))
         cache.attend(0, q, k, v, chunk=i, commit=True)
-    assert "oscar at 3.5 bits: bits=3" in cache.configuration["k"]
+    # the rotation over the 2 spans held: 0.5 bits, so INT3 (3.25) fits 3.8; unknown, over the first span: 1.0 bit
+    assert f"oscar at 3.8 bits: bits={int(own)} " in cache.configuration["k"]
     elems = 2 * 2 * 4 * 512 * 128  # K and V, 2 spans
-    assert cache.bits_per_element() == pytest.approx(3.25 + 8 * 2 * 128 * 128 * 2 / elems)  # 3.375: within 3.5
+    assert cache.bits_per_element() == pytest.approx(own + 8 * 2 * 128 * 128 * 2 / elems)  # 2.75 or 3.75
+    assert cache.bits_per_element() <= 3.8

@@ -4,35 +4,21 @@ by the method's own rule, never by the evaluated quality (docs/method.md §3.1).
     options, bits = configure("kivi", budget=2.5, head_dim=128, span_tokens=4680, kind="k")
 
 A rule is an ordered list of candidate configurations, richest first, in the order the method's source turns
-its knobs; the first whose stored bits per element fit the budget is chosen:
-
-* `rtn`: bits 8, 4, 3, 2, each with groups of 32, 64, 128 channels (more bits before finer groups).
-* `kivi`, `kivi-pre`: KIVI's 4 and 2 bits, each with groups of 32, 64, 128 (KIVI's group-size knob).
-* `qvg`, `qvg-asym`: residual bits 4, 3, 2 (the grid), each with 256, 64, 16, 6, 2 centroids per span.
-* `qvg-pro`: bits 4, 2, each with 256, 64, 16 centroids (4 stages, groups of 16, as QVG-Pro).
-* `qvg-budget`: bits 4, 3, 2.
-* `quantwm`: its allocator at the budget itself (the `quantwm-alloc` method, QuantWM's `at_budget`;
-  core/allocate.py: per channel 0-8 bits by the predicted logit error, for Keys and Values); where its tables
-  cannot fit (tiny spans at tiny budgets), its fixed configurations in a stated order: residual bits 4, 3, 2;
-  within each, PSAC rank 16, 8, 4, 2 with 8- then 4-bit coefficients, then PSAC off (QSAC alone); groups of
-  64, then 128 channels where the head allows.
-* `quantwm-paper`: bits 4, 3, 2, each with 256, 16, 4 centroids.
-* `span-rtn`: bits 8, 4, 3, 2 (every channel alike).
-* `turboquant`: TurboQuant's widths, richest first: 4 bits, its "3.5-bit" split (a quarter of the channels, 32
-  of 128, at 4 bits, the rest at 3), 3 bits, its "2.5-bit" split (3 and 2), 2 bits, 1 bit. A split stores a
-  second norm per token and its channel list, which the measured bits count (2.5 + 256 / (N·D) at D = 128).
-* `oscar`: bits 4, 3, 2 (the release's INT2 last), one group of the head dim. Its rotation is one per layer, fitted
-  once and kept by every later span (`Method.layer_constants`): the rule counts a span's own bytes (codes, scales,
-  zeros; 2.25 bits per element at 2 bits), and the cache's measured bits count the rotation's D² fp16 values once
-  per layer on top (0.15 bits per element over two spans of 4 heads × 1728 tokens at D = 128), so a budget within
-  that margin of a width's own bits can be exceeded by the rotation's share.
-* `nvfp4` (4.5 bits), `int8k-fp8v` (about 8), `bf16` (16): their one configuration, when it fits.
+its knobs; the first whose stored bits per element fit the budget is chosen. Each method declares its rule on its
+class (`Method.budget_candidates`, in its own file under quantwm/core/methods/, which says what it turns); a
+method with an allocator (`at_budget`: quantwm, quantwm-channels) runs it at the budget itself first; a format
+that fixes its own bits (nvfp4 at 4.5, int8k-fp8v at about 8, bf16 at 16) has its one configuration.
 
 Bits per element are measured, not estimated: each candidate encodes one seeded Gaussian span of the given
-shape, and its stored bytes (codes and every piece of metadata, a PSAC basis counted in full; oscar's per-layer
-rotation left out, above) are counted. A baseline's `values="channels"` (span-rtn's Value format) is a fixed option:
-its candidates are measured with it, and for Values they are the rule's widths alone (its other knobs do not
-apply to span-rtn's format).
+shape, and its stored bytes (codes and every piece of metadata, a PSAC basis counted in full) are counted. A
+per-layer constant (`Method.layer_constants`: oscar's D x D fp16 rotation, fitted once and kept by every later span)
+is counted over `layer_elements`, the elements the layer's quantized spans will hold when the run ends, where the
+caller knows them (`CacheConfig.held_chunks`: `quantwm eval` passes its rollout's; a window's quantized chunks);
+else over the first span, all a cache can be sure of. The cache's measured bits count that constant once over
+everything the layer holds, so this share is what it adds at the run's end: amortised over less, a method fits
+at a cheaper configuration than it needed; over more, the run would store more than its budget.
+A baseline's `values="channels"` (span-rtn's Value format) is a fixed option: its candidates are measured with it,
+and for Values they are the rule's widths alone (its other knobs do not apply to span-rtn's format).
 A method none of whose candidates fits raises `BudgetError` (a ValueError) naming its cheapest configuration.
 """
 from __future__ import annotations
@@ -45,55 +31,31 @@ import torch
 from .methods import REGISTRY, SpanContext, get_method, parse_method_name
 from .quant import BudgetError
 
-GROUPS = (32, 64, 128)
-PSAC_STEPS = ((16, 8), (16, 4), (8, 8), (8, 4), (4, 8), (4, 4), (2, 4))
-
 
 def candidates(method: str, head_dim: int, kind: str = "k") -> list[dict]:
-    """The rule's configurations for `method`, richest first (options for `get_method`); quantwm's Values have
-    no PSAC, so their candidates turn the residual's knobs only."""
-    base = parse_method_name(method)[0]
-    groups = [g for g in GROUPS if head_dim % g == 0]
-    if base == "rtn":
-        return [{"bits": b, "group_size": g} for b in (8, 4, 3, 2) for g in groups]
-    if base in ("kivi", "kivi-pre"):
-        return [{"bits": b, "group_size": g} for b in (4, 2) for g in GROUPS]
-    if base in ("qvg", "qvg-asym"):
-        return [{"bits": b, "n_centroids": k} for b in (4, 3, 2) for k in (256, 64, 16, 6, 2)]
-    if base == "qvg-pro":
-        return [{"bits": b, "n_centroids": k} for b in (4, 2) for k in (256, 64, 16)]
-    if base == "qvg-budget":
-        return [{"bits": b} for b in (4, 3, 2)]
-    if base == "quantwm-paper":
-        return [{"bits": b, "n_centroids": k} for b in (4, 3, 2) for k in (256, 16, 4)]
-    if base == "span-rtn":
-        return [{"bits": b} for b in (8, 4, 3, 2)]
-    if base == "oscar":
-        return [{"bits": b} for b in (4, 3, 2)]
-    if base == "turboquant":
-        k = head_dim // 4  # the paper's 32 outlier channels of 128
-
-        def split(b):
-            return [{"bits": b, "outlier_channels": k, "outlier_bits": b + 1}] if k else []
-        return [{"bits": 4}, *split(3), {"bits": 3}, *split(2), {"bits": 2}, {"bits": 1}]
-    if base in REGISTRY and REGISTRY[base].at_budget == base:  # an allocator (quantwm-alloc, quantwm-channels): the
-        # budget itself is its one configuration (`configure` tries it first)
-        return []
-    if base in ("quantwm", "quantwm-qsac", "quantwm-psac"):
-        wide = [g for g in (64, 128) if head_dim % g == 0]
-        if kind == "v":
-            return [{"bits": b, "group_size": g} for b in (4, 3, 2) for g in wide]
-        psac = [{"psac_rank": r, "psac_bits": pb} for r, pb in PSAC_STEPS if r <= head_dim] if base != "quantwm-qsac" else []
-        off = [{"psac": False}] if base == "quantwm" else [] if base == "quantwm-psac" else [{}]
-        return [{"bits": b, "group_size": g, **p} for b in (4, 3, 2) for g in wide for p in psac + off]
-    if base in REGISTRY and not REGISTRY[base].takes_bits:
-        return [{}]
-    raise ValueError(f"no budget rule for method {method!r}")
+    """The rule's configurations for `method` (its class's `budget_candidates`), richest first (options for
+    `get_method`)."""
+    try:
+        return REGISTRY[parse_method_name(method)[0]].budget_candidates(head_dim, kind)
+    except NotImplementedError:
+        raise ValueError(f"no budget rule for method {method!r}") from None
 
 
 @functools.lru_cache(maxsize=4096)
 def measured_bits(method: str, options: tuple, head_dim: int, span_tokens: int, kind: str) -> float:
-    """Stored bits per element of one span of (span_tokens, head_dim) under `method` with `options`."""
+    """Stored bits per element of one span of (span_tokens, head_dim) under `method` with `options`: its own bytes
+    (a per-layer constant, `layer_bits`, apart)."""
+    return 8 * _measured_bytes(method, options, head_dim, span_tokens, kind)[0] / (span_tokens * head_dim)
+
+
+def layer_bits(method: str, options: tuple, head_dim: int, span_tokens: int, kind: str, layer_elements: int) -> float:
+    """Bits per element of `method`'s per-layer constants (oscar's rotation) counted over `layer_elements`."""
+    return 8 * _measured_bytes(method, options, head_dim, span_tokens, kind)[1] / layer_elements
+
+
+@functools.lru_cache(maxsize=4096)
+def _measured_bytes(method: str, options: tuple, head_dim: int, span_tokens: int, kind: str) -> tuple[int, int]:
+    """(a span's own stored bytes, its per-layer constants' bytes) of a dry encode of one Gaussian span."""
     base = parse_method_name(method)[0]
     m = get_method(base, **dict(options))
     if any(f.name == "iters" for f in dataclasses.fields(m)):  # bytes do not depend on the k-means iterations
@@ -102,8 +64,10 @@ def measured_bits(method: str, options: tuple, head_dim: int, span_tokens: int, 
     x = torch.randn(1, span_tokens, head_dim, generator=g, device="cpu")
     stats = torch.eye(head_dim, device="cpu")[None] + 0.1 * torch.ones(1, head_dim, head_dim, device="cpu")  # PSAC's basis
     enc = m.encode(x, kind, SpanContext(stats=stats, history=1))
-    stored = sum(t.numel() * t.element_size() for t in enc.components().values()) if m.layer_constants else enc.nbytes()
-    return 8 * stored / x.numel()
+    if not m.layer_constants:
+        return enc.nbytes(), 0
+    own = sum(t.numel() * t.element_size() for t in enc.components().values())
+    return own, sum(t.numel() * t.element_size() for t in enc.shared().values())
 
 
 def on_span(method: str, options: dict, span: torch.Tensor, kind: str) -> float:
@@ -114,12 +78,14 @@ def on_span(method: str, options: dict, span: torch.Tensor, kind: str) -> float:
 
 
 def configure(method: str, budget: float, head_dim: int, span_tokens: int, kind: str,
-              span: torch.Tensor | None = None, options: dict | None = None) -> tuple[dict, float]:
+              span: torch.Tensor | None = None, options: dict | None = None,
+              layer_elements: int | None = None) -> tuple[dict, float]:
     """(options, measured bits per element) of the richest configuration of `method` within `budget`. With the
     real `span` (S, N, D) (the cache passes its first quantized span), a configuration must also fit on it: one
     whose scales or codebook the data widens past the budget is passed over for the next. `options` (the
     cache's method_options, `--set`) are fixed: every candidate is measured with them, and they win over a
-    candidate's own value of the same option."""
+    candidate's own value of the same option. `layer_elements`: what a per-layer constant is counted over (the
+    module's docstring; None: the first span, `span` or one stream of span_tokens)."""
     if not budget > 0:
         raise ValueError(f"a budget is a positive number of bits per element, got {budget}")
     if head_dim < 1 or span_tokens < 1:
@@ -129,6 +95,7 @@ def configure(method: str, budget: float, head_dim: int, span_tokens: int, kind:
     cheapest, tried = None, []
     allocator = [{"budget": budget}] if REGISTRY[parse_method_name(method)[0]].at_budget else []  # quantwm-alloc
     rule = candidates(method, head_dim, kind)
+    over = layer_elements or (span.numel() if span is not None else span_tokens * head_dim)
     if kind == "v" and fixed.get("values") == "channels":  # span-rtn's Value format: only the widths apply
         rule = [{"bits": b} for b in dict.fromkeys(c["bits"] for c in rule if "bits" in c)]
     for opts in allocator + rule:
@@ -137,11 +104,13 @@ def configure(method: str, budget: float, head_dim: int, span_tokens: int, kind:
             continue
         tried.append(opts)
         try:
-            bits = measured_bits(method, tuple(sorted(opts.items())), head_dim, span_tokens, kind)
+            key = (method, tuple(sorted(opts.items())), head_dim, span_tokens, kind)
+            layer = layer_bits(*key, over)
+            bits = measured_bits(*key) + layer
         except ValueError:  # a configuration this shape cannot take (a group larger than the span, ...)
             continue
         if bits <= budget + 1e-9 and span is not None and "budget" not in opts:
-            bits = on_span(method, opts, span, kind)
+            bits = on_span(method, opts, span, kind) + layer
         if bits <= budget + 1e-9:
             return opts, bits
         cheapest = min(cheapest or (bits, opts), (bits, opts), key=lambda t: t[0])
@@ -156,9 +125,11 @@ def describe(options: dict) -> str:
 
 
 def fit_methods(methods: list[str], budget_k: float | None, budget_v: float | None, head_dim: int, span_tokens: int,
-                target: str = "kv", options: dict | None = None) -> tuple[list[str], dict[str, str]]:
+                target: str = "kv", options: dict | None = None,
+                layer_elements: int | None = None) -> tuple[list[str], dict[str, str]]:
     """(the methods that fit their budgets, {left-out method: the one-line reason}) for spans of this shape;
-    only the halves `target` quantizes are held to a budget, each with the fixed `options` (`configure`)."""
+    only the halves `target` quantizes are held to a budget, each with the fixed `options` and `layer_elements`
+    (`configure`)."""
     kept, left_out = [], {}
     for m in methods:
         if parse_method_name(m)[0] == "bf16":
@@ -169,7 +140,7 @@ def fit_methods(methods: list[str], budget_k: float | None, budget_v: float | No
         try:
             for kind, budget in (("k", budget_k), ("v", budget_v)):
                 if budget is not None and kind in target:
-                    configure(m, budget, head_dim, span_tokens, kind, options=options)
+                    configure(m, budget, head_dim, span_tokens, kind, options=options, layer_elements=layer_elements)
             kept.append(m)
         except ValueError as e:
             left_out[m] = str(e)

@@ -159,8 +159,12 @@ class KVCache(MemoryAccounting, QueryHistory):
             return
         from .budget import configure, describe
 
-        N, D = span.shape[1:]
-        opts, bits = configure(self.config.base_method, budget, D, N, kind, span, dict(self.config.method_options))
+        S, N, D = span.shape
+        c = self.config
+        window = c.max_chunks - c.sink_chunks - c.recent_chunks if c.max_chunks is not None else None
+        held = c.held_chunks or (window if window and window >= c.span_chunks else None)
+        layer_elements = S * D * N * held // c.span_chunks if held else span.numel()  # chunks of N / span_chunks tokens
+        opts, bits = configure(c.base_method, budget, D, N, kind, span, dict(c.method_options), layer_elements)
         rest = {k: v for k, v in opts.items() if k != "bits"}
         method = make_method(self.config.method, opts.get("bits", 2), {**dict(self.config.method_options), **rest})
         if kind == "k":

@@ -46,6 +46,9 @@ class CacheConfig:
     selfcheck:     check each kernel against its reference on first use (core/selfcheck.py); False: trust them
     layers:        the layers whose spans are quantized (None: all); the others keep every chunk full precision and
                    are counted so in memory (layer sensitivity, world/sensitivity.py); `KVCache` checks the range
+    held_chunks:   quantized chunks a layer will hold at the end of the run, where the caller knows (a rollout of
+                   known length): a budget counts a per-layer constant (oscar's rotation) over them; None: over a
+                   window's quantized chunks where there is one, else over the first span (core/budget.py)
     """
 
     method: str = "bf16"
@@ -72,6 +75,7 @@ class CacheConfig:
     track_queries: bool | None = None  # keep S: None where a method reads it, True also for diagnostics
     selfcheck: bool = True  # the kernels' first-use self-check against their references (core/selfcheck.py)
     layers: tuple[int, ...] | None = None  # the layers quantized (None: all; the others stay full precision)
+    held_chunks: int | None = None  # quantized chunks a layer holds at the run's end, where known (budgets)
 
     def __post_init__(self):
         base, suffix = parse_method_name(self.method)
@@ -106,6 +110,9 @@ class CacheConfig:
             raise ValueError(f"track_queries must be None, True or False, got {self.track_queries!r}")
         if self.span_chunks < 1:
             raise ValueError(f"span_chunks must be >= 1, got {self.span_chunks}")
+        if self.held_chunks is not None and (isinstance(self.held_chunks, bool) or not isinstance(self.held_chunks, int)
+                                             or self.held_chunks < 1):
+            raise ValueError(f"held_chunks must be None or an integer >= 1, got {self.held_chunks!r}")
         if self.layers is not None:
             if isinstance(self.layers, str | int) or not all(isinstance(x, int) and x >= 0 for x in self.layers):
                 raise ValueError(f"layers must be None (all) or layer indices >= 0, got {self.layers!r}")

@@ -24,28 +24,18 @@ from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
-BUDGETS = (2.25, 2.5, 2.75, 3.0, 3.5, 4.0)  # bits per element (stored bytes) the envelope is read at
-# The budget knobs each method sweeps (on top of bits 2/3/4). Paper presets keep their configuration except
-# the knob that sets the budget; every point is labelled with its options.
-GRID: dict[str, list[dict]] = {
-    "rtn": [{"group_size": g} for g in (32, 64, 128)],
-    "kivi": [{"group_size": g} for g in (32, 64, 128)],
-    "kivi-pre": [{"group_size": g} for g in (32, 64, 128)],  # traces only: the built-in model cannot run pre-RoPE keys
-    "qvg": [{"n_centroids": k} for k in (2, 6, 16, 64, 256)],
-    "qvg-asym": [{"n_centroids": k} for k in (2, 6, 16, 64, 256)],
-    "qvg-budget": [{}],
-    # the allocator at each budget the envelope is read at (its bits are the budget, whatever --bits says)
-    "quantwm": [{"budget": b} for b in BUDGETS],
-    "quantwm-paper": [{"n_centroids": k} for k in (4, 16, 256)],
-    "span-rtn": [{}],
-    "turboquant": [{}, {"outlier_channels": 32}],  # plain, and the paper's split (32 channels one bit wider)
-    "oscar": [{}],
-    "quantwm-channels": [{"budget": b} for b in BUDGETS],  # the allocator without the Queries' basis (ablation)
-    # deployed formats: their bits are fixed, so one point each whatever --bits says
-    "nvfp4": [{}],
-    "int8k-fp8v": [{}],
-}
-QUICK_GRID: dict[str, list[dict]] = {"rtn": [{}], "qvg": [{"n_centroids": 6}], "quantwm": [{"budget": 2.5}]}
+from ..core.methods import method_sweeps
+from ..core.methods.base import BUDGETS  # bits per element (stored bytes) the envelope is read at
+
+
+def sweep_grid(quick: bool = False) -> dict[str, list[dict]]:
+    """{method: its presets}: the budget knobs each registered method sweeps on top of bits 2/3/4, declared on its
+    class (`Method.sweep`; paper presets keep their configuration except the knob that sets the budget, the
+    allocators name each budget of `BUDGETS`, a format that fixes its bits has one point). Every point is labelled
+    with its options. `quick`: the methods that declare a `quick_sweep`, with it (`frontier --quick`)."""
+    return method_sweeps(quick)
+
+
 SHIFT = {"world": "place_shift_rate", "trace": "shift_rate"}
 HIGHER_IS_BETTER = ("psnr", "ssim")  # every other metric is an error: lower is better
 METRICS = ("shift_rate", "place_shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error", "attn_out_rel_err",

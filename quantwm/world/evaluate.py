@@ -119,7 +119,7 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
     `budget`: (Keys, Values) bits per element: each method configures itself within it (docs/method.md §3.1);
     one that cannot is left out, with its reason in `report["config"]["left_out"]`."""
     seeds = check_worlds(seeds, training_seeds, training_photos, world)
-    configs, left_out = method_configs(model, methods, target, bits, method_options, budget)
+    configs, left_out = method_configs(model, methods, target, bits, method_options, budget, n_frames)
     rollout = dict(steps=steps, world=world, photos=PHOTOS[training_photos])
     lpips_note = M.lpips_unavailable()
     per = {m: {k: [] for k in (*FRAME_METRICS, *RUN_METRICS, "place_shift_rate_per_layer")} for m in configs}
@@ -172,14 +172,18 @@ def check_worlds(seeds, training_seeds: bool, training_photos: str | None, world
 
 
 def method_configs(model: WorldModel, methods, target: str, bits: int, method_options: tuple,
-             budget: tuple) -> tuple[dict, dict]:
+             budget: tuple, n_frames: int | None = None) -> tuple[dict, dict]:
     """({method: CacheConfig} of the methods that fit the budget, {method: why} of those left out); every name and
-    option is validated before any work."""
+    option is validated before any work. `n_frames`: the rollout's length, whose quantized chunks (all but the sink
+    and recent chunk) a budget counts a per-layer constant over (oscar's rotation; core/budget.py)."""
     mc = model.cfg
-    methods, left_out = fit_methods(methods, *budget, mc.head_dim, mc.chunk_frames * mc.tokens_per_frame, target,
-                                    dict(method_options))
+    held = (max(1, n_frames // mc.chunk_frames - CacheConfig.sink_chunks - CacheConfig.recent_chunks) if n_frames
+            else None)  # the configs below keep CacheConfig's sink and recent chunks
+    chunk_tokens = mc.chunk_frames * mc.tokens_per_frame
+    methods, left_out = fit_methods(methods, *budget, mc.head_dim, chunk_tokens, target, dict(method_options),
+                                    held and mc.heads * held * chunk_tokens * mc.head_dim)
     configs = {m: CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits, method_options=method_options,
-                              budget_k=budget[0], budget_v=budget[1]) for m in methods}
+                              budget_k=budget[0], budget_v=budget[1], held_chunks=held) for m in methods}
     for c in configs.values():
         KVCache(c, 1)
     return configs, left_out

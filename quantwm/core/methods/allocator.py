@@ -46,7 +46,7 @@ from ..query_basis import (
     weighted_source,
 )
 from ..tables import on_device
-from .base import Method, SpanContext, register
+from .base import BUDGETS, Method, SpanContext, register
 from .qvg import QVGBudget
 
 REUSE_RANK = 16  # a stored basis holds while its first (at most) 16 columns capture S's top-16 energy
@@ -83,6 +83,11 @@ class QuantWMAlloc(QVGBudget):
         if self.basis_rank < 1 or not 0 < self.basis_reuse <= 1 or not 0 <= self.basis_share < 1:
             raise ValueError(f"need basis_rank >= 1, basis_reuse in (0, 1] and basis_share in [0, 1), got "
                              f"{self.basis_rank}, {self.basis_reuse}, {self.basis_share}")
+
+    @classmethod
+    def budget_candidates(cls, head_dim: int, kind: str) -> list[dict]:
+        """None: the budget itself is its one configuration (`at_budget`, which `configure` tries first)."""
+        return []
 
     def grid(self) -> str:
         basis = (f", Keys in the history Queries' basis (top {self.basis_rank} directions, shared while it captures "
@@ -336,4 +341,5 @@ class QuantWMChannels(QuantWMAlloc):
     name = "quantwm-channels"
     source = "this project: an ablation of quantwm-alloc"
     at_budget = "quantwm-channels"
+    sweep = tuple({"budget": b} for b in BUDGETS)  # the allocator without the Queries' basis (ablation)
     query_basis: bool = False

@@ -68,7 +68,20 @@ class Method:
     at_budget: str | None = None  # the registry name of this family's method that takes `budget=B` (its allocator)
     source = ""  # where the method comes from: its paper's arXiv id and released code, or "this project"
     layer_constants = False  # True: its layouts' shared tensors are one per layer, computed once and kept by every
-    # later span (oscar's rotation): a budget counts a span's own bytes; the cache counts those once per layer
+    # later span (oscar's rotation): the cache counts those once per layer; its budget rule says how it counts them
+    sweep: tuple[dict, ...] = ()  # the frontier's presets (drivers/frontier.py): options it sweeps at every --bits
+    # (a preset naming its budget, or a format fixing its bits, runs once); () : not swept. Read from the class
+    # itself, never a parent's (a preset sweeps what its own class says), as `source`
+    quick_sweep: tuple[dict, ...] = ()  # `frontier --quick`'s presets; () : the full `sweep`
+
+    @classmethod
+    def budget_candidates(cls, head_dim: int, kind: str) -> list[dict]:
+        """The budget rule (quantwm.core.budget.configure): constructor options, richest first, in the order the
+        method's source turns its knobs; the first whose measured bits fit the budget is chosen. A format that fixes
+        its own bits has its one configuration; a method that takes bits declares its rule (NotImplementedError)."""
+        if not cls.takes_bits:
+            return [{}]
+        raise NotImplementedError(f"{cls.__name__} declares no budget rule")
 
     def encode(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> Layout:
         raise NotImplementedError
@@ -91,6 +104,7 @@ class Method:
 
 
 REGISTRY: dict[str, type] = {}
+BUDGETS = (2.25, 2.5, 2.75, 3.0, 3.5, 4.0)  # bits per element the frontier's envelope is read at (an allocator's sweep)
 JENSEN_SUFFIX = "+jensen"
 
 
@@ -110,6 +124,13 @@ def method_sources() -> list[tuple[str, str, str]]:
     (`quantwm methods` prints them). A preset's source is its own class's `source`, never its parent's (a preset
     built on another's code is not that one's paper); "-" where none is given."""
     return [(n, "bits" if c.takes_bits else "fixed", vars(c).get("source") or "-") for n, c in sorted(REGISTRY.items())]
+
+
+def method_sweeps(quick: bool = False) -> dict[str, list[dict]]:
+    """{name: its frontier presets} of every registered method that declares a `sweep` on its own class, by name;
+    `quick`: its `quick_sweep` where it declares one, and only those methods (`frontier --quick`)."""
+    attr = "quick_sweep" if quick else "sweep"
+    return {n: list(vars(c)[attr]) for n, c in sorted(REGISTRY.items()) if vars(c).get(attr)}
 
 
 def parse_method_name(name: str) -> tuple[str, bool]:

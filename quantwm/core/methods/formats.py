@@ -57,6 +57,7 @@ class NVFP4(Method):
     name = "nvfp4"
     source = "NVIDIA NVFP4, the KV-cache format of LongLive-2.0"
     takes_bits = False
+    sweep = ({},)  # its bits are fixed: one point whatever --bits says
 
     def validate(self, x: torch.Tensor, kind: str) -> None:
         super().validate(x, kind)
@@ -86,6 +87,7 @@ class Int8KFP8V(Method):
     name = "int8k-fp8v"
     source = "LightX2V's quantized KV cache (code github.com/ModelTC/LightX2V)"
     takes_bits = False
+    sweep = ({},)  # its bits are fixed: one point whatever --bits says
 
     def grid(self) -> str:
         return ("Keys symmetric INT8, one fp32 scale per 64 tokens x channels; Values fp8-e4m3, one fp32 scale "

@@ -22,7 +22,8 @@ whole chunks, as for `kivi`.
 
 Calibration: the release fits R offline, once per layer, on a calibration set, and serves with it fixed. Here,
 training-free, R is fitted at the layer's first span quantized with a history, from that history, and kept
-(SpanContext.state): every later span shares it, and the cache counts its D² fp16 values once per layer. Spans
+(SpanContext.state): every later span shares it, and the cache counts its D² fp16 values once per layer; the budget
+rule counts them too, over what the layer will hold (core/budget.py, `budget_candidates`). Spans
 quantized before any history use H alone (the release's data-free `hadamard` mode) and store nothing.
 
 Deviations from the release, named:
@@ -99,6 +100,16 @@ class OSCAR(Method):
     v_clip: float = 0.92
     scale_dtype: str = "fp16"
     values: str = "own"
+    sweep = ({},)
+
+    @classmethod
+    def budget_candidates(cls, head_dim: int, kind: str) -> list[dict]:
+        """Bits 4, 3, 2 (the release's INT2 last), one group of the head dim; last, 2 bits with fp8 scales and zeros
+        (a deviation, named: the release serves fp32 ones, the paper counts 16-bit ones), which keep the paper's
+        0.25 bits of side information per element where the head dim (64 in the built-in model) is below the
+        release's group of 128 channels. The layer's rotation is counted on top (`layer_constants`, core/budget.py:
+        over the elements the layer will hold where the caller knows them, else over the first span)."""
+        return [{"bits": b} for b in (4, 3, 2)] + [{"bits": 2, "scale_dtype": "fp8"}]
 
     def __post_init__(self):
         check_bits(self.bits)

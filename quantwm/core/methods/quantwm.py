@@ -33,8 +33,21 @@ from ..layouts import Codebook, Compensated, Grouped, Layout, RankCompensated
 from ..psac import psac_basis, psac_encode, psac_encode_ranked, spectrum_ranks
 from ..qsac import channel_sensitivity, qsac_assign
 from ..quant import SCALE_DTYPES, check_bits, dequantize_groups
-from .base import SpanContext, register
+from .base import BUDGETS, SpanContext, register
 from .qvg import QVGBudget
+
+PSAC_STEPS = ((16, 8), (16, 4), (8, 8), (8, 4), (4, 8), (4, 4), (2, 4))  # (rank, coefficient bits), richest first
+
+
+def fixed_candidates(head_dim: int, kind: str, psac: bool, off: list[dict]) -> list[dict]:
+    """QuantWM's fixed configurations, richest first: residual bits 4, 3, 2; within each, groups of 64 then 128
+    channels where the head allows; within each, PSAC rank 16, 8, 4, 2 with 8- then 4-bit coefficients (`psac`),
+    then `off` (PSAC off: QSAC alone). Values have no PSAC: the residual's knobs only."""
+    wide = [g for g in (64, 128) if head_dim % g == 0]
+    if kind == "v":
+        return [{"bits": b, "group_size": g} for b in (4, 3, 2) for g in wide]
+    steps = [{"psac_rank": r, "psac_bits": pb} for r, pb in PSAC_STEPS if r <= head_dim] if psac else []
+    return [{"bits": b, "group_size": g, **p} for b in (4, 3, 2) for g in wide for p in steps + off]
 
 
 @register("quantwm")
@@ -44,6 +57,8 @@ class QuantWM(QVGBudget):
     source = "this project (docs/method.md §2)"
     uses_queries = True
     at_budget = "quantwm-alloc"
+    sweep = tuple({"budget": b} for b in BUDGETS)  # the allocator at each envelope budget, whatever --bits says
+    quick_sweep = ({"budget": 2.5},)
     qsac: bool = True
     psac: bool = True
     lam: float = 16.0
@@ -71,6 +86,13 @@ class QuantWM(QVGBudget):
             raise ValueError(f"psac_energy must lie in (0, 1] (with per-direction scales), got {self.psac_energy}")
         if self.psac_rank < 1 or self.lam < 0 or (self.candidates is not None and self.candidates < 1):
             raise ValueError("psac_rank must be >= 1, lam >= 0 and candidates >= 1 or None")
+
+    @classmethod
+    def budget_candidates(cls, head_dim: int, kind: str) -> list[dict]:
+        """After its allocator at the budget itself (`at_budget`, which `configure` tries first: per channel 0-8
+        bits by the predicted logit error), where its tables cannot fit (tiny spans at tiny budgets): its fixed
+        configurations (`fixed_candidates`), PSAC then QSAC alone."""
+        return fixed_candidates(head_dim, kind, psac=True, off=[{"psac": False}])
 
     def grid(self) -> str:
         parts = [super().grid()]
@@ -120,6 +142,11 @@ class QuantWMQSAC(QuantWM):
     at_budget = None
     psac: bool = False
 
+    @classmethod
+    def budget_candidates(cls, head_dim: int, kind: str) -> list[dict]:
+        """QuantWM's fixed configurations without PSAC (`fixed_candidates`)."""
+        return fixed_candidates(head_dim, kind, psac=False, off=[{}])
+
 
 @register("quantwm-psac")
 @dataclass(frozen=True)
@@ -128,6 +155,11 @@ class QuantWMPSAC(QuantWM):
     source = "this project: an ablation of quantwm"
     at_budget = None
     qsac: bool = False
+
+    @classmethod
+    def budget_candidates(cls, head_dim: int, kind: str) -> list[dict]:
+        """QuantWM's fixed configurations, PSAC always on (`fixed_candidates`)."""
+        return fixed_candidates(head_dim, kind, psac=True, off=[])
 
 
 @register("quantwm-paper")
@@ -162,3 +194,9 @@ class QuantWMPaper(QuantWM):
     basis_reuse: float = 1.0 + 1e-6  # a basis per span: the paper shares none
     history_only: bool = True
     causal_stats: bool = True
+    sweep = tuple({"n_centroids": k} for k in (4, 16, 256))
+
+    @classmethod
+    def budget_candidates(cls, head_dim: int, kind: str) -> list[dict]:
+        """Bits 4, 3, 2, each with 256, 16, 4 centroids."""
+        return [{"bits": b, "n_centroids": k} for b in (4, 3, 2) for k in (256, 16, 4)]

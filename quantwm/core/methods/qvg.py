@@ -41,6 +41,8 @@ from .rtn import GroupMethod
 class QVG(GroupMethod):
     name = "qvg"
     source = "arXiv 2602.02958; code github.com/svg-project/Quant-VideoGen (read at 0601468)"
+    sweep = tuple({"n_centroids": k} for k in (2, 6, 16, 64, 256))
+    quick_sweep = ({"n_centroids": 6},)
     n_centroids: int = 256
     min_tokens_per_centroid: int = 1
     stages: int = 1
@@ -91,12 +93,18 @@ class QVG(GroupMethod):
         r, stages = self.smooth(x, kind, ctx)
         return Codebook(stages, Grouped(self.quantize_residual(r, kind)))
 
+    @classmethod
+    def budget_candidates(cls, head_dim: int, kind: str) -> list[dict]:
+        """Residual bits 4, 3, 2 (the grid), each with 256, 64, 16, 6, 2 centroids per span."""
+        return [{"bits": b, "n_centroids": k} for b in (4, 3, 2) for k in (256, 64, 16, 6, 2)]
+
 
 @register("qvg-asym")
 @dataclass(frozen=True)
 class QVGAsym(QVG):
     name = "qvg-asym"
     source = "QVG (arXiv 2602.02958) on the asymmetric grid the paper discusses"
+    sweep = QVG.sweep
     symmetric: bool = False
 
 
@@ -108,12 +116,18 @@ class QVGPro(QVG):
     stages: int = 4
     group_size: int = 16
 
+    @classmethod
+    def budget_candidates(cls, head_dim: int, kind: str) -> list[dict]:
+        """Bits 4, 2, each with 256, 64, 16 centroids (4 stages, groups of 16, as QVG-Pro)."""
+        return [{"bits": b, "n_centroids": k} for b in (4, 2) for k in (256, 64, 16)]
+
 
 @register("qvg-budget")
 @dataclass(frozen=True)
 class QVGBudget(QVG):
     name = "qvg-budget"
     source = "this project: QVG's algorithm (arXiv 2602.02958) on QuantWM's storage"
+    sweep = ({},)
     n_centroids: int = 64
     min_tokens_per_centroid: int = 64
     iters: int = 6
@@ -122,3 +136,8 @@ class QVGBudget(QVG):
     symmetric: bool = False
     scale_rounding: str = "up"
     codebook_dtype: str = "fp8"
+
+    @classmethod
+    def budget_candidates(cls, head_dim: int, kind: str) -> list[dict]:
+        """Bits 4, 3, 2."""
+        return [{"bits": b} for b in (4, 3, 2)]

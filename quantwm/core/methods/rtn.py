@@ -24,6 +24,8 @@ from ..quant import ROUNDINGS, SCALE_DTYPES, GroupQuant, check_bits, quantize_gr
 from .base import Method, SpanContext, register
 from .span_rtn import channel_values, check_values
 
+GROUPS = (32, 64, 128)  # the group sizes a budget rule turns, finest first
+
 
 @register("bf16")
 @dataclass(frozen=True)
@@ -104,6 +106,14 @@ class ValuesOption(GroupMethod):
 class RTN(ValuesOption):
     name = "rtn"
     source = "round-to-nearest, no paper"
+    sweep = tuple({"group_size": g} for g in GROUPS)
+    quick_sweep = ({},)
+
+    @classmethod
+    def budget_candidates(cls, head_dim: int, kind: str) -> list[dict]:
+        """Bits 8, 4, 3, 2, each with the groups of 32, 64, 128 channels the head allows (more bits before finer
+        groups)."""
+        return [{"bits": b, "group_size": g} for b in (8, 4, 3, 2) for g in GROUPS if head_dim % g == 0]
 
 
 @register("kivi")
@@ -111,6 +121,12 @@ class RTN(ValuesOption):
 class KIVI(ValuesOption):
     name = "kivi"
     source = "arXiv 2402.02750; code github.com/jy-yuan/KIVI"
+    sweep = tuple({"group_size": g} for g in GROUPS)
+
+    @classmethod
+    def budget_candidates(cls, head_dim: int, kind: str) -> list[dict]:
+        """KIVI's 4 and 2 bits, each with groups of 32, 64, 128 (KIVI's group-size knob)."""
+        return [{"bits": b, "group_size": g} for b in (4, 2) for g in GROUPS]
 
     def axis(self, kind: str) -> str:
         return "token" if kind == "k" else "channel"
@@ -121,4 +137,5 @@ class KIVI(ValuesOption):
 class KIVIPre(KIVI):
     name = "kivi-pre"
     source = "KIVI (arXiv 2402.02750) on pre-RoPE keys, after a third-party LongCat-Video reproduction"
+    sweep = KIVI.sweep  # traces only: the built-in model cannot run pre-RoPE keys
     pre_rope = True

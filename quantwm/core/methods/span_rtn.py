@@ -34,10 +34,16 @@ VALUE_FORMATS = ("own", "channels")  # a baseline's `values` option: its own Val
 class SpanRTN(Method):
     name = "span-rtn"
     source = "this project (issue 33): the allocator's format at one width, no paper"
+    sweep = ({},)
     bits: int = 2
 
     def __post_init__(self):
         check_bits(self.bits)
+
+    @classmethod
+    def budget_candidates(cls, head_dim: int, kind: str) -> list[dict]:
+        """Bits 8, 4, 3, 2 (every channel alike)."""
+        return [{"bits": b} for b in (8, 4, 3, 2)]
 
     def grid(self) -> str:
         return (f"{self.bits}-bit asymmetric ({2 ** self.bits} levels) per channel over the span, every channel "

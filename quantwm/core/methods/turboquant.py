@@ -45,6 +45,7 @@ def _check_width(name: str, bits) -> None:
 class TurboQuant(Method):
     name = "turboquant"
     source = "arXiv 2504.19874 (ICLR 2026); no released code read, built from the paper"
+    sweep = ({}, {"outlier_channels": 32})  # plain, and the paper's split (32 channels one bit wider)
     bits: int = 2
     outlier_channels: int = 0
     outlier_bits: int | None = None  # None: bits + 1
@@ -61,6 +62,17 @@ class TurboQuant(Method):
             _check_width("outlier_bits", self.widths[0] if self.outlier_channels else self.outlier_bits)
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be an integer >= 0, got {self.seed!r}")
+
+    @classmethod
+    def budget_candidates(cls, head_dim: int, kind: str) -> list[dict]:
+        """TurboQuant's widths, richest first: 4 bits, its "3.5-bit" split (a quarter of the channels, 32 of 128, at
+        4 bits, the rest at 3), 3 bits, its "2.5-bit" split (3 and 2), 2 bits, 1 bit. A split stores a second norm per
+        token and its channel list, which the measured bits count (2.5 + 256 / (N·D) at D = 128)."""
+        k = head_dim // 4  # the paper's 32 outlier channels of 128
+
+        def split(b):
+            return [{"bits": b, "outlier_channels": k, "outlier_bits": b + 1}] if k else []
+        return [{"bits": 4}, *split(3), {"bits": 3}, *split(2), {"bits": 2}, {"bits": 1}]
 
     @property
     def widths(self) -> tuple[int, ...]:
