@@ -10,7 +10,7 @@ from quantwm.adapters.diffusers_wan import (
     wan_rope_at,
 )
 from quantwm.core.cache import CacheConfig, KVCache
-from quantwm.core.methods import known_methods
+from quantwm.core.methods import get_method, known_methods
 from quantwm.evaluation.analyze import analyze_trace
 from quantwm.evaluation.metrics import rel_err
 from quantwm.evaluation.trace import read_trace
@@ -129,7 +129,7 @@ def test_adapter_restores_processors_and_rope_on_exit(wan, inputs):
 
 @pytest.mark.parametrize("method", known_methods())
 def test_every_registry_method_generates_through_the_adapter(wan, inputs, method):
-    if method.startswith("kivi-pre"):  # defined on pre-RoPE keys: the adapter's pre-RoPE cache
+    if get_method(method).pre_rope:  # defined on pre-RoPE keys: the adapter's pre-RoPE cache
         cache = wan_kv_cache(wan, CacheConfig(method, rope="pre"), (HEIGHT // 2, WIDTH // 2))
     else:
         cache = wan_kv_cache(wan, CacheConfig(method))

@@ -35,13 +35,14 @@ from fake_cuda import FakeCuda, FakeCudaTensor, RealCuda
 from torch._subclasses.fake_tensor import FakeTensorDeviceMismatchError
 
 from quantwm.core.cache import CacheConfig, KVCache
-from quantwm.core.methods import method_sources
+from quantwm.core.methods import get_method, method_sources
 
 B, H, N, D = 1, 2, 64, 64  # one chunk: 64 tokens of 2 heads x 64
 METHODS = [name for name, _, _ in method_sources()]  # what `python -m quantwm methods` lists
 # budget per method where 2.5 bits cannot hold a 64-token span of head dim 64 (codebooks' share), or a fixed format
 BUDGETS = {"bf16": 16, "int8k-fp8v": 8.5, "nvfp4": 5, "quantwm-paper": 6.5, "quantwm-psac": 3.25, "qvg": 3,
-           "qvg-asym": 3, "qvg-pro": 12, "span-rtn": 2.75}
+           "qvg-asym": 3, "qvg-pro": 12, "span-rtn": 2.75,
+           "kvquant": 2.75}  # kvquant: per-token Values at head dim 64 store at least 2.52
 TOKENS = {"qvg-pro": 128}  # 4 stages of 16 centroids fit 12 bits from 128 tokens on
 
 # (site, call) -> (the most syncs one commit makes there after the first quantized span, None: as many as a
@@ -106,7 +107,7 @@ def _qkv(n: int = N):
 def _config(method: str, target: str, budget: bool, **kw) -> CacheConfig:
     if budget:
         kw["budget"] = BUDGETS.get(method, 2.5)
-    if method == "kivi-pre":
+    if get_method(method).pre_rope:
         kw["rope"] = "pre"
     return CacheConfig(method, target=target, **kw)  # check_inputs=True: on a device, a flag read at commit
 
@@ -256,7 +257,7 @@ def _matrix():
 
 @pytest.mark.parametrize("method,target,budget", _matrix())
 def test_cache_runs_on_cuda(gpu, method, target, budget):
-    cache = KVCache(_config(method, target, budget), 1, rope=_rope() if method == "kivi-pre" else None)
+    cache = KVCache(_config(method, target, budget), 1, rope=_rope() if get_method(method).pre_rope else None)
     reads = drive(cache, gpu, n=TOKENS.get(method, N))
     assert len(reads.commits) == (0 if method == "bf16" else 2)
     check_on_device(cache)
@@ -317,7 +318,7 @@ def test_query_statistics_are_re_aimed_on_the_device(gpu):
 
 def _fused():
     for method in METHODS:
-        if method != "kivi-pre":  # the fused path reads post-RoPE keys
+        if not get_method(method).pre_rope:  # the fused path reads post-RoPE keys
             yield pytest.param(method, False, "int8", (9, 0), id=f"{method}-2bit-int8")
     for method, budget in (("quantwm", True), ("quantwm-alloc", True), ("rtn", False)):
         for lowp in ("int8", "e4m3") if budget else ("e4m3",):

@@ -25,6 +25,7 @@ REL_ERR_2BIT = {
     "rtn": 0.22,
     "kivi": 0.22,
     "kivi-pre": 0.22,
+    "kvquant": 0.11,  # measured 0.095 (Keys) / 0.082 (Values): a per-span codebook, 1% outliers exact
     "qvg": 0.48,
     "qvg-asym": 0.20,
     "qvg-pro": 0.23,
@@ -111,9 +112,9 @@ def test_method_sources_name_each_baselines_paper_and_code():
 
 def test_get_method_unknown_name_lists_known_methods():
     with pytest.raises(ValueError) as e:
-        get_method("kvquant")
+        get_method("kvquant-9bit")
     msg = str(e.value)
-    assert "kvquant" in msg
+    assert "kvquant-9bit" in msg
     for m in METHODS:
         assert m in msg
 
@@ -426,7 +427,10 @@ def test_decode_and_step_shapes_match_input_odd_token_count(name, kind):
     assert m.decode(enc).shape == x.shape
     step = enc.step()
     assert step.shape == x.shape
-    assert (step > 0).all()
+    if name == "kvquant":  # its outliers are kept exact: step 0 there, and only there
+        assert (step >= 0).all() and (step > 0).float().mean() > 0.95
+    else:
+        assert (step > 0).all()
 
 
 @pytest.mark.parametrize("kind", ["k", "v"])
