@@ -27,7 +27,7 @@ from quantwm.core.attention import chunk_spans, merge_splits, new_state, span_lo
 from quantwm.core.cache import CacheConfig
 from quantwm.core.fp8 import pv_fold
 from quantwm.core.layouts import Full, Layout
-from quantwm.evaluation.analyze import _layer_cache
+from quantwm.evaluation.analyze import layer_cache
 from quantwm.evaluation.trace import read_trace
 
 
@@ -54,7 +54,7 @@ def measure(path: str, method: str, budget: float | None, formats: list[str]) ->
     pos_shift = dict.fromkeys(names, 0.0)
     for layer in trace.layers:
         t = trace.layers[layer]
-        cache, rope = _layer_cache(trace, layer, config, chunk)
+        cache, rope = layer_cache(trace, layer, config, chunk)
         q, k = t["q"].float(), t["k"].float()
         if rope is not None:
             k = rope(k[None], torch.arange(k.shape[1]))[0]

@@ -49,7 +49,7 @@ def stats_source(trace: Trace) -> str:
     return kinds.pop() if len(kinds) == 1 else "mixed"
 
 
-def _layer_cache(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: int) -> tuple[KVCache, Callable]:
+def layer_cache(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: int) -> tuple[KVCache, Callable]:
     """The traced layer's keys and values committed into a one-layer cache; returns (cache, rope or None: the
     rope that turns the trace's stored keys into post-RoPE ones)."""
     t = trace.layers[layer]
@@ -106,7 +106,7 @@ def analyze_layer(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: i
     t = trace.layers[layer]
     q, k, v = t["q"].float(), t["k"].float(), t["v"].float()
     scale = trace.softmax_scale
-    cache, rope = _layer_cache(trace, layer, config, chunk_tokens)
+    cache, rope = layer_cache(trace, layer, config, chunk_tokens)
     if rope is not None:
         k = rope(k[None], torch.arange(k.shape[1]))[0]
     k_hat, v_hat = cache.keys(0)[0], cache.values(0)[0]

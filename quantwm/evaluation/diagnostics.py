@@ -239,13 +239,13 @@ def trace_keys(trace, layer: int, method: str, target: str = "k", bits: int = 2)
     or None, top1_exact, top1_quant (H, Nq) (the latter on the biased logits).
     """
     from ..core.cache import CacheConfig
-    from .analyze import _layer_cache
+    from .analyze import layer_cache
 
     if layer not in trace.layers:
         raise ValueError(f"layer {layer} is not in the trace (layers: {', '.join(map(str, trace.layers))})")
     config = CacheConfig(method=method, target=target, k_bits=bits, v_bits=bits)
     chunk_tokens = int(trace.meta.get("chunk_frames", 1)) * trace.tokens_per_frame
-    cache, rope = _layer_cache(trace, layer, config, chunk_tokens)
+    cache, rope = layer_cache(trace, layer, config, chunk_tokens)
     t = trace.layers[layer]
     q, k = t["q"].float() * trace.softmax_scale, t["k"].float()
     if rope is not None:

@@ -52,6 +52,9 @@ def _widened_for_device(side: SideArgs) -> SideArgs:
     return side._replace(**wide)
 
 
+ROLES = ("payload", "tables", "basis", "loud")  # Layout.roles: what a stored tensor is for
+
+
 @dataclass(frozen=True, eq=False)
 class Layout:
     """A stored span of S streams (one (batch, head) of a layer each), N tokens and head dim D."""
@@ -68,6 +71,12 @@ class Layout:
     def shared(self) -> dict[str, torch.Tensor]:
         """Stored tensors this span shares with other spans (a PSAC basis); the cache counts each once."""
         return {}
+
+    def roles(self) -> dict[str, str]:
+        """What each stored tensor (components and shared) is for, one of ROLES: "payload" (the coded values),
+        "tables" (scales, low ends, codebooks), "basis" (a stored basis) or "loud" (tokens kept exact). Forms that
+        do not tell their side information apart call everything "payload"."""
+        return dict.fromkeys({**self.components(), **self.shared()}, "payload")
 
     def bytes_by_component(self) -> dict[str, int]:
         return {k: t.numel() * t.element_size() for k, t in {**self.components(), **self.shared()}.items()}

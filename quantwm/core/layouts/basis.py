@@ -42,6 +42,9 @@ class InBasis(Layout):
     def shared(self) -> dict[str, torch.Tensor]:
         return {**self.inner.shared(), "basis_reflectors": self.reflectors, "basis_scales": self.scales}
 
+    def roles(self) -> dict[str, str]:
+        return {**self.inner.roles(), "basis_reflectors": "basis", "basis_scales": "basis"}
+
     def channel_bits(self) -> torch.Tensor | None:
         """Bits per coded coordinate (S, D), coordinates in the basis' order (top Query directions first)."""
         return self.inner.channel_bits()

@@ -150,6 +150,9 @@ class Channels(Layout):
     def components(self) -> dict[str, torch.Tensor]:
         return {"alloc_bits": self.bits, "alloc_low": self.low, "alloc_step": self.step_, "alloc_codes": self.codes}
 
+    def roles(self) -> dict[str, str]:
+        return {"alloc_bits": "tables", "alloc_low": "tables", "alloc_step": "tables", "alloc_codes": "payload"}
+
     def int_codes(self) -> torch.Tensor:
         """The codes (S, N, D) int64, read from the buffer as the kernel reads them (0 on 0-bit channels)."""
         bits = self.bits.long()

@@ -47,6 +47,9 @@ class TokenSplit(Layout):
     def shared(self) -> dict[str, torch.Tensor]:
         return self.rest.shared()
 
+    def roles(self) -> dict[str, str]:
+        return {**self.rest.roles(), "loud_index": "loud", "loud_bf16": "loud"}
+
     def _scatter(self, rest: torch.Tensor, loud: torch.Tensor) -> torch.Tensor:
         S, N, D = self.shape
         out = torch.empty(S, N, D, dtype=torch.float32, device=rest.device)
