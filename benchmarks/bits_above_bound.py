@@ -205,7 +205,7 @@ def decompose_layer(trace: Trace, layer: int, budget: float = 2.5, seed: int = 0
     S_read = second_moment(t["q"].float())
     H, _, D = k.shape
     spans, side, seen, elems, start, codes = [], dict.fromkeys(SIDE, 0.0), set(), 0, 0, 0.0
-    for chunk in cache.spans(0):  # the stored layouts: the decomposition reads each span's basis and widths
+    for chunk in cache.inspect(0):  # the stored layouts: the decomposition reads each span's basis and widths
         n, layout = chunk.n_tokens, chunk.k_enc
         if layout is not None and layout.quantized:
             shared, roles = layout.shared(), layout.roles()

@@ -42,7 +42,8 @@ METHODS = [name for name, _, _ in method_sources()]  # what `python -m quantwm m
 # budget per method where 2.5 bits cannot hold a 64-token span of head dim 64 (codebooks' share), or a fixed format
 BUDGETS = {"bf16": 16, "int8k-fp8v": 8.5, "nvfp4": 5, "quantwm-paper": 6.5, "quantwm-psac": 3.25, "qvg": 3,
            "qvg-asym": 3, "qvg-pro": 12, "span-rtn": 2.75,
-           "kvquant": 2.75}  # kvquant: per-token Values at head dim 64 store at least 2.52
+           "kvquant": 2.75,  # kvquant: per-token Values at head dim 64 store at least 2.52
+           "oscar": 11}  # oscar: its 64 x 64 rotation counted over one 64-token span (the budget rule's fallback)
 TOKENS = {"qvg-pro": 128}  # 4 stages of 16 centroids fit 12 bits from 128 tokens on
 
 # (site, call) -> (the most syncs one commit makes there after the first quantized span, None: as many as a

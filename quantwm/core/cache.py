@@ -361,7 +361,7 @@ class KVCache(MemoryAccounting, QueryHistory):
         def size(c: Chunk) -> int:
             full = sum(t.numel() * t.element_size() for t in (c.k, c.v) if t is not None)
             return full + sum(e.nbytes() for e in (c.k_enc, c.v_enc) if e is not None)
-        return tuple(SpanView(c.index, c.start, c.n_tokens, c.n_chunks, c.bhd, c.quantized, size(c))
+        return tuple(SpanView(c.index, c.start, c.n_tokens, c.n_chunks, c.bhd, c.quantized, size(c), c.k_enc, c.v_enc)
                      for c in self._chunks(self._layer(layer)))
 
     def spans(self, layer: int) -> list[Chunk]:

@@ -258,7 +258,9 @@ class CacheMemory:
 @dataclass(frozen=True)
 class SpanView:
     """A frozen look at one span a layer holds (`KVCache.inspect`): chunk index and first token position, its
-    size, whether it is quantized and the bytes it stores (Keys and Values, every tensor counted)."""
+    size, whether it is quantized and the bytes it stores (Keys and Values, every tensor counted), and the stored
+    forms of its Keys and Values where quantized (`k_enc`, `v_enc`: frozen layouts, for diagnostics that read a
+    span's basis or widths; None where the half is kept full precision)."""
 
     index: int
     start: int
@@ -267,4 +269,6 @@ class SpanView:
     bhd: tuple[int, int, int]
     quantized: bool
     nbytes: int
+    k_enc: Layout | None = None
+    v_enc: Layout | None = None
 

@@ -137,8 +137,12 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
     if chunk_frames < 1:
         raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
     chunk_tokens = chunk_frames * trace.tokens_per_frame
-    head_dim = next(iter(trace.layers.values()))["k"].shape[-1]
-    methods, left_out = fit_methods(methods, *budget, head_dim, chunk_tokens, target, dict(method_options))
+    first = next(iter(trace.layers.values()))["k"]  # (H, L, D)
+    head_dim = first.shape[-1]
+    # the quantized chunks a layer holds once the trace is committed: what a per-layer constant is counted over
+    held = max(1, first.shape[1] // chunk_tokens - sink_chunks - recent_chunks)
+    methods, left_out = fit_methods(methods, *budget, head_dim, chunk_tokens, target, dict(method_options),
+                                    layer_elements=first.shape[0] * held * chunk_tokens * head_dim)
     report: dict = {"methods": {}, "trace": dict(trace.meta),
                     "config": {"target": target, "bits": bits, "chunk_frames": chunk_frames,
                                "stats": STATS_SOURCES.get(stats_source(trace), "mixed: differs by layer"),
@@ -151,7 +155,7 @@ def analyze_trace(trace: Trace, methods: list[str], target: str = "k", bits: int
             continue
         config = CacheConfig(method=m, target=target, k_bits=bits, v_bits=bits, sink_chunks=sink_chunks,
                              recent_chunks=recent_chunks, method_options=method_options, budget_k=budget[0],
-                             budget_v=budget[1])
+                             budget_v=budget[1], held_chunks=held)
         try:
             row = analyze_layer(trace, layer, config, chunk_tokens)
         except BudgetError as e:  # a budget the method's configurations fit on a Gaussian span, not on this trace
