@@ -113,12 +113,12 @@ def record_fastvideo(name: str, method: str = "quantwm", target: str = "kv", bit
     else:
         if not Path(weights).is_dir():
             raise ValueError(f"--weights {weights}: no such folder")
-        model = spec.load(weights, device)
         if size is None:
             raise ValueError("a --weights run needs --height and --width")
         cell = spec.vae_spatial * spec.patch
         if size[0] % cell or size[1] % cell:
             raise ValueError(f"height and width must be multiples of {cell}, got {size[0]}x{size[1]}")
+        model = spec.load(weights, device)  # after every check that needs no weights: a real load takes minutes
         plan = replace(spec.plan(model, latent_frames or spec.default_frames, (size[0] // spec.vae_spatial,
                                                                                size[1] // spec.vae_spatial), seed),
                        given=given)
