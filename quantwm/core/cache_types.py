@@ -2,6 +2,7 @@
 and per-layer records `KVCache` keeps (quantwm.core.cache has the contract)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -122,6 +123,19 @@ class CacheConfig:
     def base_method(self) -> str:
         """The registry name without the +jensen modifier."""
         return parse_method_name(self.method)[0]
+
+
+def frame_window(window_frames: int | None, sink_frames: int, chunk_frames: int) -> tuple[int, int | None, bool]:
+    """(sink_chunks, max_chunks, rounded) for a model whose rolling cache holds `window_frames` latent frames (the
+    chunk being generated included; None: every frame) with `sink_frames` kept at its start: the sink as whole sink
+    chunks, the window as at most ceil(W / chunk) - 1 committed chunks beside the current one (at least one past the
+    sink). `rounded`: the window or the sink was not whole chunks and was rounded up (the cache evicts whole chunks).
+    """
+    sink_chunks = math.ceil(sink_frames / chunk_frames)
+    if window_frames is None:
+        return sink_chunks, None, bool(sink_frames % chunk_frames)
+    max_chunks = max(math.ceil(window_frames / chunk_frames) - 1, sink_chunks + 1)
+    return sink_chunks, max_chunks, bool(sink_frames % chunk_frames or window_frames % chunk_frames)
 
 
 @dataclass

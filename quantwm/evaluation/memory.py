@@ -29,6 +29,7 @@ import torch
 
 from ..core.budget import fit_methods
 from ..core.cache import CacheConfig, CacheMemory, KVCache
+from ..core.cache_types import frame_window
 
 
 @dataclass(frozen=True)
@@ -110,16 +111,15 @@ def get_preset(name: str) -> Preset:
 
 
 def window_chunks(p: Preset) -> tuple[int, int | None, str]:
-    """(sink_chunks, max_chunks, note) of a preset's window, mapped as FastVideoModel.cache_config maps a model's:
-    sink frames as whole sink chunks, a window of W frames as at most ceil(W / chunk) - 1 committed chunks."""
+    """(sink_chunks, max_chunks, note) of a preset's window, by the rule a loaded model's takes too
+    (`cache_types.frame_window`, which FastVideoModel.cache_config calls)."""
     if p.sink_frames is None:
         return 1, None, "no window"
-    sink = math.ceil(p.sink_frames / p.chunk_frames)
+    sink, most, rounded = frame_window(p.window, p.sink_frames, p.chunk_frames)
     if p.window is None:
         return sink, None, f"no window (all frames held), sink {p.sink_frames} frame(s)"
-    most = max(math.ceil(p.window / p.chunk_frames) - 1, sink + 1)
     note = f"window {p.window} latent frames with sink {p.sink_frames}: at most {most} committed chunk(s) + the current"
-    if p.sink_frames % p.chunk_frames or p.window % p.chunk_frames:
+    if rounded:
         note += (f" (rounded up to whole {p.chunk_frames}-frame chunks: sink {sink * p.chunk_frames}, "
                  f"{(most + 1) * p.chunk_frames} frames held)")
     return sink, most, note

@@ -10,7 +10,6 @@ hands them to QuantWM's cache; everything else is FastVideo's.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...core.cache import CacheConfig
+from ...core.cache_types import frame_window
 from ..attention import ChunkedAttention
 from . import runtime
 
@@ -146,11 +146,8 @@ class FastVideoModel:
         whole number of chunks is rounded up to whole chunks (QuantWM evicts whole chunks) and said in `notes`."""
         window, sink = self.window(model)
         chunk = self.chunk_frames(model)
-        sink_chunks = math.ceil(sink / chunk)
-        max_chunks = None
-        if window is not None:
-            max_chunks = max(math.ceil(window / chunk) - 1, sink_chunks + 1)
-        if notes is not None and (sink % chunk or (window is not None and window % chunk)):
+        sink_chunks, max_chunks, rounded = frame_window(window, sink, chunk)
+        if notes is not None and rounded:
             notes.append(f"{self.title}'s window ({window} latent frames, sink {sink}) is not a whole number of "
                          f"{chunk}-frame chunks: QuantWM held sink {sink_chunks * chunk} and "
                          f"{(max_chunks or 0) * chunk + chunk} frames in all (whole chunks)")
@@ -226,6 +223,17 @@ def swapped_forwards(modules: list[torch.nn.Module], make: Callable[[int, torch.
                 m.__dict__.pop(name, None)
             else:
                 setattr(m, name, f)
+
+
+def own_kv_cache(layers: int, tokens: int, heads: int, head_dim: int, device, batch: int = 1) -> list[dict]:
+    """FastVideo's own per-block cache in the Self-Forcing form its causal pipelines allocate: preallocated bf16
+    `k`, `v` (batch, tokens, heads, head_dim) and the `global_end_index` / `local_end_index` counters."""
+    def entry() -> dict:
+        return {"k": torch.zeros(batch, tokens, heads, head_dim, dtype=torch.bfloat16, device=device),
+                "v": torch.zeros(batch, tokens, heads, head_dim, dtype=torch.bfloat16, device=device),
+                "global_end_index": torch.zeros(1, dtype=torch.long, device=device),
+                "local_end_index": torch.zeros(1, dtype=torch.long, device=device)}
+    return [entry() for _ in range(layers)]
 
 
 def at(attn: ChunkedAttention | None, chunk: int, commit: bool = False):

@@ -27,7 +27,7 @@ import torch
 
 from ..attention import ChunkedAttention
 from . import runtime
-from .base import FastVideoModel, Plan, Rollout, at, check_chunk, hooked, read_map, swapped_forwards
+from .base import FastVideoModel, Plan, Rollout, at, check_chunk, hooked, own_kv_cache, read_map, swapped_forwards
 
 MODULE = "fastvideo.models.dits.causal_wanvideo"
 DMD_STEPS = (1000, 750, 500, 250)  # SelfForcingWanT2V480PConfig.dmd_denoising_steps, warped
@@ -119,11 +119,7 @@ class SelfForcing(FastVideoModel):
         inp = self.given({"latents": latents, "context": context}, plan)
         latents, context = inp["latents"], inp["context"]
         window = a.local_attn_size if a.local_attn_size != -1 else a.sliding_window_num_frames
-        kv = [{} for _ in range(L)] if attn is not None else [
-            {"k": torch.zeros(1, window * frame_seqlen, H, D, dtype=dt, device=device),
-             "v": torch.zeros(1, window * frame_seqlen, H, D, dtype=dt, device=device),
-             "global_end_index": torch.zeros(1, dtype=torch.long, device=device),
-             "local_end_index": torch.zeros(1, dtype=torch.long, device=device)} for _ in range(L)]
+        kv = [{} for _ in range(L)] if attn is not None else own_kv_cache(L, window * frame_seqlen, H, D, device)
         cross = [{"k": torch.zeros(1, 8, H, D, dtype=dt, device=device),
                   "v": torch.zeros(1, 8, H, D, dtype=dt, device=device), "is_init": False} for _ in range(L)]
         cache_map = []

@@ -37,7 +37,7 @@ import torch
 
 from ..attention import ChunkedAttention
 from . import runtime
-from .base import FastVideoModel, Plan, Rollout, swapped_forwards
+from .base import FastVideoModel, Plan, Rollout, read_map, swapped_forwards
 
 MODULE = "fastvideo.models.dits.hyworld.hyworld"
 RETRIEVAL = "fastvideo.models.dits.hyworld.retrieval_context"
@@ -256,16 +256,12 @@ class _Hooks:
         self.shift = (cos, sin) if any(s > 0 for s in shifts) else None
 
     def read_map(self, chunk: int, mem: list[int]) -> dict:
-        """{"chunk", "frames", "read": {"memory": retrieved frames, "bf16"/"quantized": how each was held}}."""
-        held = {}
-        for span in self.attn.cache.inspect(0):
-            for c in range(span.index, span.index + span.n_chunks):
-                for f in range(c * self.C, (c + 1) * self.C):
-                    held[f] = "quantized" if span.quantized else "bf16"
-        read = {"memory": list(mem), "bf16": [], "quantized": []}
-        for f in mem:
-            read[held[f]].append(f)
-        return {"chunk": chunk, "frames": list(range(chunk * self.C, (chunk + 1) * self.C)), "read": read}
+        """{"chunk", "frames", "read": {"memory": retrieved frames, "bf16"/"quantized": how each was held}}: the
+        held frames' map (base.read_map) kept to the retrieved ones."""
+        entry = read_map(self.attn.cache, chunk, self.C)
+        held = entry["read"]
+        entry["read"] = {"memory": list(mem), **{how: [f for f in mem if f in held[how]] for how in held}}
+        return entry
 
     def swapped(self):
         layer_mod = runtime.module("fastvideo.layers.rotary_embedding")

@@ -20,7 +20,7 @@ import torch
 
 from ..attention import ChunkedAttention
 from . import runtime
-from .base import FastVideoModel, Plan, Rollout, at, check_chunk, hooked, read_map, swapped_forwards
+from .base import FastVideoModel, Plan, Rollout, at, check_chunk, hooked, own_kv_cache, read_map, swapped_forwards
 
 MODULE = "fastvideo.models.dits.lingbotworld2.causal_fast"
 
@@ -65,11 +65,7 @@ class LingBotWorld2(FastVideoModel):
         window, _ = self.window(model)
         kv_size = frame_seqlen * (window if window is not None else plan.latent_frames)
         dt = torch.bfloat16
-        kv = [{} for _ in range(L)] if attn is not None else [
-            {"k": torch.zeros(1, kv_size, H, D, dtype=dt, device=device),
-             "v": torch.zeros(1, kv_size, H, D, dtype=dt, device=device),
-             "global_end_index": torch.zeros(1, dtype=torch.long, device=device),
-             "local_end_index": torch.zeros(1, dtype=torch.long, device=device)} for _ in range(L)]
+        kv = [{} for _ in range(L)] if attn is not None else own_kv_cache(L, kv_size, H, D, device)
         cross = [{"k": torch.zeros(1, a.text_len, H, D, dtype=dt, device=device),
                   "v": torch.zeros(1, a.text_len, H, D, dtype=dt, device=device),
                   "is_init": torch.zeros(1, dtype=torch.bool, device=device)} for _ in range(L)]

@@ -30,7 +30,7 @@ import torch
 
 from ..attention import ChunkedAttention
 from . import runtime
-from .base import FastVideoModel, Plan, Rollout, at, check_chunk, hooked, read_map, swapped_forwards
+from .base import FastVideoModel, Plan, Rollout, at, check_chunk, hooked, own_kv_cache, read_map, swapped_forwards
 
 MODULE = "fastvideo.models.dits.matrixgame2.causal_model"
 PIPELINE_CONFIG = "fastvideo.configs.pipelines.matrixgame2:MatrixGame2I2V480PConfig"
@@ -88,16 +88,11 @@ class MatrixGame2(FastVideoModel):
         heads = act["heads_num"]
         dt = torch.bfloat16
 
-        def entry(b, n, h, d):
-            return {"k": torch.zeros(b, n, h, d, dtype=dt, device=device),
-                    "v": torch.zeros(b, n, h, d, dtype=dt, device=device),
-                    "global_end_index": torch.zeros(1, dtype=torch.long, device=device),
-                    "local_end_index": torch.zeros(1, dtype=torch.long, device=device)}
-
         return {
-            "kv_cache": [entry(1, window * frame_seqlen, H, D) if own_kv else {} for _ in range(L)],
-            "kv_cache_keyboard": [entry(1, window, heads, act["keyboard_hidden_dim"] // heads) for _ in range(L)],
-            "kv_cache_mouse": [entry(frame_seqlen, window, heads, act["mouse_hidden_dim"] // heads) for _ in range(L)],
+            "kv_cache": own_kv_cache(L, window * frame_seqlen, H, D, device) if own_kv else [{} for _ in range(L)],
+            "kv_cache_keyboard": own_kv_cache(L, window, heads, act["keyboard_hidden_dim"] // heads, device),
+            "kv_cache_mouse": own_kv_cache(L, window, heads, act["mouse_hidden_dim"] // heads, device,
+                                           batch=frame_seqlen),
             "crossattn_cache": [{"k": torch.zeros(1, IMAGE_TOKENS, H, D, dtype=dt, device=device),
                                  "v": torch.zeros(1, IMAGE_TOKENS, H, D, dtype=dt, device=device),
                                  "is_init": False} for _ in range(L)],
