@@ -18,6 +18,12 @@ def runs(tmp_path_factory):
     return RunRegistry(Workbench()), tmp_path_factory.mktemp("fastvideo-runs")
 
 
+def _record(name: str, out) -> int:
+    """`quantwm record --pipeline fastvideo:NAME --tiny` at 2.5 bits, logits of layer 1 head 0, into `out`."""
+    return main(["record", "--pipeline", f"fastvideo:{name}", "--tiny", "--budget", "2.5", "--logit-layers", "1",
+                 "--logit-heads", "0", "--out", str(out)])
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_record_tiny_writes_a_run_the_app_opens(name, runs, capsys):
     from app import overview_handlers as oh
@@ -25,8 +31,7 @@ def test_record_tiny_writes_a_run_the_app_opens(name, runs, capsys):
 
     registry, folder = runs
     out = folder / f"{name}.safetensors"
-    assert main(["record", "--pipeline", f"fastvideo:{name}", "--tiny", "--budget", "2.5", "--logit-layers", "1",
-                 "--logit-heads", "0", "--out", str(out)]) == 0
+    assert _record(name, out) == 0
     assert "open it with python app.py --run" in capsys.readouterr().out
     rid = registry.open(str(out))
     view = registry.view(rid)
@@ -44,11 +49,12 @@ def test_record_tiny_writes_a_run_the_app_opens(name, runs, capsys):
 
 
 def _opened(runs, name):
-    """(registry, run id, view) of the tiny run of `name` (recorded here unless the test above wrote it)."""
+    """(registry, run id, view) of the tiny run of `name`: the same run the test above writes, recorded here unless
+    it ran first in this process."""
     registry, folder = runs
     path = folder / f"{name}.safetensors"
     if not path.exists():
-        assert main(["record", "--pipeline", f"fastvideo:{name}", "--tiny", "--out", str(path)]) == 0
+        assert _record(name, path) == 0
     rid = registry.open(str(path))
     return registry, rid, registry.view(rid)
 
