@@ -230,7 +230,7 @@ class _Hooks:
         self.grid = (h // a.patch_size, w // a.patch_size)
         self.tokens = self.grid[0] * self.grid[1]  # tokens per latent frame
         self.C = plan.chunk_frames
-        self.chunk, self.mem = 0, []
+        self.chunk, self.mem, self.read = 0, [], {}
 
     def _rope(self, frames: int, start: int, hw: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         a = self.arch
@@ -241,6 +241,7 @@ class _Hooks:
     def at(self, chunk: int, mem: list[int]) -> None:
         """Chunk `chunk` reading frames `mem`: its RoPE at its absolute frames, each memory frame's time shift."""
         self.chunk, self.mem = chunk, mem
+        self.read = {}  # layer -> the retrieved frames' K/V: read once per chunk, every pass of it reads the same
         start = chunk * self.C
         self.freqs = self._rope(self.C, start, self.grid)
         n = len(mem)
@@ -298,6 +299,8 @@ class _Hooks:
         cache.write(layer, k, v, self.chunk)
         if not self.mem:
             return k[:, :0], v[:, :0]
+        if layer in self.read:  # the held spans do not change while a chunk is denoised (commits come at its end)
+            return self.read[layer]
         frame = cache.positions(layer) // self.tokens  # (L,) latent frame of every held token, cache order (host)
         order = torch.cat([torch.nonzero(frame == f).flatten() for f in self.mem])  # host indices: no device sync
         # every held span decoded, then the retrieved ones taken (the reference read path, not the fused kernel)
@@ -307,6 +310,7 @@ class _Hooks:
             cos, sin = (x.to(k.device) for x in self.shift)
             mk = runtime.module("fastvideo.layers.rotary_embedding")._apply_rotary_emb(mk, cos, sin,
                                                                                         is_neox_style=False)
+        self.read[layer] = mk, mv
         return mk, mv
 
     def _observe(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
