@@ -1,4 +1,5 @@
-"""The `quantwm` command line's parser: every sub-command and its flags (the commands are in quantwm.cli).
+"""The `quantwm` command line's parser: every sub-command and its flags, each sub-command's added by its own
+`_add_<command>` (the commands run in quantwm.cli and the `cli_*` modules beside it).
 
 Flags several sub-commands share are defined once, as argparse parents: what is quantized (`--method` or
 `--methods`, `--target`, `--bits`), the budget (`--budget`, `--budget-k`, `--budget-v`), `--json`, `--weights` and
@@ -64,23 +65,43 @@ def bits_flag(default: int | str = 2) -> argparse.ArgumentParser:
     return _flag("--bits", type=int if isinstance(default, int) else None, default=default)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = Parser(prog="quantwm", description="2-bit KV-cache quantization for video world models")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
-    budget, json_out, weights, options = (argparse.ArgumentParser(add_help=False) for _ in range(4))
-    add_budget(budget)
-    json_out.add_argument("--json", help="also write the report as JSON here")
-    weights.add_argument("--weights", help="world-model weights (default: the built-in model, shipped with the package)")
-    options.add_argument("--set", action="append", metavar="KEY=VALUE",
-                         help="method option for every method, e.g. --set lam=4 or --set qsac=false (repeatable)")
+def budget_flags() -> argparse.ArgumentParser:
+    """--budget / --budget-k / --budget-v (`add_budget`) as a parent parser."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_budget(p)
+    return p
+
+
+def json_flag() -> argparse.ArgumentParser:
+    """--json: where a command also writes its report."""
+    return _flag("--json", help="also write the report as JSON here")
+
+
+def weights_flag() -> argparse.ArgumentParser:
+    """--weights: the built-in world model's weights."""
+    return _flag("--weights", help="world-model weights (default: the built-in model, shipped with the package)")
+
+
+def set_flag() -> argparse.ArgumentParser:
+    """--set KEY=VALUE: a method option for every method (repeatable)."""
+    return _flag("--set", action="append", metavar="KEY=VALUE",
+                 help="method option for every method, e.g. --set lam=4 or --set qsac=false (repeatable)")
+
+
+def _add_analyze(sub) -> None:
+    """`quantwm analyze`: its sub-parser and flags."""
     s = sub.add_parser("analyze", help="attention fidelity of methods on a trace file",
-                       parents=[methods_flag(), target_flag("k"), bits_flag(), options, budget, json_out])
+                       parents=[methods_flag(), target_flag("k"), bits_flag(), set_flag(), budget_flags(), json_flag()])
     s.add_argument("--trace", required=True)
     s.add_argument("--chunk-frames", type=int, default=None, help="frames per chunk (default: the trace's, else 1)")
     s.add_argument("--sink-chunks", type=int, default=1)
     s.add_argument("--recent-chunks", type=int, default=1)
+
+
+def _add_memory(sub) -> None:
+    """`quantwm memory`: its sub-parser and flags."""
     s = sub.add_parser("memory", help="stored bytes of the cache at a real model's shapes",
-                       parents=[method_flag(), target_flag(), bits_flag(), budget, json_out])
+                       parents=[method_flag(), target_flag(), bits_flag(), budget_flags(), json_flag()])
     s.add_argument("--preset", default="wan-1.3b",
                    help=f"shapes: {', '.join(PRESETS)}, causal-forcing; the QuantWM paper's five models carry their "
                         "window and length as FastVideo 0.2.1 runs them (docs/results.md)")
@@ -92,8 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--span-chunks", type=int, default=1, help="chunks quantized together as one span (QVG: 8)")
     s.add_argument("--queries", choices=("drift", "none"), default="drift",
                    help="drift: a synthetic query stream whose subspace moves (as deployed); none: S stays identity")
+
+
+def _add_plan(sub) -> None:
+    """`quantwm plan`: its sub-parser and flags."""
     s = sub.add_parser("plan", help="bits per element a rollout or window needs to fit a memory limit, frames that "
-                                    "fit, and the quality the frontier measured at that budget", parents=[json_out])
+                                    "fit, and the quality the frontier measured at that budget", parents=[json_flag()])
     s.add_argument("--model", default="wan-1.3b", help=f"shape preset: {', '.join(PRESETS)}")
     for flag in ("layers", "heads", "head-dim", "tokens-per-frame", "chunk-frames"):
         s.add_argument(f"--{flag}", type=int, default=None, help=f"{flag.replace('-', ' ')} (overrides --model)")
@@ -107,6 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-gb", type=float, required=True, help="memory limit for the KV cache, GiB")
     s.add_argument("--frontier", default=None, help="frontier file whose envelope gives the quality figures "
                                                    "(default: docs/frontier/world.json of this checkout)")
+
+
+def _add_synth_trace(sub) -> None:
+    """`quantwm synth-trace`: its sub-parser and flags."""
     s = sub.add_parser("synth-trace", help="write the synthetic world-memory trace")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--layers", type=int, default=4)
@@ -121,8 +150,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk-frames", type=int, default=3, help="frames per chunk: a span holds grid x this many tokens")
     s.add_argument("--cached-frames", type=int, default=24, help="frames in the cache (a multiple of --chunk-frames)")
     s.add_argument("--out", required=True)
+
+
+def _add_eval(sub) -> None:
+    """`quantwm eval`: its sub-parser and flags."""
     s = sub.add_parser("eval", help="BF16 vs methods on the built-in world model",
-                       parents=[methods_flag(), target_flag(), bits_flag(), options, weights, budget, json_out])
+                       parents=[methods_flag(), target_flag(), bits_flag(), set_flag(), weights_flag(), budget_flags(),
+                                json_flag()])
     s.add_argument("--seeds", default="0,1,2,3")
     s.add_argument("--frames", type=int, default=32)
     s.add_argument("--trajectory", default="loop")
@@ -149,12 +183,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also, per method: one layer at a time quantized (the rest BF16) and one layer at a time kept "
                         "BF16 (the rest quantized), and the bits the method gave each (layer, head); 2 L + 2 more "
                         "rollouts per seed (quantwm/world/sensitivity.py)")
-    s = sub.add_parser("trace", help="write a trace file from the built-in world model", parents=[weights])
+
+
+def _add_trace(sub) -> None:
+    """`quantwm trace`: its sub-parser and flags."""
+    s = sub.add_parser("trace", help="write a trace file from the built-in world model", parents=[weights_flag()])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--frames", type=int, default=32)
     s.add_argument("--trajectory", default="loop")
     s.add_argument("--world", choices=WORLDS, default="photo")
     s.add_argument("--out", required=True)
+
+
+def _add_record(sub) -> None:
+    """`quantwm record`: its sub-parser and flags."""
     s = sub.add_parser("record", help="write a run file (BF16 and a method from the same noise) for the app",
                        parents=[method_flag(), target_flag(), bits_flag()])
     s.add_argument("--pipeline", default=None, metavar="fastvideo:NAME",
@@ -205,8 +247,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--width", type=int, default=832)
     s.add_argument("--device", default="cpu", help="self-forcing: cpu or cuda (cuda uses the fused kernels)")
     s.add_argument("--out", required=True)
+
+
+def _add_figures(sub) -> None:
+    """`quantwm figures`: its sub-parser and flags."""
     s = sub.add_parser("figures", help="print figures (PNG/PDF/SVG, matplotlib) of a built-in-model run",
-                       parents=[method_flag(), target_flag(), bits_flag(), weights,
+                       parents=[method_flag(), target_flag(), bits_flag(), weights_flag(),
                                 methods_flag(help="methods of the comparison figure ('' = none)")])
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--trajectory", default="loop")
@@ -218,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kinds", default=",".join(FIGURE_KINDS), help=f"which figures ({', '.join(FIGURE_KINDS)})")
     s.add_argument("--formats", default="png,pdf,svg")
     s.add_argument("--out-dir", required=True)
+
+
+def _add_frontier(sub) -> None:
+    """`quantwm frontier`: its sub-parser and flags."""
     s = sub.add_parser("frontier", help="quality vs bits per element for every method (resumable sweep)",
                        parents=[methods_flag("", help="methods to sweep (default: all with a sweep)"), target_flag(),
                                 bits_flag("2,3,4")])
@@ -234,14 +284,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ray", default=None, metavar="ADDRESS", help="run the points on a Ray cluster ('local': start one)")
     s.add_argument("--formats", default="png,svg")
     s.add_argument("--out-dir", required=True)
+
+
+def _add_query_stats(sub) -> None:
+    """`quantwm query-stats`: its sub-parser and flags."""
     s = sub.add_parser("query-stats", help="a calibration file of query statistics (S per layer) from a trace, for "
                                            "the SGLang plugin's QUANTWM_KV_QUERY_STATS")
     s.add_argument("--trace", required=True)
     s.add_argument("--out", required=True)
-    s = sub.add_parser("methods", help="list the registered methods")
+
+
+def _add_methods(sub) -> None:
+    """`quantwm methods`: its sub-parser and flags."""
+    sub.add_parser("methods", help="list the registered methods")
+
+
+def _add_selfcheck(sub) -> None:
+    """`quantwm selfcheck`: its sub-parser and flags."""
     s = sub.add_parser("selfcheck", help="on this machine: the device, which path each method takes, every kernel "
                                          "checked against its reference (exit 1 if one fails), and a timing table",
-                       parents=[method_flag(), json_out])
+                       parents=[method_flag(), json_flag()])
     s.add_argument("--model", choices=["wan-1.3b", "wan-14b", "tiny"], default=None,
                    help="shapes to time (default: wan-1.3b on a GPU, tiny on a CPU)")
     s.add_argument("--heads", type=int, default=None, help="attention heads (overrides --model)")
@@ -249,5 +311,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--chunk-tokens", type=int, default=None, help="tokens of a chunk (overrides --model)")
     s.add_argument("--lengths", default=None, help="cached tokens to time at, e.g. 8192,32768 (overrides --model)")
     s.add_argument("--budget", type=float, default=None, help="bits per element of the timed method")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = Parser(prog="quantwm", description="2-bit KV-cache quantization for video world models")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for add in (_add_analyze, _add_memory, _add_plan, _add_synth_trace, _add_eval, _add_trace, _add_record,
+                _add_figures, _add_frontier, _add_query_stats, _add_methods, _add_selfcheck):  # `--help`'s order
+        add(sub)
     sub.add_parser("app", help="start the diagnostics app (options: quantwm app --help)", add_help=False)
     return p
