@@ -8,10 +8,11 @@ state, exact vs stored keys, every layer, head and query of every generated chun
 (only the top-1 changes that land on another world place; overall and per layer), Key/Value relative
 reconstruction errors, the attention-output error they cause (every probed chunk and layer, exact vs
 stored K/V), and the cache's memory figures (`CacheMemory`): the quantized spans' bits per element and
-compression, and the whole cache's compression with its full-precision chunks. The BF16 run also
-reports its memory: PSNR against ground truth on views the context had fully seen, and per layer the
-attention mass each query puts on cached tokens that saw its own world location, and the top-1
-probability. World seeds used here are below TRAIN_SEED_BASE, so never seen in training.
+compression, and the whole cache's compression with its full-precision chunks; VBench's temporal-flickering
+score of the run's own frames (`evaluation/vbench.py`, over the frame pairs tdiff covers, from the last context
+frame on), per seed and its mean. The BF16 run reports that score too, and its memory: PSNR against ground truth
+on views the context had fully seen, and per layer the attention mass each query puts on cached tokens that saw
+its own world location, and the top-1 probability. World seeds used here are below TRAIN_SEED_BASE, so never seen in training.
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from ..core.cache import CacheConfig, KVCache
 from ..core.quant import BudgetError
 from ..evaluation import diagnostics as D
 from ..evaluation import metrics as M
+from ..evaluation import vbench as V
 from .generate import Rollout, generate
 from .model import WorldModel
 from .scene import TRAIN_SEED_BASE
@@ -94,10 +96,10 @@ def memory_stats(run: Rollout) -> dict:
 
 
 FRAME_METRICS = ("psnr", "ssim", "lpips", "tdiff", "warp_error")  # per generated frame, against BF16
-# per run: shift rates, errors and the cache's memory figures (`CacheMemory`: the spans' bits and compression, the
-# whole cache's ratio)
+# per run: shift rates, errors, the cache's memory figures (`CacheMemory`: the spans' bits and compression, the
+# whole cache's ratio) and VBench's flicker score of the run's own frames (not against BF16)
 RUN_METRICS = ("shift_rate", "place_shift_rate", "bits_per_element", "compression", "cache_compression", "k_rel_err",
-               "v_rel_err", "attn_out_rel_err")
+               "v_rel_err", "attn_out_rel_err", "vbench_flicker")
 PHOTOS = {None: None, "all": "training", "matched": "training-matched"}
 
 
@@ -123,7 +125,8 @@ def evaluate(model: WorldModel, methods: list[str], target: str = "kv", seeds: l
     rollout = dict(steps=steps, world=world, photos=PHOTOS[training_photos])
     lpips_note = M.lpips_unavailable()
     per = {m: {k: [] for k in (*FRAME_METRICS, *RUN_METRICS, "place_shift_rate_per_layer")} for m in configs}
-    bf16: dict = {k: [] for k in ("revisit_psnr_vs_gt", "psnr_vs_gt", "same_place_mass", "top1_prob", "revisited_frames")}
+    bf16: dict = {k: [] for k in ("revisit_psnr_vs_gt", "psnr_vs_gt", "same_place_mass", "top1_prob", "revisited_frames",
+                                  "vbench_flicker")}
     configuration: dict = {}
     total, done, t0 = len(seeds) * (1 + len(configs)), 0, time.time()
 
@@ -199,6 +202,7 @@ def _measure_reference(ref: Rollout, bf16: dict) -> torch.Tensor:
     bf16["psnr_vs_gt"].append(M.psnr(ref.frames[ctx:], ref.ground_truth[ctx:]).tolist())
     mem = memory_stats(ref)
     bf16["same_place_mass"].append(mem["same_place_mass"]), bf16["top1_prob"].append(mem["top1_prob"])
+    bf16["vbench_flicker"].append(V.temporal_flickering(ref.frames[ctx - 1:]))
     return M.reference_flow(ref.frames[ctx - 1:])
 
 
@@ -217,12 +221,14 @@ def _measure_run(run: Rollout, ref: Rollout, flow: torch.Tensor, lpips_note: str
     out["place_shift_rate_per_layer"].append(per_layer)
     for k, v in (("shift_rate", shift_rate(run)), ("place_shift_rate", place), ("attn_out_rel_err", attention_error(run)),
                  ("bits_per_element", mem.span_bits_per_element), ("compression", mem.span_compression),
-                 ("cache_compression", mem.cache_compression), ("k_rel_err", ke), ("v_rel_err", ve)):
+                 ("cache_compression", mem.cache_compression), ("k_rel_err", ke), ("v_rel_err", ve),
+                 ("vbench_flicker", V.temporal_flickering(run.frames[ctx - 1:]))):
         out[k].append(v)
 
 
 def _method_report(per: dict) -> dict:
-    """A method's means over seeds and frames, its per-frame means and its place shift rate per layer."""
+    """A method's means over seeds and frames, its per-frame means, its place shift rate per layer and its VBench
+    flicker score per seed."""
     frame_means = {k: [sum(col) / len(col) for col in zip(*per[k])] for k in FRAME_METRICS}
     mean = {k: _nanmean(sum(per[k], [])) for k in FRAME_METRICS}
     # PSNR of the clip: from the mean MSE over all generated frames (frames identical to BF16, e.g. before
@@ -231,7 +237,8 @@ def _method_report(per: dict) -> dict:
     mean["psnr"] = min(100.0, -10 * math.log10(max(sum(mse) / len(mse), 1e-10)))
     mean.update({k: _nanmean(per[k]) for k in RUN_METRICS})
     return {"mean": mean, "per_frame": frame_means,
-            "place_shift_rate_per_layer": [_nanmean(col) for col in zip(*per["place_shift_rate_per_layer"])]}
+            "place_shift_rate_per_layer": [_nanmean(col) for col in zip(*per["place_shift_rate_per_layer"])],
+            "vbench_flicker_per_seed": per["vbench_flicker"]}
 
 
 def _bf16_report(bf16: dict, n_layers: int) -> dict:
@@ -239,4 +246,5 @@ def _bf16_report(bf16: dict, n_layers: int) -> dict:
             "psnr_vs_gt_per_frame": [sum(col) / len(col) for col in zip(*bf16["psnr_vs_gt"])],
             "same_place_mass_per_layer": [_nanmean(s[l] for s in bf16["same_place_mass"]) for l in range(n_layers)],
             "top1_prob_per_layer": [_nanmean(s[l] for s in bf16["top1_prob"]) for l in range(n_layers)],
-            "revisited_frames": bf16["revisited_frames"]}
+            "revisited_frames": bf16["revisited_frames"], "vbench_flicker": _nanmean(bf16["vbench_flicker"]),
+            "vbench_flicker_per_seed": bf16["vbench_flicker"]}
