@@ -198,7 +198,10 @@ def _add_trace(sub) -> None:
 def _add_record(sub) -> None:
     """`quantwm record`: its sub-parser and flags."""
     s = sub.add_parser("record", help="write a run file (BF16 and a method from the same noise) for the app",
-                       parents=[method_flag(), target_flag(), bits_flag()])
+                       parents=[method_flag(), target_flag()])
+    s.add_argument("--bits", type=int, default=None,
+                   help="bits of the codes (default 2; with --pipeline and no --budget either: --budget 2.5, which "
+                        "fits every head dim)")
     s.add_argument("--pipeline", default=None, metavar="fastvideo:NAME",
                    help="a world model of the QuantWM paper run through FastVideo's own model code: fastvideo:NAME for "
                         "NAME in lingbot-world-v2, matrix-game-2, hy-world-1.5, longcat-video, self-forcing "

@@ -6,6 +6,9 @@ from .cli_output import fmt, progress_bar
 from .cli_values import int_list, world_model
 
 
+PIPELINE_BUDGET = 2.5  # `record --pipeline` with neither --bits nor --budget: bits per element
+
+
 def cmd_record(a) -> int:
     import os
 
@@ -17,7 +20,10 @@ def cmd_record(a) -> int:
     layers = int_list(a.logit_layers, "--logit-layers") if a.logit_layers else []
     heads = int_list(a.logit_heads, "--logit-heads") if a.logit_heads else []
     if a.pipeline is not None:
+        if a.bits is None and a.budget is None:
+            a.budget = PIPELINE_BUDGET  # the paper's models at its operating point, whatever their head dim
         return _record_pipeline(a, layers, heads)
+    a.bits = 2 if a.bits is None else a.bits
     if a.tiny:
         raise ValueError("--tiny builds a tiny FastVideo model: give --pipeline fastvideo:NAME")
     a.frames = 32 if a.frames is None else a.frames
@@ -86,7 +92,7 @@ def _record_pipeline(a, layers: list[int], heads: list[int]) -> int:
         raise ValueError("--pipeline records a FastVideo model: leave out --model and --window")
     from .adapters.fastvideo.record import record_fastvideo
 
-    run = record_fastvideo(name, a.method, a.target, a.bits, a.budget, a.frames, a.seed, a.tiny, a.weights, a.device,
+    run = record_fastvideo(name, a.method, a.target, 2 if a.bits is None else a.bits, a.budget, a.frames, a.seed, a.tiny, a.weights, a.device,
                            None if a.tiny else (a.height, a.width), layers, heads, progress=progress_bar("record"),
                            inputs=a.inputs)
     write_run(a.out, run)

@@ -19,8 +19,10 @@ def runs(tmp_path_factory):
 
 
 def _record(name: str, out) -> int:
-    """`quantwm record --pipeline fastvideo:NAME --tiny` at 2.5 bits, logits of layer 1 head 0, into `out`."""
-    return main(["record", "--pipeline", f"fastvideo:{name}", "--tiny", "--budget", "2.5", "--logit-layers", "1",
+    """`quantwm record --pipeline fastvideo:NAME --tiny` with neither --bits nor --budget (so at its default budget,
+    2.5 bits, which fits the tiny models' head dim 32 where fixed 2-bit groups of 64 do not), logits of layer 1
+    head 0, into `out`."""
+    return main(["record", "--pipeline", f"fastvideo:{name}", "--tiny", "--logit-layers", "1",
                  "--logit-heads", "0", "--out", str(out)])
 
 
