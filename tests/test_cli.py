@@ -42,7 +42,7 @@ SHARED_FLAG_DEFAULTS = [
     (["analyze", "--trace", "t"], {"methods": "rtn,kivi,qvg,quantwm", "target": "k", "bits": 2}),
     (["memory"], {"method": "quantwm", "target": "kv", "bits": 2}),
     (["eval"], {"methods": "rtn,kivi,qvg,quantwm", "target": "kv", "bits": 2}),
-    (["record", "--out", "o"], {"method": "quantwm", "target": "kv", "bits": 2}),
+    (["record", "--out", "o"], {"method": "quantwm", "target": "kv", "bits": None}),  # 2, or --budget 2.5 with --pipeline
     (["figures", "--out-dir", "o"], {"method": "quantwm", "methods": "rtn,kivi,qvg,quantwm", "target": "kv", "bits": 2}),
     (["frontier", "--out-dir", "o"], {"methods": "", "target": "kv", "bits": "2,3,4"}),
 ]
