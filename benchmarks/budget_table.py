@@ -7,7 +7,8 @@ stored bits are within B (a point over B is left out, as the envelope leaves it)
     python benchmarks/budget_table.py out/manifest.json [--method quantwm] [--metric shift_rate]
 
 A cell reads `ratio (quantwm vs best-other-name best-other)`; `—` where no other method fits B. The last column
-gives quantwm at the smallest budget against the best other at 2.5 bits, and quantwm's bits above the Gaussian
+gives quantwm at the smallest budget against the best other at 2.5 bits (`--versus NAME`: against that method
+instead of the best other, in every column), and quantwm's bits above the Gaussian
 bound at 2.5 (`k_bits_above_bound`, where the source is a trace).
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     ap.add_argument("manifest")
     ap.add_argument("--method", default="quantwm")
     ap.add_argument("--metric", default="shift_rate")
+    ap.add_argument("--versus", default=None, help="compare with this method instead of the best other one")
     a = ap.parse_args()
     table = points(json.loads(Path(a.manifest).read_text()))
     budgets = sorted({b for per in table.values() for b in per})
@@ -48,7 +50,8 @@ def main() -> None:
         cells, best25 = [], None
         for b in budgets:
             ours = per.get(b, {}).get(a.method)
-            others = [(r[a.metric], m) for m, r in per.get(b, {}).items() if m != a.method and a.metric in r]
+            others = [(r[a.metric], m) for m, r in per.get(b, {}).items()
+                      if m != a.method and a.metric in r and a.versus in (None, m)]
             best = min(others) if others else None
             if b == 2.5:
                 best25 = best
