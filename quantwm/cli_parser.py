@@ -168,7 +168,8 @@ def _add_eval(sub) -> None:
                         "(each held-out world against its twin: the paired memorisation check); 'matched': one "
                         "per held-out scene, of the same kind (grey or colour), so tiles repeat a photograph where the "
                         "held-out world's repeat a scene")
-    s.add_argument("--world", choices=WORLDS, default="photo", help="world kind (procedural: the first models' world)")
+    s.add_argument("--world", choices=WORLDS, default="photo", help="world kind (photo: mosaics of photographs; place: one "
+                   "held-out photograph, no tiles; procedural: the first models' world)")
     s.add_argument("--window", type=int, default=None,
                    help="rolling window: the sink chunks plus this many most recent chunks (whole-chunk eviction); "
                         "the run streams frame by frame (frames in the hundreds)")

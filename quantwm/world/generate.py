@@ -151,7 +151,7 @@ def generate(model: WorldModel, world_seed: int, trajectory_kind: str = "loop", 
              photos: str | None = None) -> Rollout:
     """Roll the model out over a world and trajectory through a KVCache configured by `cache_config`.
 
-    `world` is the world kind (`scene.WORLDS`: "photo" or "procedural"); `photos` overrides the side of the
+    `world` is the world kind (`scene.WORLDS`: "photo", "procedural" or "place"); `photos` overrides the side of the
     photograph split the world's tiles come from (`scene.make_world`).
 
     `poses` (n_frames, 2), camera positions in patches, replaces the trajectory (diagnostics: a static camera).

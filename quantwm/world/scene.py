@@ -1,6 +1,6 @@
 """Worlds, camera trajectories, rendering.
 
-A world is a (3, S, S) map in [0, 1], larger than the view. Two kinds (`WORLDS`):
+A world is a (3, S, S) map in [0, 1], larger than the view. Three kinds (`WORLDS`):
 
 * "photo" (the default): a mosaic of real photographs and textures bundled with scikit-image (read
   offline with `skimage.data`): 1 to 4 rectangular tiles, each a crop of one photograph at a random scale,
@@ -9,6 +9,12 @@ A world is a (3, S, S) map in [0, 1], larger than the view. Two kinds (`WORLDS`)
   only from them, seeds at or above it only from `TRAIN_PHOTOS`.
 * "procedural": a smooth colour field, rectangles at several scales and fine 2-pixel block texture (the
   world of the first models; kept so their results can be reproduced).
+* "place": one held-out photograph, whole and untouched (no tiles, flips or jitter): its largest centred
+  square resized to the map, so a view of a quarter of the map's side shows a quarter of the photograph's
+  width and height, a part a person can name (the cat's eye, the cameraman's face). The seed picks the
+  photograph (`place_photo`), and the trajectory's start as for every kind. Its 1.2 to 2 source pixels per map
+  pixel lie inside the mosaic tiles' zoom range (0.5 to 2). An evaluation world only: a seed at or above
+  `TRAIN_SEED_BASE` raises, so no training run can draw one.
 
 The camera sees a `view` x `view` patch window; its pose is the window's top-left corner in patch units.
 Trajectories move at most one patch per frame per axis and come back to places seen earlier:
@@ -26,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 TRAJECTORIES = ("loop", "pan-return", "random-walk")
-WORLDS = ("photo", "procedural")
+WORLDS = ("photo", "procedural", "place")
 TRAIN_SEED_BASE = 100_000  # world seeds >= this are training worlds; evaluation seeds lie below it
 
 # scikit-image's bundled photographs (name -> how to read it), split by scene. The held-out set is chosen by a
@@ -58,6 +64,14 @@ def make_world(seed: int, size: int = 256, kind: str = "photo", photos: str | No
         raise ValueError(f"world seed must be >= 0, got {seed}")
     if photos is not None and photos not in PHOTO_SIDES:
         raise ValueError(f"photos must be one of {', '.join(PHOTO_SIDES)}, got {photos!r}")
+    if kind == "place":
+        if seed >= TRAIN_SEED_BASE:
+            raise ValueError(f"a place world shows a held-out photograph, so it is an evaluation world: its seed "
+                             f"must lie in [0, {TRAIN_SEED_BASE}), got {seed}")
+        if photos not in (None, "held-out"):
+            raise ValueError(f"a place world shows a held-out photograph only; photos={photos!r} applies to the "
+                             "photo world")
+        return place_world(seed, size)
     return photo_world(seed, size, photos) if kind == "photo" else procedural_world(seed, size)
 
 
@@ -95,6 +109,24 @@ def photo_world(seed: int, size: int = 256, photos: str | None = None) -> torch.
     """A mosaic world of bundled photographs (held-out ones for seeds below TRAIN_SEED_BASE, unless `photos`
     names the side)."""
     return mosaic(seed, size, photos)[0]
+
+
+def place_photo(seed: int) -> str:
+    """The held-out photograph a place world of `seed` shows: seeds 0, 1, 2, 3 take rocket, chelsea, camera,
+    gravel, and so on round."""
+    return HELD_OUT_PHOTOS[int(seed) % len(HELD_OUT_PHOTOS)]
+
+
+def place_world(seed: int, size: int = 256) -> torch.Tensor:
+    """The place world (3, size, size): `place_photo(seed)`'s largest centred square, resized (antialiased when
+    shrunk), its pixels otherwise the photograph's."""
+    photo = load_photo(place_photo(seed))
+    _, h, w = photo.shape
+    side = min(h, w)
+    y, x = (h - side) // 2, (w - side) // 2
+    square = photo[None, :, y:y + side, x:x + side]  # (1, 3, side, side)
+    return F.interpolate(square, size=(size, size), mode="bilinear", antialias=side > size,
+                         align_corners=False)[0].clamp(0, 1)
 
 
 def is_grey(name: str) -> bool:
