@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from .ui import Number, unpack
+from .playback_tab import SIZING_CHOICES
+from .ui import Number, NumberChoice, number_choices, unpack
+from .world_handlers import DEFAULT_BUDGET
 
 TARGETS = [("Keys only", "k"), ("Values only", "v"), ("Keys and Values", "kv")]
 
@@ -16,30 +18,41 @@ def build_analysis_tab(analyze: Callable, methods: list[str], default_trace: str
                        inspect: Callable | None = None, energy: Callable | None = None,
                        click: Callable | None = None, trace_name: str = "the built-in synthetic world trace") -> None:
     """`trace_name`: what the page calls the default trace (never a server path);
-    analyze(trace_path, methods, target, bits) -> (markdown status, header, rows);
+    analyze(trace_path, methods, target, bits, budget, sizing) -> (markdown status, header, rows): the methods
+    within `budget` bits per element, each by its rule (sizing "budget", the default), or at fixed `bits`;
     inspect(trace_path, method, target, bits, layer, head, query) -> {status, figure, jump_image, result};
     click(..., query, index) -> the same plus query_index: the query at the clicked token of the shown frame;
     energy(trace_path, layer_index) -> {status, figure}."""
     gr.Markdown("Attention fidelity of each method on a trace (queries, cached keys and values of a real "
                 "or built-in model): top-1 shift rate, top-k overlap, attention KL, logit RMSE, errors, bits. "
-                f"Default trace: {trace_name}. Press **Analyze** for the table.")
+                "Methods are compared at equal memory by default, as on the other tabs: each configures itself "
+                "within the budget (bits per element) by its own rule; a row over it or over BF16's bytes is "
+                f"flagged OVER. Default trace: {trace_name}. Press **Analyze** for the table.")
     with gr.Row():
         trace = gr.File(label="Trace file (.safetensors); empty = the default trace",
                         file_types=[".safetensors"], type="filepath")
         with gr.Column():
             chosen = gr.CheckboxGroup(methods, value=["rtn", "kivi", "qvg", "quantwm"], label="Methods")
             target = gr.Radio(TARGETS, value="k", label="Quantize")
-            bits = gr.Dropdown([2, 3, 4, 8], value=2, label="Bits")
+            with gr.Row():
+                sizing = gr.Radio(SIZING_CHOICES, value="budget", label="Memory", elem_id="trace-sizing")
+                budget = Number(DEFAULT_BUDGET, label="Budget (bits per element; each method by its rule)",
+                                step=0.25, elem_id="trace-budget")
+                bits = NumberChoice(number_choices((2, 3, 4, 8)), value="2",
+                                    label="Bits (fixed-bits mode; and the one Query below)")
     run = gr.Button("Analyze", variant="primary", elem_id="analyze-btn")
     status = gr.Markdown(elem_id="analyze-status")
     table = gr.Dataframe(label="Means over layers and heads", interactive=False, visible=False)  # until analysed
 
-    def handler(path, methods, target, bits):
-        message, header, rows = analyze(path or default_trace, methods, target, bits)
+    def handler(path, methods, target, bits, budget=DEFAULT_BUDGET, sizing="budget"):
+        """sizing "budget": every method within `budget` bits per element; "bits": fixed grids of `bits`."""
+        message, header, rows = analyze(path or default_trace, methods, target, bits, budget, sizing)
         return message, (gr.Dataframe(value=rows, headers=header, visible=True) if header
                          else gr.Dataframe(value=None, visible=False))
 
-    run.click(handler, [trace, chosen, target, bits], [status, table], api_name="analyze")
+    run.click(handler, [trace, chosen, target, bits, budget, sizing], [status, table], api_name="analyze")
+    sizing.change(lambda mode: gr.update(interactive=mode == "budget"), [sizing], [budget], api_name=False,
+                  queue=False)
     if inspect is None or energy is None:
         return
     gr.Markdown("### One Query: top-1 source and logits under exact vs quantized keys")

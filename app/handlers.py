@@ -10,31 +10,58 @@ from quantwm.evaluation.analyze import analyze_trace, report_rows
 from quantwm.evaluation.trace import read_trace
 
 from .values import integer, readable_file
+from .world_handlers import memory_flag, sized_budget
 
 
 def _readable(trace_path, check_upload) -> str:
     return readable_file(trace_path, "trace file", check_upload)
 
 
-def analyze_handler(trace_path: str | None, methods: list[str], target: str, bits: int, check_upload=None):
-    """(markdown status, header, rows); a bad file or choice gives a message and an empty table.
+def analyze_handler(trace_path: str | None, methods: list[str], target: str, bits, budget=None, sizing=None,
+                    check_upload=None):
+    """(markdown status, header, rows); a bad file or choice gives a message and an empty table. `sizing`
+    "budget" (the page's default): every method configured within `budget` bits per element by its rule, as on
+    the other tabs; "bits": fixed grids of `bits`, no budget (`world_handlers.sized_budget`). The `fits` column
+    flags a row over the budget or over BF16's 16 bits per element (`memory_flag`, the other tabs' test).
     `check_upload(path, what)` raises ValueError for a file over the server's upload limit."""
     if not trace_path:
         return "**Error:** no trace file given.", [], []
     if not methods:
         return "**Error:** choose at least one method.", [], []
     try:
+        b = sized_budget(budget, sizing)
         trace = read_trace(_readable(trace_path, check_upload))
-        report = analyze_trace(trace, list(methods), target, integer(bits, "bits"))
+        report = analyze_trace(trace, list(methods), target, integer(bits, "bits"), budget=(b, b))
+        if not report["methods"]:
+            raise ValueError("no chosen method fits the budget: " + "; ".join(report["config"]["left_out"].values()))
     except (ValueError, TypeError) as e:
         return f"**Error:** {e}", [], []
     except Exception as e:  # noqa: BLE001 - the app must answer every request
         traceback.print_exc(file=sys.stderr)
         return f"**Error:** the analysis failed ({type(e).__name__}: {e})", [], []
     header, rows = report_rows(report)
-    n_layers = len(trace.layers)
-    return (f"Trace `{trace.meta['model']}`: {n_layers} layer(s), target={target}, {bits} bits, "
-            f"grid of `{rows[0][0]}`: {report['config']['grid'][rows[0][0]]}"), header, rows
+    measured = {m: e["mean"]["bits_per_element"] for m, e in report["methods"].items()}  # unrounded
+    over = {m: memory_flag({"span_bits_per_element": bpe}, b) for m, bpe in measured.items()}
+    at = header.index("bits_per_element") + 1
+    header.insert(at, "fits")
+    for row in rows:
+        row.insert(at, "OVER" if over[row[0]] else "yes")
+    config = report["config"]
+    status = f"Trace `{trace.meta['model']}`: {len(trace.layers)} layer(s), target={target}, "
+    if b is None:
+        low, high = min(measured, key=measured.get), max(measured, key=measured.get)
+        status += (f"{bits} bits (fixed grids, no budget), grid of `{rows[0][0]}`: {config['grid'][rows[0][0]]}. "
+                   f"The methods store from {measured[low]:.2f} ({low}) to {measured[high]:.2f} ({high}) bits per "
+                   'element: Memory "Equal memory" holds each to one budget.')
+    else:
+        chosen = "; ".join(f"{m} " + ", ".join(f"{kind}: {c}" for kind, c in config["configuration"][m].items())
+                           for m in report["methods"] if config["configuration"].get(m))
+        status += f"within {b:g} bits per element, each method by its rule ({chosen})."
+    named = [m for m, why in over.items() if why]
+    if named:
+        status += " **OVER**: " + "; ".join(f"{m}: {over[m]}" for m in named) + "."
+    status += "".join(f" Left out: {m} ({why})." for m, why in config["left_out"].items())
+    return status, header, rows
 
 
 def trace_inspect_handler(trace_path: str | None, method: str, target: str, bits: int, layer, head, query,

@@ -10,8 +10,8 @@ import gradio as gr
 from quantwm.core.cache import TARGETS
 from quantwm.world.scene import TRAJECTORIES
 
-from .ui import Number, Slider, progress_callback, unpack
-from .world_handlers import DEFAULT_BUDGET, FACTOR, OVERLAYS, trace_of
+from .ui import Number, NumberChoice, Slider, number_choices, progress_callback, unpack
+from .world_handlers import DEFAULT_BUDGET, FACTOR, OVERLAYS, SIZINGS, trace_of
 
 # The world the page opens on: of seeds 0-15, the one whose first frame has the most detail (pixel standard
 # deviation 0.31; seed 0's is a flat sky, 0.09). A choice of what to show first, not of any result.
@@ -25,6 +25,7 @@ SIZING_CHOICES = [("Equal memory: a budget", "budget"), ("Fixed bits", "bits")]
 METHOD_INFO = ("kivi-pre quantizes keys before RoPE, which the built-in model's world-coordinate RoPE does not "
                "allow: compare it on a trace (Trace analysis)")
 assert {v for _, v in TARGET_CHOICES} == set(TARGETS)
+assert tuple(v for _, v in SIZING_CHOICES) == SIZINGS
 
 
 def build_playback_tab(generate: Callable, scrub: Callable, trace_pixel: Callable, click_pixel: Callable,
@@ -70,6 +71,8 @@ TRACE_NAMES = ["status", "query_image", "bf16_source", "method_source", "figure"
 PICKER_INFO = ("the jump map and the pixel trace; 'all': the jump map over every layer and head, the trace in the "
                "first whose top-1 moved at the pixel")
 VIEW = dict(concurrency_limit=4, concurrency_id="view")  # the views' events: four at a time, beside generations
+BITS = (2, 3, 4, 8)  # the fixed-bits mode's grids
+ALL = ("all",)  # the layer/head picker's first choice: every layer (head)
 
 
 # ---- layout -------------------------------------------------------------------------------------------
@@ -84,8 +87,8 @@ def _settings(methods: list[str], facts: dict, default_frames: int, max_frames: 
         ui.sizing = gr.Radio(SIZING_CHOICES, value="budget", label="Memory", elem_id="sizing")
         ui.budget = Number(DEFAULT_BUDGET, label="Budget (bits per element; each method by its rule)", step=0.25,
                            elem_id="budget")
-        ui.bits = gr.Dropdown([2, 3, 4, 8], value=2, label="Bits (fixed-bits mode)", interactive=False,
-                              elem_id="bits")
+        ui.bits = NumberChoice(number_choices(BITS), value="2", label="Bits (fixed-bits mode)", interactive=False,
+                               elem_id="bits")
         ui.frames = Number(default_frames, label=f"Frames (at most {max_frames})" if max_frames else "Frames",
                            step=facts["chunk_frames"], elem_id="frames")
     with gr.Row():
@@ -113,8 +116,8 @@ def _live_panel(ui: SimpleNamespace, live: dict) -> None:
             ui.live_embeddings = gr.File(label="or prompt embeddings (.safetensors with prompt_embeds)",
                                          type="filepath", file_types=[".safetensors"], elem_id="live-embeddings")
             ui.live_seed = Number(0, label="Noise seed")
-            ui.live_frames = gr.Dropdown(list(live["latent_frames"]), value=live["latent_frames"][-1],
-                                         label="Latent frames (21: 81 video frames)")
+            ui.live_frames = NumberChoice(number_choices(live["latent_frames"]), value=str(live["latent_frames"][-1]),
+                                          label="Latent frames (21: 81 video frames)")
             ui.live_btn = gr.Button("Generate live", variant="primary", elem_id="live-btn")
 
 
@@ -139,9 +142,10 @@ def _frames_panel(ui: SimpleNamespace, facts: dict, default_frames: int) -> None
                                        "the chosen layers and heads)")
         # one layer/head picker for the jump map and the pixel trace ("all": the map over every layer and head;
         # the trace, the first whose top-1 moved at the pixel, named in its status)
-        ui.layer = gr.Dropdown(["all", *range(facts["layers"])], value="all", label="Layer", info=PICKER_INFO,
-                                    elem_id="pick-layer")
-        ui.head = gr.Dropdown(["all", *range(facts["heads"])], value="all", label="Head", elem_id="pick-head")
+        ui.layer = NumberChoice(number_choices(range(facts["layers"]), ALL), value="all", label="Layer",
+                                info=PICKER_INFO, elem_id="pick-layer")
+        ui.head = NumberChoice(number_choices(range(facts["heads"]), ALL), value="all", label="Head",
+                               elem_id="pick-head")
     ui.frame_info = gr.Markdown(elem_id="frame-info")
     ui.scale = gr.Image(format="png", interactive=False, show_label=False, buttons=[], height=64, width=260,
                         elem_id="overlay-scale", container=False, visible=False)  # the overlays' colour bars
@@ -221,8 +225,9 @@ def _wire_generate(ui: SimpleNamespace, generate: Callable, scrub: Callable, fac
 
     def on_generate(seed, trajectory, method, target, bits, frames, budget=DEFAULT_BUDGET, sizing="budget",
                     progress=gr.Progress()):
-        """sizing "budget": every method within `budget` bits per element; "bits" (or budget 0): a fixed grid."""
-        r = generate(seed, trajectory, method, target, bits, frames, 0 if sizing == "bits" else budget,
+        """sizing "budget": every method within `budget` bits per element (in (0, 16]); "bits": a fixed grid of
+        `bits`, the budget unused."""
+        r = generate(seed, trajectory, method, target, bits, frames, budget, sizing,
                      progress=progress_callback(progress, "generating BF16 and the method"))
         return shown(r)
 
@@ -254,8 +259,8 @@ def _builtin_pickers(facts: dict) -> Callable:
         changed them)."""
         if not str(run_id or "").startswith("seed="):
             return (gr.skip(),) * 4
-        return (gr.Dropdown(choices=["all", *range(facts["layers"])]), gr.Dropdown(choices=["all", *range(facts["heads"])]),
-                *_pixel_boxes(size, size))
+        return (gr.Dropdown(choices=number_choices(range(facts["layers"]), ALL)),
+                gr.Dropdown(choices=number_choices(range(facts["heads"]), ALL)), *_pixel_boxes(size, size))
     return builtin_pickers
 
 
@@ -265,13 +270,15 @@ def _controls_for(r):
     if not r.get("run_id"):
         return (gr.skip(),) * 4
     L, H = r["layers"], r["heads"]
-    return (gr.Dropdown(choices=["all", *range(L)], value="all"), gr.Dropdown(choices=["all", *range(H)], value="all"),
-            *_pixel_boxes(*r["frame_hw"]))
+    return (gr.Dropdown(choices=number_choices(range(L), ALL), value="all"),
+            gr.Dropdown(choices=number_choices(range(H), ALL), value="all"), *_pixel_boxes(*r["frame_hw"]))
 
 
 def _settings_for(r):
     """An opened run sets the controls to the settings it was made with (what it holds of them)."""
-    c = r.get("controls") or {}
+    c = {**(r.get("controls") or {})}
+    if "bits" in c:
+        c["bits"] = str(c["bits"])  # the dropdown's choices are strings
     return tuple(c.get(n, gr.skip()) for n in ("seed", "trajectory", "method", "target", "bits", "frames"))
 
 

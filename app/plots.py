@@ -7,6 +7,7 @@ from plotly.subplots import make_subplots
 
 HEAD_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
                "#17becf", "#393b79", "#ad494a")
+BAR_ROW_PX = 24  # the height of a bar's line in `bars_figure`: a 12 px name with room above and below
 
 
 def frame_series_figure(series: dict, worst: list[int], context_frames: int, current: int | None = None) -> go.Figure:
@@ -126,11 +127,19 @@ def energy_figure(spectra: list[dict], layer: int, rank: int = 8) -> go.Figure:
 
 
 def bars_figure(rows: list[dict], label: str, metrics: list[str], title: str) -> go.Figure:
-    """Grouped bars of several metrics, one group per row (e.g. Keys-only vs Values-only)."""
-    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=metrics)
+    """One panel per metric, a horizontal bar per row (in the rows' order, top to bottom), every row named by
+    `label` on the panels' shared axis: each name is a tick of its own (no name skipped for room) on a line of
+    its own height."""
+    names = [r[label] for r in rows]
+    fig = make_subplots(rows=1, cols=len(metrics), subplot_titles=metrics, shared_yaxes=True,
+                        horizontal_spacing=0.03)
     for i, m in enumerate(metrics, 1):
-        fig.add_trace(go.Bar(x=[r[label] for r in rows], y=[r[m] for r in rows], name=m, showlegend=False), 1, i)
-    fig.update_layout(height=300, title=title, margin=dict(l=40, r=10, t=70, b=30))
+        fig.add_trace(go.Bar(y=names, x=[r[m] for r in rows], orientation="h", name=m, showlegend=False,
+                             hovertemplate="%{y}: %{x:.4g}<extra>" + m + "</extra>"), 1, i)
+    fig.update_yaxes(type="category", tickmode="array", tickvals=names, ticktext=names, autorange="reversed",
+                     automargin=True)
+    fig.update_xaxes(nticks=3)  # narrow panels: a few round values each
+    fig.update_layout(height=max(300, BAR_ROW_PX * len(rows) + 110), title=title, margin=dict(l=10, r=10, t=70, b=30))
     return fig
 
 
@@ -148,6 +157,8 @@ def key_value_figure(by: dict, metrics: list[tuple[str, str]], title: str) -> go
                                  showlegend=i == 0, marker_color=color,
                                  error_y=dict(type="data", array=[s.std(ddof=1) if len(s) > 1 else 0 for s in stats])),
                           i // cols + 1, i % cols + 1)
+    # the legend right of the panels, where no panel's title is (above them it covered the first row's)
     fig.update_layout(height=260 * (-(-len(metrics) // cols)) + 60, title=title, barmode="group",
-                      margin=dict(l=40, r=10, t=80, b=30), legend=dict(orientation="h", y=1.08))
+                      margin=dict(l=40, r=10, t=80, b=30),
+                      legend=dict(orientation="v", x=1.02, xanchor="left", y=1, yanchor="top"))
     return fig

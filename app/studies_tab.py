@@ -6,7 +6,7 @@ from collections.abc import Callable
 import gradio as gr
 
 from .study_handlers import KV_COLUMNS, KV_SEEDS, METHOD_COLUMNS
-from .ui import Number, progress_callback, table, unpack
+from .ui import Number, NumberChoice, number_choices, progress_callback, table, unpack
 from .world_handlers import DEFAULT_BUDGET
 
 
@@ -18,7 +18,7 @@ def build_energy_tab(energy: Callable, controls: dict, layers: int, export: Call
                 "PSAC use) per layer and head, and the cumulative energy with the top 8 directions marked. "
                 "Concentrated energy is why correcting only the principal subspace (PSAC) protects the logits.")
     with gr.Row():
-        layer = gr.Dropdown(list(range(layers)), value=0, label="Layer")
+        layer = NumberChoice(number_choices(range(layers)), value="0", label="Layer")
         show = gr.Button("Show spectra", variant="primary", elem_id="energy-btn")
     status = gr.Markdown(elem_id="energy-status")
     plot = gr.Plot(label="Query energy", elem_id="energy-plot")

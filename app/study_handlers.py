@@ -16,7 +16,7 @@ from .world_handlers import DEFAULT_BUDGET, app_files, budget_value, error, expo
 KV_COLUMNS = ("method", "target", "seed", "k_rel_err", "v_rel_err", "attn_out_rel_err", "place_shift_rate",
               "shift_rate", "psnr", "ssim", "lpips", "tdiff")
 # the damage the Key-vs-Value sentence weighs: (column, its name in the sentence, +1 if higher is better)
-KV_DAMAGE = (("psnr", "PSNR", 1), ("tdiff", "flicker (tdiff)", -1), ("lpips", "LPIPS", -1),
+KV_DAMAGE = (("psnr", "PSNR", 1), ("ssim", "SSIM", 1), ("tdiff", "flicker (tdiff)", -1), ("lpips", "LPIPS", -1),
              ("place_shift_rate", "place shift", -1), ("attn_out_rel_err", "output error", -1))
 KV_SEEDS = 4  # held-out worlds the Key-vs-Value study runs on by default
 FIX = "quantwm"  # shown beside the baseline: the problem and the fix in one click
@@ -31,8 +31,10 @@ def _kv_finding(method: str, ks: list[dict], vs: list[dict]) -> str:
     """What a method's Keys-only rows (ks) and Values-only rows (vs), one pair per seed, show, judged on the values
     the table shows (`rounded`): per damage metric, whether Keys only is worse on every seed, Values only on every
     seed, the two equal on every seed, or the seeds disagree (how many each way); then whether the paper's finding
-    (a smaller Key error, yet more damage) holds on every seed, and on which metrics. Computed, never canned."""
+    (a smaller Key error, yet more damage) holds on every seed, and on which metrics. The mean errors it quotes are
+    the table's means (of the unrounded values, `_mean`). Computed, never canned."""
     n = len(ks)
+    key_error, value_error = _mean([k["k_rel_err"] for k in ks]), _mean([v["v_rel_err"] for v in vs])
     ks, vs = ([{c: rounded(x) if isinstance(x, float) else x for c, x in r.items()} for r in rows] for rows in (ks, vs))
     smaller = sum(k["k_rel_err"] <= v["v_rel_err"] for k, v in zip(ks, vs))
     count = {name: (sum(keys_hurt_more(k, v, col, sign) for k, v in zip(ks, vs)),
@@ -42,9 +44,8 @@ def _kv_finding(method: str, ks: list[dict], vs: list[dict]) -> str:
     equal = [name for name, (kw, vw) in count.items() if kw == vw == 0]
     mixed = [f"{name} (Keys only worse on {kw}, Values only on {vw})" for name, (kw, vw) in count.items()
              if name not in keys + values + equal]
-    mean = lambda rows, c: sum(r[c] for r in rows) / n  # noqa: E731
-    out = [f"{method}, {n} seed(s): Key error {mean(ks, 'k_rel_err'):.4f} (Keys only) vs Value error "
-           f"{mean(vs, 'v_rel_err'):.4f} (Values only); the Key error is the smaller on {smaller} of {n} seed(s)."]
+    out = [f"{method}, {n} seed(s): Key error {key_error:.4g} (Keys only) vs Value error {value_error:.4g} (Values "
+           f"only); the Key error is the smaller on {smaller} of {n} seed(s)."]
     if keys:
         out.append(f"Keys only does more damage on every seed in {', '.join(keys)}.")
     if values:
@@ -63,8 +64,13 @@ def _kv_finding(method: str, ks: list[dict], vs: list[dict]) -> str:
     return " ".join(out)
 
 
+def _mean(values: list[float]) -> float:
+    """The mean the table's "mean ± sd" row and the sentence show, of the unrounded per-seed values."""
+    return sum(values) / len(values)
+
+
 def _mean_sd(values: list[float]) -> str:
-    m = sum(values) / len(values)
+    m = _mean(values)
     sd = (sum((x - m) ** 2 for x in values) / max(1, len(values) - 1)) ** 0.5
     return f"{m:.4g} ± {sd:.2g}"
 
@@ -73,7 +79,7 @@ def key_value_handler(runs, seed, trajectory, baseline, budget=DEFAULT_BUDGET, f
                       progress: Callable | None = None) -> dict:
     """Keys only vs Values only, each within the same budget by its method's rule, for `baseline` and for quantwm
     beside it, on `seeds` held-out worlds from `seed` on: per seed the reconstruction errors beside the damage
-    each causes (PSNR, tdiff, LPIPS, place shift, output error), their mean ± sd, a chart of them all, and the
+    each causes (PSNR, SSIM, tdiff, LPIPS, place shift, output error), their mean ± sd, a chart of them all, and the
     sentence of what holds on every seed and what does not (`_kv_finding`)."""
     from dataclasses import replace
 
@@ -140,7 +146,8 @@ def methods_view(runs, seed, trajectory, target, frames, methods, budget=DEFAULT
     every chosen method on one world at one budget, each configured within it by its own rule (the configuration
     column), in order of the spans' measured bits per element, flagged by `memory_flag` (`fits`). Columns whose
     value is the same in every row are left out of the table and named with their value in `constant`; the
-    figure draws the shown metric columns (`FIGURE_METRICS`). A method that cannot fit is named in `left_out`.
+    figure draws the shown metric columns (`FIGURE_METRICS`). A method that cannot fit is named in `left_out`;
+    one that ran as another chosen method is shown once (`_one_row_per_run`), each row under its `name`.
     Raises ValueError for bad input."""
     from dataclasses import replace
 
@@ -150,20 +157,48 @@ def methods_view(runs, seed, trajectory, target, frames, methods, budget=DEFAULT
     key = replace(run_key(seed, trajectory, "bf16", target, 2, frames), budget=b)
     left_out: dict = {}
     rows = studies.methods_table(runs.wb, key, list(methods or []), progress, left_out)
-    rows = sorted(rows, key=lambda r: r["span_bits_per_element"])  # in order of measured bits
+    rows = _one_row_per_run(sorted(rows, key=lambda r: r["span_bits_per_element"]))  # in order of measured bits
     for r in rows:  # measured from stored bytes; the rule keeps every method within the budget
         r["fits"] = "OVER" if memory_flag(r, b) else "yes"
-        r["label"] = r["method"] + (" (OVER)" if r["fits"] == "OVER" else "")
+        r["label"] = r["name"] + (" (OVER)" if r["fits"] == "OVER" else "")
     varies = [c for c in METHOD_COLUMNS if c in TEXT_COLUMNS or len(rows) < 2 or len({rounded(r[c]) for r in rows}) > 1]
     constant = {c: rounded(rows[0][c]) for c in METHOD_COLUMNS if c not in varies} if rows else {}
-    table = [[r[c] if c in TEXT_COLUMNS else rounded(r[c]) for c in varies] for r in rows]
+    table = [[r["name"] if c == "method" else r[c] if c in TEXT_COLUMNS else rounded(r[c]) for c in varies]
+             for r in rows]
     return {"key": key, "budget": b, "rows": rows, "left_out": left_out, "header": varies, "table": table,
             "constant": constant, "metrics": [m for m in FIGURE_METRICS if m in varies]}
 
 
+def _one_row_per_run(rows: list[dict]) -> list[dict]:
+    """The rows, each named (`name`): a method that runs as another chosen method within a budget
+    (`studies.at_budget_name`: quantwm runs as quantwm-alloc) and measured the same in every column is one run,
+    shown once, in the row of the method that names the other: "quantwm (= quantwm-alloc at a budget)". Where the
+    two differ (the allocator could not fit and the method took another configuration), both rows stay."""
+    from quantwm.drivers.studies import at_budget_name
+
+    by_method = {r["method"]: r for r in rows}
+    same = [c for c in METHOD_COLUMNS if c not in ("method", "fits")]
+    merged = set()
+    for r in rows:
+        r["name"] = r["method"]
+    for r in rows:
+        alias = at_budget_name(r["method"])
+        other = by_method.get(alias)
+        if alias != r["method"] and other is not None and all(
+                (r[c] == other[c]) if c in TEXT_COLUMNS else rounded(r[c]) == rounded(other[c]) for c in same):
+            r["name"] = f"{r['method']} (= {alias} at a budget)"
+            merged.add(alias)
+    return [r for r in rows if r["method"] not in merged]
+
+
 def _methods_title(v: dict) -> str:
+    """Counts only the rows within the budget, and names those over it apart."""
     k = v["key"]
-    return f"{len(v['rows'])} methods within {v['budget']:g} bits per element: seed {k.seed}, {k.trajectory}, target {k.target}"
+    over = [r["name"] for r in v["rows"] if r["fits"] == "OVER"]
+    n = len(v["rows"]) - len(over)
+    return (f"{n} method{'' if n == 1 else 's'} within {v['budget']:g} bits per element"
+            + (f", {len(over)} over: {', '.join(over)}" if over else "")
+            + f": seed {k.seed}, {k.trajectory}, target {k.target}")
 
 
 def methods_handler(runs, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET,
@@ -175,7 +210,7 @@ def methods_handler(runs, seed, trajectory, target, frames, methods, budget=DEFA
         return error(str(e))
     out = "".join(f" Left out: {m} ({why})." for m, why in v["left_out"].items())
     same = ", ".join(f"{c} {val}" for c, val in v["constant"].items())
-    over = [r["method"] for r in v["rows"] if r["fits"] == "OVER"]
+    over = [r["name"] for r in v["rows"] if r["fits"] == "OVER"]
     return {"status": f"**At most {v['budget']:g} bits per element** (Keys and Values each, counted from stored "
                       f"bytes), seed {seed}, {trajectory}, target {target}, {frames} frames. Two compressions: the "
                       f"quantized spans' and the whole cache's (bf16_mb / cache_mb; cache memory counts every "
@@ -207,5 +242,5 @@ def export_methods_handler(runs, seed, trajectory, target, frames, methods, budg
         paths = FG.save_figure(fig, os.path.join(app_files().export_dir("methods"), stem), list(formats or []))
     except ValueError as e:
         return error(str(e))
-    return {**exported(paths), "shown": {"methods": [r["method"] for r in v["rows"]], "metrics": v["metrics"],
+    return {**exported(paths), "shown": {"methods": [r["name"] for r in v["rows"]], "metrics": v["metrics"],
                                           "fits": [r["fits"] for r in v["rows"]]}}

@@ -19,6 +19,14 @@ def _unchecked(base: type) -> type:
 
 Slider = _unchecked(gr.Slider)
 Number = _unchecked(gr.Number)
+# A dropdown of numbers ("all", layers, heads, bits): its choices are strings, as the API lists them ('1'); "1" and 1
+# alike reach the handler, which converts and checks them (`values.integer`), its error naming the allowed values.
+NumberChoice = _unchecked(gr.Dropdown)
+
+
+def number_choices(values, first: tuple = ()) -> list[str]:
+    """A `NumberChoice`'s choices: `first` ("all") then the numbers, all as strings."""
+    return [*first, *map(str, values)]
 
 
 def unpack(result: dict, names: list[str]) -> tuple:

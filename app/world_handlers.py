@@ -98,12 +98,14 @@ def rounded(x, digits=4):
     return None if x is None else round(float(x), digits)
 
 
-def generate_handler(runs, seed, trajectory, method, target, bits, frames, budget=None,
+def generate_handler(runs, seed, trajectory, method, target, bits, frames, budget=None, sizing=None,
                      progress: Callable | None = None) -> dict:
-    """Generate (or fetch) BF16 and the method: videos, per-frame figure, summary, the worst frame. With a
-    budget (bits per element; 0 or empty: none, run at `bits`), the method configures itself within it by its
-    rule (the page's default: equal memory for every method). The status says what the method chose and flags a
-    run over its budget or over BF16's bytes (`memory_flag`, as the Methods table does)."""
+    """Generate (or fetch) BF16 and the method: videos, per-frame figure, summary, the worst frame. `sizing`
+    "budget" (the page's default: equal memory for every method): the method configures itself by its rule
+    within `budget` bits per element, a number in (0, 16] (0 or none is an error, as is 20); "bits": a fixed
+    grid of `bits` (`sized_budget`). The status says what the method chose and flags a run over its budget or
+    over BF16's bytes (`memory_flag`, as the Methods table does); a run over its budget is never said to be
+    within it."""
     from dataclasses import replace
 
     from quantwm.drivers import studies
@@ -111,8 +113,9 @@ def generate_handler(runs, seed, trajectory, method, target, bits, frames, budge
     wb = runs.wb
     try:
         key = run_key(seed, trajectory, method, target, bits, frames)
-        if budget is not None and str(budget).strip() not in ("", "0", "0.0"):  # 0 or empty: run at `bits`
-            key = replace(key, budget=budget_value(budget))
+        b = sized_budget(budget, sizing)
+        if b is not None:
+            key = replace(key, budget=b)
         wb.check_frames(key.frames)
         cached = wb.cached(key) and wb.cached(key.reference())
         start = time.perf_counter()
@@ -120,24 +123,51 @@ def generate_handler(runs, seed, trajectory, method, target, bits, frames, budge
         seconds = time.perf_counter() - start  # this request's wall time, waits and both rollouts included
     except ValueError as e:
         return error(str(e))
+    quantized = key.method != "bf16"
+    over = quantized and memory_flag(cmp["summary"], key.budget) is not None
     origin = "from the cache" if cached else f"generated in {seconds:.1f} s"
-    size = f"{key.bits}-bit" if key.budget is None else f"within {key.budget:g} bits"
-    if key.method != "bf16":
+    if key.budget is None:
+        size = f"{key.bits}-bit"
+    else:  # "within" only where the measured spans keep to the budget
+        size = f"budget {key.budget:g} bits" if over else f"within {key.budget:g} bits"
+    if quantized:
         origin += (f"; fixed {key.bits}-bit grid, no budget" if key.budget is None else
-                   f"; configuration within {key.budget:g} bits: {studies.configuration(wb, key)}")
+                   f"; configuration {'chosen for a budget of' if over else 'within'} {key.budget:g} bits: "
+                   f"{studies.configuration(wb, key)}")
     return _shown(cmp, key.id, wb.model_facts()["context_frames"], origin, f"{key.method} {size}", key.budget,
-                  key.method != "bf16")
+                  quantized)
+
+
+SIZINGS = ("budget", "bits")  # the Memory control: equal memory (a budget) or a fixed grid of bits
+
+
+def sized_budget(budget, sizing=None) -> float | None:
+    """The budget a request runs within, or None for a fixed grid: `sizing` "budget" checks `budget` (bits per
+    element in (0, 16]: 0, empty or 20 is an error naming the explicit other mode); "bits" is None; None (a
+    handler called without it) reads as "budget" when a budget is given, else "bits"."""
+    if sizing is None:
+        sizing = "bits" if budget is None else "budget"
+    if sizing not in SIZINGS:
+        raise ValueError(f"sizing must be one of {', '.join(SIZINGS)}, got {sizing!r:.60}")
+    if sizing == "bits":
+        return None
+    try:
+        return budget_value(budget)
+    except ValueError as e:
+        raise ValueError(f'{e}; for a fixed grid of bits, choose Memory: "Fixed bits" (sizing="bits")') from None
 
 
 def memory_flag(summary: dict, budget: float | None) -> str | None:
     """Why a run's memory is out of bounds, or None: its quantized spans over `budget` bits per element, or its
-    spans or whole cache bigger than BF16's (the Generate tab's flag and the Methods table's `fits`)."""
+    spans or whole cache bigger than BF16's (the Generate tab's flag, the Methods and trace tables' `fits`).
+    `summary`: span_bits_per_element, and cache_mb and bf16_mb where the whole cache is known."""
     bpe, over = summary["span_bits_per_element"], []
+    cache, bf16 = summary.get("cache_mb"), summary.get("bf16_mb")  # a trace analysis has the spans' bits alone
     if budget is not None and bpe > budget + 1e-9:
         over.append(f"its quantized spans store {bpe:.2f} bits/element, over the budget of {budget:g}")
-    if bpe > 16 + 1e-9 or summary["cache_mb"] > summary["bf16_mb"]:
-        over.append(f"it stores more than BF16 (spans {bpe:.2f} bits/element vs 16; whole cache "
-                    f"{summary['cache_mb']:.2f} MB vs {summary['bf16_mb']:.2f} MB)")
+    if bpe > 16 + 1e-9 or (cache is not None and bf16 is not None and cache > bf16):
+        whole = "" if cache is None or bf16 is None else f"; whole cache {cache:.2f} MB vs {bf16:.2f} MB"
+        over.append(f"it stores more than BF16 (spans {bpe:.2f} bits/element vs 16{whole})")
     return "; ".join(over) or None
 
 

@@ -134,7 +134,7 @@ def take_tab_screenshots(page, outdir: pathlib.Path) -> list[pathlib.Path]:
             page.locator(button).click()
             wait_text(page, status, done)
         elif slug == "trace":
-            for button, status, done in (("#analyze-btn", "#analyze-status", "grid"),
+            for button, status, done in (("#analyze-btn", "#analyze-status", "layer(s)"),
                                          ("#trace-inspect-btn", "#trace-inspect-status", "source"),
                                          ("#trace-energy-btn", "#trace-energy-status", "top-8")):
                 page.locator(button).click()
@@ -582,7 +582,7 @@ def test_methods_flags_a_row_measured_over_the_budget(browser_and_url, small_tra
 # ---- issue 34: every view agrees with what it claims, at a wide and a narrow page ----------------------------
 WIDTHS = (1400, 900)
 # The sentence's names of the damage metrics: (the table's column, +1 where higher is better)
-KV_DAMAGE = {"PSNR": ("psnr", 1), "flicker (tdiff)": ("tdiff", -1), "LPIPS": ("lpips", -1),
+KV_DAMAGE = {"PSNR": ("psnr", 1), "SSIM": ("ssim", 1), "flicker (tdiff)": ("tdiff", -1), "LPIPS": ("lpips", -1),
              "place shift": ("place_shift_rate", -1), "output error": ("attn_out_rel_err", -1)}
 TAG = f"seed4-loop-quantwm-kv-budget2.5-{FRAMES}f"  # the default run in file names
 
@@ -678,7 +678,7 @@ def test_key_vs_value_sentence_agrees_with_its_table_on_every_metric_it_names(br
                                " gd._fullLayout.width <= box && gd._fullLayout.width > box - 8; }", timeout=WAIT)
         titles = page.evaluate("document.querySelector('#kv-plot .js-plotly-plot')._fullLayout.annotations"
                                ".map(a => a.text)")
-        assert len(titles) == 8 and {"PSNR", "LPIPS", "place shift", "output error"} <= set(titles)
+        assert len(titles) == 9 and {"PSNR", "SSIM", "LPIPS", "place shift", "output error"} <= set(titles)
         assert plot_overflow(page, "#kv-plot") == [], size
     page.context.close()
 
@@ -811,8 +811,9 @@ def test_the_methods_export_draws_what_its_table_shows(browser_and_url, width):
     assert page.evaluate(hidden) == []
     assert plot_overflow(page, "#methods-plot") == []  # drawn, nothing clipped
     drawn = page.evaluate("(() => { const gd = document.querySelector('#methods-plot .js-plotly-plot');"
-                          " return [gd._fullLayout.annotations.map(a => a.text), gd.data.map(t => [...t.x])]; })()")
-    assert drawn == [metrics, [labels] * len(metrics)]
+                          " return [gd._fullLayout.annotations.map(a => a.text), gd.data.map(t => [...t.y]),"
+                          " [...gd.querySelectorAll('.yaxislayer-above .ytick text')].map(t => t.textContent)]; })()")
+    assert drawn == [metrics, [labels] * len(metrics), labels]  # every bar named on the page, none skipped
     page.locator("#methods-export-btn").click()
     wait_text(page, "#methods-export-status", "file(s)")
     href = page.locator("#methods-export-files a[href$='.svg']").first.get_attribute("href")

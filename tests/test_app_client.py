@@ -56,7 +56,7 @@ API_PARAMETERS = {
     "/key_vs_value": ["seed", "trajectory", "baseline", "budget", "frames", "seeds"],
     "/methods_table": ["seed", "trajectory", "target", "frames", "methods", "budget"],
     "/export_methods_figure": ["seed", "trajectory", "target", "frames", "methods", "budget", "formats"],
-    "/analyze": ["path", "methods", "target", "bits"],
+    "/analyze": ["path", "methods", "target", "bits", "budget", "sizing"],
     "/trace_inspect": ["path", "method", "target", "bits", "layer", "head", "query"],
     "/trace_click_query": ["path", "method", "target", "bits", "layer", "head", "query"],
     "/trace_energy": ["path", "layer"],
@@ -239,3 +239,56 @@ def test_a_recorded_run_opens_over_the_api_and_every_view_answers(client, tmp_pa
     assert client.predict(run_id, api_name="/open_run")[1] == run_id  # reopened by id
     refused = client.predict(str(path), api_name="/open_run")[0]  # a server path is not an opened run
     assert refused.startswith("**Error:**") and "not an opened run" in refused
+
+
+def test_a_budget_of_zero_at_equal_memory_is_an_error_as_20_and_minus_1_are(client):
+    """"Equal memory" with a budget of 0 is refused like any budget outside (0, 16], never run as a fixed grid;
+    the error names the explicit mode for that."""
+    for bad in (0, 20, -1):
+        status = client.predict(4, "loop", "quantwm", "kv", 2, FRAMES, bad, "budget", api_name="/generate")[0]
+        assert status.startswith(f"**Error:** budget must be a number of bits per element in (0, 16], got {bad}"), status
+        assert 'choose Memory: "Fixed bits" (sizing="bits")' in status
+
+
+def test_layer_head_and_bits_are_accepted_as_the_api_lists_them(client, generated):
+    """view_api lists the number pickers' choices as strings ('all', '0', '1', ...); those strings are accepted,
+    and so are the numbers themselves; a value outside them gets the handler's error naming the range."""
+    api = client.view_api(return_format="dict", print_info=False)["named_endpoints"]
+    listed = {(name, p["parameter_name"]): p["python_type"]["type"] for name in ("/trace_pixel", "/energy", "/generate")
+              for p in api[name]["parameters"]}
+    assert listed[("/trace_pixel", "layer")] == "Literal['all', '0', '1', '2', '3']"
+    assert "'1'" in listed[("/trace_pixel", "head")] and "'1'" in listed[("/energy", "layer")]
+    assert listed[("/generate", "bits")] == "Literal['2', '3', '4', '8']"
+    for layer, head in (("1", "2"), (1, 2)):
+        result = client.predict(generated[1], FRAMES - 1, 17, 33, layer, head, api_name="/trace_pixel")[-1]
+        assert (result["layer"], result["head"]) == (1, 2)
+    assert client.predict(generated[1], FRAMES - 2, [], "1", "all", api_name="/scrub")[0].startswith(
+        f"Frame **{FRAMES - 2}**")
+    assert "top 8 of" in client.predict(generated[1], "1", api_name="/energy")[0]
+    status, run_id = client.predict(4, "loop", "qvg", "kv", "2", FRAMES, 2.5, "bits", api_name="/generate")[:2]
+    assert run_id == f"seed=4 loop qvg kv 2-bit {FRAMES}f", status
+    bad = client.predict(generated[1], FRAMES - 1, 17, 33, "9", "0", api_name="/trace_pixel")[0]
+    assert bad.startswith("**Error:**") and "layer 9 out of range" in bad
+
+
+RUN_ID_ENDPOINTS = {  # every endpoint taking a run id: its other arguments
+    "/show_frame": (FRAMES - 1, [], "all", "all"), "/scrub": (FRAMES - 1, [], "all", "all"),
+    "/trace_pixel": (FRAMES - 1, 3, 3, "all", "all"), "/overview": (), "/export_figures": (FRAMES - 1, "all", "all"),
+    "/energy": ("0",), "/export_energy": ("0", ["pdf"]), "/open_run": (),
+}
+
+
+def test_every_endpoint_taking_a_run_id_answers_a_bad_one_with_one_error_line(client):
+    """A malformed run id gets one **Error:** line naming it, from every endpoint (the strip's twin raises it as
+    the API error), never "not enough values to unpack"."""
+    from gradio_client.exceptions import AppError
+
+    bad = "a b c"
+    for name, args in RUN_ID_ENDPOINTS.items():
+        out = client.predict(bad, *args, api_name=name)
+        status = out[0] if isinstance(out, (list, tuple)) else out
+        assert status.startswith(f"**Error:** {bad!r} is not ") and "\n" not in status, (name, status)
+        assert "unpack" not in status, (name, status)
+    with pytest.raises(AppError, match=f"{bad!r} is not a run id") as raised:
+        client.predict(bad, 3, api_name="/strip_frame")
+    assert "unpack" not in str(raised.value)

@@ -5,7 +5,8 @@ import imageio_ffmpeg
 import numpy as np
 import pytest
 
-from app import handlers
+from app import handlers, plots
+from app import overview_handlers as oh
 from app import study_handlers as sh
 from app import world_handlers as wh
 from quantwm.core.cache import CacheMemory
@@ -134,11 +135,31 @@ def test_a_run_over_its_budget_or_over_bf16_is_flagged_on_the_generate_tab(runs,
     assert r["status"].startswith("**OVER: its quantized spans store 2.61 bits/element, over the budget of 2.5.**")
     assert r["method_label"].endswith("OVER")
     monkeypatch.setattr(studies, "compare", real)
-    fixed = wh.generate_handler(runs, 3, "pan-return", "qvg", "kv", 2, FRAMES, 0)
+    fixed = wh.generate_handler(runs, 3, "pan-return", "qvg", "kv", 2, FRAMES, sizing="bits")
     assert fixed["status"].startswith("**OVER: it stores more than BF16") and "fixed 2-bit grid" in fixed["status"]
     assert wh.memory_flag({"span_bits_per_element": 2.5, "cache_mb": 1.0, "bf16_mb": 4.0}, 2.5) is None
     assert wh.memory_flag({"span_bits_per_element": 2.0, "cache_mb": 5.0, "bf16_mb": 4.0}, None).startswith(
         "it stores more than BF16")
+
+
+def test_a_run_over_its_budget_is_never_said_to_be_within_it(runs, monkeypatch):
+    """A run whose spans measure over its budget: its label says the budget, not "within" it, and so does the
+    status's configuration clause; a run that keeps to it is still "within"."""
+    real = studies.compare
+
+    def overrun(wb, key, progress=None):
+        cmp = real(wb, key, progress)
+        return {**cmp, "summary": {**cmp["summary"], "span_bits_per_element": 2.6}}
+
+    monkeypatch.setattr(studies, "compare", overrun)
+    r = wh.generate_handler(runs, 3, "pan-return", "kivi", "k", 2, FRAMES, 2.5)
+    assert r["over"] and r["method_label"] == "kivi budget 2.5 bits, spans 2.60 bits/element OVER"
+    assert "configuration within" not in r["status"] and "within 2.5" not in r["status"]
+    assert "configuration chosen for a budget of 2.5 bits: k: bits=2, group_size=64" in r["status"]
+    monkeypatch.setattr(studies, "compare", real)
+    kept = wh.generate_handler(runs, 3, "pan-return", "kivi", "k", 2, FRAMES, 2.5)
+    assert kept["over"] is None and kept["method_label"].startswith("kivi within 2.5 bits, spans 2.50 bits/element")
+    assert "configuration within 2.5 bits: k: bits=2, group_size=64" in kept["status"]
 
 
 @pytest.mark.parametrize("settings, needle", [
@@ -329,14 +350,14 @@ def test_key_value_handler_runs_several_seeds_at_one_budget_and_its_sentence_hol
             sentence = next(x for x in part.split(". ") if x.startswith(clause))
             assert name in sentence, (method, name, worse, part)
     data = r["figure"].data
-    assert {t.name for t in data} == {"Keys only", "Values only"} and len(data) == 2 * 8  # every metric charted
+    assert {t.name for t in data} == {"Keys only", "Values only"} and len(data) == 2 * 9  # every metric charted
     assert sh.key_value_handler(runs, 3, "loop", "bf16", 2.5, FRAMES, 2)["status"].startswith("**Error:** bf16")
     assert "seeds must lie in 1..16" in sh.key_value_handler(runs, 3, "loop", "kivi", 2.5, FRAMES, 0)["status"]
 
 
 def test_kv_finding_is_computed_from_the_numbers():
     def row(**kw):
-        return {"k_rel_err": 0.03, "v_rel_err": 0.15, "psnr": 30.0, "tdiff": 0.02, "lpips": 0.01,
+        return {"k_rel_err": 0.03, "v_rel_err": 0.15, "psnr": 30.0, "ssim": 0.9, "tdiff": 0.02, "lpips": 0.01,
                 "place_shift_rate": 0.1, "attn_out_rel_err": 0.1, **kw}
 
     ks = [row(psnr=26.0, place_shift_rate=0.3, lpips=0.012), row(psnr=31.0, place_shift_rate=0.2, lpips=0.012)]
@@ -346,9 +367,9 @@ def test_kv_finding_is_computed_from_the_numbers():
     assert "Keys only does more damage on every seed in place shift." in text
     assert "Values only does more damage on every seed in flicker (tdiff), output error." in text
     # LPIPS differs on seed 2 only past the table's 4 decimals: equal as shown, so equal in the sentence
-    assert "The two are equal on every seed in LPIPS." in text
+    assert "The two are equal on every seed in SSIM, LPIPS." in text
     assert "Seeds disagree on PSNR (Keys only worse on 1, Values only on 1)" in text
-    assert "holds on every seed in place shift, not in PSNR, flicker (tdiff), LPIPS, output error." in text
+    assert "holds on every seed in place shift, not in PSNR, SSIM, flicker (tdiff), LPIPS, output error." in text
     assert "premise does not hold" in sh._kv_finding("rtn", [row(k_rel_err=0.3)] * 2, vs)
 
 
@@ -379,6 +400,45 @@ def test_a_row_over_the_budget_or_over_bf16_is_flagged(runs, monkeypatch):
     monkeypatch.setattr(studies, "methods_table", inflated)
     r = sh.methods_handler(runs, 3, "pan-return", "k", FRAMES, ["rtn"], 2.5)
     assert [row[r["header"].index("fits")] for row in r["rows"]] == ["OVER"] and "**OVER**" in r["status"]
+
+
+def test_the_methods_chart_names_every_bar_and_its_title_counts_only_the_methods_within(runs, monkeypatch):
+    """Each row's bar is named on the chart, every name a tick of its own on a line of its own height (none left
+    out for room), and the title counts the methods within the budget, naming those over it apart."""
+    real = studies.methods_table
+
+    def two_over(wb, key, methods, progress=None, left_out=None):
+        rows = real(wb, key, methods, progress, left_out)
+        return [{**r, "span_bits_per_element": 2.6} if r["method"] in ("rtn", "kivi") else r for r in rows]
+
+    monkeypatch.setattr(studies, "methods_table", two_over)
+    r = sh.methods_handler(runs, 3, "pan-return", "k", FRAMES, ["qvg-budget", "rtn", "kivi"], 2.5)
+    fits = {row[0]: row[r["header"].index("fits")] for row in r["rows"]}
+    assert fits == {"qvg-budget": "yes", "rtn": "OVER", "kivi": "OVER"}
+    labels = [m + (" (OVER)" if fits[m] == "OVER" else "") for m in fits]
+    over = ", ".join(m for m in fits if fits[m] == "OVER")
+    fig = r["figure"]
+    assert fig.layout.title.text == f"1 method within 2.5 bits per element, 2 over: {over}: seed 3, pan-return, target k"
+    assert len(fig.data) == len(r["metrics"]) >= 2
+    for bars in fig.data:  # one bar per row in every panel, on the panels' shared axis of names
+        assert bars.orientation == "h" and list(bars.y) == labels
+    axis = fig.layout.yaxis
+    assert axis.tickmode == "array" and list(axis.tickvals) == labels and list(axis.ticktext) == labels
+    margin = fig.layout.margin
+    assert (fig.layout.height - margin.t - margin.b) / len(labels) >= plots.BAR_ROW_PX
+
+
+def test_quantwm_and_quantwm_alloc_are_one_row_at_a_budget(runs):
+    """At a budget quantwm runs as its allocator, quantwm-alloc (`at_budget`): chosen together, their one run is
+    shown once and the row says so, in the table and on the chart."""
+    assert studies.at_budget_name("quantwm") == "quantwm-alloc" and studies.at_budget_name("rtn") == "rtn"
+    assert studies.at_budget_name("quantwm+jensen") == "quantwm-alloc+jensen"
+    r = sh.methods_handler(runs, 3, "pan-return", "k", FRAMES, ["quantwm", "quantwm-alloc", "rtn"], 2.5)
+    names = [row[0] for row in r["rows"]]
+    assert sorted(names) == ["quantwm (= quantwm-alloc at a budget)", "rtn"], names
+    assert all(list(bars.y) == names for bars in r["figure"].data)
+    alone = sh.methods_handler(runs, 3, "pan-return", "k", FRAMES, ["quantwm-alloc", "rtn"], 2.5)
+    assert sorted(row[0] for row in alone["rows"]) == ["quantwm-alloc", "rtn"]  # one of the two: its own name
 
 
 def test_the_exported_methods_figure_shows_what_the_table_shows(runs, monkeypatch):
@@ -449,7 +509,7 @@ def test_export_handlers_write_print_figures_and_refuse_bad_input(runs, generate
     assert sorted(f.rsplit("/", 1)[-1].split("-")[0] for f in bare["files"]) == ["frames", "maps"]
     assert wh.export_handler(runs, rid, FRAMES - 1, "all", "all", ["gif"])["status"].startswith(
         "**Error:** unknown figure format")
-    assert wh.export_handler(runs, "not a run", 5)["status"].startswith("**Error:** not a run id")
+    assert wh.export_handler(runs, "not a run", 5)["status"].startswith("**Error:** 'not a run' is not a run id")
     assert "frame 99 out of range" in wh.export_handler(runs, rid, 99)["status"]
     e = wh.export_energy_handler(runs, rid, 2, ["pdf"])
     assert [f.rsplit("/", 1)[-1] for f in e["files"]] == [f"energy-seed3-pan-return-qvg-budget-k-2bit-{FRAMES}f-layer2.pdf"]
@@ -520,3 +580,85 @@ def test_the_logit_heatmaps_legend_shows_its_markers_in_visible_colours():
     assert [t.name for t in legend] == ["BF16 top-1 (white circle)", "kivi top-1 (red cross)"]
     assert all(t.marker.color not in ("white", "#ffffff") for t in legend)
     assert [t.marker.color for t in fig.data if t.type == "scatter" and t.x[0] is not None][:2] == ["white", "red"]
+
+
+def test_kv_finding_quotes_the_tables_means_and_weighs_ssim():
+    """The sentence's mean errors are the table's mean ± sd means, of the unrounded values (0.029216 and 0.029224:
+    0.02922, where averaging the 4-decimal values gave 0.0292), and SSIM is weighed like every damage metric."""
+    def row(**kw):
+        return {"k_rel_err": 0.029216, "v_rel_err": 0.0, "psnr": 30.0, "ssim": 0.9, "tdiff": 0.02, "lpips": 0.01,
+                "place_shift_rate": 0.1, "attn_out_rel_err": 0.1, **kw}
+
+    ks = [row(), row(k_rel_err=0.029224)]
+    vs = [row(k_rel_err=0.0, v_rel_err=0.15, ssim=0.8), row(k_rel_err=0.0, v_rel_err=0.17, ssim=0.85)]
+    text = sh._kv_finding("kivi", ks, vs)
+    assert "Key error 0.02922 (Keys only) vs Value error 0.16 (Values only)" in text, text
+    assert sh._mean_sd([0.029216, 0.029224]).startswith("0.02922 ± ")  # the table's mean cell
+    assert "Values only does more damage on every seed in SSIM." in text, text
+    assert "The two are equal on every seed in PSNR, flicker (tdiff), LPIPS, place shift, output error." in text
+
+
+def test_the_key_value_chart_keeps_its_legend_clear_of_the_panel_titles():
+    """The legend stands right of the panels, where no panel's title is (above them it covered the first's)."""
+    metrics = [("k_rel_err", "Key error (Keys only)"), *[(c, name) for c, name, _ in sh.KV_DAMAGE]]
+    by = {(m, t): [{c: 0.1 + s for c, _ in metrics} for s in range(2)] for m in ("kivi", "quantwm") for t in "kv"}
+    fig = plots.key_value_figure(by, metrics, "Keys only (k) vs Values only (v)")
+    titles = [a for a in fig.layout.annotations if a.text in {name for _, name in metrics}]
+    assert len(titles) == len(metrics) and all(a.x <= 1 for a in titles)  # every title over its panel
+    legend = fig.layout.legend
+    assert legend.xanchor == "left" and (legend.x or 0) >= 1  # the legend starts right of every panel
+
+
+def test_trace_analysis_compares_at_one_budget_and_flags_a_row_over_it(small_trace_path, monkeypatch):
+    """Trace analysis at its default, equal memory as on the other tabs: every method within 2.5 bits by its rule,
+    and a `fits` column; a row measured over the budget (qvg's raised here, as a data span can) is flagged OVER in
+    the table and the status. At fixed bits the status names the spread and a row over BF16 is flagged."""
+    path = str(small_trace_path)
+    status, header, rows = handlers.analyze_handler(path, ["rtn", "qvg", "quantwm"], "k", "2", 2.5, "budget")
+    col = header.index
+    assert "within 2.5 bits per element, each method by its rule (rtn k: bits=2" in status, status
+    assert [row[0] for row in rows] == ["rtn", "qvg", "quantwm"]
+    assert all(row[col("fits")] == "yes" and row[col("bits_per_element")] <= 2.5 for row in rows)
+    real = handlers.analyze_trace
+
+    def overrun(*args, **kwargs):
+        report = real(*args, **kwargs)
+        report["methods"]["qvg"]["mean"]["bits_per_element"] = 9.3
+        return report
+
+    monkeypatch.setattr(handlers, "analyze_trace", overrun)
+    status, header, rows = handlers.analyze_handler(path, ["rtn", "qvg", "quantwm"], "k", "2", 2.5, "budget")
+    assert {row[0]: row[col("fits")] for row in rows} == {"rtn": "yes", "qvg": "OVER", "quantwm": "yes"}
+    assert "**OVER**: qvg: its quantized spans store 9.30 bits/element, over the budget of 2.5." in status
+    monkeypatch.setattr(handlers, "analyze_trace", real)
+    fixed, header, rows = handlers.analyze_handler(path, ["rtn", "qvg"], "k", "2", 2.5, "bits")
+    assert "2 bits (fixed grids, no budget)" in fixed and re.search(r"from 2\.50 \(rtn\) to [\d.]+ \(qvg\)", fixed)
+    fits = {row[0]: row[col("fits")] for row in rows}
+    qvg_bits = next(row[col("bits_per_element")] for row in rows if row[0] == "qvg")
+    assert fits == {"rtn": "yes", "qvg": "OVER" if qvg_bits > 16 else "yes"}
+    for bad in (0, -1, 20):
+        assert handlers.analyze_handler(path, ["rtn"], "k", "2", bad, "budget")[0].startswith(
+            "**Error:** budget must be a number of bits per element in (0, 16]")
+
+
+RUN_ID_VIEWS = {
+    "scrub": lambda runs, rid: wh.scrub_handler(runs, rid, 5),
+    "trace_pixel": lambda runs, rid: wh.trace_pixel_handler(runs, rid, 5, 3, 3),
+    "click_pixel": lambda runs, rid: wh.click_pixel_handler(runs, rid, 5, [12, 12]),
+    "energy": lambda runs, rid: wh.energy_handler(runs, rid, 0),
+    "export_figures": lambda runs, rid: wh.export_handler(runs, rid, 5),
+    "export_energy": lambda runs, rid: wh.export_energy_handler(runs, rid, 0),
+    "overview": lambda runs, rid: oh.overview_handler(runs, rid),
+    "strip_frame": lambda runs, rid: oh.strip_click_handler(runs, rid, 3),
+    "open_run": lambda runs, rid: wh.open_run_handler(runs, rid, files=False),
+}
+
+
+@pytest.mark.parametrize("view", RUN_ID_VIEWS)
+@pytest.mark.parametrize("bad", ["a b c", "seed=x loop quantwm kv 2-bit 10f", 5])
+def test_a_bad_run_id_gets_one_error_line_naming_it(runs, view, bad):
+    """Every handler taking a run id answers a malformed one with one **Error:** line that names it, never
+    Python's own words ("not enough values to unpack", "invalid literal for int()")."""
+    status = RUN_ID_VIEWS[view](runs, bad)["status"]
+    assert status.startswith(f"**Error:** {str(bad)!r} is not ") and "\n" not in status, status
+    assert "unpack" not in status and "invalid literal" not in status, status

@@ -52,16 +52,22 @@ class RunKey:
         """Inverse of `id`; ValueError for anything else."""
         if not str(text or "").strip():
             raise ValueError("Generate a run first (or open a recorded one): no run is shown yet")
+        bad = (f"{str(text)!r:.120} is not a run id: a run id names a run of this app, such as "
+               "'seed=4 loop quantwm kv budget=2.5 32f' (press Generate) or an opened run file")
+        parts = str(text).split()
         try:
-            seed, traj, method, target, size, frames = str(text).split()
-            if not (seed.startswith("seed=") and (size.endswith("-bit") or size.startswith("budget="))
+            seed, traj, method, target, size, frames = parts if len(parts) == 6 else [None] * 6
+            if not (seed and seed.startswith("seed=") and (size.endswith("-bit") or size.startswith("budget="))
                     and frames.endswith("f")):
-                raise ValueError
+                raise ValueError(bad)
             bits, budget = (int(size[:-4]), None) if size.endswith("-bit") else (2, float(size[7:]))
-            return cls(int(seed[5:]), traj, method, target, bits, int(frames[:-1]), budget)
-        except (ValueError, TypeError) as e:
-            why = f": {e}" if str(e) else ""
-            raise ValueError(f"not a run id: {text!r}{why} (generate first)") from None
+            seed, frames = int(seed[5:]), int(frames[:-1])
+        except ValueError:  # the shape or a number of the id is wrong: say what an id reads like
+            raise ValueError(bad) from None
+        try:
+            return cls(seed, traj, method, target, bits, frames, budget)
+        except ValueError as e:  # well formed, but a setting is unknown or out of range: say which
+            raise ValueError(f"{str(text)!r:.120} is not a run id: {e}") from None
 
     def reference(self) -> RunKey:
         return replace(self, method="bf16", target="kv", bits=2, budget=None)

@@ -87,6 +87,16 @@ def methods_table(wb, key: RunKey, methods: list[str], progress: Callable | None
     return sorted(rows, key=lambda r: r["span_bits_per_element"]) if key.budget is not None else rows
 
 
+def at_budget_name(method: str) -> str:
+    """The method `method` runs as within a budget: its family's allocator where the family names one
+    (`Method.at_budget`: quantwm runs as quantwm-alloc, a "+jensen" suffix kept), else itself."""
+    from ..core.methods import REGISTRY, parse_method_name
+    from ..core.methods.base import JENSEN_SUFFIX
+
+    base, jensen = parse_method_name(method)
+    return (REGISTRY[base].at_budget or base) + (JENSEN_SUFFIX if jensen else "")
+
+
 def configuration(wb, key: RunKey) -> str:
     """What the key's generated run ran as: its grid at `bits`, or what its cache chose within the budget for
     each quantized half (read from the run's record: the choice the cache made on its first span); where the
