@@ -139,3 +139,13 @@ def test_fixed_options_are_measured_with_every_candidate_and_win_over_its_own():
     assert cache.bits_per_element() <= 3.0 + 1e-9 and "group_size=16" in cache.configuration["k"]
     with pytest.raises(ValueError, match="bad option for method 'kivi'"):
         configure("kivi", 2.5, 128, 1728, "k", options={"lam": 4.0})
+
+
+@pytest.mark.parametrize("budget", [0, -1.0, 20.0])
+def test_a_bad_budget_is_the_requests_error_not_every_methods_reason_to_be_left_out(budget):
+    """`fit_methods` (analyze, eval, the app's studies) refuses a budget outside (0, 16] once, by name, instead of
+    leaving every method out with the same reason and printing empty tables."""
+    from quantwm.core.budget import fit_methods
+
+    with pytest.raises(ValueError, match=r"budget must be a number of bits per element in \(0, 16\]"):
+        fit_methods(["kivi", "quantwm"], budget, None, 64, 256, target="k")

@@ -29,7 +29,7 @@ import functools
 import torch
 
 from .methods import REGISTRY, SpanContext, get_method, parse_method_name
-from .quant import BudgetError
+from .quant import BudgetError, check_budget
 
 
 def candidates(method: str, head_dim: int, kind: str = "k") -> list[dict]:
@@ -130,6 +130,9 @@ def fit_methods(methods: list[str], budget_k: float | None, budget_v: float | No
     """(the methods that fit their budgets, {left-out method: the one-line reason}) for spans of this shape;
     only the halves `target` quantizes are held to a budget, each with the fixed `options` and `layer_elements`
     (`configure`)."""
+    for budget in (budget_k, budget_v):
+        if budget is not None:  # a bad budget is the request's error, not every method's reason to be left out
+            check_budget(budget)
     kept, left_out = [], {}
     for m in methods:
         if parse_method_name(m)[0] == "bf16":
