@@ -11,6 +11,13 @@ sample, every sequence and state at once). The taps and the step are chosen on o
 gain is reported on another (seed 2).
 
     python benchmarks/trellis_gain.py [--sequences 64] [--length 1728]
+    python benchmarks/trellis_gain.py --trace t.pt [--budget 2.5]     # on a synthetic trace's Keys (below)
+
+`--trace`: the textbook transform coder (S's eigenbasis of the history Queries, reverse water-filling over the
+allocator's uniform tables, as benchmarks/bits_above_bound.py's step 2) on the trace's second and third chunks,
+then the same coordinates at the same widths by TCQ (the union's spacing half the uniform grid's step, centred on
+it: the Gaussian tuning's 0.5 at every width). Prints both coders' query-weighted error, logit RMSE and top-1
+shift among the span's keys under the trace's reading queries.
 
 Measured (64 sequences of 1728 samples): R=1 +0.77 dB, R=2 +1.08 dB, R=3 +1.08 dB over the best uniform grid,
 i.e. 0.13-0.18 bit per coded coordinate at equal rate (the Gaussian bound is another 0.8-2.6 dB away).
@@ -20,9 +27,12 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
+import sys
+from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bits_above_bound's textbook coder (--trace)
 STATES = 8
 TAP_CHOICES = [(0,), (1,), (2,), (0, 1), (0, 2), (1, 2)]
 UNIFORM_STEP = {1: 1.596, 2: 0.996, 3: 0.586}  # the best uniform grid's step for N(0, 1) (Max 1960), the search's scale
@@ -62,11 +72,82 @@ def tcq_mse(x: torch.Tensor, bits: int, step: float, taps) -> float:
     return (cost.amin(-1) / x.shape[1]).mean().item()
 
 
+def tcq_decode_path(y: torch.Tensor, widths: torch.Tensor, low: torch.Tensor, step: torch.Tensor,
+                    taps=((0,), (1, 2))) -> torch.Tensor:
+    """y (S, N, D) coded coordinate by coordinate along the tokens by TCQ at `widths` (S, D) bits, the union of
+    2^(b+1) levels spaced step/2 over the uniform grid's range (low, step (S, D)); the Viterbi path's values
+    (width 0: 0)."""
+    S, N, D = y.shape
+    x, b = y.permute(0, 2, 1).reshape(S * D, N).double(), widths.reshape(-1)
+    half = step.reshape(-1).double()[:, None] / 2
+    L = (2 ** (b + 1)).double()[:, None]
+    centre = low.reshape(-1).double()[:, None] + (2.0 ** b[:, None] - 1) / 2 * 2 * half
+    u = (x - centre) / half + (L - 1) / 2  # position in union-level units
+    index = torch.stack([j + 4 * torch.minimum(torch.round((u - j) / 4).clamp(min=0), L / 4 - 1) for j in range(4)], -1)
+    val = centre[..., None] + (index - (L[..., None] - 1) / 2) * half[..., None]  # (M, N, 4): each subset's nearest
+    err = (x[..., None] - val).square()
+    label, preds, branch = trellis(taps)
+    step_label = label[preds, branch[:, None].expand(STATES, 2)]
+    M = x.shape[0]
+    cost = torch.full((M, STATES), math.inf, dtype=x.dtype)
+    cost[:, 0] = 0
+    back = torch.zeros(N, M, STATES, dtype=torch.long)
+    for t in range(N):  # Viterbi forward
+        cost, back[t] = (cost[:, preds] + err[:, t][:, step_label]).min(-1)
+    state, rows, out = cost.argmin(-1), torch.arange(M), torch.zeros(M, N, dtype=x.dtype)
+    for t in range(N - 1, -1, -1):  # and back along the kept branches
+        pick = back[t][rows, state]
+        out[:, t] = val[rows, t, step_label[state, pick]]
+        state = preds[state, pick]
+    return torch.where(b[:, None] > 0, out, 0.0).reshape(S, D, N).permute(0, 2, 1)
+
+
+def on_trace(path: str, budget: float) -> None:
+    """The module docstring's `--trace` comparison, printed as a table."""
+    import bits_above_bound as B
+
+    from quantwm.core.layouts.channels import channel_grid
+    from quantwm.evaluation.metrics import second_moment
+    from quantwm.evaluation.trace import read_trace
+
+    tr = read_trace(path)
+    t = tr.layers[0]
+    span = int(tr.meta.get("chunk_frames", 1)) * tr.tokens_per_frame
+    k, q = t["k"].double(), t["q"].double()
+    rows = {"uniform": [], "tcq": []}
+    for chunk in (1, 2):
+        keys = k[:, chunk * span:(chunk + 1) * span]
+        S = second_moment(t["q_hist"][:, t["q_hist_chunk"] <= chunk].float()).double()
+        U = torch.linalg.eigh(S).eigenvectors.flip(-1)
+        mean = keys.mean(1, keepdim=True)
+        y = ((keys - mean) @ U).float()
+        E, A = B.uniform_tables(y)
+        widths, _ = B.allocated(torch.einsum("sdi,sde,sei->si", U, S, U)[..., None] * E, span, budget)
+        alpha = A.gather(2, widths[..., None])[..., 0]
+        low, step = channel_grid(y.amin(1), y.amax(1), widths.float(), alpha)
+        for name, yh in (("uniform", B.uniform_decode(y, widths, alpha).double()),
+                         ("tcq", tcq_decode_path(y, widths, low, step))):
+            e = yh @ U.transpose(1, 2) + mean - keys
+            exact, coded = q @ keys.transpose(1, 2), q @ (keys + e).transpose(1, 2)
+            rows[name].append([torch.einsum("sni,sij,snj->", e, S, e).item() / e[..., 0].numel(),
+                               (exact - coded).square().mean().sqrt().item(),
+                               (exact.argmax(-1) != coded.argmax(-1)).double().mean().item()])
+    print(f"{path}, {budget:g} bits per element of code, chunks 1-2:\n| coder | weighted error | logit RMSE | top-1 shift |"
+          "\n|---|---|---|---|")
+    for name, values in rows.items():
+        m = torch.tensor(values).mean(0).tolist()
+        print(f"| {name} | {m[0]:.4f} | {m[1]:.4f} | {m[2]:.4f} |")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sequences", type=int, default=64)
     ap.add_argument("--length", type=int, default=1728)
+    ap.add_argument("--trace", default=None, help="compare on this synthetic trace's Keys instead (docstring)")
+    ap.add_argument("--budget", type=float, default=2.5)
     a = ap.parse_args(argv)
+    if a.trace:
+        return on_trace(a.trace, a.budget)
     tune = torch.randn(16, 400, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     test = torch.randn(a.sequences, a.length, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
     print("| bits | uniform MSE | TCQ MSE | gain dB | gain bit | Gaussian D(R) |\n|---|---|---|---|---|---|")
