@@ -5,7 +5,6 @@ from __future__ import annotations
 from .cli_output import fmt, progress_bar
 from .cli_values import int_list, world_model
 
-
 PIPELINE_BUDGET = 2.5  # `record --pipeline` with neither --bits nor --budget: bits per element
 
 
@@ -92,7 +91,8 @@ def _record_pipeline(a, layers: list[int], heads: list[int]) -> int:
         raise ValueError("--pipeline records a FastVideo model: leave out --model and --window")
     from .adapters.fastvideo.record import record_fastvideo
 
-    run = record_fastvideo(name, a.method, a.target, 2 if a.bits is None else a.bits, a.budget, a.frames, a.seed, a.tiny, a.weights, a.device,
+    run = record_fastvideo(name, a.method, a.target, 2 if a.bits is None else a.bits, a.budget, a.frames, a.seed,
+                           a.tiny, a.weights, a.device,
                            None if a.tiny else (a.height, a.width), layers, heads, progress=progress_bar("record"),
                            inputs=a.inputs)
     write_run(a.out, run)
