@@ -37,10 +37,10 @@ PAGE_JS = resources.files(__package__).joinpath("page.js").read_text()
 KV_BASELINE = "kivi"
 # The frames' and videos' labels sit above them, not over their top rows (Gradio floats a label badge over the media
 # of a fixed-height block: the block grows by the label instead).
-CSS = """#frame-bf16 img, #frame-method img { image-rendering: pixelated; }
-#frame-bf16, #frame-method, #video-bf16, #video-method { height: auto !important; }
-#frame-bf16 > [data-testid=block-label], #frame-method > [data-testid=block-label],
-#video-bf16 > [data-testid=block-label], #video-method > [data-testid=block-label] { position: static; }"""
+PANELS = ("#frame-bf16", "#frame-method", "#frame-method-b", "#video-bf16", "#video-method", "#video-method-b")
+CSS = ("#frame-bf16 img, #frame-method img, #frame-method-b img { image-rendering: pixelated; }\n"
+       f"{', '.join(PANELS)} {{ height: auto !important; }}\n"
+       f"{', '.join(p + ' > [data-testid=block-label]' for p in PANELS)} {{ position: static; }}")
 
 
 def default_trace(path: str | None, directory: str | None = None) -> str:

@@ -14,7 +14,14 @@ import imageio.v2 as imageio
 import numpy as np
 
 FPS = 8
+DISPLAY = 256  # frames are enlarged by an integer factor to about this many pixels on their longer side
 RED, CYAN, YELLOW, MAGENTA, ORANGE = (255, 40, 40), (0, 230, 255), (255, 220, 0), (255, 0, 255), (255, 140, 0)
+
+
+def factor_for(shape) -> int:
+    """The integer enlargement of a frame of `shape` (H, W, ...): a click at image pixel (x, y) is frame pixel
+    (x // factor, y // factor). 4 for the built-in 64x64 frames, 1 for a real model's 480x832."""
+    return max(1, DISPLAY // max(int(shape[0]), int(shape[1])))
 
 
 def enlarge(img: np.ndarray, factor: int) -> np.ndarray:

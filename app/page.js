@@ -1,8 +1,8 @@
 () => {
-  // Click a point of the per-frame plot: move the frame slider there (its change event scrubs both runs).
-  // Play, pause and seek of either video are mirrored on the other, so both play in lockstep.
-  // A newly loaded pair opens on the run's worst flicker frame (named in the status line), not on frame 0.
-  // The frame slider seeks both (paused) videos to its frame, and a dashed line marks it on the per-frame plot.
+  // Click a point of the per-frame plot: move the frame slider there (its change event scrubs every run).
+  // Play, pause and seek of any video are mirrored on the others (BF16, method A, method B), so all play in lockstep.
+  // Newly loaded videos open on method A's worst flicker frame (named in the status line), not on frame 0.
+  // The frame slider seeks every (paused) video to its frame, and a dashed line marks it on the per-frame plot.
   const FPS = 8;  // app/media.py writes the videos at 8 frames per second
   const showWorst = (v) => {
     const m = /Worst flicker frames: (\d+)/.exec(document.querySelector('#generate-status')?.innerText || '');
@@ -28,29 +28,31 @@
       });
     }
   };
+  // Every player: BF16's, method A's and method B's (when shown).
+  const VIDEOS = ['#video-bf16 video', '#video-method video', '#video-method-b video'];
+  const videos = () => VIDEOS.map((s) => document.querySelector(s)).filter((v) => v);
   const hookVideos = () => {
-    const a = document.querySelector('#video-bf16 video');
-    const b = document.querySelector('#video-method video');
-    for (const v of [a, b]) {
-      if (v && !v.__quantwmWorst) {
+    for (const v of videos()) {
+      if (!v.__quantwmWorst) {
         v.__quantwmWorst = true;
         v.addEventListener('loadedmetadata', () => showWorst(v));
         if (v.readyState >= 1) showWorst(v);
       }
-    }
-    if (!a || !b || (a.__quantwmPair === b)) return;
-    a.__quantwmPair = b; b.__quantwmPair = a;
-    for (const [x, y] of [[a, b], [b, a]]) {
-      x.addEventListener('play', () => { if (y.paused) { y.currentTime = x.currentTime; y.play(); } });
-      x.addEventListener('pause', () => { if (!y.paused) y.pause(); });
-      x.addEventListener('seeked', () => { if (Math.abs(y.currentTime - x.currentTime) > 0.05) y.currentTime = x.currentTime; });
+      if (v.__quantwmSync) continue;
+      // play, pause and seek of one player are mirrored on every other shown now, so all play in lockstep
+      v.__quantwmSync = true;
+      const others = () => videos().filter((o) => o !== v);
+      v.addEventListener('play', () => { for (const o of others()) if (o.paused) { o.currentTime = v.currentTime; o.play(); } });
+      v.addEventListener('pause', () => { for (const o of others()) if (!o.paused) o.pause(); });
+      v.addEventListener('seeked', () => {
+        for (const o of others()) if (Math.abs(o.currentTime - v.currentTime) > 0.05) o.currentTime = v.currentTime;
+      });
     }
   };
-  // Moving the frame slider seeks both videos to that frame (a paused pair only: playing videos keep playing).
+  // Moving the frame slider seeks every (paused) video to that frame (playing videos keep playing).
   const seekVideos = (frame) => {
-    for (const sel of ['#video-bf16 video', '#video-method video']) {
-      const v = document.querySelector(sel);
-      if (v && v.paused && Number.isFinite(frame)) v.currentTime = (frame + 0.5) / FPS;
+    for (const v of videos()) {
+      if (v.paused && Number.isFinite(frame)) v.currentTime = (frame + 0.5) / FPS;
     }
   };
   const hookSlider = () => {

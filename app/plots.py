@@ -10,51 +10,92 @@ HEAD_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
 BAR_ROW_PX = 24  # the height of a bar's line in `bars_figure`: a 12 px name with room above and below
 
 
-def frame_series_figure(series: dict, worst: list[int], context_frames: int, current: int | None = None) -> go.Figure:
-    """Stacked per-frame panels (tdiff, warping error, PSNR vs BF16, shift rate); worst frames marked; frames
-    identical to BF16 drawn as open squares at the top of the PSNR panel (no PSNR, no cap); click = frame."""
-    n = len(series["tdiff"])
-    x = list(range(n))
-    panels = [("tdiff", "#d62728", "flicker (tdiff-L1 vs BF16; higher = worse)"),
-              ("warp_error", "#ff7f0e", "warping error above BF16's (0 = BF16; lower is better)"),
-              ("psnr", "#1f77b4", "PSNR vs BF16 (dB)"), ("shift_rate", "#9467bd", "top-1 shift rate")]
-    panels = [p for p in panels if p[0] in series]
+RUN_STYLES = (("#1f77b4", "solid", "circle"), ("#d62728", "dot", "diamond"))  # method A, method B: colour, dash, marker
+PANELS = (("tdiff", "flicker (tdiff-L1 vs BF16; higher = worse)"),
+          ("warp_error", "warping error above BF16's (0 = BF16; lower is better)"),
+          ("psnr", "PSNR vs BF16 (dB)"), ("shift_rate", "top-1 shift rate"))
+
+
+def frame_series_figure(series: dict, worst: list[int], context_frames: int, current: int | None = None,
+                        label: str = "method", more: tuple = ()) -> go.Figure:
+    """Stacked per-frame panels (tdiff, warping error, PSNR vs BF16, shift rate) of a run against BF16, and of the
+    runs in `more` ((label, series, worst) each, against the same BF16) overlaid on the same panels: each run in its
+    colour, dash and marker (`RUN_STYLES`), named once in the legend; one y-range per panel over every run shown, so
+    they compare on one scale. Worst frames marked; frames identical to BF16 drawn as open squares at the top of
+    the PSNR panel (no PSNR, no cap); click = frame."""
+    shown = [(label, series, worst), *more]
+    panels = [p for p in PANELS if p[0] in series]
     fig = make_subplots(rows=len(panels), cols=1, shared_xaxes=True, vertical_spacing=0.05,
-                        subplot_titles=[p[2] for p in panels])
-    for row, (name, color, _) in enumerate(panels, 1):
-        y = series[name]
-        fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=name, line=dict(color=color),
-                                 marker=dict(size=6), hovertemplate="frame %{x}: %{y:.4g}<extra>" + name + "</extra>"),
-                      row=row, col=1)
-        wx = [t for t in worst if y[t] is not None] if name == "tdiff" else []  # marked where flicker is drawn
-        if wx:
-            fig.add_trace(go.Scatter(x=wx, y=[y[t] for t in wx], mode="markers", name="worst flicker frames",
-                                     marker=dict(symbol="x", size=13, color="black"),
-                                     hovertemplate="worst frame %{x}<extra></extra>"), row=row, col=1)
-        finite = [v for v in y if v is not None]
-        same = [t for t, v in enumerate(series.get("identical") or []) if v and t >= context_frames]
-        if name == "psnr" and same and finite:
-            fig.add_trace(go.Scatter(x=same, y=[max(finite)] * len(same), mode="markers", name="identical to BF16",
-                                     marker=dict(symbol="square-open", size=9, color="grey"),
-                                     hovertemplate="frame %{x}: identical to BF16<extra></extra>"), row=row, col=1)
+                        subplot_titles=[p[1] for p in panels])
+    for row, (name, _) in enumerate(panels, 1):
+        for i, (run, s, bad) in enumerate(shown):
+            _run_panel(fig, row, name, run, s, bad, RUN_STYLES[i % len(RUN_STYLES)], context_frames, first=i == 0)
+        lo, hi = _shared_range([v for _, s, _ in shown for v in s[name] if v is not None], name != "psnr")
+        fig.update_yaxes(range=[lo, hi], autorange=False, row=row, col=1)
+    for i, (run, _, _) in enumerate(shown):  # the legend names each run once, in its style
+        color, dash, symbol = RUN_STYLES[i % len(RUN_STYLES)]
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines+markers", name=run, legendgroup=run,
+                                 hoverinfo="skip", line=dict(color=color, dash=dash), marker=dict(symbol=symbol)),
+                      row=1, col=1)
+    _coverage(fig, series.get("seen_by_context"), context_frames)
+    if current is not None:
+        fig.add_vline(x=current, line_dash="dot", line_color="black")
+    fig.update_xaxes(title_text="frame (click a point to jump there)", row=len(panels), col=1)
+    fig.update_layout(height=140 * len(panels) + 60 + 20 * len(shown), margin=dict(l=50, r=10, t=40, b=40),
+                      clickmode="event", legend=dict(orientation="h", y=-0.14), hovermode="closest")
+    fig.update_annotations(font_size=11)  # the panel titles fit the panel's width
+    return fig
+
+
+def _run_panel(fig: go.Figure, row: int, name: str, run: str, series: dict, worst: list[int], style: tuple,
+               context_frames: int, first: bool) -> None:
+    """One run's curve on one panel (its trace named after the metric, grouped under the run in the legend), its
+    worst flicker frames on the flicker panel, its frames identical to BF16 on the PSNR panel."""
+    color, dash, symbol = style
+    y = series[name]
+    x = list(range(len(y)))
+    fig.add_trace(go.Scatter(x=x, y=y, mode="lines+markers", name=name, legendgroup=run, showlegend=False,
+                             line=dict(color=color, dash=dash), marker=dict(size=6, symbol=symbol),
+                             hovertemplate=f"{run}: frame %{{x}}: %{{y:.4g}}<extra>{name}</extra>"), row=row, col=1)
+    wx = [t for t in worst if y[t] is not None] if name == "tdiff" else []  # marked where flicker is drawn
+    if wx:
+        fig.add_trace(go.Scatter(x=wx, y=[y[t] for t in wx], mode="markers", name="worst flicker frames",
+                                 legendgroup="worst", showlegend=first,
+                                 marker=dict(symbol="x", size=13, color="black", line=dict(color=color, width=1)),
+                                 hovertemplate=f"{run}: worst frame %{{x}}<extra></extra>"), row=row, col=1)
+    finite = [v for v in y if v is not None]
+    same = [t for t, v in enumerate(series.get("identical") or []) if v and t >= context_frames]
+    if name == "psnr" and same and finite:
+        fig.add_trace(go.Scatter(x=same, y=[max(finite)] * len(same), mode="markers", name="identical to BF16",
+                                 legendgroup="identical", showlegend=first,
+                                 marker=dict(symbol="square-open", size=9, color=color),
+                                 hovertemplate=f"{run}: frame %{{x}}: identical to BF16<extra></extra>"), row=row, col=1)
+
+
+def _shared_range(values: list[float], from_zero: bool) -> tuple[float, float]:
+    """One panel's y-range over every run's values: from 0 for a non-negative metric (flicker, warping error,
+    shift rate), else from the smallest value; 5% of the span above and below."""
+    if not values:
+        return 0.0, 1.0
+    lo, hi = (0.0 if from_zero else min(values)), max(values)
+    pad = 0.05 * (hi - lo) or 0.05 * abs(hi) or 1e-3
+    return (lo if from_zero else lo - pad), hi + pad
+
+
+def _coverage(fig: go.Figure, seen: list | None, context_frames: int) -> None:
+    """The context frames shaded grey; the generated frames shaded by what the context saw, named in the legend."""
     fig.add_vrect(x0=-0.5, x1=context_frames - 0.5, fillcolor="grey", opacity=0.15, line_width=0,
                   annotation_text="context", annotation_position="bottom left", annotation_font_size=10)
-    for kind, a, b in _coverage_runs(series.get("seen_by_context"), context_frames):
+    runs = _coverage_runs(seen, context_frames)
+    for kind, a, b in runs:
         fig.add_vrect(x0=a - 0.5, x1=b + 0.5, line_width=0, opacity=0.12,
                       fillcolor="#2ca02c" if kind == "memory" else "#ff7f0e")
-    shown = {kind for kind, _, _ in _coverage_runs(series.get("seen_by_context"), context_frames)}
+    shown = {kind for kind, _, _ in runs}
     for kind, color, label in (("memory", "#2ca02c", "memory: the context saw it all (should match)"),
                                ("invented", "#ff7f0e", "places the context never saw (invented by the model)")):
         if kind in shown:
             fig.add_trace(go.Scatter(x=[None], y=[None], mode="markers", name=label, hoverinfo="skip",
                                      marker=dict(symbol="square", size=10, color=color, opacity=0.4)), row=1, col=1)
-    if current is not None:
-        fig.add_vline(x=current, line_dash="dot", line_color="black")
-    fig.update_xaxes(title_text="frame (click a point to jump there)", row=len(panels), col=1)
-    fig.update_layout(height=140 * len(panels) + 60, margin=dict(l=50, r=10, t=40, b=40), clickmode="event",
-                      legend=dict(orientation="h", y=-0.14), hovermode="closest")
-    fig.update_annotations(font_size=11)  # the panel titles fit the panel's width
-    return fig
 
 
 def _coverage_runs(seen: list | None, context_frames: int) -> list[tuple[str, int, int]]:

@@ -1,4 +1,4 @@
-"""Parsing request values strictly (shared by the handlers; no gradio, no torch)."""
+"""Parsing request values strictly, and the answer to a bad one (shared by the handlers; no gradio, no torch)."""
 from __future__ import annotations
 
 import math
@@ -18,6 +18,34 @@ def integer(value, name: str) -> int:
         return int(str(value).strip())
     except ValueError:
         raise ValueError(f"{name} must be an integer, got {value!r:.60}") from None
+
+
+def error(message: str, **keep) -> dict:
+    """A handler's answer to bad input: its "**Error:** ..." status (and the outputs in `keep`), no other output."""
+    return {"status": f"**Error:** {message}", **keep}
+
+
+def choice(value, name: str):
+    """A layer/head picker's value: 'all' / None -> None; otherwise an int (ValueError naming the control)."""
+    if value is None or (isinstance(value, str) and value in ("", "all")):
+        return None
+    try:
+        return integer(value, name)
+    except ValueError:
+        raise ValueError(f"{name} must be 'all' or an integer, got {value!r:.60}") from None
+
+
+MAPS = ("A", "B")  # which shown method's run the maps, the pixel trace and the exports are of
+
+
+def shown_pair(run_id, run_b, maps="A") -> tuple[str, str]:
+    """Of the runs shown side by side, method A's `run_id` and method B's `run_b` ("" or None: none): (the run the
+    maps, the trace and the exports are of, picked by `maps`, "A" or "B"; the other method's run, "" when none)."""
+    run_id, run_b = str(run_id or ""), str(run_b or "")
+    if maps not in MAPS or (maps == "B" and not run_b):
+        raise ValueError(f"maps must be 'A' (method A's run) or 'B' (method B's run, given as run_b), got {maps!r:.60}"
+                         + ("" if run_b else " with no method B shown"))
+    return (run_id, run_b) if maps == "A" else (run_b, run_id)
 
 
 def name(value, what: str) -> str:

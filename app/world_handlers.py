@@ -6,6 +6,11 @@ never raises: the dict then holds an "**Error:** ..." status and None for every 
 (the tabs turn None into "no change"). Anything else that goes wrong inside a handler (`guarded`) also
 ends in a message, with the traceback on the server's stderr: the app stays up for everyone.
 
+The Generate tab shows BF16 and up to two methods' runs against it side by side: method A's run (`run_id`) and
+method B's (`run_b`, "" when none); the views take both, and `maps` ("A" or "B") names the one whose maps,
+pixel trace and exports they show. The pixel-trace handlers live in app/trace_handlers.py and the Memory
+control's helpers in app/sizing.py; both are re-exported here with the tab's other handlers.
+
 Files (videos, exported figures) go to `FILES` (`media.TempFiles`): one folder per process, a run's videos
 deleted when the results cache evicts the run (`track_evictions`), everything removed at shutdown.
 """
@@ -21,14 +26,14 @@ from collections.abc import Callable
 import numpy as np
 
 from . import media, plots
-from .values import integer, name, readable_file
+from .media import factor_for
+from .sizing import DEFAULT_BUDGET, SIZINGS, budget_value, memory_flag, sized_budget  # noqa: F401 (re-exported)
+from .trace_handlers import THUMB, click_pixel_handler, trace_pixel_handler  # noqa: F401 (re-exported)
+from .values import choice, error, integer, name, readable_file, shown_pair
 
 FACTOR = 4  # the built-in model's 64x64 frames are shown enlarged 4x on the server (`factor_for`)
-DISPLAY = 256  # frames are enlarged by an integer factor to about this many pixels on their longer side
-THUMB = 3  # source thumbnails: 192 x 192 for the built-in 64 x 64 frames, each labelled with its frame
 JUMP_SHARE = 0.5  # the top-1 overlay tints a token whose top-1 moved in at least this share of the chosen layers/heads
 OVERLAYS = ("flicker map", "warping error", "top-1 jumps")
-DEFAULT_BUDGET = 2.5  # bits per element the Generate and Methods tabs open on: every method at equal memory
 FILES: media.TempFiles | None = None  # made by `use_files` (the app, at start-up) or on first use
 
 
@@ -49,10 +54,6 @@ def track_evictions(runs) -> None:
     runs.on_evict.append(lambda run_id: app_files().forget(run_id))
 
 
-def error(message: str, **keep) -> dict:
-    return {"status": f"**Error:** {message}", **keep}
-
-
 def guarded(handler: Callable) -> Callable:
     """Wrap a handler so an unexpected exception becomes an error message (and a traceback on stderr)."""
     @functools.wraps(handler)
@@ -65,28 +66,13 @@ def guarded(handler: Callable) -> Callable:
     return wrapper
 
 
-def _choice(value, name: str):
-    """'all' / None -> None; otherwise an int (ValueError naming the control)."""
-    if value is None or (isinstance(value, str) and value in ("", "all")):
-        return None
-    try:
-        return integer(value, name)
-    except ValueError:
-        raise ValueError(f"{name} must be 'all' or an integer, got {value!r:.60}") from None
-
-
-def run_key(seed, trajectory, method, target, bits, frames):
+def run_key(seed, trajectory, method, target, bits, frames, world="photo"):
     """The `RunKey` of request values, each checked (ValueError naming the control)."""
     from quantwm.drivers.runs import RunKey
 
     return RunKey(integer(seed, "world seed"), name(trajectory, "trajectory"), name(method, "method"),
-                  name(target, "target"), integer(bits, "bits"), integer(frames, "frames"))
-
-
-def factor_for(shape) -> int:
-    """The integer enlargement of a frame of `shape` (H, W, ...): a click at image pixel (x, y) is frame pixel
-    (x // factor, y // factor). 4 for the built-in 64x64 frames, 1 for a real model's 480x832."""
-    return max(1, DISPLAY // max(int(shape[0]), int(shape[1])))
+                  name(target, "target"), integer(bits, "bits"), integer(frames, "frames"),
+                  world=name(world, "world"))
 
 
 def _video(run_id: str, which: str, frames: np.ndarray) -> str:
@@ -98,34 +84,64 @@ def rounded(x, digits=4):
     return None if x is None else round(float(x), digits)
 
 
+NO_METHOD = "none"  # method B's choice for no second method (one method against BF16)
+
+
 def generate_handler(runs, seed, trajectory, method, target, bits, frames, budget=None, sizing=None,
-                     progress: Callable | None = None) -> dict:
-    """Generate (or fetch) BF16 and the method: videos, per-frame figure, summary, the worst frame. `sizing`
-    "budget" (the page's default: equal memory for every method): the method configures itself by its rule
+                     progress: Callable | None = None, world="photo", method_b=None) -> dict:
+    """Generate (or fetch) BF16 and the method on the `world` kind (`scene.WORLDS`) and, when `method_b` names
+    another method ("none", "" or None: none; method A's own name: shown once), method B beside them, from the
+    same world and noise: one prefetch makes every rollout missing, two at a time where they fit, its progress
+    over all of them. Videos, one per-frame figure of both methods, summaries, the worst frame. `sizing`
+    "budget" (the page's default: equal memory for every method): each method configures itself by its rule
     within `budget` bits per element, a number in (0, 16] (0 or none is an error, as is 20); "bits": a fixed
-    grid of `bits` (`sized_budget`). The status says what the method chose and flags a run over its budget or
+    grid of `bits` (`sized_budget`). The status says what each method chose and flags a run over its budget or
     over BF16's bytes (`memory_flag`, as the Methods table does); a run over its budget is never said to be
-    within it."""
+    within it. A method B that cannot run (it cannot fit the budget here, or its run would not fit in the results
+    cache beside the others) is left out, the status saying why."""
     from dataclasses import replace
 
     from quantwm.drivers import studies
 
     wb = runs.wb
     try:
-        key = run_key(seed, trajectory, method, target, bits, frames)
+        key = run_key(seed, trajectory, method, target, bits, frames, world)
         b = sized_budget(budget, sizing)
         if b is not None:
             key = replace(key, budget=b)
+        other = NO_METHOD if method_b in (None, "") else name(method_b, "method B")
+        key_b = None if other in (NO_METHOD, key.method) else replace(key, method=other)  # validates the name
         wb.check_frames(key.frames)
-        cached = wb.cached(key) and wb.cached(key.reference())
+        note = f"Method B is method A ({other}): shown once." if other == key.method else ""
+        if key_b is not None:
+            try:  # both methods' runs and BF16 held in the results cache at once, as a Methods table's
+                wb.limits.check_methods(2, key.frames)
+            except ValueError as e:
+                key_b, note = None, f"Method B, {other}, is left out: {e}"
+        keys = [k for k in (key, key_b) if k is not None]
+        cached = all(wb.cached(k) and wb.cached(k.reference()) for k in keys)
         start = time.perf_counter()
-        cmp = studies.compare(wb, key, progress)
-        seconds = time.perf_counter() - start  # this request's wall time, waits and both rollouts included
+        failed = wb.prefetch(keys, progress)  # BF16 and both methods, side by side
+        if key in failed or key.reference() in failed:
+            raise failed.get(key) or failed[key.reference()]
+        cmp = studies.compare(wb, key)
+        cmp_b = None if key_b is None or key_b in failed else studies.compare(wb, key_b)
+        seconds = time.perf_counter() - start  # this request's wall time, waits and every rollout included
     except ValueError as e:
         return error(str(e))
+    origin = "from the cache" if cached else f"generated in {seconds:.1f} s"
+    if key_b is not None and cmp_b is None:
+        note = f"Method B, {key_b.method}, is left out: {str(failed[key_b]).splitlines()[0]}"
+    return _shown(wb.model_facts()["context_frames"], _built_in(wb, key, cmp, origin),
+                  None if cmp_b is None else _built_in(wb, key_b, cmp_b, origin), note)
+
+
+def _built_in(wb, key, cmp: dict, origin: str) -> dict:
+    """One built-in method's side of the page (`_shown`): its comparison, and its name with its budget or bits."""
+    from quantwm.drivers import studies
+
     quantized = key.method != "bf16"
     over = quantized and memory_flag(cmp["summary"], key.budget) is not None
-    origin = "from the cache" if cached else f"generated in {seconds:.1f} s"
     if key.budget is None:
         size = f"{key.bits}-bit"
     else:  # "within" only where the measured spans keep to the budget
@@ -134,61 +150,50 @@ def generate_handler(runs, seed, trajectory, method, target, bits, frames, budge
         origin += (f"; fixed {key.bits}-bit grid, no budget" if key.budget is None else
                    f"; configuration {'chosen for a budget of' if over else 'within'} {key.budget:g} bits: "
                    f"{studies.configuration(wb, key)}")
-    return _shown(cmp, key.id, wb.model_facts()["context_frames"], origin, f"{key.method} {size}", key.budget,
-                  quantized)
+    return {"cmp": cmp, "run_id": key.id, "origin": origin, "name": f"{key.method} {size}", "budget": key.budget,
+            "quantized": quantized}
 
 
-SIZINGS = ("budget", "bits")  # the Memory control: equal memory (a budget) or a fixed grid of bits
-
-
-def sized_budget(budget, sizing=None) -> float | None:
-    """The budget a request runs within, or None for a fixed grid: `sizing` "budget" checks `budget` (bits per
-    element in (0, 16]: 0, empty or 20 is an error naming the explicit other mode); "bits" is None; None (a
-    handler called without it) reads as "budget" when a budget is given, else "bits"."""
-    if sizing is None:
-        sizing = "bits" if budget is None else "budget"
-    if sizing not in SIZINGS:
-        raise ValueError(f"sizing must be one of {', '.join(SIZINGS)}, got {sizing!r:.60}")
-    if sizing == "bits":
-        return None
-    try:
-        return budget_value(budget)
-    except ValueError as e:
-        raise ValueError(f'{e}; for a fixed grid of bits, choose Memory: "Fixed bits" (sizing="bits")') from None
-
-
-def memory_flag(summary: dict, budget: float | None) -> str | None:
-    """Why a run's memory is out of bounds, or None: its quantized spans over `budget` bits per element, or its
-    spans or whole cache bigger than BF16's (the Generate tab's flag, the Methods and trace tables' `fits`).
-    `summary`: span_bits_per_element, and cache_mb and bf16_mb where the whole cache is known."""
-    bpe, over = summary["span_bits_per_element"], []
-    cache, bf16 = summary.get("cache_mb"), summary.get("bf16_mb")  # a trace analysis has the spans' bits alone
-    if budget is not None and bpe > budget + 1e-9:
-        over.append(f"its quantized spans store {bpe:.2f} bits/element, over the budget of {budget:g}")
-    if bpe > 16 + 1e-9 or (cache is not None and bf16 is not None and cache > bf16):
-        whole = "" if cache is None or bf16 is None else f"; whole cache {cache:.2f} MB vs {bf16:.2f} MB"
-        over.append(f"it stores more than BF16 (spans {bpe:.2f} bits/element vs 16{whole})")
-    return "; ".join(over) or None
-
-
-def _shown(cmp: dict, run_id: str, ctx: int, origin: str, method: str, budget: float | None = None,
-           quantized: bool = True) -> dict:
-    """The Generate tab's outputs for a comparison (`RunView.compare`, built-in or opened); `method` names the
-    quantized side ("kivi 3-bit") for its label. The status names both memory figures (`CacheMemory.summary`)
-    and leads with the flag of a run over its budget or over BF16's bytes."""
-    s = cmp["summary"]
-    worst = cmp["worst"][0] + ctx if cmp["worst"] else ctx
+def _shown(ctx: int, a: dict, b: dict | None = None, note: str = "") -> dict:
+    """The Generate tab's outputs for method A's comparison `a` and method B's `b` beside it, or none (each a
+    `_built_in` or `_opened` side: `RunView.compare`'s numbers, run id, origin, name): the three videos, one
+    per-frame figure of both, each method's label ("kivi within 2.5 bits, spans 2.50 bits/element") and its line
+    in the status, which names both memory figures (`CacheMemory.summary`) and leads with the flag of a run over
+    its budget or over BF16's bytes."""
+    cmp = a["cmp"]
     worst_frames = [t + ctx for t in cmp["worst"]]
-    flag = memory_flag(s, budget) if quantized else None
-    status = ((f"**OVER: {flag}.** " if flag else "") + f"**{run_id}** ({origin}): "
+    flag, status, label = _described(a, ctx)
+    out = {"status": status, "run_id": a["run_id"], "bf16_video": _video(a["run_id"], "bf16", cmp["bf16"]),
+           "method_label": label, "method_video": _video(a["run_id"], "method", cmp["method"]),
+           "frames": len(cmp["bf16"]), "frame": worst_frames[0] if worst_frames else ctx, "worst_frames": worst_frames,
+           "summary": {k: rounded(v) for k, v in cmp["summary"].items()}, "over": flag, "run_b": "",
+           "method_b_video": None, "method_b_label": None, "summary_b": None, "over_b": None}
+    more = ()
+    if b is not None:
+        flag_b, status_b, label_b = _described(b, ctx, "Method B: ")
+        out.update(status=f"{status}\n\n{status_b}", run_b=b["run_id"], method_b_label=label_b, over_b=flag_b,
+                   method_b_video=_video(b["run_id"], "method", b["cmp"]["method"]),
+                   summary_b={k: rounded(v) for k, v in b["cmp"]["summary"].items()})
+        more = ((label_b, b["cmp"]["series"], [t + ctx for t in b["cmp"]["worst"]]),)
+    if note:
+        out["status"] += f"\n\n{note}"
+    out["figure"] = plots.frame_series_figure(cmp["series"], worst_frames, ctx, label=label, more=more)
+    return out
+
+
+def _described(side: dict, ctx: int, lead: str = "") -> tuple[str | None, str, str]:
+    """(its OVER flag or None, its status line, its label) of one method's side: its clip numbers against BF16,
+    VBench's temporal flickering of its own frames and of BF16's, its memory figures, its worst frames."""
+    cmp, s = side["cmp"], side["cmp"]["summary"]
+    flag = memory_flag(s, side["budget"]) if side["quantized"] else None
+    vb = cmp["vbench_flicker"]
+    worst = ", ".join(str(t + ctx) for t in cmp["worst"]) or "none"
+    status = (lead + (f"**OVER: {flag}.** " if flag else "") + f"**{side['run_id']}** ({side['origin']}): "
               f"PSNR vs BF16 {s['psnr']:.2f} dB, SSIM {s['ssim']:.4f}, tdiff {s['tdiff']:.4f}, "
-              f"top-1 shift rate {s['shift_rate']:.1%}; memory (CacheMemory): {cmp['memory']}. "
-              f"Worst flicker frames: {', '.join(map(str, worst_frames)) or 'none'}.")
-    return {"status": status, "run_id": run_id, "bf16_video": _video(run_id, "bf16", cmp["bf16"]),
-            "method_label": f"{method}, spans {s['span_bits_per_element']:.2f} bits/element" + (" OVER" if flag else ""),
-            "method_video": _video(run_id, "method", cmp["method"]), "frames": len(cmp["bf16"]),
-            "figure": plots.frame_series_figure(cmp["series"], worst_frames, ctx), "frame": worst,
-            "worst_frames": worst_frames, "summary": {k: rounded(v) for k, v in s.items()}, "over": flag}
+              f"VBench flicker {vb['method']:.4f} (BF16 {vb['bf16']:.4f}), top-1 shift rate {s['shift_rate']:.1%}; "
+              f"memory (CacheMemory): {cmp['memory']}. {'its worst' if lead else 'Worst'} flicker frames: {worst}.")
+    label = f"{side['name']}, spans {s['span_bits_per_element']:.2f} bits/element" + (" OVER" if flag else "")
+    return flag, status, label
 
 
 def live_generate_handler(runs, live, embeddings, seed, method, target, bits, latent_frames, prompt=None,
@@ -214,10 +219,12 @@ def live_generate_handler(runs, live, embeddings, seed, method, target, bits, la
     return r
 
 
-def open_run_handler(runs, path, files: bool = True) -> dict:
+def open_run_handler(runs, path, files: bool = True, run_b=None) -> dict:
     """Open a run file (`quantwm record`; an uploaded file's path, or the id of a run already open) and show it
     like a generated run: videos, per-frame plot, and every view (scrub, overlays, pixel trace, energy).
-    `files=False` accepts only ids of opened runs (what the page's run list sends)."""
+    `files=False` accepts only ids of opened runs (what the page's run list sends). `run_b`: the id of another
+    run (say another method's file recorded from the same noise) shown beside it as method B; it must hold the
+    same BF16 frames ("none", "" or None: none)."""
     try:
         if not path:
             raise ValueError("no run file given")
@@ -228,31 +235,40 @@ def open_run_handler(runs, path, files: bool = True) -> dict:
                              "(upload the file, or start the app with --run FILE)")
         else:
             run_id = runs.open(readable_file(path, "run file", runs.wb.limits.check_upload))
-        lr = runs.view(run_id)
-        cmp = lr.compare()
+        lr, other = runs.pair(run_id, None if run_b in (None, "", NO_METHOD) else str(run_b))
+        cmp, cmp_b = lr.compare(), None if other is None else other.compare()
     except (ValueError, TypeError) as e:
         return error(str(e))
-    f = lr.facts
-    shown_layers = {"layers": f.layers, "heads": f.heads, "logit_layers": lr.run.meta["logit_layers"],
-                    "logit_heads": lr.run.meta["logit_heads"], "frame_hw": tuple(lr.run.bf16.shape[1:3])}
-    origin = (f"opened: {f.model}, latent grid {f.latent_grid[0]}x{f.latent_grid[1]}, {f.pixels_per_token} pixels "
-              f"per token, {f.vae_temporal} output frame(s) per latent frame")
-    meta = lr.run.meta
-    for said in (meta.get("frames_are"), *(meta.get("notes") or ())):  # FastVideo runs: what the frames are
-        if isinstance(said, str) and said:
-            origin += f"; {said}"
+    f, meta = lr.facts, lr.run.meta
+    shown_layers = {"layers": f.layers, "heads": f.heads, "logit_layers": meta["logit_layers"],
+                    "logit_heads": meta["logit_heads"], "frame_hw": tuple(lr.run.bf16.shape[1:3])}
     controls = {"method": meta["method"], "target": meta["target"], "bits": meta["bits"]}
     if f.model == "quantwm built-in world model":  # the same world can be generated again from these
-        controls.update(seed=meta["source"]["seed"], trajectory=meta["source"]["trajectory"],
-                        frames=meta["source"]["frames"])
-    return {**_shown(cmp, run_id, lr.context_frames, origin, f"{meta['method']} {meta['bits']}-bit"),
+        source = meta["source"]
+        controls.update(seed=source["seed"], trajectory=source["trajectory"], frames=source["frames"],
+                        world=source.get("world", "photo"))  # files written before worlds were named: photo
+    return {**_shown(lr.context_frames, _opened(lr, run_id, cmp), None if other is None else _opened(other, run_b, cmp_b)),
             **shown_layers, "controls": controls}
 
 
-def scrub_handler(runs, run_id, frame, overlays=(), layer="all", head="all", traced=None) -> dict:
-    """Both runs at `frame`, enlarged, with the chosen overlays on the method's frame, each scaled to this frame
+def _opened(view, run_id: str, cmp: dict) -> dict:
+    """One opened run's side of the page (`_shown`): its comparison, the model it came from, its method and bits."""
+    f, meta = view.facts, view.run.meta
+    origin = (f"opened: {f.model}, latent grid {f.latent_grid[0]}x{f.latent_grid[1]}, {f.pixels_per_token} pixels "
+              f"per token, {f.vae_temporal} output frame(s) per latent frame")
+    for said in (meta.get("frames_are"), *(meta.get("notes") or ())):  # FastVideo runs: what the frames are
+        if isinstance(said, str) and said:
+            origin += f"; {said}"
+    return {"cmp": cmp, "run_id": run_id, "origin": origin, "name": f"{meta['method']} {meta['bits']}-bit",
+            "budget": None, "quantized": True}
+
+
+def scrub_handler(runs, run_id, frame, overlays=(), layer="all", head="all", traced=None, run_b=None,
+                  maps="A") -> dict:
+    """BF16's frame `frame`, method A's (run `run_id`) and method B's (run `run_b`, when one is shown: "method_b"),
+    enlarged; the chosen overlays on the frame of the run `maps` picks ("A" or "B"), each scaled to this frame
     (`overlay_scale`) and keyed in "scale" (a colour bar per tinted overlay, None when none); the trace panel's
-    pixel (`traced`, when a trace of this run) marked on both frames."""
+    pixel (`traced`, when a trace of either run) marked on every frame."""
     overlays = list(overlays or [])
     try:
         unknown = [o for o in overlays if o not in OVERLAYS]
@@ -260,11 +276,32 @@ def scrub_handler(runs, run_id, frame, overlays=(), layer="all", head="all", tra
             raise ValueError(f"unknown overlay {unknown[0]!r}; choose from {', '.join(OVERLAYS)}")
         if frame is None:
             raise ValueError("no frame given")
-        v = runs.view(run_id).frame_view(integer(frame, "frame"), _choice(layer, "layer"), _choice(head, "head"))
+        t = integer(frame, "frame")
+        run_id, run_b = str(run_id or ""), str(run_b or "")
+        shown_pair(run_id, run_b, maps)  # maps is "A" or "B", B only with a run_b
+        view, view_b = runs.pair(run_id, run_b)
+        v = (view if maps == "A" else view_b).frame_view(t, choice(layer, "layer"), choice(head, "head"))
+        frames = {"A": view.frame(t), "B": None if view_b is None else view_b.frame(t)}
     except ValueError as e:
         return error(str(e))
+    frames[maps], notes, bars = _tinted(v, overlays, layer, head)
+    notes.insert(1, f"maps of method {maps} ({(view if maps == 'A' else view_b).run.meta['method']})")
+    f = factor_for(v["bf16"].shape)
+    shown = {k: None if img is None else media.enlarge(img, f) for k, img in {"bf16": v["bf16"], **frames}.items()}
+    traced = trace_of(traced, run_id) or (trace_of(traced, run_b) if run_b else None)
+    if traced is not None:
+        x, y = (integer(c, "pixel") for c in traced["pixel"])
+        shown = {k: None if img is None else media.mark_pixel(img, x, y, f) for k, img in shown.items()}
+        notes.append(f"yellow square: the traced pixel ({x}, {y})")
+    return {"status": ", ".join(notes) + ".", "bf16": shown["bf16"], "method": shown["A"], "method_b": shown["B"],
+            "frame": v["frame"], "maps": maps, "scale": np.concatenate(bars) if bars else None}
+
+
+def _tinted(v: dict, overlays: list, layer, head) -> tuple[np.ndarray, list[str], list[np.ndarray]]:
+    """A method's frame (`RunView.frame_view`) with the chosen overlays, the notes that describe the frame and them,
+    and a colour bar per tinted overlay."""
     method, scales, bars = v["method"], [], []
-    notes = [f"Frame **{v['frame']}**" + (" (context: given, identical in both runs)" if v["context"] else ""),
+    notes = [f"Frame **{v['frame']}**" + (" (context: given, identical in every run)" if v["context"] else ""),
              f"mean flicker {float(v['flicker'].mean()):.4f}",
              f"mean warping error {float(v['warp'].mean()):.4f} (above BF16's, per pixel; 0 = BF16, lower is better)"]
     for overlay, key, color, what in (("flicker map", "flicker", media.RED, "red"),
@@ -287,74 +324,13 @@ def scrub_handler(runs, run_id, frame, overlays=(), layer="all", head="all", tra
         notes.append("no top-1 jump map for a context frame")
     if scales:
         notes.append("overlays: " + "; ".join(scales))
-    f = factor_for(v["bf16"].shape)
-    bf16, method = media.enlarge(v["bf16"], f), media.enlarge(method, f)
-    shown = trace_of(traced, run_id)
-    if shown is not None:
-        x, y = (integer(c, "pixel") for c in shown["pixel"])
-        bf16, method = (media.mark_pixel(img, x, y, f) for img in (bf16, method))
-        notes.append(f"yellow square: the traced pixel ({x}, {y})")
-    return {"status": ", ".join(notes) + ".", "bf16": bf16, "method": method, "frame": v["frame"],
-            "scale": np.concatenate(bars) if bars else None}
+    return method, notes, bars
 
 
 def overlay_scale(heat: np.ndarray) -> float:
     """What shows full colour on an overlay: the frame's own 99th percentile (a fixed scale left a frame whose
     flicker is small nearly untinted, and one outlier pixel would wash out the rest)."""
     return float(np.percentile(heat, 99)) if heat.size else 0.0
-
-
-def trace_pixel_handler(runs, run_id, frame, x, y, layer="all", head="all") -> dict:
-    """Twin of the click: trace frame pixel (x, y) (0..63) of `frame` to its Query's top-1 cached source, in the
-    layer and head of the page's one picker ("all": the first whose top-1 moved at this Query; the status and
-    the result say which)."""
-    try:
-        for name, val in (("frame", frame), ("x", x), ("y", y)):
-            if val is None or val == "":
-                raise ValueError(f"no {name} given")
-        r = runs.view(run_id).pixel_trace(*(integer(v, n) for n, v in (("frame", frame), ("x", x), ("y", y))),
-                                          _choice(layer, "layer"), _choice(head, "head"))
-    except ValueError as e:
-        return error(str(e))
-    layer, head = r["layer"], r["head"]
-    key_method = r["method"]
-    grid = r["grid"][0]
-    cell = r["frames"].shape[1] // grid
-    t, row, col = r["query"]
-    eb, em = r["source_bf16"], r["source_method"]
-
-    def thumb(src, color):
-        f, rr, cc = src
-        return media.label(media.draw_box(media.enlarge(r["frames"][f], THUMB), rr, cc, cell * THUMB, color, 2),
-                           f"frame {f}")
-
-    verdict = "**jumped**: quantized keys fetch a different token" if r["jumped"] else "same source: no jump"
-    from quantwm.evaluation.diagnostics import trace_margins
-
-    mg = trace_margins(r["logits_bf16"], r["logits_method"], eb, r["grid"])
-    picked = f"; {r['picked']}" if r["picked"] else ""
-    status = (f"Query frame {t}, row {row}, col {col} (layer {layer}, head {head}{picked}) — BF16 source: frame {eb[0]}, "
-              f"row {eb[1]}, col {eb[2]}; {key_method} source: frame {em[0]}, row {em[1]}, col {em[2]} — {verdict}. "
-              f"Logit margin (top-1 minus runner-up): BF16 {mg['margin_bf16']:.3f}, {key_method} "
-              f"{mg['margin_method']:.3f}; the BF16 source ranks {mg['bf16_source_rank']} under {key_method}'s keys.")
-    return {"status": status, "query_image": thumb(r["query"], media.YELLOW),
-            "bf16_source": thumb(eb, media.YELLOW), "method_source": thumb(em, media.RED),
-            "figure": plots.logit_heatmaps_figure(r["logits_bf16"], r["logits_method"], eb, em, key_method, grid),
-            "result": {"run": str(run_id), "frame": integer(frame, "frame"), "pixel": [integer(x, "x"), integer(y, "y")],
-                       "query": list(r["query"]), "layer": int(layer), "head": int(head),
-                       "source_bf16": list(eb), "source_method": list(em), "jumped": bool(r["jumped"]), **mg}}
-
-
-def click_pixel_handler(runs, run_id, frame, index, layer="all", head="all") -> dict:
-    """A click at `index` = (x, y) on the enlarged frame image: the trace of that frame pixel."""
-    if not index or len(index) != 2:
-        return error("no pixel clicked")
-    try:
-        f = factor_for(runs.frame_size(run_id))
-        x, y = integer(index[0], "x") // f, integer(index[1], "y") // f
-    except ValueError as e:
-        return error(str(e))
-    return {**trace_pixel_handler(runs, run_id, frame, x, y, layer, head), "pixel": (x, y)}
 
 
 def energy_handler(runs, run_id, layer=0) -> dict:
@@ -376,17 +352,6 @@ def energy_handler(runs, run_id, layer=0) -> dict:
             "rows": rows}
 
 
-def budget_value(value) -> float:
-    """A budget from the page or the API: a number of bits per element in (0, 16]."""
-    from quantwm.core.quant import check_budget
-
-    try:
-        b = float(value)
-    except (TypeError, ValueError):
-        b = None
-    return check_budget(b, shown=value)
-
-
 def exported(paths) -> dict:
     """An export's outputs: its status line and the files written."""
     return {"status": f"{len(paths)} file(s): {', '.join(os.path.basename(p) for p in paths)}",
@@ -401,15 +366,17 @@ def trace_of(traced, run_id) -> dict | None:
     return None
 
 
-def export_handler(runs, run_id, frame, layer="all", head="all", formats=("pdf",), traced=None) -> dict:
-    """Print figures (matplotlib) of what the Generate tab shows of the current run, built-in or opened: its
-    per-frame plot; the maps of the slider's `frame` with the jump map of `layer` and `head` (the page's
-    layer/head picker; "all" or an index); and the trace panel's trace (`traced`, its result: frame, pixel, layer, head)
-    when it is one of this run, none otherwise. Every file name says the run and what it draws."""
+def export_handler(runs, run_id, frame, layer="all", head="all", formats=("pdf",), traced=None, run_b=None,
+                   maps="A") -> dict:
+    """Print figures (matplotlib) of what the Generate tab shows of the run its maps are of (method A's `run_id`,
+    or, `maps` "B", method B's `run_b`), built-in or opened: its per-frame plot; the maps of the slider's `frame`
+    with the jump map of `layer` and `head` (the page's layer/head picker; "all" or an index); and the trace
+    panel's trace (`traced`, its result: frame, pixel, layer, head) when it is one of this run, none otherwise.
+    Every file name says the run and what it draws."""
     from quantwm.drivers.run_figures import run_figures
 
     try:
-        run_id = str(run_id or "")
+        run_id = shown_pair(run_id, run_b, maps)[0]
         if frame is None or frame == "":
             raise ValueError("no frame given")
         t = integer(frame, "frame")
@@ -417,7 +384,7 @@ def export_handler(runs, run_id, frame, layer="all", head="all", formats=("pdf",
         view.check_frame(t)
         out = app_files().export_dir("run")
         paths = run_figures(runs, run_id, out, ["frames", "maps"], list(formats or []), frame=t,
-                            map_layer=_choice(layer, "layer"), map_head=_choice(head, "head"))
+                            map_layer=choice(layer, "layer"), map_head=choice(head, "head"))
         shown = trace_of(traced, run_id)
         if shown is not None:
             x, y = shown["pixel"]

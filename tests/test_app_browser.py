@@ -5,6 +5,7 @@ figure with its table) and that nothing is covered or clipped. Also the helper t
 README:
 
     python tests/test_app_browser.py --readme      # writes docs/img/app-<tab>.png from the real app
+    python tests/test_app_browser.py --readme --tab generate      # docs/img/app-generate.png only
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
 FRAMES = 10
+DEFAULT_SEED = 6  # the world seed the page opens on (app/playback_tab.py), on the place world
 TABS = {"Generate & play": "generate", "Query energy": "energy", "Key vs Value": "key-vs-value",
         "Methods": "methods", "Trace analysis": "trace"}
 
@@ -44,13 +46,14 @@ def run_id(page) -> str:
 
 
 RUN_ID = "(document.querySelector('#run-id textarea, #run-id input').value || '')"
+VIDEOS = ["#video-bf16 video", "#video-method video", "#video-method-b video"]  # BF16's, method A's, method B's
 # The page at rest: no event pending on any component, the frames and source thumbnails decoded, both videos'
 # sizes known (a video that learns its size later moves the frames below it: a click measured before it would
 # land elsewhere).
 SETTLED = """() => [...document.querySelectorAll('[data-testid=status-tracker]')].every(e => e.classList.contains('hide'))
-    && [...document.querySelectorAll('#frame-bf16 img, #frame-method img, #trace-src-bf16 img, #trace-src-method img')]
-        .every(i => i.complete && i.naturalWidth > 0)
-    && [...document.querySelectorAll('#video-bf16 video, #video-method video')].every(v => v.readyState >= 1 || v.error)"""
+    && [...document.querySelectorAll('#frame-bf16 img, #frame-method img, #frame-method-b img, #trace-src-bf16 img,'
+        + ' #trace-src-method img, #trace-src-other img')].every(i => i.complete && i.naturalWidth > 0)
+    && [...document.querySelectorAll('""" + ", ".join(VIDEOS) + """')].every(v => v.readyState >= 1 || v.error)"""
 
 
 def settle(page) -> None:
@@ -81,15 +84,17 @@ def check_overlay(page, name: str) -> None:
     settle(page)
 
 
-def click_frame_pixel(page, x: int, y: int, factor: int = 4) -> str:
-    """Click frame pixel (x, y) of the quantized frame (shown enlarged `factor`x on the server, then fitted to its
-    box by the page) once the page is at rest; returns the trace panel's text once it answers. Playwright clicks
-    at a position inside the element, measured at click time after waiting for the element to stop moving."""
+def click_frame_pixel(page, x: int, y: int, factor: int = 4, frame: str = "#frame-method") -> str:
+    """Click frame pixel (x, y) of a method's frame (`frame`: method A's by default; shown enlarged `factor`x on the
+    server, then fitted to its box by the page) once the page is at rest; returns the trace panel's text once it
+    answers. Playwright clicks at a position inside the element, measured at click time after waiting for the
+    element to stop moving."""
     settle(page)
     status = page.locator("#trace-status").inner_text()
-    img = page.locator("#frame-method img")
-    w, h, nw, nh = page.evaluate("(() => { const i = document.querySelector('#frame-method img');"
-                                 " return [i.clientWidth, i.clientHeight, i.naturalWidth, i.naturalHeight]; })()")
+    img = page.locator(f"{frame} img")
+    w, h, nw, nh = page.evaluate("(s) => { const i = document.querySelector(s);"
+                                 " return [i.clientWidth, i.clientHeight, i.naturalWidth, i.naturalHeight]; }",
+                                 f"{frame} img")
     scale = min(w / nw, h / nh)  # shown to fit its box, centred (object-fit: contain)
     left, top = (w - nw * scale) / 2, (h - nh * scale) / 2
     img.click(position={"x": left + (x * factor + factor / 2) * scale, "y": top + (y * factor + factor / 2) * scale},
@@ -98,6 +103,13 @@ def click_frame_pixel(page, x: int, y: int, factor: int = 4) -> str:
                            " return t !== b && (t.includes('source') || t.includes('Error')); }", arg=status, timeout=WAIT)
     settle(page)
     return page.locator("#trace-status").inner_text()
+
+
+def wait_videos_at(page, frame: int) -> None:
+    """Until every video shown (BF16's, method A's, method B's) is at `frame` (8 frames per second)."""
+    page.wait_for_function("([v, t]) => v.map(s => document.querySelector(s)).filter(x => x)"
+                           ".every(x => Math.abs(x.currentTime - t) < 0.01)", arg=[VIDEOS, (frame + 0.5) / 8],
+                           timeout=WAIT)
 
 
 def scrub_to(page, frame: int) -> None:
@@ -120,11 +132,14 @@ def shrink_png(path: pathlib.Path, width: int = 1000) -> None:
     img.quantize(256, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
 
 
-def take_tab_screenshots(page, outdir: pathlib.Path) -> list[pathlib.Path]:
-    """Visit every tab, run its main action, and save a PNG of it: outdir/app-<tab>.png."""
+def take_tab_screenshots(page, outdir: pathlib.Path, only: str | None = None) -> list[pathlib.Path]:
+    """Visit every tab (or the one whose slug is `only`), run its main action, and save a PNG of it:
+    outdir/app-<tab>.png."""
     outdir.mkdir(parents=True, exist_ok=True)
     shots = []
     for label, slug in TABS.items():
+        if only not in (None, slug):
+            continue
         page.get_by_role("tab", name=label).click()
         action = {"energy": ("#energy-btn", "#energy-status", "eigen-directions"),
                   "key-vs-value": ("#kv-btn", "#kv-status", "seed(s):"),
@@ -150,12 +165,20 @@ def take_tab_screenshots(page, outdir: pathlib.Path) -> list[pathlib.Path]:
 
 
 @pytest.fixture(scope="module")
-def browser_and_url(small_trace_path):
+def app_workbench():
+    """The Workbench of the module's app: its records are what the page shows."""
+    from quantwm.drivers.workbench import Workbench
+
+    return Workbench()
+
+
+@pytest.fixture(scope="module")
+def browser_and_url(small_trace_path, app_workbench):
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is missing: run install.sh (Debian chromium)")
     from playwright.sync_api import sync_playwright
 
-    demo, url = launch(str(small_trace_path), FRAMES)
+    demo, url = launch(str(small_trace_path), FRAMES, app_workbench)
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield browser, url
@@ -183,7 +206,7 @@ def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifa
     page = browser_page
     page.locator("#frame-slider input[type='number']").fill("0")  # start away from where Generate will land
     generate(page)
-    assert run_id(page) == f"seed=4 loop quantwm kv budget=2.5 {FRAMES}f"  # the default world, at equal memory
+    assert run_id(page) == f"seed=6 place loop quantwm kv budget=2.5 {FRAMES}f"  # the default world, at equal memory
     assert "PSNR vs BF16" in page.locator("#generate-status").inner_text()
     assert page.locator("#video-bf16 video").count() == 1 and page.locator("#video-method video").count() == 1
     for panel in ("#video-method", "#frame-method"):  # the quantized panels say what they show (the frame's label
@@ -192,9 +215,8 @@ def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifa
                                "document.querySelector(s + ' [data-testid=block-label]')?.innerText || '')",
                                arg=panel, timeout=WAIT)
     worst = int(re.search(r"Worst flicker frames: (\d+)", page.locator("#generate-status").inner_text()).group(1))
-    page.wait_for_function("(t) => ['#video-bf16 video', '#video-method video'].every(s => "
-                           "Math.abs(document.querySelector(s).currentTime - t) < 0.01)", arg=(worst + 0.5) / 8,
-                           timeout=WAIT)  # both videos open on the worst frame, not on frame 0
+    page.wait_for_function("([v, t]) => v.every(s => Math.abs(document.querySelector(s).currentTime - t) < 0.01)",
+                           arg=[VIDEOS, (worst + 0.5) / 8], timeout=WAIT)  # the videos open on the worst frame
     scrub_to(page, FRAMES - 2)  # type a frame into the slider's box; both frames and the info line follow
     check_overlay(page, "warping error")  # the motion-compensated warping-error overlay tints the quantized frame
     assert "mean warping error" in page.locator("#frame-info").inner_text()
@@ -236,7 +258,7 @@ def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifa
     page.locator("#export-btn").click()
     wait_text(page, "#export-status", "file(s)")
     files = page.locator("#export-status").inner_text()
-    assert f"-frame{FRAMES - 1}-x21-y42-layer{layer}-head{head}.pdf" in files and "trace-seed4-loop-quantwm" in files
+    assert f"-frame{FRAMES - 1}-x21-y42-layer{layer}-head{head}.pdf" in files and "trace-seed6-place-loop-quantwm" in files
 
 
 def test_the_page_opens_on_equal_memory_and_flags_a_fixed_bits_run_over_bf16(browser_and_url):
@@ -250,11 +272,11 @@ def test_the_page_opens_on_equal_memory_and_flags_a_fixed_bits_run_over_bf16(bro
     assert "configuration within 2.5 bits: k: allocator, bits per channel" in status and "OVER" not in status
     page.locator("#sizing input[value=bits]").check()
     page.wait_for_function("() => !document.querySelector('#bits input').disabled", timeout=WAIT)
-    method = page.get_by_role("combobox", name="Method", exact=True)
+    method = page.get_by_role("combobox", name="Method A", exact=True)
     method.fill("qvg")
     page.get_by_role("option", name="qvg", exact=True).click()
     generate(page)
-    assert run_id(page) == f"seed=4 loop qvg kv 2-bit {FRAMES}f"
+    assert run_id(page) == f"seed=6 place loop qvg kv 2-bit {FRAMES}f"  # method B (qvg too): shown once
     assert page.locator("#generate-status").inner_text().startswith("OVER: it stores more than BF16")
     assert page.locator("#video-method [data-testid=block-label]").inner_text().endswith("OVER")
     page.context.close()
@@ -265,7 +287,7 @@ def test_trace_outside_the_frame_shows_an_error_and_the_page_stays_usable(browse
     if "seed=" not in run_id(page):  # this worker's page has no run yet (tests may run on either worker)
         page.get_by_label("World seed").fill("1")  # not the first test's world: its Generate must change the run
         generate(page)
-        page.get_by_label("World seed").fill("4")
+        page.get_by_label("World seed").fill(str(DEFAULT_SEED))
     settle(page)
     page.locator("#trace-btn").scroll_into_view_if_needed()
     x_box = page.get_by_label("x (0..63)")
@@ -347,8 +369,8 @@ def test_two_users_at_once_each_see_their_own_run(browser_and_url):
         settle(page)
     srcs = []
     for seed, page in pages:
-        assert run_id(page) == f"seed={seed} loop quantwm kv budget=2.5 {FRAMES}f"
-        assert f"seed={seed} loop" in page.locator("#generate-status").inner_text()
+        assert run_id(page) == f"seed={seed} place loop quantwm kv budget=2.5 {FRAMES}f"
+        assert f"seed={seed} place loop" in page.locator("#generate-status").inner_text()
         srcs.append(page.locator("#frame-bf16 img").get_attribute("src"))
     assert srcs[0] != srcs[1]  # different worlds on the two screens
     for _, page in pages:
@@ -536,7 +558,8 @@ if __name__ == "__main__" and "--readme" in sys.argv:
         page.wait_for_selector("#generate-btn")
         generate(page)
         click_frame_pixel(page, 30, 30)
-        for path in take_tab_screenshots(page, ROOT / "docs" / "img"):
+        only = sys.argv[sys.argv.index("--tab") + 1] if "--tab" in sys.argv else None
+        for path in take_tab_screenshots(page, ROOT / "docs" / "img", only):
             print(path)
         browser.close()
     demo.close()
@@ -560,10 +583,8 @@ def test_methods_flags_a_row_measured_over_the_budget(browser_and_url, small_tra
     try:
         page = new_user(browser_and_url[0], url)
         page.get_by_role("tab", name="Methods").click()
-        for box in page.locator("input[type=checkbox]").all():  # the Methods tab's choices: rtn and qvg only
-            name = box.evaluate("b => b.closest('label')?.innerText.trim()")
-            if box.is_visible() and name not in ("rtn", "qvg") and box.is_checked():
-                box.uncheck()
+        for box in page.locator("#methods-choice input[type=checkbox]").all():  # rtn and qvg only
+            box.set_checked(box.evaluate("b => b.closest('label').innerText.trim()") in ("rtn", "qvg"))
         page.locator("#methods-btn").click()
         wait_text(page, "#methods-status", "At most 2.5 bits")
         wait_text(page, "#methods-table", "qvg")
@@ -584,7 +605,7 @@ WIDTHS = (1400, 900)
 # The sentence's names of the damage metrics: (the table's column, +1 where higher is better)
 KV_DAMAGE = {"PSNR": ("psnr", 1), "SSIM": ("ssim", 1), "flicker (tdiff)": ("tdiff", -1), "LPIPS": ("lpips", -1),
              "place shift": ("place_shift_rate", -1), "output error": ("attn_out_rel_err", -1)}
-TAG = f"seed4-loop-quantwm-kv-budget2.5-{FRAMES}f"  # the default run in file names
+TAG = f"seed6-place-loop-quantwm-kv-budget2.5-{FRAMES}f"  # the default run (method A) in file names
 
 
 def grid(page, selector: str) -> tuple[list[str], list[list[str]]]:
@@ -665,9 +686,12 @@ def test_key_vs_value_sentence_agrees_with_its_table_on_every_metric_it_names(br
     page.locator("#kv-btn").click()
     wait_text(page, "#kv-status", "seed(s):")
     status = page.locator("#kv-status").inner_text()
-    assert status.startswith(f"Within 2.5 bits per element, seeds 4-5, loop, {FRAMES} frames."), status
+    first = str(DEFAULT_SEED)  # the studies start at the Generate tab's seed
+    assert status.startswith(f"Within 2.5 bits per element, seeds {first}-{DEFAULT_SEED + 1}, loop, {FRAMES} "
+                             "frames."), status
     header, rows = grid(page, "#kv-table")
-    assert [r[:3] for r in rows] == [[m, t, s] for m in ("kivi", "quantwm") for t in "kv" for s in ("4", "5", "mean ± sd")]
+    seeds = (first, str(DEFAULT_SEED + 1), "mean ± sd")
+    assert [r[:3] for r in rows] == [[m, t, s] for m in ("kivi", "quantwm") for t in "kv" for s in seeds]
     assert check_kv_sentence(status, header, rows) == 2 * len(KV_DAMAGE)
     for size in (width, sum(WIDTHS) - width):  # resized while another tab is shown: redrawn to its box when back
         page.get_by_role("tab", name="Generate & play").click()
@@ -684,18 +708,16 @@ def test_key_vs_value_sentence_agrees_with_its_table_on_every_metric_it_names(br
 
 
 @pytest.mark.parametrize("width", WIDTHS)
-def test_the_slider_seeks_both_videos_and_a_frame_line_moves_on_the_plot(browser_and_url, width):
-    """Scrubbing seeks both (paused) videos to the slider's frame and moves the dashed current-frame line to that
-    frame on the per-frame plot; a failed request leaves both videos together; the labels sit above the frames
+def test_the_slider_seeks_every_video_and_a_frame_line_moves_on_the_plot(browser_and_url, width):
+    """Scrubbing seeks every (paused) video to the slider's frame and moves the dashed current-frame line to that
+    frame on the per-frame plot; a failed request leaves the videos together; the labels sit above the frames
     and videos (no badge over their top rows), and the plot's titles and legend are not clipped."""
     page = new_user(*browser_and_url, width)
     generate(page)
     lines = []
     for frame in (FRAMES - 2, 5):
         scrub_to(page, frame)
-        page.wait_for_function("(t) => ['#video-bf16 video', '#video-method video'].every(s => "
-                               "Math.abs(document.querySelector(s).currentTime - t) < 0.01)", arg=(frame + 0.5) / 8,
-                               timeout=WAIT)
+        wait_videos_at(page, frame)
         line, want = page.evaluate("""(f) => { const gd = document.querySelector('#frame-plot .js-plotly-plot');
             const fl = gd._fullLayout, line = gd.querySelector('.quantwm-frame-line');
             return [line.getBoundingClientRect().left, gd.getBoundingClientRect().left + fl._size.l + fl.xaxis.l2p(f)];
@@ -711,15 +733,93 @@ def test_the_slider_seeks_both_videos_and_a_frame_line_moves_on_the_plot(browser
     page.get_by_label("World seed").fill("-5")  # a request that fails: nothing it shows changes
     page.locator("#generate-btn").click()
     wait_text(page, "#generate-status", "Error")
-    times = page.evaluate("['#video-bf16 video', '#video-method video'].map(s => document.querySelector(s).currentTime)")
-    assert times[0] == times[1] and abs(times[0] - 5.5 / 8) < 0.01, times
-    for panel in ("#frame-bf16", "#frame-method", "#video-bf16", "#video-method"):
+    times = page.evaluate("(v) => v.map(s => document.querySelector(s).currentTime)", VIDEOS)
+    assert times[0] == times[1] == times[2] and abs(times[0] - 5.5 / 8) < 0.01, times
+    for panel in ("#frame-bf16", "#frame-method", "#frame-method-b", "#video-bf16", "#video-method", "#video-method-b"):
         label, media, block = page.evaluate("(s) => [' > [data-testid=block-label]', ' img, ' + s + ' video', '']"
                                             ".map(p => document.querySelector(s + p).getBoundingClientRect().toJSON())",
                                             panel)
         assert label["bottom"] <= media["top"] + 1, (panel, label, media)  # the label above, not over the image
         assert media["bottom"] <= block["bottom"] + 1, (panel, media, block)  # and the image not cut at the bottom
     assert plot_overflow(page, "#frame-plot") == []
+    page.context.close()
+
+
+def shown_frame(page, panel: str):
+    """The image a frame panel shows, as the server sent it: (H, W, 3) uint8."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    src = page.locator(f"{panel} img").get_attribute("src")
+    if src.startswith("data:"):
+        data = base64.b64decode(src.split(",", 1)[1])
+    else:
+        data = page.request.get(src if src.startswith("http") else page.url.rstrip("/") + "/" + src.lstrip("/")).body()
+    return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_bf16_and_two_methods_play_in_lockstep_and_compare_on_one_plot(browser_and_url, app_workbench, width):
+    """The paper's demo layout: one Generate plays BF16, quantwm and qvg (each within 2.5 bits) side by side on the
+    place world. Each run's VBench flicker is in the status; both methods' curves share the per-frame plot, one
+    y-range per metric; after a scrub and after a click on the plot, the three videos stand at the slider's frame
+    and the three frames are that frame of each run; a click on method B's frame traces the pixel under both
+    methods' keys and moves the maps and the exports to method B."""
+    import numpy as np
+
+    from quantwm.drivers.runs import RunKey
+    from quantwm.evaluation.vbench import temporal_flickering
+
+    page = new_user(*browser_and_url, width)
+    generate(page)
+    a, b = run_id(page), page.locator("#run-id-b textarea, #run-id-b input").first.input_value()
+    assert (a, b) == (f"seed=6 place loop quantwm kv budget=2.5 {FRAMES}f", f"seed=6 place loop qvg kv budget=2.5 {FRAMES}f")
+    wb, ctx = app_workbench, app_workbench.cfg.context_frames
+    records = {"bf16": wb.record(RunKey.parse(a).reference().id), "A": wb.record(a), "B": wb.record(b)}
+    flicker = {k: f"{temporal_flickering(r.frames[ctx - 1:]):.4f}" for k, r in records.items()}
+    status = page.locator("#generate-status").inner_text()
+    assert re.findall(r"VBench flicker ([\d.]+) \(BF16 ([\d.]+)\)", status) == [
+        (flicker["A"], flicker["bf16"]), (flicker["B"], flicker["bf16"])], status
+    curves, axes = page.evaluate("""() => { const gd = document.querySelector('#frame-plot .js-plotly-plot');
+        return [gd.data.filter(t => ['tdiff', 'warp_error', 'psnr', 'shift_rate'].includes(t.name))
+                    .map(t => [t.legendgroup, t.yaxis || 'y', t.line.color, t.y]),
+                Object.fromEntries(['y', 'y2', 'y3', 'y4'].map(a => {
+                    const ax = gd._fullLayout['yaxis' + a.slice(1)]; return [a, [ax.range, ax.autorange]]; }))]; }""")
+    by_axis = {}
+    for group, axis, color, y in curves:
+        by_axis.setdefault(axis, []).append((group, color, [v for v in y if v is not None]))
+    assert sorted(by_axis) == ["y", "y2", "y3", "y4"]
+    for axis, shown in by_axis.items():  # both methods on every panel, in two colours, on one fixed range
+        assert len(shown) == 2 and len({g for g, _, _ in shown}) == 2 and len({c for _, c, _ in shown}) == 2, shown
+        (lo, hi), auto = axes[axis]
+        values = [v for _, _, y in shown for v in y]
+        assert auto is False and lo <= min(values) and max(values) <= hi, (axis, axes[axis], values)
+
+    def in_lockstep(frame):
+        wait_videos_at(page, frame)
+        times = page.evaluate("(v) => v.map(s => document.querySelector(s).currentTime)", VIDEOS)
+        assert times[0] == times[1] == times[2], times
+        for panel, run in (("#frame-bf16", "bf16"), ("#frame-method", "A"), ("#frame-method-b", "B")):
+            assert np.array_equal(shown_frame(page, panel)[::4, ::4], records[run].frames_uint8()[frame].numpy()), panel
+
+    scrub_to(page, FRAMES - 3)
+    in_lockstep(FRAMES - 3)
+    page.locator("#frame-plot g.trace.scatter").first.locator("path.point").last.click(force=True)  # its last frame
+    wait_text(page, "#frame-info", f"Frame {FRAMES - 1}")
+    settle(page)
+    in_lockstep(FRAMES - 1)
+    text = click_frame_pixel(page, 21, 42, frame="#frame-method-b")
+    assert re.search(r"BF16 source: frame \d+, row \d+, col \d+; qvg source: frame \d+, row \d+, col \d+", text), text
+    assert re.search(r"quantwm source: frame \d+, row \d+, col \d+", text), text
+    assert page.locator("#trace-src-other img").count() == 1
+    page.wait_for_function("() => document.querySelector('#maps-of input[value=B]').checked", timeout=WAIT)
+    wait_text(page, "#frame-info", "maps of method B (qvg)")
+    page.get_by_text("Export figures for print").click()
+    files = export_files(page)
+    assert "maps-seed6-place-loop-qvg-kv-" in files and "trace-seed6-place-loop-qvg-kv-" in files, files
     page.context.close()
 
 
@@ -775,7 +875,7 @@ def test_exports_equal_the_panels_after_a_scrub_and_after_a_new_run(browser_and_
     assert page.locator("#export-status").inner_text().strip() == ""
     frame = page.locator("#frame-slider input[type='number']").input_value()
     files = export_files(page).split(": ", 1)[1].split(", ")
-    new = TAG.replace("seed4", "seed5")
+    new = TAG.replace("seed6", "seed5")
     assert sorted(files) == sorted([f"frames-{new}.pdf", f"maps-{new}-frame{frame}-layer0-head1.pdf"]), files
     page.context.close()
 
@@ -797,8 +897,8 @@ def test_the_methods_export_draws_what_its_table_shows(browser_and_url, width):
     labels = [r[0] + (" (OVER)" if r[header.index("fits")] == "OVER" else "") for r in rows]
     assert sorted(r[0] for r in rows) == ["kivi", "rtn"]
     metrics = [c for c in header if c in ("span_bits_per_element", "shift_rate", "psnr", "ssim", "lpips", "tdiff",
-                                          "warp_error")]
-    assert {"psnr", "lpips", "tdiff"} <= set(metrics)  # the quality columns are shown, none out of sight
+                                          "vbench_flicker", "warp_error")]
+    assert {"psnr", "lpips", "tdiff", "vbench_flicker"} <= set(metrics)  # the quality columns are shown, none out of sight
     hidden = ("(() => { const t = document.querySelector('#methods-table'), box = t.getBoundingClientRect();"
               " return [...t.querySelectorAll('[role=columnheader]')].filter(c => c.getBoundingClientRect()"
               ".right > box.right + 1).map(c => c.innerText.trim()); })()")

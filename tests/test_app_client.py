@@ -1,5 +1,6 @@
 """The app's API through gradio_client against a real server: generate, scrub, the pixel-trace twin, methods."""
 import pathlib
+import re
 
 import imageio_ffmpeg
 import pytest
@@ -35,22 +36,25 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def generated(client):
-    return client.predict(4, "loop", "quantwm", "kv", 2, FRAMES, api_name="/generate")
+    """The photo world of seed 4, method A alone (the page opens on the place world with two methods:
+    `test_generate_defaults_to_the_pages_place_world_with_two_methods_and_views_take_both`)."""
+    return client.predict(4, "loop", "quantwm", "kv", 2, FRAMES, world="photo", method_b="none", api_name="/generate")
 
 
 API_PARAMETERS = {
-    "/generate": ["seed", "trajectory", "method", "target", "bits", "frames", "budget", "sizing"],
-    "/open_run": ["run"],
+    "/generate": ["seed", "trajectory", "method", "target", "bits", "frames", "budget", "sizing", "world", "method_b"],
+    "/open_run": ["run", "run_b"],
     "/upload_run": ["path"],
-    "/show_frame": ["run_id", "frame", "overlays", "layer", "head", "traced"],
-    "/scrub": ["run_id", "frame", "overlays", "layer", "head", "traced"],
-    "/click_pixel": ["run_id", "frame", "layer", "head"],
-    "/click_pixel_bf16": ["run_id", "frame", "layer", "head"],
-    "/trace_pixel": ["run_id", "frame", "x", "y", "layer", "head"],
+    "/show_frame": ["run_id", "frame", "overlays", "layer", "head", "traced", "run_b", "maps"],
+    "/scrub": ["run_id", "frame", "overlays", "layer", "head", "traced", "run_b", "maps"],
+    "/click_pixel": ["run_id", "frame", "layer", "head", "run_b"],
+    "/click_pixel_b": ["run_id", "frame", "layer", "head", "run_b"],
+    "/click_pixel_bf16": ["run_id", "frame", "layer", "head", "run_b", "maps"],
+    "/trace_pixel": ["run_id", "frame", "x", "y", "layer", "head", "run_b", "maps"],
     "/overview": ["run_id"],
     "/click_strip": ["run_id"],
     "/strip_frame": ["run_id", "x"],
-    "/export_figures": ["run_id", "frame", "layer", "head", "formats", "traced"],
+    "/export_figures": ["run_id", "frame", "layer", "head", "formats", "traced", "run_b", "maps"],
     "/energy": ["run_id", "layer"],
     "/export_energy": ["run_id", "layer", "formats"],
     "/key_vs_value": ["seed", "trajectory", "baseline", "budget", "frames", "seeds"],
@@ -93,7 +97,8 @@ def test_export_figures_endpoint_writes_print_files(client, generated):
 
 
 def test_generate_returns_run_id_videos_plot_and_slider(generated):
-    status, run_id, bf16_video, method_video, plot, slider = generated
+    status, run_id, bf16_video, method_video, plot, slider, run_b, method_b_video, _ = generated
+    assert run_b == "" and method_b_video.get("visible") is False  # method B "none": its player hidden
     assert run_id == f"seed=4 loop quantwm kv budget=2.5 {FRAMES}f" and "PSNR vs BF16" in status  # equal memory
     assert method_video.get("label", "").startswith("quantwm within 2.5 bits, spans ") and "bits/element" in method_video["label"]
     assert "configuration within 2.5 bits: k: allocator, bits per channel " in status and not status.startswith("**OVER")
@@ -105,9 +110,33 @@ def test_generate_returns_run_id_videos_plot_and_slider(generated):
     assert slider["maximum"] == FRAMES - 1 and 4 <= slider["value"] < FRAMES
 
 
+def test_generate_defaults_to_the_pages_place_world_with_two_methods_and_views_take_both(client):
+    """/generate with the arguments the API had before worlds and method B takes the page's defaults for them:
+    the place world and qvg beside quantwm, both within the budget; scrub, trace and export take method B's run
+    (run_b) and which run the maps are of (maps)."""
+    out = client.predict(6, "loop", "quantwm", "kv", 2, FRAMES, api_name="/generate")
+    status, run_id, *_, run_b, method_b_video, maps = out
+    assert (run_id, run_b) == (f"seed=6 place loop quantwm kv budget=2.5 {FRAMES}f",
+                               f"seed=6 place loop qvg kv budget=2.5 {FRAMES}f")
+    assert len(re.findall(r"VBench flicker [\d.]+ \(BF16 [\d.]+\)", status)) == 2
+    assert method_b_video["label"].startswith("qvg within 2.5 bits, spans ") and method_b_video["visible"] is True
+    assert [c[1] for c in maps["choices"]] == ["A", "B"] and maps["value"] == "A"
+    info, _, method, _, method_b = client.predict(run_id, FRAMES - 1, ["flicker map"], "all", "all", None, run_b, "B",
+                                                  api_name="/scrub")
+    assert "maps of method B (qvg)" in info and method_b["visible"] is True
+    assert Image.open(method_b["value"]).size == Image.open(method).size == (256, 256)
+    traced = client.predict(run_id, FRAMES - 1, 21, 42, 1, 0, run_b, "B", api_name="/trace_pixel")
+    assert traced[-1]["run"] == run_b and traced[-1]["other"]["run"] == run_id and "quantwm source: frame" in traced[0]
+    assert Image.open(traced[5]).size == (192, 192)  # the other method's source thumbnail
+    files = client.predict(run_id, FRAMES - 1, "all", "all", ["pdf"], traced[-1], run_b, "B",
+                           api_name="/export_figures")[1]
+    assert len(files) == 3 and all("-place-loop-qvg-" in pathlib.Path(f).name for f in files)
+
+
 def test_scrub_returns_both_enlarged_frames(client, generated):
-    info, bf16, method, scale = client.predict(generated[1], FRAMES - 1, ["flicker map"], "all", "all",
-                                               api_name="/scrub")
+    info, bf16, method, scale, method_b = client.predict(generated[1], FRAMES - 1, ["flicker map"], "all", "all",
+                                                         api_name="/scrub")
+    assert method_b.get("visible") is False  # no method B shown
     assert info.startswith(f"Frame **{FRAMES - 1}**")
     assert Image.open(bf16).size == Image.open(method).size == (256, 256)
     scale = scale.get("value", scale) if isinstance(scale, dict) else scale  # an update carries its value
@@ -115,8 +144,9 @@ def test_scrub_returns_both_enlarged_frames(client, generated):
 
 
 def test_pixel_trace_twin_returns_sources(client, generated):
-    status, q_img, src_bf16, src_method, heatmap, result = client.predict(
+    status, q_img, src_bf16, src_method, heatmap, src_other, result = client.predict(
         generated[1], FRAMES - 1, 17, 33, 1, 2, api_name="/trace_pixel")
+    assert src_other is None  # no other method shown
     assert result["query"] == [FRAMES - 1, 4, 2] and result["layer"] == 1 and result["head"] == 2
     assert all(0 <= f < FRAMES - 2 for f in (result["source_bf16"][0], result["source_method"][0]))
     assert result["jumped"] == (result["source_bf16"] != result["source_method"])
@@ -131,13 +161,14 @@ def test_pixel_trace_bad_pixel_is_a_message(client, generated):
 
 def test_generate_at_fixed_bits_is_the_explicit_mode_and_flags_a_run_over_bf16(client):
     """sizing="bits" runs the grid as named; qvg's "2-bit" stores more than BF16 here, and the status says so."""
-    status, run_id = client.predict(4, "loop", "qvg", "kv", 2, FRAMES, 2.5, "bits", api_name="/generate")[:2]
+    status, run_id = client.predict(4, "loop", "qvg", "kv", 2, FRAMES, 2.5, "bits", world="photo", method_b="none",
+                                    api_name="/generate")[:2]
     assert run_id == f"seed=4 loop qvg kv 2-bit {FRAMES}f" and "fixed 2-bit grid, no budget" in status
     assert status.startswith("**OVER: it stores more than BF16"), status
 
 
 def test_generate_at_a_budget_names_its_configuration(client):
-    status, run_id = client.predict(4, "loop", "kivi", "kv", 2, FRAMES, 2.5, api_name="/generate")[:2]
+    status, run_id = client.predict(4, "loop", "kivi", "kv", 2, FRAMES, 2.5, method_b="none", api_name="/generate")[:2]
     assert "budget=2.5" in run_id and "configuration within 2.5 bits: k: bits=2" in status
     bad = client.predict(4, "loop", "kivi", "kv", 2, FRAMES, 99, api_name="/generate")[0]
     assert bad.startswith("**Error:**") and "budget must be a number of bits per element in (0, 16], got 99" in bad
@@ -197,12 +228,13 @@ def test_a_second_generation_waits_in_the_queue_while_views_stay_served(server, 
     wb._rollout = held
     other, viewer = Client(server, verbose=False), Client(server, verbose=False)
     try:
-        long_job = client.submit(5, "random-walk", "rtn", "kv", 2, 12, api_name="/generate")
+        long_job = client.submit(5, "random-walk", "rtn", "kv", 2, 12, world="photo", method_b="none",
+                                 api_name="/generate")
         deadline = time.time() + 300  # a limit on waiting for the state, generous for a loaded machine
         while not str(wb.running or "").startswith("seed=5 ") and time.time() < deadline:
             time.sleep(0.02)
         assert str(wb.running).startswith("seed=5 "), "the first generation did not start"
-        waiting = other.submit(6, "loop", "kivi", "kv", 2, FRAMES, api_name="/generate")
+        waiting = other.submit(6, "loop", "kivi", "kv", 2, FRAMES, world="photo", method_b="none", api_name="/generate")
         seen = set()
         while ("IN_QUEUE", 0) not in seen and time.time() < deadline:
             st = waiting.status()
@@ -265,7 +297,8 @@ def test_layer_head_and_bits_are_accepted_as_the_api_lists_them(client, generate
     assert client.predict(generated[1], FRAMES - 2, [], "1", "all", api_name="/scrub")[0].startswith(
         f"Frame **{FRAMES - 2}**")
     assert "top 8 of" in client.predict(generated[1], "1", api_name="/energy")[0]
-    status, run_id = client.predict(4, "loop", "qvg", "kv", "2", FRAMES, 2.5, "bits", api_name="/generate")[:2]
+    status, run_id = client.predict(4, "loop", "qvg", "kv", "2", FRAMES, 2.5, "bits", world="photo", method_b="none",
+                                    api_name="/generate")[:2]
     assert run_id == f"seed=4 loop qvg kv 2-bit {FRAMES}f", status
     bad = client.predict(generated[1], FRAMES - 1, 17, 33, "9", "0", api_name="/trace_pixel")[0]
     assert bad.startswith("**Error:**") and "layer 9 out of range" in bad

@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from quantwm.drivers import studies
 from quantwm.drivers.registry import RunRegistry
@@ -46,6 +47,34 @@ def test_run_key_id_roundtrip_and_validation(key):
         RunKey(target="q")
 
 
+def test_run_ids_name_the_world_and_old_ids_without_one_are_photo_worlds():
+    """A world kind other than photo is named after the seed; an id written before worlds were named (no world)
+    still parses, as the photo world it was made on."""
+    place = RunKey(seed=6, method="qvg", frames=FRAMES, budget=2.5, world="place")
+    assert place.id == "seed=6 place loop qvg kv budget=2.5 10f" and RunKey.parse(place.id) == place
+    assert place.reference().world == "place" and RunKey.parse(place.reference().id) == place.reference()
+    old = RunKey.parse("seed=4 loop quantwm kv budget=2.5 32f")
+    assert old.world == "photo" and old.id == "seed=4 loop quantwm kv budget=2.5 32f"
+    assert RunKey.parse("seed=1 procedural pan-return rtn k 3-bit 10f").world == "procedural"
+    with pytest.raises(ValueError, match="unknown world 'mars'; known: photo, procedural, place"):
+        RunKey(world="mars")
+    with pytest.raises(ValueError, match="not a run id"):
+        RunKey.parse("seed=6 mars loop qvg kv budget=2.5 10f")
+
+
+def test_a_run_key_s_world_is_the_world_its_rollout_shows(wb):
+    """The context frames are the world rendered along the trajectory: a place key's are the place world's, not
+    the photo mosaic's of the same seed."""
+    from quantwm.world.scene import make_world, render, trajectory
+
+    c = wb.cfg
+    poses = trajectory("loop", FRAMES, 6, c.world_patches, c.view)[:c.context_frames]
+    for world in ("place", "photo"):
+        frames = wb.run(RunKey(seed=6, method="bf16", frames=FRAMES, world=world)).frames[:c.context_frames]
+        truth = render(make_world(6, c.world_patches * c.patch, world), poses, c.view, c.patch)
+        assert torch.allclose(frames, truth, atol=1e-6), world
+
+
 def test_compare_caches_runs_and_reports_series(wb, key):
     cmp = studies.compare(wb, key)
     assert wb.cached(key) and wb.cached(key.reference())
@@ -62,6 +91,18 @@ def test_compare_caches_runs_and_reports_series(wb, key):
     # BF16 bytes: K and V, every layer, every cached token, 2 bytes per element
     c = wb.cfg
     assert summ["bf16_mb"] == pytest.approx(2 * c.layers * FRAMES * c.tokens_per_frame * c.dim * 2 / 2 ** 20)
+
+
+def test_vbench_flicker_of_each_side_counts_every_frame_pair_from_the_last_context_frame(wb, runs, key):
+    """The Generate tab's VBench score: each side's own frames from the last context frame on, the same whether
+    its frame pairs are measured a few at a time (as a long run's are) or all at once."""
+    from quantwm.evaluation.vbench import temporal_flickering
+
+    studies.compare(wb, key)
+    view, ctx = runs.view(key.id), wb.cfg.context_frames
+    whole = {"bf16": temporal_flickering(view.run.bf16[ctx - 1:]), "method": temporal_flickering(view.run.method[ctx - 1:])}
+    assert view.vbench_flicker() == pytest.approx(whole, abs=1e-12) == view.vbench_flicker(step=2)
+    assert whole["bf16"] != temporal_flickering(view.run.bf16)  # the context frames are not counted
 
 
 def test_a_second_generation_waits_for_the_running_one(wb):

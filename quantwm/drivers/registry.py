@@ -1,7 +1,8 @@
 """Every run the app shows, by run id: `RunRegistry.view(run_id)` is the `views.RunView` of a run file opened
 here (`open`, `add`: at most `max_opened`, the oldest dropped first) or of a built-in run in the Workbench's
 results cache (an id such as "seed=0 loop quantwm kv 2-bit 32f"; ValueError when it was never generated or was
-evicted). `on_evict` callbacks hear of every opened run dropped (the app deletes its videos)."""
+evicted); `pair` gives the views of two methods' runs against one BF16 generation, shown side by side.
+`on_evict` callbacks hear of every opened run dropped (the app deletes its videos)."""
 from __future__ import annotations
 
 import os
@@ -57,6 +58,18 @@ class RunRegistry:
             return view
         rec = self.wb.record(run_id)
         return RunView.of_records(self.wb.cfg, self.wb.record(rec.key.reference().id), rec)
+
+    def pair(self, run_id: str, run_b: str | None) -> tuple[RunView, RunView | None]:
+        """The views of run `run_id` and of `run_b`, another method's run against the same BF16 generation shown
+        beside it (None or "": none); ValueError when `run_b` is not of the same BF16 generation."""
+        view = self.view(run_id)
+        if not run_b:
+            return view, None
+        other = self.view(run_b)
+        if not view.same_reference(other):
+            raise ValueError(f"{str(run_b)!r:.120} cannot be shown beside {str(run_id)!r:.120}: a method B must be run "
+                             "against the same BF16 generation (the same world, trajectory, frames and noise)")
+        return view, other
 
     def frame_size(self, run_id: str) -> tuple[int, int]:
         """(H, W) of a run's output frames (an opened run's, else the built-in model's)."""

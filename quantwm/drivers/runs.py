@@ -12,14 +12,16 @@ from ..core.cache import CacheConfig, CacheMemory, jensen_bias
 from ..evaluation import diagnostics as D
 from ..evaluation import metrics as M
 from ..evaluation.runfile import Run, RunFacts, memory_meta
-from ..world.scene import TRAIN_SEED_BASE, TRAJECTORIES
+from ..world.scene import TRAIN_SEED_BASE, TRAJECTORIES, WORLDS
 
 MiB = 2 ** 20
 
 
 @dataclass(frozen=True)
 class RunKey:
-    """The settings that determine a rollout; `id` is its printable, parseable name."""
+    """The settings that determine a rollout; `id` is its printable, parseable name: "seed=6 place loop quantwm kv
+    budget=2.5 32f", the world kind after the seed except for photo worlds (the first ids had no world: one without
+    it parses as a photo world, "seed=4 loop quantwm kv budget=2.5 32f")."""
 
     seed: int = 0
     trajectory: str = "loop"
@@ -28,8 +30,11 @@ class RunKey:
     bits: int = 2
     frames: int = 32
     budget: float | None = None  # bits per element: the method configures itself within it (replaces `bits`)
+    world: str = "photo"  # the world kind (`scene.WORLDS`): photo mosaic, procedural or one held-out place
 
     def __post_init__(self):
+        if self.world not in WORLDS:
+            raise ValueError(f"unknown world {self.world!r}; known: {', '.join(WORLDS)}")
         if self.trajectory not in TRAJECTORIES:
             raise ValueError(f"unknown trajectory {self.trajectory!r}; known: {', '.join(TRAJECTORIES)}")
         if not 0 <= self.seed < TRAIN_SEED_BASE:
@@ -45,7 +50,8 @@ class RunKey:
     @property
     def id(self) -> str:
         size = f"{self.bits}-bit" if self.budget is None else f"budget={self.budget:g}"
-        return f"seed={self.seed} {self.trajectory} {self.method} {self.target} {size} {self.frames}f"
+        world = "" if self.world == "photo" else f" {self.world}"
+        return f"seed={self.seed}{world} {self.trajectory} {self.method} {self.target} {size} {self.frames}f"
 
     @classmethod
     def parse(cls, text: str) -> RunKey:
@@ -53,8 +59,9 @@ class RunKey:
         if not str(text or "").strip():
             raise ValueError("Generate a run first (or open a recorded one): no run is shown yet")
         bad = (f"{str(text)!r:.120} is not a run id: a run id names a run of this app, such as "
-               "'seed=4 loop quantwm kv budget=2.5 32f' (press Generate) or an opened run file")
+               "'seed=6 place loop quantwm kv budget=2.5 32f' (press Generate) or an opened run file")
         parts = str(text).split()
+        world = parts.pop(1) if len(parts) == 7 and parts[1] in WORLDS else "photo"  # ids without one: photo
         try:
             seed, traj, method, target, size, frames = parts if len(parts) == 6 else [None] * 6
             if not (seed and seed.startswith("seed=") and (size.endswith("-bit") or size.startswith("budget="))
@@ -65,7 +72,7 @@ class RunKey:
         except ValueError:  # the shape or a number of the id is wrong: say what an id reads like
             raise ValueError(bad) from None
         try:
-            return cls(seed, traj, method, target, bits, frames, budget)
+            return cls(seed, traj, method, target, bits, frames, budget, world)
         except ValueError as e:  # well formed, but a setting is unknown or out of range: say which
             raise ValueError(f"{str(text)!r:.120} is not a run id: {e}") from None
 

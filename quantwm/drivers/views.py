@@ -15,6 +15,7 @@ import torch
 
 from ..evaluation import diagnostics as D
 from ..evaluation import metrics as M
+from ..evaluation import vbench as V
 from ..evaluation.runfile import Run, run_memory
 from ..world.evaluate import shift_rate
 from ..world.generate import ChunkProbe
@@ -109,8 +110,25 @@ class RunView:
         else:
             series, summary = self.series(), self.summary()
         return {"key": self.id, "bf16": self.run.bf16.numpy(), "method": self.run.method.numpy(), "series": series,
-                "summary": summary, "memory": self.memory.summary(),
+                "summary": summary, "memory": self.memory.summary(), "vbench_flicker": self.vbench_flicker(),
                 "worst": D.worst_frames(series["tdiff"][self.context_frames:], 3), "seconds": 0.0}
+
+    def vbench_flicker(self, step: int = 16) -> dict:
+        """VBench's temporal-flickering score (`evaluation.vbench.temporal_flickering`) of each side's own frames from
+        the last context frame on, as `quantwm eval` scores a run: {"bf16": ..., "method": ...}, each in [0, 1],
+        higher is steadier. Its frame pairs are measured `step` at a time, so a long real-model run's differences
+        never sit in memory whole (512 frames of 480x832 would take 1.2 GB as int16)."""
+        first = max(self.context_frames - 1, 0)
+        out = {}
+        for side, frames in (("bf16", self.run.bf16[first:]), ("method", self.run.method[first:])):
+            pairs = torch.cat([V.pair_mae(frames[i:i + step + 1]) for i in range(0, len(frames) - 1, step)])
+            out[side] = (255.0 - pairs.mean().item()) / 255.0  # VBench's score of the mean over every pair
+        return out
+
+    def same_reference(self, other: RunView) -> bool:
+        """Whether `other` is a method's run against the same BF16 generation (two methods shown side by side)."""
+        a, b = self.run.bf16, other.run.bf16
+        return a.shape == b.shape and bool(torch.equal(a, b))
 
     # ---- one frame, one pixel ---------------------------------------------------------------------
     def _latent_jumps(self, t: int, layer, head):
@@ -130,6 +148,10 @@ class RunView:
                 "flicker": flick.numpy(), "warp": warp.numpy(),
                 "jumps": None if jumps is None else jumps.reshape(*self.facts.latent_grid).numpy(),
                 "context": t < self.context_frames}
+
+    def frame(self, frame: int):
+        """The method's frame `frame` (H, W, 3) uint8, as shown."""
+        return self.run.method[self.check_frame(frame)].numpy()
 
     def _no_logits(self) -> ValueError:
         """The error for a (layer, head) the run file holds no logits of, naming those it holds."""
@@ -218,5 +240,6 @@ def make_run(wb, key: RunKey, logit_layers=(1,), logit_heads=(0,), source: dict 
     ref, rec = wb.pair(key, progress)
     view = RunView.of_records(c, ref, rec)
     shown = {"summary": view.summary(), "series": view.series(),
-             "source": {"seed": key.seed, "trajectory": key.trajectory, "frames": key.frames, **(source or {})}}
+             "source": {"seed": key.seed, "trajectory": key.trajectory, "frames": key.frames, "world": key.world,
+                        **(source or {})}}
     return builtin_run(c, ref, rec, logit_layers, logit_heads, shown)

@@ -1,7 +1,7 @@
 """The built-in world model loaded once, and its results cache: rollouts kept by settings.
 
     wb = Workbench()                                  # loads assets/world_model.safetensors
-    key = RunKey(seed=0, trajectory="loop", method="quantwm", target="kv", bits=2, frames=32)
+    key = RunKey(seed=0, trajectory="loop", method="quantwm", target="kv", bits=2, frames=32, world="place")
     ref, rec = wb.pair(key)                           # BF16 and the method, same world, trajectory and noise
     wb.record(key.id)                                 # the cached record, or ValueError saying why not
 
@@ -199,7 +199,8 @@ class Workbench:
 
     def _rollout(self, key: RunKey, progress: Callable | None) -> Record:
         t0 = time.time()
-        run = generate(self.model, key.seed, key.trajectory, key.frames, key.cache_config(), progress=progress)
+        run = generate(self.model, key.seed, key.trajectory, key.frames, key.cache_config(), progress=progress,
+                       world=key.world)
         c, L = run.cache, self.cfg.layers
         k_exact = [c.keys(l, exact=True)[0].cpu() for l in range(L)]
         v_exact = [c.values(l, exact=True)[0].cpu() for l in range(L)]
