@@ -111,7 +111,8 @@ def concurrent_users(url: str, n: int) -> tuple[int, list[str]]:
     def user(i, key):
         try:
             c = client(url)
-            g = c.predict(key.seed, key.trajectory, key.method, key.target, key.bits, key.frames, api_name="/generate")
+            g = c.predict(key.seed, key.trajectory, key.method, key.target, key.bits, key.frames, world="photo",
+                          method_b="none", api_name="/generate")
             scrub = c.predict(g[1], FRAMES - 1, ["flicker map"], "all", "all", api_name="/scrub")
             trace = c.predict(g[1], FRAMES - 1, 10, 20, 1, 0, api_name="/trace_pixel")
             results[i] = (g, scrub, trace)
@@ -239,7 +240,7 @@ def generations(url: str, seeds: range, pid: int | None = None, every: int = 5, 
     for i, s in enumerate(seeds):
         if pid is not None and i % every == 0:
             trail.append(rss_mb(pid))
-        g = c.predict(s, "loop", "quantwm", "kv", 2, FRAMES, api_name="/generate")
+        g = c.predict(s, "loop", "quantwm", "kv", 2, FRAMES, world="photo", method_b="none", api_name="/generate")
         if g[0].startswith("**Error"):
             failures += 1
             continue
@@ -270,7 +271,8 @@ def main(argv=None) -> int:
             print("   ", p)
         rss = rss_mb(app.proc.pid)
         t = time.perf_counter()
-        huge = client(app.url).predict(0, "loop", "quantwm", "kv", 2, 100000, api_name="/generate")[0]
+        huge = client(app.url).predict(0, "loop", "quantwm", "kv", 2, 100000, world="photo", method_b="none",
+                                       api_name="/generate")[0]
         print(f"   frames=100000: answered in {time.perf_counter() - t:.2f} s, resident memory {rss:.0f} -> "
               f"{rss_mb(app.proc.pid):.0f} MB: {huge}", flush=True)
         good_run = f"seed=500 loop quantwm kv 2-bit {FRAMES}f"
@@ -278,7 +280,8 @@ def main(argv=None) -> int:
         fuzz_dir = tempfile.mkdtemp(prefix="quantwm-fuzz-")
         f = fuzz(app.url, a.fuzz, rng, fuzz_dir, good_run)
         shutil.rmtree(fuzz_dir, ignore_errors=True)
-        after = client(app.url).predict(0, "loop", "rtn", "kv", 2, FRAMES, api_name="/generate")[0]
+        after = client(app.url).predict(0, "loop", "rtn", "kv", 2, FRAMES, world="photo", method_b="none",
+                                        api_name="/generate")[0]
         print(f"2. fuzzer (seed {a.seed}): {f['requests']} malformed requests over {f['endpoints']} endpoints: "
               f"{f['error_message']} answered with an error message, {f['accepted']} accepted as valid, "
               f"{f['crash']} crashes; server alive: {app.alive()}; a normal request afterwards: "
