@@ -111,8 +111,8 @@ def concurrent_users(url: str, n: int) -> tuple[int, list[str]]:
     def user(i, key):
         try:
             c = client(url)
-            g = c.predict(key.seed, key.trajectory, key.method, key.target, key.bits, key.frames, world="photo",
-                          method_b="none", api_name="/generate")
+            g = c.predict(key.seed, key.trajectory, key.method, key.target, key.bits, key.frames, sizing="bits",
+                          world="photo", method_b="none", api_name="/generate")
             scrub = c.predict(g[1], FRAMES - 1, ["flicker map"], "all", "all", api_name="/scrub")
             trace = c.predict(g[1], FRAMES - 1, 10, 20, 1, 0, api_name="/trace_pixel")
             results[i] = (g, scrub, trace)
