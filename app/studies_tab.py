@@ -5,7 +5,7 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from .study_handlers import KV_COLUMNS, KV_SEEDS, METHOD_COLUMNS
+from .study_handlers import KV_COLUMNS, KV_SEEDS, METHOD_COLUMNS, default_methods
 from .ui import Number, NumberChoice, number_choices, progress_callback, table, unpack
 from .world_handlers import DEFAULT_BUDGET
 
@@ -87,11 +87,14 @@ def build_methods_tab(methods_table: Callable, export: Callable, methods: list[s
                 "tab) at one budget: each method configures itself within the bits per element you pick, by its "
                 "own rule (the configuration column says what it chose; a method that cannot fit is named and left "
                 "out). Rows come in order of measured bits per element: compression, cache memory in MB (BF16 vs "
-                "stored), top-1 shift rate, PSNR, SSIM, LPIPS and flicker against BF16. Runs are cached.")
-    base = [m for m in methods if m != "bf16" and "+" not in m]
+                "stored), top-1 shift rate, PSNR, SSIM, LPIPS and flicker against BF16 (tdiff), beside VBench's "
+                "temporal-flickering score of each run's own frames (BF16's in the status, a dashed line on the "
+                "chart); the status says how far apart the two scores put the methods. Ticked at first: the "
+                "strongest published baselines, the textbook transform coder in our format and quantwm; every "
+                "method can be chosen. Runs are cached.")
     with gr.Row():
-        chosen = gr.CheckboxGroup([m for m in methods if m != "bf16"], value=base, label="Methods", scale=4,
-                                  elem_id="methods-choice")
+        chosen = gr.CheckboxGroup([m for m in methods if m != "bf16"], value=default_methods(methods), label="Methods",
+                                  scale=4, elem_id="methods-choice")
         budget = Number(DEFAULT_BUDGET, label="Budget (bits per element, Keys and Values)", step=0.25, elem_id="methods-budget", scale=1)
     go = gr.Button("Compare methods", variant="primary", elem_id="methods-btn")
     status = gr.Markdown(elem_id="methods-status")

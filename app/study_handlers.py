@@ -1,13 +1,15 @@
 """Handlers of the study tabs over the built-in model, Key vs Value and Methods: plain values in, a dict of plain
 values out (no torch, no gradio), bad input an "**Error:** ..." status, as in app/world_handlers.py, whose shared
 helpers (the run key, the memory flag, the budget, the app's files) they use. `methods_view` is the one source of
-the Methods table, its chart and its exported figure.
+the Methods table, its chart and its exported figure; `vbench_finding` is the Methods status's sentence on VBench's
+flicker score against tdiff.
 """
 from __future__ import annotations
 
 import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from itertools import combinations
 
 from . import plots
 from .values import integer
@@ -133,11 +135,24 @@ def key_value_handler(runs, seed, trajectory, baseline, budget=DEFAULT_BUDGET, f
                                              f"{n} seed(s)")}
 
 
-# the memory figures by their `CacheMemory` names: the quantized spans' bits and compression, the whole cache's
+# the memory figures by their `CacheMemory` names: the quantized spans' bits and compression, the whole cache's;
+# vbench_flicker: VBench's temporal-flickering score of the run's own frames, beside tdiff
 METHOD_COLUMNS = ("method", "span_bits_per_element", "fits", "configuration", "span_compression", "cache_compression",
-                  "bf16_mb", "cache_mb", "shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error")
+                  "bf16_mb", "cache_mb", "shift_rate", "psnr", "ssim", "lpips", "tdiff", "vbench_flicker", "warp_error")
 TEXT_COLUMNS = ("method", "fits", "configuration")  # always shown; every other column only where rows differ
-FIGURE_METRICS = ("span_bits_per_element", "shift_rate", "psnr", "ssim", "lpips", "tdiff", "warp_error")
+FIGURE_METRICS = ("span_bits_per_element", "shift_rate", "psnr", "ssim", "lpips", "tdiff", "vbench_flicker",
+                  "warp_error")
+# The Methods tab's default choice: the strongest published baselines, the textbook transform coder in our format
+# and ours, those of them the model runs (kvquant quantizes Keys before RoPE, which the built-in model's
+# world-coordinate RoPE does not allow). Not oscar: the app's runs do not tell the cache how many chunks it will
+# hold (`RunKey.cache_config`, unlike `quantwm eval`), so oscar's rotation counts on every span and it cannot fit
+# a budget under 10.25 bits per element. Every method stays selectable.
+COMPARED = ("kivi", "kvquant", "turboquant", "qvg", "textbook", "quantwm")
+
+
+def default_methods(methods: list[str]) -> list[str]:
+    """The Methods tab's default choice (`COMPARED`) among `methods`, the ones the model runs."""
+    return [m for m in COMPARED if m in methods]
 
 
 def methods_view(runs, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET,
@@ -148,7 +163,7 @@ def methods_view(runs, seed, trajectory, target, frames, methods, budget=DEFAULT
     value is the same in every row are left out of the table and named with their value in `constant`; the
     figure draws the shown metric columns (`FIGURE_METRICS`). A method that cannot fit is named in `left_out`;
     one that ran as another chosen method is shown once (`_one_row_per_run`), each row under its `name`.
-    Raises ValueError for bad input."""
+    `bf16_vbench`: BF16's VBench flicker score on the world (None without rows). Raises ValueError for bad input."""
     from dataclasses import replace
 
     from quantwm.drivers import studies
@@ -166,7 +181,66 @@ def methods_view(runs, seed, trajectory, target, frames, methods, budget=DEFAULT
     table = [[r["name"] if c == "method" else r[c] if c in TEXT_COLUMNS else rounded(r[c]) for c in varies]
              for r in rows]
     return {"key": key, "budget": b, "rows": rows, "left_out": left_out, "header": varies, "table": table,
-            "constant": constant, "metrics": [m for m in FIGURE_METRICS if m in varies]}
+            "constant": constant, "metrics": [m for m in FIGURE_METRICS if m in varies],
+            "bf16_vbench": studies.reference_vbench(runs.wb, key) if rows else None}
+
+
+def _offset(gap: float) -> str:
+    """A score's distance from BF16's (gap = BF16's minus the method's) in words."""
+    return "level with BF16" if gap == 0 else f"{abs(gap):.4f} {'below' if gap > 0 else 'above'} BF16"
+
+
+def vbench_finding(bf16: float, rows: list[dict]) -> str:
+    """One sentence on the rows (`name`, `vbench_flicker`, `tdiff`) as the table shows them (`rounded`): how far each
+    one's VBench temporal-flickering score (of its own frames) lies from BF16's, beside its tdiff, then
+    `_vbench_verdict`. The two share a unit, the share of the pixel range a frame changes (VBench's score is 1 minus
+    the mean change; tdiff is the change beyond BF16's), so VBench's distance from BF16 is at most tdiff, up to
+    8-bit rounding. Computed, never canned."""
+    b = rounded(bf16)
+    rs = sorted(((r["name"], round(b - rounded(r["vbench_flicker"]), 4), rounded(r["tdiff"])) for r in rows),
+                key=lambda r: (r[2], r[1]))  # in order of tdiff
+    (near, g_near, _), (far, g_far, _) = min(rs, key=lambda r: r[1]), max(rs, key=lambda r: r[1])
+    scores = (f"{_offset(g_near)} for {near}" if len(rs) == 1 else
+              f"from {_offset(g_near)} ({near}) to {_offset(g_far)} ({far}) for the methods")
+    tdiffs = f"{rs[0][2]:.4f} ({rs[0][0]})" + (f" to {rs[-1][2]:.4f} ({rs[-1][0]})" if len(rs) > 1 else "")
+    return (f"VBench's temporal-flickering score of each run's own frames is {b:.4f} for BF16 and {scores}, while "
+            f"tdiff, in the same unit (the share of the pixel range a frame changes beyond BF16's change), measures "
+            f"{tdiffs}: {_vbench_verdict(rs)}")
+
+
+def _names(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _vbench_verdict(rs: list[tuple]) -> str:
+    """Whether VBench's score tells the methods apart as tdiff does, from (name, BF16's score minus the method's,
+    tdiff) in order of tdiff: the methods VBench scores as steady as BF16 or steadier although tdiff measures
+    flicker; the pairs tdiff tells apart that VBench orders the other way or ties; where neither, that VBench orders
+    them as tdiff does, and the share of tdiff's flicker it registers (its distance from BF16 over tdiff)."""
+    blind = [n for n, g, t in rs if g <= 0 < t]
+    told = [(x, y) for x, y in combinations(rs, 2) if x[2] < y[2]]  # the pairs tdiff tells apart: x flickers less
+    against = sum(x[1] >= y[1] for x, y in told)  # VBench puts x as far below BF16 as y, or farther
+    worst = rs[-1]
+    rank = 1 + sum(g < worst[1] for _, g, _ in rs)  # its place on VBench, 1 the steadiest
+    place = "is VBench's steadiest" if rank == 1 else f"ranks {rank} of {len(rs)} on VBench, 1 the steadiest"
+    verdict = [f"VBench scores {_names(blind)} as steady as BF16 or steadier although tdiff measures flicker in "
+               + ("it" if len(blind) == 1 else "each")] if blind else []
+    if against:
+        verdict.append(f"{'it' if blind else 'VBench'} orders {against} of the {len(told)} pair(s) of methods tdiff "
+                       "tells apart the other way or ties them"
+                       + (f" ({worst[0]}, the most flicker by tdiff, {place})" if rank < len(rs) else ""))
+        return "; ".join(verdict) + ", so VBench cannot tell these methods apart as tdiff does."
+    if blind:
+        return verdict[0] + ", so VBench misses that flicker" + (
+            ", though it orders the methods as tdiff does." if len(rs) > 1 else ".")
+    shares = [g / t for _, g, t in rs if t > 0]
+    if not shares:
+        return "tdiff measures no flicker, and VBench none either."
+    share = f"{min(shares):.0%}" + (f" to {max(shares):.0%}" if len(shares) > 1 else "")
+    if len(rs) == 1:
+        return f"VBench puts it below BF16 as tdiff does, registering {share} of the flicker tdiff measures."
+    return (f"VBench orders the methods as tdiff does, so on these numbers it does tell them apart, though it registers "
+            f"only {share} of the flicker tdiff measures.")
 
 
 def _one_row_per_run(rows: list[dict]) -> list[dict]:
@@ -203,7 +277,8 @@ def _methods_title(v: dict) -> str:
 
 def methods_handler(runs, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET,
                     progress: Callable | None = None) -> dict:
-    """The Methods tab (`methods_view`): status, the table (header, rows) and the figure of its metric columns."""
+    """The Methods tab (`methods_view`): status (with `vbench_finding`), the table (header, rows) and the figure of
+    its metric columns."""
     try:
         v = methods_view(runs, seed, trajectory, target, frames, methods, budget, progress)
     except ValueError as e:
@@ -211,14 +286,26 @@ def methods_handler(runs, seed, trajectory, target, frames, methods, budget=DEFA
     out = "".join(f" Left out: {m} ({why})." for m, why in v["left_out"].items())
     same = ", ".join(f"{c} {val}" for c, val in v["constant"].items())
     over = [r["name"] for r in v["rows"] if r["fits"] == "OVER"]
+    vbench = vbench_finding(v["bf16_vbench"], v["rows"]) + " " if v["rows"] else ""
     return {"status": f"**At most {v['budget']:g} bits per element** (Keys and Values each, counted from stored "
-                      f"bytes), seed {seed}, {trajectory}, target {target}, {frames} frames. Two compressions: the "
-                      f"quantized spans' and the whole cache's (bf16_mb / cache_mb; cache memory counts every "
-                      f"quantized byte and the full-precision chunks as BF16)."
+                      f"bytes), seed {seed}, {trajectory}, target {target}, {frames} frames. {vbench}Two "
+                      "compressions: the quantized spans' and the whole cache's (bf16_mb / cache_mb; cache memory "
+                      "counts every quantized byte and the full-precision chunks as BF16)."
                       + (f" **OVER** (over the budget or BF16's bytes): {', '.join(over)}." if over else "")
                       + (f" The same in every row (not shown as columns): {same}." if same else "") + out,
             "header": v["header"], "rows": v["table"], "metrics": v["metrics"],
-            "figure": plots.bars_figure(v["rows"], "label", v["metrics"], _methods_title(v)) if v["rows"] else None}
+            "bf16_vbench": v["bf16_vbench"], "figure": _methods_chart(v) if v["rows"] else None}
+
+
+def _methods_chart(v: dict):
+    """The table's metric columns as bars (`plots.bars_figure`), BF16's VBench flicker score a dashed line on that
+    metric's panel."""
+    fig = plots.bars_figure(v["rows"], "label", v["metrics"], _methods_title(v))
+    if "vbench_flicker" in v["metrics"]:
+        fig.add_vline(x=v["bf16_vbench"], line_dash="dash", line_width=1, row=1,
+                      col=v["metrics"].index("vbench_flicker") + 1,  # labelled at its foot, clear of the panel title
+                      label=dict(text="BF16", textposition="start", textangle=0, xanchor="right", font=dict(size=10)))
+    return fig
 
 
 def export_methods_handler(runs, seed, trajectory, target, frames, methods, budget=DEFAULT_BUDGET, formats=("pdf",),
@@ -236,7 +323,8 @@ def export_methods_handler(runs, seed, trajectory, target, frames, methods, budg
         if not v["rows"]:
             raise ValueError("no chosen method fits the budget: " + "; ".join(v["left_out"].values()))
         k = v["key"]
-        fig = FG.bars_figure(v["rows"], "label", v["metrics"], _methods_title(v))
+        fig = FG.bars_figure(v["rows"], "label", v["metrics"], _methods_title(v),
+                             {"vbench_flicker": ("BF16", v["bf16_vbench"])})
         stem = (f"methods-{'-'.join(r['method'] for r in v['rows'])}-seed{k.seed}-{k.trajectory}-{k.target}-"
                 f"budget{v['budget']:g}")
         paths = FG.save_figure(fig, os.path.join(app_files().export_dir("methods"), stem), list(formats or []))

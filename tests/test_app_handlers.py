@@ -162,6 +162,163 @@ def test_a_run_over_its_budget_is_never_said_to_be_within_it(runs, monkeypatch):
     assert "configuration within 2.5 bits: k: bits=2, group_size=64" in kept["status"]
 
 
+# ---- BF16 and two methods side by side, on the page's place world ------------------------------------------
+SIDE = (6, "loop", "quantwm", "kv", 2, FRAMES, 2.5, "budget")  # the page's world seed and methods, 10 frames
+
+
+@pytest.fixture(scope="module")
+def side_by_side(runs):
+    calls = []
+    r = wh.generate_handler(runs, *SIDE, progress=lambda done, total: calls.append((done, total)), world="place",
+                            method_b="qvg")
+    return r, calls
+
+
+def test_one_generate_shows_bf16_and_two_methods_each_with_its_vbench_flicker(runs, side_by_side):
+    """Method A and method B beside it on the place world, from one Generate: the progress bar counts every
+    rollout's chunks, each method keeps its label and its line in the status, and each line gives VBench's
+    temporal flickering of the run's own frames and of BF16's, from the last context frame on."""
+    from quantwm.evaluation.vbench import temporal_flickering
+
+    r, calls = side_by_side
+    assert (r["run_id"], r["run_b"]) == ("seed=6 place loop quantwm kv budget=2.5 10f",
+                                         "seed=6 place loop qvg kv budget=2.5 10f")
+    chunks = FRAMES // runs.wb.cfg.chunk_frames
+    assert calls[-1] == (3 * chunks, 3 * chunks)  # BF16, method A and method B
+    assert r["method_label"].startswith("quantwm within 2.5 bits, spans ") and r["method_label"].endswith("bits/element")
+    assert r["method_b_label"].startswith("qvg within 2.5 bits, spans ") and r["method_b_label"].endswith("bits/element")
+    a, b = runs.wb.record(r["run_id"]), runs.wb.record(r["run_b"])
+    ref, ctx = runs.wb.record(a.key.reference().id), runs.wb.cfg.context_frames
+    flicker = {name: temporal_flickering(rec.frames[ctx - 1:]) for name, rec in (("bf16", ref), ("a", a), ("b", b))}
+    line_a, line_b = r["status"].split("\n\n")
+    assert line_a.startswith(f"**{r['run_id']}** (") and line_b.startswith(f"Method B: **{r['run_b']}** (")
+    assert f"VBench flicker {flicker['a']:.4f} (BF16 {flicker['bf16']:.4f})" in line_a
+    assert f"VBench flicker {flicker['b']:.4f} (BF16 {flicker['bf16']:.4f})" in line_b
+    assert "configuration within 2.5 bits: k: bits=2" in line_b and "Worst flicker frames:" not in line_b
+    for which in ("bf16_video", "method_video", "method_b_video"):
+        assert next(imageio_ffmpeg.read_frames(r[which]))["codec"] == "h264"
+
+
+def test_the_per_frame_plot_overlays_both_methods_on_one_y_range_per_metric(side_by_side):
+    """Every panel draws both methods' curves, told apart by colour and named once each in the legend, on one
+    fixed y-range that holds both (not a range per run)."""
+    r = side_by_side[0]
+    fig, labels = r["figure"], (r["method_label"], r["method_b_label"])
+    for axis, metric in (("y", "tdiff"), ("y2", "warp_error"), ("y3", "psnr"), ("y4", "shift_rate")):
+        curves = {t.legendgroup: t for t in fig.data if t.name == metric}
+        assert set(curves) == set(labels) and {t.yaxis for t in curves.values()} == {axis}, metric
+        assert curves[labels[0]].line.color != curves[labels[1]].line.color
+        scale = fig.layout["yaxis" + axis[1:]]
+        values = [v for t in curves.values() for v in t.y if v is not None]
+        assert scale.autorange is False and scale.range[0] <= min(values) and max(values) <= scale.range[1], metric
+        assert max(values) >= scale.range[1] - 0.1 * (scale.range[1] - scale.range[0])  # the runs' own range
+    named = [t.name for t in fig.data if t.showlegend is not False]
+    assert named.count(labels[0]) == named.count(labels[1]) == 1
+
+
+def test_scrub_shows_three_frames_and_draws_the_maps_on_the_run_they_are_of(runs, side_by_side, generated):
+    r = side_by_side[0]
+    a, b, t = r["run_id"], r["run_b"], FRAMES - 1
+    plain = wh.scrub_handler(runs, a, t, [], "all", "all", None, b, "A")
+    assert np.array_equal(plain["method"][::4, ::4], runs.view(a).frame(t))
+    assert np.array_equal(plain["method_b"][::4, ::4], runs.view(b).frame(t))
+    assert np.array_equal(plain["bf16"][::4, ::4], runs.view(b).frame_view(t)["bf16"])
+    assert "maps of method A (quantwm)" in plain["status"]
+    on_b = wh.scrub_handler(runs, a, t, ["flicker map"], "all", "all", None, b, "B")
+    assert np.array_equal(on_b["method"], plain["method"]) and not np.array_equal(on_b["method_b"], plain["method_b"])
+    top = np.percentile(runs.view(b).frame_view(t)["flicker"], 99)
+    assert "maps of method B (qvg)" in on_b["status"] and f"99th percentile, {top:.4f}" in on_b["status"]
+    traced = wh.trace_pixel_handler(runs, a, t, 20, 30, 1, 0, b, "B")["result"]  # a trace of method B's run
+    marked = wh.scrub_handler(runs, a, t - 1, [], "all", "all", traced, b, "A")
+    assert all((marked[k] != wh.scrub_handler(runs, a, t - 1, [], "all", "all", None, b)[k]).any()
+               for k in ("bf16", "method", "method_b"))  # its pixel marked on every frame
+    assert wh.scrub_handler(runs, a, t, [])["method_b"] is None
+    for run_b, maps, needle in ((None, "B", "with no method B shown"), (b, "C", "maps must be 'A'"),
+                                (generated[0]["run_id"], "A", "cannot be shown beside")):
+        bad = wh.scrub_handler(runs, a, t, [], "all", "all", None, run_b, maps)
+        assert bad["status"].startswith("**Error:**") and needle in bad["status"] and "bf16" not in bad
+
+
+def test_a_trace_names_the_source_under_each_shown_method_s_keys(runs, side_by_side):
+    """A pixel traced in method B's run (its frame clicked) names method A's source at the same Query, layer and
+    head too, and the other way round; alone, a run's trace names its own."""
+    r = side_by_side[0]
+    a, b, t = r["run_id"], r["run_b"], FRAMES - 1
+    on_b = wh.trace_pixel_handler(runs, a, t, 21, 42, "all", "all", b, "B")
+    res = on_b["result"]
+    own, other = (runs.view(i).pixel_trace(t, 21, 42, res["layer"], res["head"]) for i in (b, a))
+    assert res["run"] == b and res["source_method"] == list(own["source_method"])
+    assert res["other"]["run"] == a and res["other"]["source"] == list(other["source_method"])
+    assert res["other"]["jumped"] == (other["source_method"] != other["source_bf16"])
+    src, osrc = own["source_method"], other["source_method"]
+    assert f"qvg source: frame {src[0]}, row {src[1]}, col {src[2]}" in on_b["status"]
+    assert f"quantwm source: frame {osrc[0]}, row {osrc[1]}, col {osrc[2]}" in on_b["status"]
+    assert re.search(r"the BF16 source ranks \d+ under qvg's keys, \d+ under quantwm's\.", on_b["status"])
+    assert on_b["other_source"].shape == on_b["method_source"].shape == (192, 192, 3)
+    on_a = wh.click_pixel_handler(runs, a, t, [21 * wh.FACTOR, 42 * wh.FACTOR], res["layer"], res["head"], b, "A")
+    assert on_a["result"]["run"] == a and on_a["result"]["other"]["run"] == b
+    assert on_a["result"]["source_method"] == res["other"]["source"]
+    assert "other" not in wh.trace_pixel_handler(runs, a, t, 21, 42)["result"]
+
+
+def test_exports_are_of_the_run_the_maps_are_of(runs, side_by_side):
+    r = side_by_side[0]
+    a, b, t = r["run_id"], r["run_b"], FRAMES - 1
+    traced = wh.trace_pixel_handler(runs, a, t, 21, 42, 1, 0, b, "B")["result"]
+    names = [f.rsplit("/", 1)[-1] for f in wh.export_handler(runs, a, t, "all", "all", ["svg"], traced, b, "B")["files"]]
+    tag = "seed6-place-loop-qvg-kv-budget2.5-10f"
+    assert sorted(names) == sorted([f"frames-{tag}.svg", f"maps-{tag}-frame{t}-layerall-headall.svg",
+                                    f"trace-{tag}-frame{t}-x21-y42-layer1-head0.svg"]), names
+    names = [f.rsplit("/", 1)[-1] for f in wh.export_handler(runs, a, t, "all", "all", ["svg"], traced, b, "A")["files"]]
+    assert sorted(n.split("-")[0] for n in names) == ["frames", "maps"] and all("-quantwm-" in n for n in names)
+
+
+def test_a_method_b_that_cannot_run_is_left_out_and_method_a_shown(runs, side_by_side):
+    """nvfp4 cannot store 2.5 bits per element, and a results cache that holds BF16 and one method's run has no
+    room for a second: method A is shown and the status says why B is not; method B set to method A is shown
+    once; an unknown method B is an error naming it."""
+    r = wh.generate_handler(runs, *SIDE, world="place", method_b="nvfp4")
+    assert r["run_id"] == side_by_side[0]["run_id"] and r["run_b"] == "" and r["method_b_video"] is None
+    assert "\n\nMethod B, nvfp4, is left out: nvfp4 cannot fit 2.5 bits per element" in r["status"]
+    same = wh.generate_handler(runs, *SIDE, world="place", method_b="quantwm")
+    assert same["run_b"] == "" and same["status"].endswith("Method B is method A (quantwm): shown once.")
+    from dataclasses import replace
+
+    from quantwm.evaluation.limits import run_bytes
+
+    small = replace(runs.wb.limits, cache_mb=2.5 * run_bytes(runs.wb.cfg, FRAMES) / 2 ** 20)  # BF16 and one method
+    alone = wh.generate_handler(RunRegistry(Workbench(model=runs.wb.model, limits=small)), *SIDE, world="place",
+                                method_b="qvg")
+    assert alone["run_id"] == r["run_id"] and alone["run_b"] == ""
+    assert "Method B, qvg, is left out: 2 methods at 10 frames do not fit in the results cache" in alone["status"]
+    bad = wh.generate_handler(runs, *SIDE, world="place", method_b="nope")
+    assert bad["status"].startswith("**Error:**") and "unknown method 'nope'" in bad["status"]
+    assert wh.generate_handler(runs, *SIDE, world="mars")["status"].startswith("**Error:** unknown world 'mars'")
+
+
+def test_a_run_file_opens_beside_another_of_the_same_generation_as_method_b(runs, side_by_side, generated, tmp_path):
+    """Two methods recorded from the same world and noise, each its own run file: the second opens beside the
+    first as method B, and every view takes the pair; a file of another generation cannot stand beside it."""
+    from quantwm.drivers.views import make_run
+    from quantwm.evaluation.runfile import write_run
+
+    r = side_by_side[0]
+    paths = {}
+    for name, rid in (("a", r["run_id"]), ("b", r["run_b"]), ("other", generated[0]["run_id"])):
+        paths[name] = tmp_path / f"{name}.safetensors"
+        write_run(paths[name], make_run(runs.wb, RunKey.parse(rid), (1,), (0,)))
+    ids = {name: wh.open_run_handler(runs, str(path))["run_id"] for name, path in paths.items()}
+    shown = wh.open_run_handler(runs, ids["a"], files=False, run_b=ids["b"])
+    assert shown["run_b"] == ids["b"] and "Method B: **file=b.safetensors qvg kv 2-bit** (opened:" in shown["status"]
+    assert shown["controls"]["world"] == "place" and shown["method_b_label"].startswith("qvg 2-bit, spans ")
+    assert [t.legendgroup for t in shown["figure"].data if t.name == "tdiff"] == [shown["method_label"],
+                                                                                   shown["method_b_label"]]
+    trace = wh.trace_pixel_handler(runs, ids["a"], FRAMES - 1, 21, 42, 1, 0, ids["b"], "B")
+    assert trace["result"]["run"] == ids["b"] and trace["result"]["other"]["method"] == "quantwm"
+    refused = wh.open_run_handler(runs, ids["a"], files=False, run_b=ids["other"])
+    assert refused["status"].startswith("**Error:**") and "cannot be shown beside" in refused["status"]
+
+
 @pytest.mark.parametrize("settings, needle", [
     ((3, "pan-return", "nope", "k", 2, FRAMES), "unknown method 'nope'"),
     ((3, "spiral", "qvg", "k", 2, FRAMES), "unknown trajectory"),
@@ -543,16 +700,17 @@ def test_a_new_run_empties_the_trace_panel_and_exports_of_the_run_before(runs, g
 
     rid = generated[0]["run_id"]
     traced = wh.trace_pixel_handler(runs, rid, FRAMES - 1, 10, 20, 1, 0)["result"]
-    ui = SimpleNamespace(trace_out=[None] * 6, export_status=None, export_files=None)
+    ui = SimpleNamespace(trace_out=[None] * 7, export_status=None, export_files=None)  # the panel, the other source too
     views_of = _views_of(ui, wh.trace_of)
-    assert len(ui.views_out) == 8
+    assert len(ui.views_out) == 9
     cleared = views_of("seed=9 loop rtn kv 2-bit 10f", traced)
-    assert "seed=9 loop rtn kv 2-bit 10f" in cleared[0] and cleared[1:] == (None,) * 5 + ("", None)
+    assert "seed=9 loop rtn kv 2-bit 10f" in cleared[0] and cleared[1:] == (None,) * 6 + ("", None)
     import gradio as gr
 
-    assert views_of(rid, traced) == (gr.skip(),) * 8  # this run's trace: nothing changes
+    assert views_of(rid, traced) == (gr.skip(),) * 9  # this run's trace: nothing changes
+    assert views_of("seed=9 loop rtn kv 2-bit 10f", traced, rid) == (gr.skip(),) * 9  # shown as method B: it stays
     bad = _trace_outputs(wh.trace_pixel_handler(runs, rid, FRAMES - 1, 99, 3, 0, 0))
-    assert bad[0].startswith("**Error:**") and bad[1:] == (None,) * 5
+    assert bad[0].startswith("**Error:**") and bad[1:] == (None,) * 6
 
 
 def test_the_per_frame_plot_tells_revisits_from_invented_places(wb, generated):
@@ -662,3 +820,4 @@ def test_a_bad_run_id_gets_one_error_line_naming_it(runs, view, bad):
     status = RUN_ID_VIEWS[view](runs, bad)["status"]
     assert status.startswith(f"**Error:** {str(bad)!r} is not ") and "\n" not in status, status
     assert "unpack" not in status and "invalid literal" not in status, status
+

@@ -1,16 +1,22 @@
 """Studies over the built-in model's runs, each generated (or reused) through the Workbench `wb`: one method
 against BF16 (`compare`, the Generate tab), Keys only against Values only (`key_vs_value`) and every method at one
 budget (`methods_table`). Rows carry the clip metrics against BF16 and the cache's memory figures by name
-(`CacheMemory.FIGURES`: the quantized spans' bits per element and compression, the whole cache's MB and ratio).
+(`CacheMemory.FIGURES`: the quantized spans' bits per element and compression, the whole cache's MB and ratio);
+the Methods rows also VBench's temporal-flickering score of each run's own frames (`vbench_flicker`), whose BF16
+value `reference_vbench` gives.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import replace
+
+import torch
 
 from ..core.quant import BudgetError
 from ..evaluation import diagnostics as D
 from ..evaluation import metrics as M
+from ..evaluation import vbench as V
 from .runs import Record, RunKey
 from .views import RunView
 
@@ -22,13 +28,43 @@ def compare(wb, key: RunKey, progress: Callable | None = None) -> dict:
     return {**RunView.of_records(wb.cfg, ref, rec).compare(), "seconds": ref.seconds + rec.seconds}
 
 
+@contextmanager
+def denormals_flushed():
+    """Denormal floats read and written as 0 on this thread while the block runs (x86 FTZ/DAZ, a per-thread flag:
+    rollouts on threads already running are untouched; a thread started inside the block would inherit it, so the
+    block starts none), then back to torch's default, off. A softmax over logits ~150 apart
+    leaves probabilities under 1e-38 that make a CPU's matmul about 7x slower; next to the row's largest
+    probability (at least 1/L) a float32 sum cannot hold them, so what is computed does not change
+    (tests/test_studies.py compares the attention error both ways). A no-op where the CPU has no such flag."""
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
 def attention_error(wb, rec: Record) -> float:
     """Relative error of the attention output over the cache, stored vs exact K/V, every probed chunk (computed once
     per record, kept in its `metrics`)."""
     if "attn_out_rel_err" not in rec.metrics:
-        rec.metrics["attn_out_rel_err"] = D.probed_attention_error(
-            rec.probes, rec.k_exact, rec.k_stored, rec.v_exact, rec.v_stored, wb.cfg.chunk_frames * wb.cfg.tokens_per_frame)
+        with denormals_flushed():  # 0.35 s a 32-frame record instead of 2.5 s
+            rec.metrics["attn_out_rel_err"] = D.probed_attention_error(
+                rec.probes, rec.k_exact, rec.k_stored, rec.v_exact, rec.v_stored,
+                wb.cfg.chunk_frames * wb.cfg.tokens_per_frame)
     return rec.metrics["attn_out_rel_err"]
+
+
+def vbench_flicker(wb, rec: Record) -> float:
+    """VBench's temporal-flickering score of the record's own frames from the last context frame on (the pairs
+    tdiff covers, as `quantwm eval` takes it), computed once per record, kept in its `metrics`."""
+    if "vbench_flicker" not in rec.metrics:
+        rec.metrics["vbench_flicker"] = V.temporal_flickering(rec.frames[wb.cfg.context_frames - 1:])
+    return rec.metrics["vbench_flicker"]
+
+
+def reference_vbench(wb, key: RunKey) -> float:
+    """`vbench_flicker` of key's BF16 run (generated now unless cached: the Methods rows' reference)."""
+    return vbench_flicker(wb, wb.run(key.reference()))
 
 
 def clip_metrics(wb, ref: Record, rec: Record) -> dict:
@@ -59,7 +95,9 @@ def methods_table(wb, key: RunKey, methods: list[str], progress: Callable | None
                   left_out: dict | None = None) -> list[dict]:
     """Every method in `methods` on key's world, trajectory, target and bits, or, when the key carries a
     budget, each method configured within it (its "configuration" column says how; a method that cannot
-    fit is skipped and its one-line reason put in `left_out`). Rows come in order of bits per element."""
+    fit is skipped and its one-line reason put in `left_out`). Rows come in order of bits per element. Each row
+    carries the clip metrics against BF16 (`clip_metrics`) and VBench's flicker score of its own frames
+    (`vbench_flicker`; BF16's: `reference_vbench`)."""
     if not methods:
         raise ValueError("choose at least one method")
     left_out = left_out if left_out is not None else {}
@@ -82,7 +120,7 @@ def methods_table(wb, key: RunKey, methods: list[str], progress: Callable | None
         if k in failed or k.reference() in failed:
             raise failed.get(k) or failed[k.reference()]
         ref, rec = wb.pair(k)
-        rows.append({"method": k.method, **clip_metrics(wb, ref, rec),
+        rows.append({"method": k.method, **clip_metrics(wb, ref, rec), "vbench_flicker": vbench_flicker(wb, rec),
                      "configuration": configuration(wb, k)})
     return sorted(rows, key=lambda r: r["span_bits_per_element"]) if key.budget is not None else rows
 

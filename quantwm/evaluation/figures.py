@@ -139,13 +139,18 @@ def energy_figure(spectra: list[dict], layer: int, rank: int = 8, title: str = "
     return fig
 
 
-def bars_figure(rows: list[dict], label: str, metrics: list[str], title: str = ""):
-    """Grouped bars, one panel per metric, one bar per row (methods, or Keys-only vs Values-only)."""
+def bars_figure(rows: list[dict], label: str, metrics: list[str], title: str = "", reference: dict | None = None):
+    """Grouped bars, one panel per metric, one bar per row (methods, or Keys-only vs Values-only); `reference`:
+    {metric: (name, value)} drawn as a dashed line on that metric's panel (BF16's score)."""
     fig = _figure(2.4 * len(metrics), 2.8)
     names = [str(r[label]) for r in rows]
     for ax, m in zip(np.atleast_1d(fig.subplots(1, len(metrics))), metrics):
         vals = [float(r[m]) if r.get(m) is not None else np.nan for r in rows]
         ax.bar(range(len(rows)), vals, color="#4c72b0")
+        if m in (reference or {}):
+            name, value = reference[m]
+            ax.axhline(value, color="k", ls="--", lw=0.8, label=f"{name} {value:.4f}")
+            ax.legend(fontsize=7, loc="lower center", framealpha=0.9)
         ax.set_xticks(range(len(rows)), names, rotation=45, ha="right", fontsize=7)
         ax.set_title(m, fontsize=9)
         ax.grid(axis="y", alpha=0.3)
