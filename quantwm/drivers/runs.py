@@ -4,6 +4,7 @@ attention logits of a probed chunk (`probe_logits`) and a built-in run's pair of
 file (`builtin_run`), which `views.RunView` shows like any opened run."""
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -157,3 +158,18 @@ def builtin_run(cfg, ref: Record, rec: Record, logit_layers=(), logit_heads=(), 
             "logit_layers": list(logit_layers), "logit_heads": list(logit_heads), **(extra or {})}
     return Run(builtin_facts(cfg), meta, ref.frames_uint8(), rec.frames_uint8(), torch.stack(rec.stats).float(),
                top1, logits)
+
+
+@contextmanager
+def denormals_flushed():
+    """Denormal floats read and written as 0 on this thread while the block runs (x86 FTZ/DAZ, a per-thread flag:
+    rollouts on threads already running are untouched; a thread started inside the block would inherit it, so the
+    block starts none), then back to torch's default, off. A softmax over logits ~150 apart
+    leaves probabilities under 1e-38 that make a CPU's matmul about 7x slower; next to the row's largest
+    probability (at least 1/L) a float32 sum cannot hold them, so what is computed does not change
+    (tests/test_studies.py compares the attention error both ways). A no-op where the CPU has no such flag."""
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)

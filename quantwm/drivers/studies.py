@@ -8,16 +8,13 @@ value `reference_vbench` gives.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import contextmanager
 from dataclasses import replace
-
-import torch
 
 from ..core.quant import BudgetError
 from ..evaluation import diagnostics as D
 from ..evaluation import metrics as M
 from ..evaluation import vbench as V
-from .runs import Record, RunKey
+from .runs import Record, RunKey, denormals_flushed
 from .views import RunView
 
 
@@ -26,21 +23,6 @@ def compare(wb, key: RunKey, progress: Callable | None = None) -> dict:
     summary numbers, both videos' frames and the memory figures (`RunView.compare`)."""
     ref, rec = wb.pair(key, progress)
     return {**RunView.of_records(wb.cfg, ref, rec).compare(), "seconds": ref.seconds + rec.seconds}
-
-
-@contextmanager
-def denormals_flushed():
-    """Denormal floats read and written as 0 on this thread while the block runs (x86 FTZ/DAZ, a per-thread flag:
-    rollouts on threads already running are untouched; a thread started inside the block would inherit it, so the
-    block starts none), then back to torch's default, off. A softmax over logits ~150 apart
-    leaves probabilities under 1e-38 that make a CPU's matmul about 7x slower; next to the row's largest
-    probability (at least 1/L) a float32 sum cannot hold them, so what is computed does not change
-    (tests/test_studies.py compares the attention error both ways). A no-op where the CPU has no such flag."""
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)
 
 
 def attention_error(wb, rec: Record) -> float:
