@@ -3,7 +3,8 @@
     bash benchmarks/gpu_check.sh                 # on a CUDA GPU: at most 8 minutes by its own clock
     bash benchmarks/gpu_check.sh --dry-run       # the same steps on the CPU at tiny shapes (CI runs this)
 
-Steps, each in its own process with its own time limit, skipped with a message once the budget is spent:
+Steps, each in its own process with its own time limit, skipped with a message once the budget is spent (on the
+dry run, each on one CPU thread):
 
 1. `cuda tests`: the kernel and attention tests (every kernel compiled, the fused path against the reference
    for every method); on the CPU (dry run) a small subset under the Triton interpreter.
@@ -21,7 +22,8 @@ Steps, each in its own process with its own time limit, skipped with a message o
    takes, every kernel checked against its reference on first use, and the timing at Wan-1.3B shapes (12 heads
    x 128, chunks of 4680 queries, caches of 8K/32K/64K tokens): BF16 SDPA (the flash backend on CUDA), dequantize-then-SDPA, the fused 2-bit
    kernel, its 8-bit paths (INT8 and e4m3 QKᵀ, e4m3 PV), and the cost of quantizing a committed chunk as a share
-   of the chunk's attention time.
+   of the chunk's attention time. The dry run: the tiny preset at 1 head x 64, chunks of 32 tokens, caches of 96
+   and 128 tokens (every path, a quantized span at each length).
 6. `real shapes`: `benchmarks/real_shapes.py`, a randomly initialised Wan-1.3B-sized transformer generating
    chunk by chunk through the cache (bytes, peak memory, time per chunk).
 7. `live rollout`: a random Self-Forcing model (diffusers Wan classes, 2 layers at Wan-1.3B's 12 heads x 128 and
@@ -56,7 +58,7 @@ def steps(out: Path, dry: bool) -> list[dict]:
     return [
         {"name": "cuda tests", "limit": 120 if dry else 140,
          "cmd": [py, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "-x",
-                 *(["tests/test_kernels.py", "-k", "pack_bits or kmeans_assign or (lowp_kernel_matches and int8)"] if dry else tests)]},
+                 *(["tests/test_kernels.py", "-k", "pack_bits or kmeans_assign"] if dry else tests)]},
         {"name": "cuda tier", "limit": 60 if dry else 60,  # issue 42: the fake-CUDA tier, on real CUDA tensors
          "cmd": [py, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider", "tests/test_fake_cuda.py",
                  *(["-k", "kivi or quantwm-alloc"] if dry else [])]},
@@ -67,10 +69,11 @@ def steps(out: Path, dry: bool) -> list[dict]:
                  "--json", str(out / "commit_cost.json"), *(["--dry-run"] if dry else [])]},
         {"name": "kernel bench", "limit": 150 if dry else 180,  # the user's own check: `quantwm selfcheck`
          "cmd": [py, "-m", "quantwm", "selfcheck", "--model", "tiny" if dry else "wan-1.3b",
-                 *([] if dry else ["--lengths", "8192,32768,65536"]), "--json", str(out / "kernel_bench.json")]},
+                 *(["--heads", "1", "--chunk-tokens", "32", "--lengths", "96,128"] if dry else ["--lengths", "8192,32768,65536"]),
+                 "--json", str(out / "kernel_bench.json")]},
         {"name": "real shapes", "limit": 120 if dry else 70,
          "cmd": [py, "benchmarks/real_shapes.py", "--json", str(out / "real_shapes.json"),
-                 *(["--reduced", "--steps", "1", "--layers", "2", "--chunks", "3", "--methods", "quantwm"] if dry
+                 *(["--reduced", "--steps", "1", "--layers", "2", "--chunks", "3", "--methods", "quantwm", "--threads", "1"] if dry
                    else ["--steps", "2"])]},
         {"name": "live rollout", "limit": 120 if dry else 60,
          "cmd": [py, "benchmarks/gpu_check.py", "--live-rollout", str(out / "live.safetensors"),
@@ -82,6 +85,8 @@ def run_steps(out: Path, dry: bool, budget: float) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     start, results = time.perf_counter(), []
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if dry:  # tiny shapes: a second CPU thread only spins against other work (a test suite's other worker)
+        env["OMP_NUM_THREADS"] = "1"
     for step in steps(out, dry):
         left = budget - (time.perf_counter() - start)
         limit = min(step["limit"], left)

@@ -8,6 +8,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
+# The processes tests start (the CLI, the benchmarks, the app's server) run torch on one thread, as the tests do
+# (`_single_thread`): at these sizes a second thread only spins against the suite's other worker.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -99,22 +99,22 @@ def test_backend_mode_rejects_unknown_values(monkeypatch):
     assert backend.use_kernels(torch.zeros(1)) is False  # CPU tensors take the references
 
 
-@pytest.mark.parametrize("method, options, D, fused", [
-    ("rtn", (("group_size", 24),), 48, False),  # per-token groups of 24: not a power of two
-    ("rtn", (("group_size", 16),), 48, True),
-    ("quantwm-paper", (), 64, False),  # per-token PSAC coefficient scales
-    ("qvg-pro", (("n_centroids", 16),), 64, False),  # 4 codebook stages (16 centroids each: a quick k-means)
+@pytest.mark.parametrize("method, options, D, N, fused", [
+    ("rtn", (("group_size", 24),), 48, 33, False),  # per-token groups of 24: not a power of two
+    ("rtn", (("group_size", 16),), 48, 33, True),
+    ("quantwm-paper", (), 64, 33, False),  # per-token PSAC coefficient scales
+    ("qvg-pro", (("n_centroids", 16),), 64, 97, False),  # 4 codebook stages (16 centroids each: a quick k-means)
 ])
-def test_dispatch_asks_the_method_and_falls_back_instead_of_raising(method, options, D, fused, monkeypatch):
+def test_dispatch_asks_the_method_and_falls_back_instead_of_raising(method, options, D, N, fused, monkeypatch):
     """A format the kernel cannot take takes the reference path, even with the kernels forced (it used to
     raise in the launcher); the dispatcher asks `Method.fused_format` and nothing else."""
     def run(mode):
         monkeypatch.setenv("QUANTWM_KERNELS", mode)
         cache = KVCache(CacheConfig(method, method_options=options), 1)
         g = torch.Generator().manual_seed(2)
-        for i in range(4):
-            cache.attend(0, *(torch.randn(1, 2, 97, D, generator=g) for _ in range(3)), chunk=i, commit=True)
-        q, k, v = (torch.randn(1, 2, 97, D, generator=g) for _ in range(3))
+        for i in range(4):  # chunks of N tokens (33: a tile of 32 and one more)
+            cache.attend(0, *(torch.randn(1, 2, N, D, generator=g) for _ in range(3)), chunk=i, commit=True)
+        q, k, v = (torch.randn(1, 2, N, D, generator=g) for _ in range(3))
         return cache, cache.attend(0, q, k, v, chunk=4)
     cache, out = run("triton")
     _, ref = run("ref")

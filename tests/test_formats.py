@@ -8,8 +8,10 @@ import torch
 
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.methods import REGISTRY, SpanContext, get_method, make_method
+from quantwm.core.methods.allocator import QuantWMAlloc
 
-ALLOCATORS = ("quantwm-alloc", "quantwm-channels")  # not fixed formats: the budget sets their widths
+# not fixed formats: the allocator and its presets, whose budget sets their widths
+ALLOCATORS = tuple(m for m, c in REGISTRY.items() if issubclass(c, QuantWMAlloc))
 FORMATS = sorted(m for m in REGISTRY if not REGISTRY[m].takes_bits and m not in ("bf16", *ALLOCATORS))  # fixed formats
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]

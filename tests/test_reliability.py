@@ -122,7 +122,7 @@ def test_eviction_keeps_runs_with_their_references_and_deletes_their_videos(wb, 
         mine = wh.generate_handler(small, 21, "loop", "rtn", "kv", 2, FRAMES)
         video = mine["bf16_video"]
         assert os.path.isfile(video)
-        for seed in (22, 23, 24):  # another user's runs push mine out
+        for seed in (22, 23):  # another user's runs push mine out
             assert not wh.generate_handler(small, seed, "loop", "kivi", "kv", 2, FRAMES)["status"].startswith("**Error")
             for k in small.wb._records:  # no run without its reference, ever
                 assert k.reference() in small.wb._records
