@@ -783,6 +783,8 @@ def test_bf16_and_two_methods_play_in_lockstep_and_compare_on_one_plot(browser_a
     status = page.locator("#generate-status").inner_text()
     assert re.findall(r"VBench flicker ([\d.]+) \(BF16 ([\d.]+)\)", status) == [
         (flicker["A"], flicker["bf16"]), (flicker["B"], flicker["bf16"])], status
+    page.wait_for_function("""() => { const gd = document.querySelector('#frame-plot .js-plotly-plot');
+        return gd && gd.data && gd._fullLayout; }""", timeout=WAIT)  # the plot is drawn after the status
     curves, axes = page.evaluate("""() => { const gd = document.querySelector('#frame-plot .js-plotly-plot');
         return [gd.data.filter(t => ['tdiff', 'warp_error', 'psnr', 'shift_rate'].includes(t.name))
                     .map(t => [t.legendgroup, t.yaxis || 'y', t.line.color, t.y]),
