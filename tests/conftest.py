@@ -51,3 +51,19 @@ def app_start(monkeypatch, capsys, tmp_path):
             main(argv, restart=False)
         return ended.value.code, capsys.readouterr().err
     return start
+
+
+@pytest.fixture(scope="module")
+def wb():
+    """A Workbench on the built-in world model, one per test module (modules that need another define their own)."""
+    from quantwm.drivers.workbench import Workbench
+
+    return Workbench()
+
+
+@pytest.fixture(scope="module")
+def runs(wb):
+    """The run registry over the module's `wb`."""
+    from quantwm.drivers.registry import RunRegistry
+
+    return RunRegistry(wb)

@@ -20,16 +20,6 @@ SETTINGS = (3, "pan-return", "qvg-budget", "k", 2, FRAMES)  # lossy here (qvg's 
 
 
 @pytest.fixture(scope="module")
-def wb():
-    return Workbench()
-
-
-@pytest.fixture(scope="module")
-def runs(wb):
-    return RunRegistry(wb)
-
-
-@pytest.fixture(scope="module")
 def generated(runs):
     calls = []
     r = wh.generate_handler(runs, *SETTINGS, progress=lambda done, total: calls.append((done, total)))

@@ -9,22 +9,11 @@ from safetensors.torch import load_file, save_file
 
 from app import world_handlers as wh
 from quantwm.drivers import studies
-from quantwm.drivers.registry import RunRegistry
 from quantwm.drivers.views import make_run
-from quantwm.drivers.workbench import RunKey, Workbench
+from quantwm.drivers.workbench import RunKey
 from quantwm.evaluation.runfile import RunFacts, read_run, run_memory, write_run
 
 FRAMES = 10
-
-
-@pytest.fixture(scope="module")
-def wb():
-    return Workbench()
-
-
-@pytest.fixture(scope="module")
-def runs(wb):
-    return RunRegistry(wb)
 
 
 @pytest.fixture(scope="module")

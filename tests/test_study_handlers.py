@@ -3,24 +3,11 @@ temporal-flickering score beside tdiff (the column, BF16's score, the status's s
 figure), called as plain functions (no browser, no server)."""
 import re
 
-import pytest
-
 from app import study_handlers as sh
 from app import world_handlers as wh
-from quantwm.drivers.registry import RunRegistry
-from quantwm.drivers.workbench import RunKey, Workbench
+from quantwm.drivers.workbench import RunKey
 
 FRAMES = 10
-
-
-@pytest.fixture(scope="module")
-def wb():
-    return Workbench()
-
-
-@pytest.fixture(scope="module")
-def runs(wb):
-    return RunRegistry(wb)
 
 
 # `quantwm eval --methods quantwm,kivi --seeds 0,1 --frames 16` (2 bits): BF16 0.9108

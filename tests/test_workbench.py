@@ -8,21 +8,10 @@ import pytest
 import torch
 
 from quantwm.drivers import studies
-from quantwm.drivers.registry import RunRegistry
 from quantwm.drivers.workbench import RunKey, Workbench
 from quantwm.evaluation.diagnostics import trace_energy, trace_query_view
 
 FRAMES = 10
-
-
-@pytest.fixture(scope="module")
-def wb():
-    return Workbench()
-
-
-@pytest.fixture(scope="module")
-def runs(wb):
-    return RunRegistry(wb)
 
 
 @pytest.fixture(scope="module")
