@@ -8,9 +8,7 @@ from collections.abc import Callable
 
 import gradio as gr
 
-from .ui import table
-
-VIEW = dict(concurrency_limit=4, concurrency_id="view")  # the views' queue, as the player's
+from .ui import VIEW, table  # the views' queue, as the player's
 
 
 def build_overview_panel(controls: dict, show: Callable, click: Callable) -> None:

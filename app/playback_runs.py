@@ -8,11 +8,10 @@ from types import SimpleNamespace
 
 import gradio as gr
 
-from .ui import Number, NumberChoice, number_choices, progress_callback
+from .ui import VIEW, Number, NumberChoice, number_choices, progress_callback
+from .world_handlers import NO_METHOD as NONE  # no run beside the opened one
 
-VIEW = dict(concurrency_limit=4, concurrency_id="view")  # the views' events: four at a time, beside generations
 ALL = ("all",)  # the layer/head picker's first choice: every layer (head)
-NONE = "none"  # no run beside the opened one
 
 
 def then_show_frame(ui: SimpleNamespace, event, api_name=False) -> None:

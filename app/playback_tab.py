@@ -13,8 +13,8 @@ import gradio as gr
 from quantwm.core.cache import TARGETS
 from quantwm.world.scene import TRAJECTORIES, WORLDS
 
-from .playback_runs import ALL, VIEW, live_panel, open_run_panel, then_show_frame, wire_live, wire_open_run
-from .ui import Number, NumberChoice, Slider, number_choices, progress_callback, unpack
+from .playback_runs import ALL, live_panel, open_run_panel, then_show_frame, wire_live, wire_open_run
+from .ui import VIEW, Number, NumberChoice, Slider, number_choices, progress_callback, unpack
 from .world_handlers import DEFAULT_BUDGET, FACTOR, NO_METHOD, OVERLAYS, SIZINGS, trace_of
 
 # The world the page opens on: the place world (one held-out photograph whole, the camera moving over it) of seed

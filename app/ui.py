@@ -4,6 +4,8 @@ from __future__ import annotations
 import gradio as gr
 import pandas as pd
 
+VIEW = dict(concurrency_limit=4, concurrency_id="view")  # the views' events: four at a time, beside generations
+
 
 def _unchecked(base: type) -> type:
     """`base` with its value passed to the handler as sent: no rounding and no range check in Gradio, so a bad
