@@ -111,16 +111,23 @@ def test_generate_at_a_budget_says_what_quantwm_chose_as_a_histogram_of_channel_
     assert studies.bits_histogram({2: 336, 3: 48, 8: 1}) == "bits per channel 2:87% 3:12% 8:<1%"
 
 
-def test_a_run_over_its_budget_or_over_bf16_is_flagged_on_the_generate_tab(runs, monkeypatch):
-    """The Generate tab flags as the Methods table does (`memory_flag`): a budget run whose spans measure over
-    it, and a fixed-bits run that stores more than BF16 (qvg's "2-bit": 256 centroids per span)."""
+def spans_measure(monkeypatch, bits: float):
+    """Make every comparison report its quantized spans at `bits` bits per element (a run over its budget);
+    returns the real `studies.compare`, to put back."""
     real = studies.compare
 
     def overrun(wb, key, progress=None):
         cmp = real(wb, key, progress)
-        return {**cmp, "summary": {**cmp["summary"], "span_bits_per_element": 2.61}}
+        return {**cmp, "summary": {**cmp["summary"], "span_bits_per_element": bits}}
 
     monkeypatch.setattr(studies, "compare", overrun)
+    return real
+
+
+def test_a_run_over_its_budget_or_over_bf16_is_flagged_on_the_generate_tab(runs, monkeypatch):
+    """The Generate tab flags as the Methods table does (`memory_flag`): a budget run whose spans measure over
+    it, and a fixed-bits run that stores more than BF16 (qvg's "2-bit": 256 centroids per span)."""
+    real = spans_measure(monkeypatch, 2.61)
     r = wh.generate_handler(runs, 3, "pan-return", "kivi", "k", 2, FRAMES, 2.5)
     assert r["status"].startswith("**OVER: its quantized spans store 2.61 bits/element, over the budget of 2.5.**")
     assert r["method_label"].endswith("OVER")
@@ -135,13 +142,7 @@ def test_a_run_over_its_budget_or_over_bf16_is_flagged_on_the_generate_tab(runs,
 def test_a_run_over_its_budget_is_never_said_to_be_within_it(runs, monkeypatch):
     """A run whose spans measure over its budget: its label says the budget, not "within" it, and so does the
     status's configuration clause; a run that keeps to it is still "within"."""
-    real = studies.compare
-
-    def overrun(wb, key, progress=None):
-        cmp = real(wb, key, progress)
-        return {**cmp, "summary": {**cmp["summary"], "span_bits_per_element": 2.6}}
-
-    monkeypatch.setattr(studies, "compare", overrun)
+    real = spans_measure(monkeypatch, 2.6)
     r = wh.generate_handler(runs, 3, "pan-return", "kivi", "k", 2, FRAMES, 2.5)
     assert r["over"] and r["method_label"] == "kivi budget 2.5 bits, spans 2.60 bits/element OVER"
     assert "configuration within" not in r["status"] and "within 2.5" not in r["status"]
