@@ -4,9 +4,10 @@ quantwm.core.layouts.channels.pack_channels_ref (QuantWM's allocator format, doc
 
 Channel i of stream s holds N codes of b_si bits (0-8) from its first byte, code t at bits [t b, t b + b),
 little-endian, so a code may straddle two bytes; channels start on whole bytes (quantwm/core/layouts/channels.py).
-One program per (channel, block of its bytes): each byte gathers the (at most 9) codes that touch it, each code
-round((x − low) / step) half to even, as torch.round, clamped to [0, 2^b − 1], and writes the byte once. Nothing
-of tokens x channels size is materialised; bytes past the last channel stay as the caller zeroed them.
+One program per (block of 16 neighbouring channels, block of 64 bytes of each): each byte gathers the (at most 9)
+codes that touch it, each code round((x − low) / step) half to even, as torch.round, clamped to [0, 2^b − 1], and
+writes the byte once. Nothing of tokens x channels size is materialised; bytes past the last channel stay as the
+caller zeroed them.
 """
 from __future__ import annotations
 
@@ -18,43 +19,44 @@ FP16_TINY = 6.103515625e-05  # torch.finfo(torch.float16).tiny: the least step a
 
 
 @triton.jit
-def _pack_channels_kernel(x_ptr, lo_ptr, hi_ptr, alpha_ptr, bits_ptr, off_ptr, out_ptr, low_ptr, step_ptr, N, D,
-                          BLOCK_B: tl.constexpr):
-    c = tl.program_id(0)  # s * D + i
+def _pack_channels_kernel(x_ptr, lo_ptr, hi_ptr, alpha_ptr, bits_ptr, off_ptr, out_ptr, low_ptr, step_ptr, N, D, C,
+                          BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr):
+    c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)  # channels s * D + i: neighbours in memory
+    cmask = c < C
     s = c // D
     i = c % D
-    b = tl.load(bits_ptr + c)
-    off = tl.load(off_ptr + c)
+    b = tl.load(bits_ptr + c, mask=cmask, other=0)
+    off = tl.load(off_ptr + c, mask=cmask, other=0)
     top = (1 << b) - 1
-    lo = tl.load(lo_ptr + c)
-    hi = tl.load(hi_ptr + c)
+    lo = tl.load(lo_ptr + c, mask=cmask, other=0.0)
+    hi = tl.load(hi_ptr + c, mask=cmask, other=0.0)
     mid = (hi + lo) / 2  # the grid: [lo, hi] shrunk by alpha about its middle, low end and step stored in fp16
-    half = (hi - lo) / 2 * tl.load(alpha_ptr + c)
+    half = (hi - lo) / 2 * tl.load(alpha_ptr + c, mask=cmask, other=0.0)
     low = (mid - half).to(tl.float16).to(tl.float32)
     step = tl.where(half > 0, tl.math.div_rn(2 * half, tl.maximum(top, 1).to(tl.float32)), 1.0)
     step = tl.maximum(step.to(tl.float16).to(tl.float32), FP16_TINY)
     low, step = tl.where(b > 0, low, 0.0), tl.where(b > 0, step, 1.0)  # 0 bits: no grid (decodes to 0)
     if tl.program_id(1) == 0:
-        tl.store(low_ptr + c, low)
-        tl.store(step_ptr + c, step)
+        tl.store(low_ptr + c, low, mask=cmask)
+        tl.store(step_ptr + c, step, mask=cmask)
     nbytes = (N * b + 7) // 8
-    j = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)  # the channel's bytes
-    on = j < nbytes
-    first = (8 * j) // tl.maximum(b, 1)  # the first code that touches byte j
-    acc = tl.zeros((BLOCK_B,), tl.int32)
+    j = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)  # the channels' bytes: (BLOCK_C, BLOCK_B) below
+    on = cmask[:, None] & (j[None, :] < nbytes[:, None])
+    first = (8 * j[None, :]) // tl.maximum(b, 1)[:, None]  # the first code that touches byte j
+    acc = tl.zeros((BLOCK_C, BLOCK_B), tl.int32)
     for k in tl.static_range(9):  # a byte meets at most 8 one-bit codes and one that straddles into it
         t = first + k
-        p = t * b - 8 * j  # the code's first bit within the byte (negative: it began in the byte before)
+        p = t * b[:, None] - 8 * j[None, :]  # the code's first bit within the byte (negative: began in the byte before)
         hit = on & (t < N) & (p < 8)
-        x = tl.load(x_ptr + (s * N + t).to(tl.int64) * D + i, mask=hit, other=0.0)
-        v = tl.math.div_rn(x - low, step)
+        x = tl.load(x_ptr + (s[:, None] * N + t).to(tl.int64) * D + i[:, None], mask=hit, other=0.0)
+        v = tl.math.div_rn(x - low[:, None], step[:, None])
         f = tl.floor(v)
         frac = v - f
         q = tl.where(frac > 0.5, f + 1, tl.where(frac < 0.5, f, f + (f - 2 * tl.floor(f * 0.5))))
-        q = tl.minimum(tl.maximum(q, 0.0), top.to(tl.float32)).to(tl.int32)
+        q = tl.minimum(tl.maximum(q, 0.0), top.to(tl.float32)[:, None]).to(tl.int32)
         part = tl.where(p >= 0, q << tl.maximum(p, 0), q >> tl.maximum(-p, 0)) & 255
         acc = acc | tl.where(hit, part, 0)
-    tl.store(out_ptr + off + j, acc.to(tl.uint8), mask=on & (b > 0))
+    tl.store(out_ptr + off[:, None] + j[None, :], acc.to(tl.uint8), mask=on & (b > 0)[:, None])
 
 
 def pack_channels(r: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: torch.Tensor, bits: torch.Tensor,
@@ -71,9 +73,10 @@ def pack_channels(r: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: to
     low = torch.zeros(S, D, dtype=torch.float32, device=r.device)
     step = torch.ones(S, D, dtype=torch.float32, device=r.device)
     if S and N and D:
-        BLOCK_B = 128
-        grid = (S * D, triton.cdiv(N, BLOCK_B))  # a channel has at most N bytes (8 bits a code)
+        BLOCK_C, BLOCK_B = 16, 64
+        grid = (triton.cdiv(S * D, BLOCK_C), triton.cdiv(N, BLOCK_B))  # a channel has at most N bytes (8 bits a code)
         _pack_channels_kernel[grid](r.float().contiguous(), lo.float().contiguous(), hi.float().contiguous(),
                                     alpha.float().contiguous(), bits.to(torch.int32).contiguous(),
-                                    offsets.to(torch.int64).contiguous(), out, low, step, N, D, BLOCK_B=BLOCK_B)
+                                    offsets.to(torch.int64).contiguous(), out, low, step, N, D, S * D,
+                                    BLOCK_C=BLOCK_C, BLOCK_B=BLOCK_B)
     return out, low, step

@@ -299,7 +299,8 @@ def span_attention(q: torch.Tensor, acc: torch.Tensor, m: torch.Tensor, l: torch
     BLOCK_M = 64 if Nq > 32 else 16
     BLOCK_D = max(16, triton.next_power_of_2(D))
     split_len = triton.cdiv(triton.cdiv(N, P), BLOCK_N) * BLOCK_N
-    grid = (S, triton.cdiv(Nq, BLOCK_M), P)
+    # splits past the span's last tile would load their state and store it back unchanged: not launched
+    grid = (S, triton.cdiv(Nq, BLOCK_M), min(P, triton.cdiv(N, split_len)))
     _span_attention_kernel[grid](
         q.contiguous(), acc, m, l, *ks.pointers, *vs.pointers, *pp, mu, qcb,
         Nq, N, D, P, split_len, float(scale) * math.log2(math.e), -(float(scale) ** 2 / 24) * math.log2(math.e),

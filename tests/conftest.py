@@ -1,16 +1,19 @@
 import os
 
-import pytest
-import torch
+# The processes tests start (the CLI, the benchmarks, the app's server) run torch on one thread, as the tests do
+# (`_single_thread`): at these sizes a second thread only spins against the suite's other worker. Set before torch
+# loads numpy: OpenBLAS (the Triton interpreter's tl.dot) reads it once, and its threads spin while they wait.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU the kernels run under the Triton interpreter; this must be set before anything imports
 # kernels/. With one, the same kernel tests run compiled on CUDA (tests/test_kernels.py moves their tensors).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-# The processes tests start (the CLI, the benchmarks, the app's server) run torch on one thread, as the tests do
-# (`_single_thread`): at these sizes a second thread only spins against the suite's other worker.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True, scope="module")

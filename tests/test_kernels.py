@@ -2,7 +2,7 @@
 
 Packed codes and cluster ids must match exactly; attention outputs are judged by flash-attention's rule:
 the kernel's error against a float64 reference is at most twice the error of the reference computed in the
-input dtype. Sizes are awkward on purpose (lengths 1, 97, 1025; groups that do not divide the span).
+input dtype. Sizes are awkward on purpose (lengths 1, 97, 289, 1025; groups that do not divide the span).
 Every kernel runs with tl.dot wrapped by a check that its operands are GPU-legal (all dims >= 16).
 """
 from __future__ import annotations
@@ -168,9 +168,9 @@ def fold_ref(q, acc, m, l, k, v, scale, jensen=False, lowp=None):
 
 
 @pytest.mark.parametrize("method, N, dtype", [
-    (m, N, dtype) for dtype in (torch.bfloat16, torch.float16) for N in (1, 97, 1025)
-    for m in ("bf16", "rtn", "kivi", "qvg", "quantwm", "quantwm+jensen", "kivi+jensen")] + [
-    (m, N, torch.bfloat16) for N in (97, 1025) for m in ("quantwm@3", "quantwm+jensen@3")])  # a budget: N > 1
+    (m, N, dtype) for dtype, lengths in ((torch.bfloat16, (1, 97, 1025)), (torch.float16, (1, 97, 289)))
+    for N in lengths for m in ("bf16", "rtn", "kivi", "qvg", "quantwm", "quantwm+jensen", "kivi+jensen")] + [
+    (m, N, torch.bfloat16) for N in (97, 289) for m in ("quantwm@3", "quantwm+jensen@3")])  # a budget: N > 1
 def test_span_attention_kernel_error_within_twice_the_input_dtype_reference(method, N, dtype):
     cache = _span_cache(method, N)
     (k, v), = chunk_spans(cache, 0)
@@ -318,7 +318,7 @@ def test_span_attention_rejects_bad_state_and_jensen_on_full_keys():
         span_attention(q, acc, m, l, side, side, 1.0, jensen=True)
 
 
-@pytest.mark.parametrize("n, D", [(1, 16), (97, 128), (1025, 40)])  # 128: two blocks of 64 channels
+@pytest.mark.parametrize("n, D", [(1, 16), (97, 128), (161, 40)])  # 128: two blocks of 64 channels; 161: five tiles and one row
 def test_channel_errors_kernel_matches_ref_at_every_width(n, D):
     g = torch.Generator().manual_seed(n + D)
     x = torch.randn(3, n, D, generator=g) * (torch.rand(1, 1, D, generator=g) * 3 + 0.01)
@@ -366,7 +366,7 @@ def test_allocate_levels_kernel_equals_ref(S, D, N):
     assert (cost[out].sum(-1) <= available).all()
 
 
-@pytest.mark.parametrize("N, D", [(1, 16), (97, 40), (1025, 9)])  # 1025: nine blocks of 128 bytes a channel
+@pytest.mark.parametrize("N, D", [(1, 16), (97, 40), (1025, 9)])  # 1025: 17 blocks of 64 bytes a channel; 9: a part block of 16 channels
 def test_pack_channels_kernel_bytes_and_grids_equal_ref_at_every_width(N, D):
     g = torch.Generator().manual_seed(N + D)
     S = 2

@@ -139,9 +139,8 @@ def test_warm_attends_make_no_host_sync_and_build_no_kernel_view(method, budget,
     monkeypatch.setattr(sa, "span_attention", recorded)
     monkeypatch.setattr(selfcheck, "_VERDICTS", {})
     cache = KVCache(CacheConfig(method, budget=budget, check_inputs=False, lowp=lowp), 1)
-    # chunks 1 and 2 quantized between the BF16 sink and the recent chunk. The allocator (a budget) packs each
-    # channel of each head in a program of its own, slow under the interpreter: one head of 32 tokens x 32
-    # channels; the fixed formats' groups of 64 channels need 64
+    # chunks 1 and 2 quantized between the BF16 sink and the recent chunk. The allocator (a budget) is slow under
+    # the interpreter: one head of 32 tokens x 32 channels; the fixed formats' groups of 64 channels need 64
     H, N, D = (1, 32, 32) if budget else (2, 64, 64)
     g = torch.Generator().manual_seed(0)
     for i in range(4):  # the real kernel, checked against its reference on first use of each layout
