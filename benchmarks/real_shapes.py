@@ -163,7 +163,8 @@ def main(argv=None) -> int:
               f"{mb(r['bf16_bytes_per_latent_frame'])}/frame, whole cache {mb(r['cache_bytes_per_latent_frame'])}/frame "
               f"({mb(r['cache_bytes'])}); peak cache {mb(r['peak_cache_bytes'])}, peak memory {mb(r['peak_memory_bytes'])}; "
               f"{r['seconds_per_chunk']:.2f} s/chunk (chunks 2..); "
-              f"latents rel MSE vs bf16 {r.get('latents_rel_mse_vs_bf16', float('nan')):.3g}")
+              "latents rel MSE vs bf16 " + (f"{r['latents_rel_mse_vs_bf16']:.3g}" if "latents_rel_mse_vs_bf16" in r
+                                            else "n/a (bf16 not run)"))
     full_bf16 = next((r["bf16_bytes_per_latent_frame"] for r in rows if r["method"] == "bf16"), None)
     for r in rows:
         if full_bf16 and r["quantized_bytes_per_latent_frame"]:

@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 
@@ -70,9 +72,11 @@ def test_memory_rejects_bad_arguments():
 def test_memory_qvg_spans_of_8_chunks_reach_its_papers_compression(monkeypatch):
     """QVG's accounting: 256 BF16 centroids amortised over a span of 8 chunks (Self-Forcing: 37,440 tokens). The
     bytes do not depend on the Lloyd iterations (quantwm.core.budget measures a method's bytes with one): the
-    k-means keeps its first assignment, which spares 12 heads x 37,440 tokens x 256 centroids two more passes."""
+    k-means keeps its first assignment, which spares 37,440 tokens x 256 centroids two more passes. Every head
+    has its own centroids and stores alike: one head of Wan-1.3B's 12 stands for all of them (a ratio of bytes)."""
     real = qvg.kmeans
     monkeypatch.setattr(qvg, "kmeans", lambda x, n_clusters, iters, **kw: real(x, n_clusters, 0, **kw))
+    monkeypatch.setitem(PRESETS, "wan-1.3b", dataclasses.replace(PRESETS["wan-1.3b"], heads=1))
     r = memory_report("wan-1.3b", 21, "qvg", sample_layers=1, span_chunks=8)
     assert r["compression"] >= 6.5 and r["quantized_figures_from_latent_frames"] == 33  # 11 chunks complete one span
     assert r["cache_compression"] == pytest.approx(1.0)  # 21 frames: no span of 8 is complete, all BF16
