@@ -2,6 +2,7 @@
 
     bash benchmarks/gpu_check.sh                 # on a CUDA GPU: at most 8 minutes by its own clock
     bash benchmarks/gpu_check.sh --dry-run       # the same steps on the CPU at tiny shapes (CI runs this)
+    bash benchmarks/gpu_check.sh --steps "kernel bench,live rollout"   # only these steps (e.g. one that failed)
 
 Steps, each in its own process with its own time limit, skipped with a message once the budget is spent (on the
 dry run, each on one CPU thread):
@@ -81,13 +82,16 @@ def steps(out: Path, dry: bool) -> list[dict]:
     ]
 
 
-def run_steps(out: Path, dry: bool, budget: float) -> list[dict]:
+def run_steps(out: Path, dry: bool, budget: float, only: list[str] | None = None) -> list[dict]:
+    """Run the steps (`only`: those named, in the script's order), each within its limit and the budget left."""
     out.mkdir(parents=True, exist_ok=True)
     start, results = time.perf_counter(), []
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     if dry:  # tiny shapes: a second CPU thread only spins against other work (a test suite's other worker)
         env["OMP_NUM_THREADS"] = "1"
     for step in steps(out, dry):
+        if only is not None and step["name"] not in only:
+            continue
         left = budget - (time.perf_counter() - start)
         limit = min(step["limit"], left)
         row = {"name": step["name"], "command": " ".join(step["cmd"][1:])}
@@ -189,11 +193,21 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU at tiny shapes")
     ap.add_argument("--budget", type=float, help=f"seconds in all (default {BUDGET_S}; dry run {DRY_BUDGET_S})")
     ap.add_argument("--out", default=str(ROOT / "out" / "gpu_check"), help="folder for the JSON and step outputs")
+    ap.add_argument("--steps", help="only these steps, comma-separated names (e.g. to rerun one that failed): "
+                    + ", ".join(s["name"] for s in steps(Path("."), False)))
     ap.add_argument("--live-rollout", metavar="PATH", help=argparse.SUPPRESS)  # the live-rollout step, in its own process
     a = ap.parse_args(argv)
     if a.live_rollout:
         print(json.dumps(live_rollout(a.live_rollout, a.dry_run)))
         return 0
+    only = None
+    if a.steps is not None:
+        names = [s["name"] for s in steps(Path("."), a.dry_run)]
+        only = [n.strip() for n in a.steps.split(",") if n.strip()]
+        unknown = [n for n in only if n not in names]
+        if unknown or not only:
+            ap.error(f"--steps: unknown step(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
+                     f"the steps are: {', '.join(names)}")
     import torch
 
     if not a.dry_run and not torch.cuda.is_available():
@@ -204,7 +218,7 @@ def main(argv=None) -> int:
     print(f"gpu_check on {device}, torch {torch.__version__}, budget {budget:.0f} s", flush=True)
     out = Path(a.out)
     t = time.perf_counter()
-    results = run_steps(out, a.dry_run, budget)
+    results = run_steps(out, a.dry_run, budget, only)
     report = {"device": device, "torch": torch.__version__, "dry_run": a.dry_run, "budget_s": budget,
               "seconds": round(time.perf_counter() - t, 1), "steps": results}
     (out / "gpu_check.json").write_text(json.dumps(report, indent=1))
