@@ -56,8 +56,21 @@ SETTLED = """() => [...document.querySelectorAll('[data-testid=status-tracker]')
     && [...document.querySelectorAll('""" + ", ".join(VIDEOS) + """')].every(v => v.readyState >= 1 || v.error)"""
 
 
+UNSETTLED = """() => [...[...document.querySelectorAll('[data-testid=status-tracker]')].filter(e => !e.classList.contains('hide'))
+        .map(e => 'pending: ' + (e.closest('[id]')?.id || '?')),
+    ...[...document.querySelectorAll('#frame-bf16 img, #frame-method img, #frame-method-b img, #trace-src-bf16 img,'
+        + ' #trace-src-method img, #trace-src-other img')].filter(i => !(i.complete && i.naturalWidth > 0))
+        .map(i => `image ${i.closest('[id]')?.id}: complete=${i.complete} loading=${i.loading} src=${i.src.slice(-60)}`),
+    ...[...document.querySelectorAll('""" + ", ".join(VIDEOS) + """')].filter(v => !(v.readyState >= 1 || v.error))
+        .map(v => `video ${v.closest('[id]')?.id}: readyState=${v.readyState} networkState=${v.networkState}`
+                  + ` preload=${v.preload} src=${(v.currentSrc || v.src).slice(-60)}`)]"""
+
+
 def settle(page) -> None:
-    page.wait_for_function(SETTLED, timeout=WAIT)
+    try:
+        page.wait_for_function(SETTLED, timeout=WAIT)
+    except Exception as e:  # say what never settled
+        raise AssertionError(f"the page did not settle: {page.evaluate(UNSETTLED)}") from e
 
 
 def wait_text(page, selector: str, text: str) -> None:
