@@ -108,7 +108,17 @@ def resources(cubin: bytes) -> dict:
 def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError]]:
     """(name, captured launch, or the launcher's refusal) of every kernel at representative shapes, as the
     launchers would send them to a GPU of compute capability `cc` (e.g. 90)."""
-    from quantwm.kernels import kmeans_assign, pack_bits, qsac_assign, quantize_pack, span_attention, unpack_bits
+    from quantwm.kernels import (
+        allocate_levels,
+        channel_errors,
+        kmeans_assign,
+        pack_bits,
+        pack_channels,
+        qsac_assign,
+        quantize_pack,
+        span_attention,
+        unpack_bits,
+    )
 
     from quantwm.core.attention import chunk_spans, new_state
     from quantwm.core.cache import CacheConfig, KVCache
@@ -129,6 +139,18 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
         sc, zero = torch.rand(*shape, generator=g).half() + 0.1, torch.zeros(*shape).half()
         out.append((f"quantize_pack {axis} groups", capture(quantize_pack, "_quantize_pack_kernel",
                                                             quantize_pack.quantize_pack, x, sc, zero, 2, group, axis)))
+    widths = torch.randint(0, 9, (H, D), generator=g)  # QuantWM's allocator format: a width of 0-8 bits a channel
+    nbytes = (N * widths + 7) // 8
+    offsets = (nbytes.flatten().cumsum(0) - nbytes.flatten()).reshape(H, D)
+    lo, hi = x.amin(1), x.amax(1)
+    out.append(("pack_channels", capture(pack_channels, "_pack_channels_kernel", pack_channels.pack_channels, x, lo, hi,
+                                         torch.ones(H, D), widths, offsets, int(nbytes.sum()))))
+    qmax = torch.tensor([2.0 ** b - 1 for b in range(9)])
+    out.append(("channel_errors", capture(channel_errors, "_channel_errors_kernel", channel_errors.channel_errors, x, lo,
+                                          hi, qmax, torch.linspace(1, 0.3, 6), 1.0)))
+    out.append(("allocate_levels", capture(allocate_levels, "_allocate_levels_kernel", allocate_levels.allocate_levels,
+                                           torch.rand(H, D, 9, generator=g), 8.0 * N * torch.arange(9.0) / 8,
+                                           torch.full((H,), 2.5 * N * D))))
     c = torch.randn(H, 64, D, generator=g)
     out.append(("kmeans_assign", capture(kmeans_assign, "_kmeans_assign_kernel", kmeans_assign.kmeans_assign, x, c)))
     w = torch.rand(H, D, generator=g)

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP16_TINY = 6.103515625e-05  # torch.finfo(torch.float16).tiny: the least step a grid stores
+FP16_TINY = tl.constexpr(6.103515625e-05)  # torch.finfo(torch.float16).tiny: the least step a grid stores (a constexpr: a
+# kernel may read no other global)
 
 
 @triton.jit

@@ -4,7 +4,7 @@ quantwm.core.layouts.channels.pack_channels_ref (QuantWM's allocator format, doc
 
 Channel i of stream s holds N codes of b_si bits (0-8) from its first byte, code t at bits [t b, t b + b),
 little-endian, so a code may straddle two bytes; channels start on whole bytes (quantwm/core/layouts/channels.py).
-One program per (block of 16 neighbouring channels, block of 64 bytes of each): each byte gathers the (at most 9)
+One program per (block of 16 neighbouring channels, block of 32 bytes of each): each byte gathers the (at most 9)
 codes that touch it, each code round((x − low) / step) half to even, as torch.round, clamped to [0, 2^b − 1], and
 writes the byte once. Nothing of tokens x channels size is materialised; bytes past the last channel stay as the
 caller zeroed them.
@@ -15,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP16_TINY = 6.103515625e-05  # torch.finfo(torch.float16).tiny: the least step a grid stores
+FP16_TINY = tl.constexpr(6.103515625e-05)  # torch.finfo(torch.float16).tiny: the least step a grid stores (a constexpr: a
+# kernel may read no other global)
 
 
 @triton.jit
@@ -73,7 +74,7 @@ def pack_channels(r: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: to
     low = torch.zeros(S, D, dtype=torch.float32, device=r.device)
     step = torch.ones(S, D, dtype=torch.float32, device=r.device)
     if S and N and D:
-        BLOCK_C, BLOCK_B = 16, 64
+        BLOCK_C, BLOCK_B = 16, 32
         grid = (triton.cdiv(S * D, BLOCK_C), triton.cdiv(N, BLOCK_B))  # a channel has at most N bytes (8 bits a code)
         _pack_channels_kernel[grid](r.float().contiguous(), lo.float().contiguous(), hi.float().contiguous(),
                                     alpha.float().contiguous(), bits.to(torch.int32).contiguous(),

@@ -1,5 +1,6 @@
 """benchmarks/compile_check.py: the fused kernel compiles to a cubin for Hopper and Ampere on this CPU-only
-machine (Triton's compiler and ptxas, no GPU), and the launcher refuses the 8-bit path where fp8 is missing."""
+machine (Triton's compiler and ptxas, no GPU), and the launcher refuses the 8-bit path where fp8 is missing; the
+allocator's kernels compile for Hopper (the interpreter let them read a plain global a GPU compile refuses)."""
 import json
 import subprocess
 import sys
@@ -19,3 +20,14 @@ def test_span_attention_compiles_for_sm90_and_sm80_and_lowp_is_refused_before_sm
     for key in (("lowp=None", 90), ("lowp=int8", 90), ("lowp=None", 80)):
         assert rows[key]["status"] == "ok" and 0 < rows[key]["reg"] <= 255, rows[key]
     assert rows[("lowp=int8", 80)]["status"] == "refused" and "8.9 or newer" in rows[("lowp=int8", 80)]["error"]
+
+
+def test_the_allocators_kernels_compile_for_sm90_without_spilling(tmp_path):
+    out = tmp_path / "compile.json"
+    done = subprocess.run([sys.executable, "benchmarks/compile_check.py", "--targets", "90", "--json", str(out),
+                           "--only", "pack_channels,channel_errors,allocate_levels"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["variant"] for r in rows) == ["allocate_levels", "channel_errors", "pack_channels"]
+    assert all(r["status"] == "ok" and 0 < r["reg"] <= 255 and r["stack"] == 0 for r in rows), rows

@@ -366,7 +366,7 @@ def test_allocate_levels_kernel_equals_ref(S, D, N):
     assert (cost[out].sum(-1) <= available).all()
 
 
-@pytest.mark.parametrize("N, D", [(1, 16), (97, 40), (1025, 9)])  # 1025: 17 blocks of 64 bytes a channel; 9: a part block of 16 channels
+@pytest.mark.parametrize("N, D", [(1, 16), (97, 40), (1025, 9)])  # 1025: 33 blocks of 32 bytes a channel; 9: a part block of 16 channels
 def test_pack_channels_kernel_bytes_and_grids_equal_ref_at_every_width(N, D):
     g = torch.Generator().manual_seed(N + D)
     S = 2
