@@ -9,13 +9,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_span_attention_compiles_for_sm90_and_sm80_and_lowp_is_refused_before_sm89(tmp_path):
+def compiled(tmp_path, targets: str, only: str) -> list[dict]:
+    """The rows of `benchmarks/compile_check.py --targets targets --only only`, which must exit 0."""
     out = tmp_path / "compile.json"
-    done = subprocess.run([sys.executable, "benchmarks/compile_check.py", "--targets", "90,80", "--json", str(out),
-                           "--only", "span_attention quantwm lowp=None,span_attention quantwm lowp=int8"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "benchmarks/compile_check.py", "--targets", targets, "--json", str(out),
+                           "--only", only], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = {(r["variant"].split()[-1], r["sm"]): r for r in json.loads(out.read_text())["rows"]}
+    return json.loads(out.read_text())["rows"]
+
+
+def test_span_attention_compiles_for_sm90_and_sm80_and_lowp_is_refused_before_sm89(tmp_path):
+    rows = {(r["variant"].split()[-1], r["sm"]): r for r in compiled(
+        tmp_path, "90,80", "span_attention quantwm lowp=None,span_attention quantwm lowp=int8")}
     assert set(rows) == {("lowp=None", 90), ("lowp=int8", 90), ("lowp=None", 80), ("lowp=int8", 80)}
     for key in (("lowp=None", 90), ("lowp=int8", 90), ("lowp=None", 80)):
         assert rows[key]["status"] == "ok" and 0 < rows[key]["reg"] <= 255, rows[key]
@@ -23,11 +28,6 @@ def test_span_attention_compiles_for_sm90_and_sm80_and_lowp_is_refused_before_sm
 
 
 def test_the_allocators_kernels_compile_for_sm90_without_spilling(tmp_path):
-    out = tmp_path / "compile.json"
-    done = subprocess.run([sys.executable, "benchmarks/compile_check.py", "--targets", "90", "--json", str(out),
-                           "--only", "pack_channels,channel_errors,allocate_levels"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    rows = json.loads(out.read_text())["rows"]
+    rows = compiled(tmp_path, "90", "pack_channels,channel_errors,allocate_levels")
     assert sorted(r["variant"] for r in rows) == ["allocate_levels", "channel_errors", "pack_channels"]
     assert all(r["status"] == "ok" and 0 < r["reg"] <= 255 and r["stack"] == 0 for r in rows), rows
