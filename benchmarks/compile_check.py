@@ -120,8 +120,10 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
         unpack_bits,
     )
 
+    from quantwm.core.allocate import LEVELS, _tables, level_costs
     from quantwm.core.attention import chunk_spans, new_state
     from quantwm.core.cache import CacheConfig, KVCache
+    from quantwm.core.layouts.channels import channel_bytes, channel_offsets
 
     span_attention.capability = lambda t: divmod(cc, 10)
     g = torch.Generator().manual_seed(0)
@@ -140,16 +142,15 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
         out.append((f"quantize_pack {axis} groups", capture(quantize_pack, "_quantize_pack_kernel",
                                                             quantize_pack.quantize_pack, x, sc, zero, 2, group, axis)))
     widths = torch.randint(0, 9, (H, D), generator=g)  # QuantWM's allocator format: a width of 0-8 bits a channel
-    nbytes = (N * widths + 7) // 8
-    offsets = (nbytes.flatten().cumsum(0) - nbytes.flatten()).reshape(H, D)
     lo, hi = x.amin(1), x.amax(1)
     out.append(("pack_channels", capture(pack_channels, "_pack_channels_kernel", pack_channels.pack_channels, x, lo, hi,
-                                         torch.ones(H, D), widths, offsets, int(nbytes.sum()))))
-    qmax = torch.tensor([2.0 ** b - 1 for b in range(9)])
+                                         torch.ones(H, D), widths, channel_offsets(widths, N),
+                                         int(channel_bytes(N, widths).sum()))))
+    qmax, clips = _tables(LEVELS)
     out.append(("channel_errors", capture(channel_errors, "_channel_errors_kernel", channel_errors.channel_errors, x, lo,
-                                          hi, qmax, torch.linspace(1, 0.3, 6), 1.0)))
+                                          hi, qmax, clips, 1.0)))
     out.append(("allocate_levels", capture(allocate_levels, "_allocate_levels_kernel", allocate_levels.allocate_levels,
-                                           torch.rand(H, D, 9, generator=g), 8.0 * N * torch.arange(9.0) / 8,
+                                           torch.rand(H, D, len(LEVELS), generator=g), level_costs(N),
                                            torch.full((H,), 2.5 * N * D))))
     c = torch.randn(H, 64, D, generator=g)
     out.append(("kmeans_assign", capture(kmeans_assign, "_kmeans_assign_kernel", kmeans_assign.kmeans_assign, x, c)))

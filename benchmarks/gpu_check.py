@@ -189,12 +189,13 @@ def table(results: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
+    names = [s["name"] for s in steps(Path("."), False)]  # the same names on a dry run
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="the same steps on the CPU at tiny shapes")
     ap.add_argument("--budget", type=float, help=f"seconds in all (default {BUDGET_S}; dry run {DRY_BUDGET_S})")
     ap.add_argument("--out", default=str(ROOT / "out" / "gpu_check"), help="folder for the JSON and step outputs")
     ap.add_argument("--steps", help="only these steps, comma-separated names (e.g. to rerun one that failed): "
-                    + ", ".join(s["name"] for s in steps(Path("."), False)))
+                    + ", ".join(names))
     ap.add_argument("--live-rollout", metavar="PATH", help=argparse.SUPPRESS)  # the live-rollout step, in its own process
     a = ap.parse_args(argv)
     if a.live_rollout:
@@ -202,7 +203,6 @@ def main(argv=None) -> int:
         return 0
     only = None
     if a.steps is not None:
-        names = [s["name"] for s in steps(Path("."), a.dry_run)]
         only = [n.strip() for n in a.steps.split(",") if n.strip()]
         unknown = [n for n in only if n not in names]
         if unknown or not only:
