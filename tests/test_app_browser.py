@@ -41,6 +41,15 @@ def launch(trace: str, frames: int, workbench=None):
 WAIT = int(os.environ.get("QUANTWM_BROWSER_WAIT_MS", 300_000))  # ms (lower it to debug a wait that never ends)
 
 
+POLL = 100  # ms between checks of a waited-for condition: Playwright's default re-checks it on every animation
+# frame, which keeps headless Chromium drawing frames (most of the browser tests' CPU) while the server works
+
+
+def wait_fn(page, expression: str, arg=None, timeout: int = WAIT):
+    """page.wait_for_function, re-checked every POLL ms."""
+    return page.wait_for_function(expression, arg=arg, timeout=timeout, polling=POLL)
+
+
 def run_id(page) -> str:
     return page.locator("#run-id textarea, #run-id input").first.input_value()
 
@@ -68,14 +77,14 @@ UNSETTLED = """() => [...[...document.querySelectorAll('[data-testid=status-trac
 
 def settle(page) -> None:
     try:
-        page.wait_for_function(SETTLED, timeout=WAIT)
+        wait_fn(page, SETTLED, timeout=WAIT)
     except Exception as e:  # say what never settled
         raise AssertionError(f"the page did not settle: {page.evaluate(UNSETTLED)}") from e
 
 
 def wait_text(page, selector: str, text: str) -> None:
     """Until the element's text includes `text`."""
-    page.wait_for_function("([sel, t]) => (document.querySelector(sel)?.innerText || '').includes(t)",
+    wait_fn(page, "([sel, t]) => (document.querySelector(sel)?.innerText || '').includes(t)",
                            arg=[selector, text], timeout=WAIT)
 
 
@@ -83,7 +92,7 @@ def generate(page) -> None:
     """Press Generate and wait until a new run is shown and the page is at rest."""
     before = run_id(page)
     page.locator("#generate-btn").click()
-    page.wait_for_function(f"(b) => {RUN_ID}.includes('seed=') && {RUN_ID} !== b", arg=before, timeout=WAIT)
+    wait_fn(page, f"(b) => {RUN_ID}.includes('seed=') && {RUN_ID} !== b", arg=before, timeout=WAIT)
     page.wait_for_selector("#frame-method img", timeout=WAIT)
     settle(page)
 
@@ -93,7 +102,7 @@ def check_overlay(page, name: str) -> None:
     settle(page)
     before = page.locator("#frame-method img").get_attribute("src")
     page.get_by_label(name).check()
-    page.wait_for_function("(b) => document.querySelector('#frame-method img').src !== b", arg=before, timeout=WAIT)
+    wait_fn(page, "(b) => document.querySelector('#frame-method img').src !== b", arg=before, timeout=WAIT)
     settle(page)
 
 
@@ -112,7 +121,7 @@ def click_frame_pixel(page, x: int, y: int, factor: int = 4, frame: str = "#fram
     left, top = (w - nw * scale) / 2, (h - nh * scale) / 2
     img.click(position={"x": left + (x * factor + factor / 2) * scale, "y": top + (y * factor + factor / 2) * scale},
               timeout=WAIT)
-    page.wait_for_function("(b) => { const t = document.querySelector('#trace-status').innerText;"
+    wait_fn(page, "(b) => { const t = document.querySelector('#trace-status').innerText;"
                            " return t !== b && (t.includes('source') || t.includes('Error')); }", arg=status, timeout=WAIT)
     settle(page)
     return page.locator("#trace-status").inner_text()
@@ -120,7 +129,7 @@ def click_frame_pixel(page, x: int, y: int, factor: int = 4, frame: str = "#fram
 
 def wait_videos_at(page, frame: int) -> None:
     """Until every video shown (BF16's, method A's, method B's) is at `frame` (8 frames per second)."""
-    page.wait_for_function("([v, t]) => v.map(s => document.querySelector(s)).filter(x => x)"
+    wait_fn(page, "([v, t]) => v.map(s => document.querySelector(s)).filter(x => x)"
                            ".every(x => Math.abs(x.currentTime - t) < 0.01)", arg=[VIDEOS, (frame + 0.5) / 8],
                            timeout=WAIT)
 
@@ -168,7 +177,7 @@ def take_tab_screenshots(page, outdir: pathlib.Path, only: str | None = None) ->
                 page.locator(button).click()
                 wait_text(page, status, done)
         settle(page)
-        page.wait_for_function("() => [...document.querySelectorAll('.js-plotly-plot')].every(p => p._fullLayout)",
+        wait_fn(page, "() => [...document.querySelectorAll('.js-plotly-plot')].every(p => p._fullLayout)",
                                timeout=WAIT)  # every plot drawn
         path = outdir / f"app-{slug}.png"
         page.screenshot(path=str(path), full_page=True)
@@ -224,11 +233,11 @@ def test_generate_scrub_click_pixel_shows_trace_and_heatmap(browser_page, artifa
     assert page.locator("#video-bf16 video").count() == 1 and page.locator("#video-method video").count() == 1
     for panel in ("#video-method", "#frame-method"):  # the quantized panels say what they show (the frame's label
         # follows the run id's change event: wait for it)
-        page.wait_for_function("(s) => /quantwm within 2\\.5 bits, spans \\d\\.\\d\\d bits\\/element/.test("
+        wait_fn(page, "(s) => /quantwm within 2\\.5 bits, spans \\d\\.\\d\\d bits\\/element/.test("
                                "document.querySelector(s + ' [data-testid=block-label]')?.innerText || '')",
                                arg=panel, timeout=WAIT)
     worst = int(re.search(r"Worst flicker frames: (\d+)", page.locator("#generate-status").inner_text()).group(1))
-    page.wait_for_function("([v, t]) => v.every(s => Math.abs(document.querySelector(s).currentTime - t) < 0.01)",
+    wait_fn(page, "([v, t]) => v.every(s => Math.abs(document.querySelector(s).currentTime - t) < 0.01)",
                            arg=[VIDEOS, (worst + 0.5) / 8], timeout=WAIT)  # the videos open on the worst frame
     scrub_to(page, FRAMES - 2)  # type a frame into the slider's box; both frames and the info line follow
     check_overlay(page, "warping error")  # the motion-compensated warping-error overlay tints the quantized frame
@@ -284,7 +293,7 @@ def test_the_page_opens_on_equal_memory_and_flags_a_fixed_bits_run_over_bf16(bro
     status = page.locator("#generate-status").inner_text()
     assert "configuration within 2.5 bits: k: allocator, bits per channel" in status and "OVER" not in status
     page.locator("#sizing input[value=bits]").check()
-    page.wait_for_function("() => !document.querySelector('#bits input').disabled", timeout=WAIT)
+    wait_fn(page, "() => !document.querySelector('#bits input').disabled", timeout=WAIT)
     method = page.get_by_role("combobox", name="Method A", exact=True)
     method.fill("qvg")
     page.get_by_role("option", name="qvg", exact=True).click()
@@ -310,20 +319,13 @@ def test_trace_outside_the_frame_shows_an_error_and_the_page_stays_usable(browse
     assert page.locator("#trace-status").inner_text().startswith("Error:")
     x_box.fill("10")
     page.locator("#trace-btn").click()
-    page.wait_for_function("document.querySelector('#trace-status').innerText.startsWith('Query frame')", timeout=WAIT)
+    wait_fn(page, "document.querySelector('#trace-status').innerText.startsWith('Query frame')", timeout=WAIT)
 
 
-def test_query_energy_draws_each_head_in_one_colour_with_one_legend_entry(browser_and_url):
-    """The energy plot: both panels colour a head alike, one legend entry per head, the legend below the panels
-    (inside the figure: nothing scrolls)."""
-    page = new_user(*browser_and_url)
-    generate(page)  # the default world (cached by the first test when it ran on this worker)
-    page.get_by_role("tab", name="Query energy").click()
-    page.locator("#energy-btn").click()
-    page.wait_for_function("['eigen-directions', 'Error'].some(t => "
-                           "(document.querySelector('#energy-status')?.innerText || '').includes(t))", timeout=WAIT)
-    assert "eigen-directions" in page.locator("#energy-status").inner_text()
-    page.wait_for_function("() => document.querySelector('#energy-plot .js-plotly-plot')?._fullLayout", timeout=WAIT)
+def check_energy_plot(page) -> None:
+    """The energy plot drawn: both panels colour a head alike, one legend entry per head, the legend below the
+    panels (inside the figure: nothing scrolls)."""
+    wait_fn(page, "() => document.querySelector('#energy-plot .js-plotly-plot')?._fullLayout", timeout=WAIT)
     traces = page.evaluate("document.querySelector('#energy-plot .js-plotly-plot')._fullData"
                            ".map(t => [t.legendgroup, t.line.color, t.showlegend])")
     colours = {}
@@ -336,7 +338,6 @@ def test_query_energy_draws_each_head_in_one_colour_with_one_legend_entry(browse
                                  " return [p.querySelector('.legend').getBoundingClientRect().bottom,"
                                  " p.getBoundingClientRect().bottom]; })()")
     assert legend <= plot + 1
-    page.context.close()
 
 
 def test_a_bad_seed_gets_the_same_error_line_on_the_page_and_over_the_api(browser_and_url):
@@ -380,7 +381,7 @@ def test_two_users_at_once_each_see_their_own_run(browser_and_url):
     for _, page in pages:
         page.locator("#generate-btn").click()
     for seed, page in pages:
-        page.wait_for_function(f"{RUN_ID}.includes('seed={seed} ')", timeout=WAIT)
+        wait_fn(page, f"{RUN_ID}.includes('seed={seed} ')", timeout=WAIT)
         page.wait_for_selector("#frame-method img", timeout=WAIT)
         settle(page)
     srcs = []
@@ -398,7 +399,7 @@ def upload_run(browser, url, path):
     page = new_user(browser, url)
     page.get_by_text("Open a recorded run").click()
     page.locator("#run-upload input[type=file]").set_input_files(str(path))
-    page.wait_for_function(f"(n) => {RUN_ID}.startsWith('file=' + n)", arg=path.name, timeout=WAIT)
+    wait_fn(page, f"(n) => {RUN_ID}.startsWith('file=' + n)", arg=path.name, timeout=WAIT)
     page.wait_for_selector("#frame-method img", timeout=WAIT)
     settle(page)
     return page
@@ -459,13 +460,18 @@ def serve_run(path, port: int):
 
 
 def show_run_and_trace(page, url, x: int, y: int, frame: int = 44) -> str:
-    """Open the page, show the --run run, scrub to `frame` with both overlays, click frame pixel (x, y);
-    returns the trace status."""
+    """Open the page, show the --run run, then `trace_shown_run`; returns the trace status."""
     page.goto(url)
     page.wait_for_selector("#open-run-btn", timeout=WAIT)
     page.locator("#open-run-btn").click()
-    page.wait_for_function(f"{RUN_ID}.startsWith('file=')", timeout=WAIT)
+    wait_fn(page, f"{RUN_ID}.startsWith('file=')", timeout=WAIT)
     page.wait_for_selector("#frame-method img", timeout=WAIT)
+    return trace_shown_run(page, x, y, frame)
+
+
+def trace_shown_run(page, x: int, y: int, frame: int = 44) -> str:
+    """Scrub the run shown to `frame` with both overlays, click frame pixel (x, y); returns the trace status once
+    the logit heatmap is drawn."""
     scrub_to(page, frame)
     for name in ("flicker map", "warping error"):  # both overlays on (each re-renders the quantized frame)
         check_overlay(page, name)
@@ -475,31 +481,20 @@ def show_run_and_trace(page, url, x: int, y: int, frame: int = 44) -> str:
     return text
 
 
-def test_a_recorded_tiny_wan_run_opened_with_run_plays_scrubs_and_traces(browser_and_url, tmp_path):
-    """`python app.py --run FILE` on a tiny Wan2.1 run recorded through the Self-Forcing path: scrub, both
-    overlays, click a pixel: the source thumbnails and the logit heatmap appear (latent tokens: 16 px)."""
+def test_a_recorded_tiny_wan_run_plays_scrubs_and_traces(browser_and_url, tmp_path):
+    """A tiny Wan2.1 run recorded through the Self-Forcing path, opened in the app (uploaded; `--run FILE` opens a
+    file the same way, tests/test_packaging.py starts the app with one): scrub, both overlays, click a pixel: the
+    source thumbnails and the logit heatmap appear (latent tokens: 16 px)."""
     pytest.importorskip("diffusers")
-    import socket
-
     path = tmp_path / "tiny-wan.safetensors"
     tiny_wan_run(path)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc, url = serve_run(path, port)
-    browser, _ = browser_and_url
-    ctx = browser.new_context(viewport={"width": 1400, "height": 1600})
-    try:
-        page = ctx.new_page()
-        text = show_run_and_trace(page, url, 40, 20)  # output frame 44 = latent frame 11; pixel -> token (1, 2)
-        assert text.startswith("Query frame 11, row 1, col 2") and "quantwm source" in text, text
-        assert "bits/element" in page.locator("#generate-status").inner_text()
-        assert page.locator("#trace-src-bf16 img").count() == 1 and page.locator("#trace-src-method img").count() == 1
-        assert page.locator("#trace-heatmap .js-plotly-plot g.hm image").count() == 3
-    finally:
-        ctx.close()
-        proc.terminate()
-        proc.wait(30)
+    page = upload_run(*browser_and_url, path)
+    text = trace_shown_run(page, 40, 20)  # output frame 44 = latent frame 11; pixel -> token (1, 2)
+    assert text.startswith("Query frame 11, row 1, col 2") and "quantwm source" in text, text
+    assert "bits/element" in page.locator("#generate-status").inner_text()
+    assert page.locator("#trace-src-bf16 img").count() == 1 and page.locator("#trace-src-method img").count() == 1
+    assert page.locator("#trace-heatmap .js-plotly-plot g.hm image").count() == 3
+    page.context.close()
 
 
 def synthetic_latent_run(path) -> None:
@@ -635,7 +630,7 @@ def grid(page, selector: str) -> tuple[list[str], list[list[str]]]:
 
 def plot_overflow(page, selector: str) -> list[str]:
     """The titles, legend and axis titles of a drawn plot that reach past its figure's sides or its box (clipped)."""
-    page.wait_for_function("(s) => document.querySelector(s + ' .js-plotly-plot')?._fullLayout", arg=selector,
+    wait_fn(page, "(s) => document.querySelector(s + ' .js-plotly-plot')?._fullLayout", arg=selector,
                            timeout=WAIT)
     return page.evaluate("""(s) => { const gd = document.querySelector(s + ' .js-plotly-plot');
         const fig = gd.querySelector('.main-svg').getBoundingClientRect(), box = gd.parentElement.getBoundingClientRect();
@@ -713,53 +708,13 @@ def test_key_vs_value_sentence_agrees_with_its_table_on_every_metric_it_names(br
         page.get_by_role("tab", name="Generate & play").click()
         page.set_viewport_size({"width": size, "height": 1600})
         page.get_by_role("tab", name="Key vs Value").click()
-        page.wait_for_function("() => { const gd = document.querySelector('#kv-plot .js-plotly-plot'),"
+        wait_fn(page, "() => { const gd = document.querySelector('#kv-plot .js-plotly-plot'),"
                                " box = gd?.parentElement.clientWidth; return gd?._fullLayout &&"
                                " gd._fullLayout.width <= box && gd._fullLayout.width > box - 8; }", timeout=WAIT)
         titles = page.evaluate("document.querySelector('#kv-plot .js-plotly-plot')._fullLayout.annotations"
                                ".map(a => a.text)")
         assert len(titles) == 9 and {"PSNR", "SSIM", "LPIPS", "place shift", "output error"} <= set(titles)
         assert plot_overflow(page, "#kv-plot") == [], size
-    page.context.close()
-
-
-@pytest.mark.parametrize("width", WIDTHS)
-def test_the_slider_seeks_every_video_and_a_frame_line_moves_on_the_plot(browser_and_url, width):
-    """Scrubbing seeks every (paused) video to the slider's frame and moves the dashed current-frame line to that
-    frame on the per-frame plot; a failed request leaves the videos together; the labels sit above the frames
-    and videos (no badge over their top rows), and the plot's titles and legend are not clipped."""
-    page = new_user(*browser_and_url, width)
-    generate(page)
-    lines = []
-    for frame in (FRAMES - 2, 5):
-        scrub_to(page, frame)
-        wait_videos_at(page, frame)
-        # the plot may be redrawn after the page settles: read it once it is drawn with its frame line
-        line, want = page.wait_for_function("""(f) => { const gd = document.querySelector('#frame-plot .js-plotly-plot');
-            const fl = gd?._fullLayout, line = gd?.querySelector('.quantwm-frame-line');
-            return fl && line && [line.getBoundingClientRect().left,
-                                  gd.getBoundingClientRect().left + fl._size.l + fl.xaxis.l2p(f)];
-        }""", arg=frame, timeout=WAIT).json_value()
-        assert abs(line - want) < 2, (frame, line, want)
-        lines.append(line)
-        if frame == FRAMES - 2:  # a frame that flickers: its overlay is tinted to its own 99th percentile, keyed
-            check_overlay(page, "flicker map")
-            info = page.locator("#frame-info").inner_text()
-            assert re.search(r"red flicker map from 0 to full at this frame's 99th percentile, [\d.]+", info), info
-            page.locator("#overlay-scale img").wait_for(state="visible", timeout=WAIT)  # the colour bar, once loaded
-    assert lines[0] > lines[1]  # it moved back with the slider
-    page.get_by_label("World seed").fill("-5")  # a request that fails: nothing it shows changes
-    page.locator("#generate-btn").click()
-    wait_text(page, "#generate-status", "Error")
-    times = page.evaluate("(v) => v.map(s => document.querySelector(s).currentTime)", VIDEOS)
-    assert times[0] == times[1] == times[2] and abs(times[0] - 5.5 / 8) < 0.01, times
-    for panel in ("#frame-bf16", "#frame-method", "#frame-method-b", "#video-bf16", "#video-method", "#video-method-b"):
-        label, media, block = page.evaluate("(s) => [' > [data-testid=block-label]', ' img, ' + s + ' video', '']"
-                                            ".map(p => document.querySelector(s + p).getBoundingClientRect().toJSON())",
-                                            panel)
-        assert label["bottom"] <= media["top"] + 1, (panel, label, media)  # the label above, not over the image
-        assert media["bottom"] <= block["bottom"] + 1, (panel, media, block)  # and the image not cut at the bottom
-    assert plot_overflow(page, "#frame-plot") == []
     page.context.close()
 
 
@@ -784,8 +739,11 @@ def test_bf16_and_two_methods_play_in_lockstep_and_compare_on_one_plot(browser_a
     """The paper's demo layout: one Generate plays BF16, quantwm and qvg (each within 2.5 bits) side by side on the
     place world. Each run's VBench flicker is in the status; both methods' curves share the per-frame plot, one
     y-range per metric; after a scrub and after a click on the plot, the three videos stand at the slider's frame
-    and the three frames are that frame of each run; a click on method B's frame traces the pixel under both
-    methods' keys and moves the maps and the exports to method B."""
+    and the three frames are that frame of each run. Scrubbing seeks every (paused) video to the slider's frame and
+    moves the dashed current-frame line to that frame on the plot. A click on method B's frame traces the pixel
+    under both methods' keys and moves the maps and the exports to method B; a failed request leaves the videos
+    together; the labels sit above the frames and videos (no badge over their top rows), and the plot's titles and
+    legend are not clipped."""
     import numpy as np
 
     from quantwm.drivers.runs import RunKey
@@ -801,7 +759,7 @@ def test_bf16_and_two_methods_play_in_lockstep_and_compare_on_one_plot(browser_a
     status = page.locator("#generate-status").inner_text()
     assert re.findall(r"VBench flicker ([\d.]+) \(BF16 ([\d.]+)\)", status) == [
         (flicker["A"], flicker["bf16"]), (flicker["B"], flicker["bf16"])], status
-    page.wait_for_function("""() => { const gd = document.querySelector('#frame-plot .js-plotly-plot');
+    wait_fn(page, """() => { const gd = document.querySelector('#frame-plot .js-plotly-plot');
         return gd && gd.data && gd._fullLayout; }""", timeout=WAIT)  # the plot is drawn after the status
     curves, axes = page.evaluate("""() => { const gd = document.querySelector('#frame-plot .js-plotly-plot');
         return [gd.data.filter(t => ['tdiff', 'warp_error', 'psnr', 'shift_rate'].includes(t.name))
@@ -831,16 +789,53 @@ def test_bf16_and_two_methods_play_in_lockstep_and_compare_on_one_plot(browser_a
     wait_text(page, "#frame-info", f"Frame {FRAMES - 1}")
     settle(page)
     in_lockstep(FRAMES - 1)
+    check_frame_lines(page)
     text = click_frame_pixel(page, 21, 42, frame="#frame-method-b")
     assert re.search(r"BF16 source: frame \d+, row \d+, col \d+; qvg source: frame \d+, row \d+, col \d+", text), text
     assert re.search(r"quantwm source: frame \d+, row \d+, col \d+", text), text
     assert page.locator("#trace-src-other img").count() == 1
-    page.wait_for_function("() => document.querySelector('#maps-of input[value=B]').checked", timeout=WAIT)
+    wait_fn(page, "() => document.querySelector('#maps-of input[value=B]').checked", timeout=WAIT)
     wait_text(page, "#frame-info", "maps of method B (qvg)")
     page.get_by_text("Export figures for print").click()
     files = export_files(page)
     assert "maps-seed6-place-loop-qvg-kv-" in files and "trace-seed6-place-loop-qvg-kv-" in files, files
+    page.get_by_label("World seed").fill("-5")  # a request that fails: nothing it shows changes
+    page.locator("#generate-btn").click()
+    wait_text(page, "#generate-status", "Error")
+    times = page.evaluate("(v) => v.map(s => document.querySelector(s).currentTime)", VIDEOS)
+    assert times[0] == times[1] == times[2] and abs(times[0] - 5.5 / 8) < 0.01, times
+    for panel in ("#frame-bf16", "#frame-method", "#frame-method-b", "#video-bf16", "#video-method", "#video-method-b"):
+        label, media, block = page.evaluate("(s) => [' > [data-testid=block-label]', ' img, ' + s + ' video', '']"
+                                            ".map(p => document.querySelector(s + p).getBoundingClientRect().toJSON())",
+                                            panel)
+        assert label["bottom"] <= media["top"] + 1, (panel, label, media)  # the label above, not over the image
+        assert media["bottom"] <= block["bottom"] + 1, (panel, media, block)  # and the image not cut at the bottom
+    assert plot_overflow(page, "#frame-plot") == []
     page.context.close()
+
+
+def check_frame_lines(page) -> None:
+    """Scrub to frames FRAMES - 2, then 5: every video seeks there and the plot's frame line moves to it (back, the
+    second time); at the first, a frame that flickers, the flicker map's overlay is tinted to that frame's own 99th
+    percentile and keyed."""
+    lines = []
+    for frame in (FRAMES - 2, 5):
+        scrub_to(page, frame)
+        wait_videos_at(page, frame)
+        # the plot may be redrawn after the page settles: read it once it is drawn with its frame line
+        line, want = wait_fn(page, """(f) => { const gd = document.querySelector('#frame-plot .js-plotly-plot');
+            const fl = gd?._fullLayout, line = gd?.querySelector('.quantwm-frame-line');
+            return fl && line && [line.getBoundingClientRect().left,
+                                  gd.getBoundingClientRect().left + fl._size.l + fl.xaxis.l2p(f)];
+        }""", arg=frame, timeout=WAIT).json_value()
+        assert abs(line - want) < 2, (frame, line, want)
+        lines.append(line)
+        if frame == FRAMES - 2:
+            check_overlay(page, "flicker map")
+            info = page.locator("#frame-info").inner_text()
+            assert re.search(r"red flicker map from 0 to full at this frame's 99th percentile, [\d.]+", info), info
+            page.locator("#overlay-scale img").wait_for(state="visible", timeout=WAIT)  # the colour bar, once loaded
+    assert lines[0] > lines[1]  # it moved back with the slider
 
 
 def pick(page, label: str, option: str) -> None:
@@ -848,14 +843,14 @@ def pick(page, label: str, option: str) -> None:
     box = page.get_by_role("combobox", name=label, exact=True)
     box.fill(option)
     box.press("Enter")
-    page.wait_for_function("([b, o]) => b.value === o", arg=[box.element_handle(), option], timeout=WAIT)
+    wait_fn(page, "([b, o]) => b.value === o", arg=[box.element_handle(), option], timeout=WAIT)
     settle(page)
 
 
 def export_files(page) -> str:
     status = page.locator("#export-status").inner_text()
     page.locator("#export-btn").click()
-    page.wait_for_function("(b) => { const t = document.querySelector('#export-status').innerText;"
+    wait_fn(page, "(b) => { const t = document.querySelector('#export-status').innerText;"
                            " return t !== b && t.includes('file(s)'); }", arg=status, timeout=WAIT)
     return page.locator("#export-status").inner_text()
 
@@ -866,7 +861,8 @@ def export_files(page) -> str:
 def test_exports_equal_the_panels_after_a_scrub_and_after_a_new_run(browser_and_url, width):
     """Export writes what the tab shows: after a trace and a scrub away from it, the maps of the slider's frame
     with the picked jump-map layer and head, and the trace panel's own trace; after a new run, the trace panel is
-    emptied and the export is of the new run, with no trace of the one before."""
+    emptied and the export is of the new run, with no trace of the one before. The Query energy tab draws its
+    plot (`check_energy_plot`) and exports the layer it shows."""
     page = new_user(*browser_and_url, width)
     generate(page)
     pick(page, "Layer", "0")  # the one layer/head picker: the jump map's and the trace's
@@ -881,7 +877,10 @@ def test_exports_equal_the_panels_after_a_scrub_and_after_a_new_run(browser_and_
                                     f"trace-{TAG}-frame{FRAMES - 3}-x21-y42-layer0-head1.pdf"]), files
     page.get_by_role("tab", name="Query energy").click()  # the energy tab exports the layer it shows
     page.locator("#energy-btn").click()
-    wait_text(page, "#energy-status", "eigen-directions")
+    wait_fn(page, "['eigen-directions', 'Error'].some(t => "
+            "(document.querySelector('#energy-status')?.innerText || '').includes(t))", timeout=WAIT)
+    assert "eigen-directions" in page.locator("#energy-status").inner_text()
+    check_energy_plot(page)
     for layer in ("0", "2"):
         if layer != "0":
             pick(page, "Layer", layer)
@@ -890,7 +889,7 @@ def test_exports_equal_the_panels_after_a_scrub_and_after_a_new_run(browser_and_
     page.get_by_role("tab", name="Generate & play").click()
     page.get_by_label("World seed").fill("5")
     generate(page)
-    page.wait_for_function("() => document.querySelector('#trace-status').innerText.includes('click a pixel')",
+    wait_fn(page, "() => document.querySelector('#trace-status').innerText.includes('click a pixel')",
                            timeout=WAIT)
     assert page.locator("#trace-src-bf16 img, #trace-src-method img, #trace-query img").count() == 0
     assert page.locator("#trace-heatmap .js-plotly-plot").count() == 0
@@ -927,7 +926,7 @@ def test_the_methods_export_draws_what_its_table_shows(browser_and_url, width):
     from playwright.sync_api import TimeoutError as Timeout
 
     try:  # the columns are fitted to the box once the table is shown (a follow-up event)
-        page.wait_for_function(f"{hidden}.length === 0", timeout=30_000)
+        wait_fn(page, f"{hidden}.length === 0", timeout=30_000)
     except Timeout:
         pass  # the assert below names the columns out of sight
     assert page.evaluate(hidden) == []

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from test_app_browser import CHROMIUM, CHROMIUM_ARGS, RUN_ID, WAIT, check_overlay, click_frame_pixel, scrub_to, settle, wait_text
+from test_app_browser import CHROMIUM, CHROMIUM_ARGS, RUN_ID, WAIT, check_overlay, click_frame_pixel, scrub_to, settle, wait_fn, wait_text
 
 FRAMES = 512
 
@@ -58,7 +58,7 @@ def click_strip(page, frame: int, frames: int) -> None:
     """Click the overview strip's thumbnail row at the column of `frame` (the strip is scaled to its box)."""
     settle(page)
     page.locator("#overview-strip").scroll_into_view_if_needed()
-    page.wait_for_function("document.querySelector('#overview-strip img')?.naturalWidth > 0", timeout=WAIT)
+    wait_fn(page, "document.querySelector('#overview-strip img')?.naturalWidth > 0", timeout=WAIT)
     w, h, nw, nh = page.evaluate("(() => { const i = document.querySelector('#overview-strip img');"
                                  " return [i.clientWidth, i.clientHeight, i.naturalWidth, i.naturalHeight]; })()")
     scale = min(w / nw, h / nh)
@@ -71,12 +71,12 @@ def click_strip(page, frame: int, frames: int) -> None:
 def test_a_512_frame_run_file_shows_its_strip_scrubs_jumps_and_traces_its_last_chunk(long_run_page):
     page = long_run_page
     page.locator("#open-run-btn").click()
-    page.wait_for_function(f"{RUN_ID}.startsWith('file=long.safetensors')", timeout=WAIT)
+    wait_fn(page, f"{RUN_ID}.startsWith('file=long.safetensors')", timeout=WAIT)
     page.wait_for_selector("#frame-method img", timeout=WAIT)
     wait_text(page, "#overview-status", "512 frames")
     assert "rolling window of 8 chunk(s)" in page.locator("#overview-status").inner_text()
     page.locator("#overview-strip").scroll_into_view_if_needed()  # its image loads lazily, once in view
-    page.wait_for_function("document.querySelector('#overview-strip img')?.naturalWidth > 0", timeout=WAIT)
+    wait_fn(page, "document.querySelector('#overview-strip img')?.naturalWidth > 0", timeout=WAIT)
     assert page.evaluate("document.querySelector('#overview-strip img').naturalWidth") == 1024
     table = page.locator("#layer-table").inner_text()
     assert "place shift" in table and "PSNR, only this layer quantized" in table

@@ -71,12 +71,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("command", [["app.py"], ["-m", "quantwm", "app"]])
-def test_app_serves_on_gradio_server_port(command):
+def test_app_serves_on_gradio_server_port_with_the_runs_given_by_run(tmp_path):
+    """`python app.py --run FILE` serves on GRADIO_SERVER_PORT with the run file listed among the opened runs, from
+    a process that re-executed itself with the allocator settings. (`python -m quantwm app` runs the same `main`:
+    test_app_rejects_a_bad_port_with_one_line starts it; the browser tests drive an app with an opened run.)"""
+    from test_app_browser import synthetic_latent_run
+
+    run = tmp_path / "opened.safetensors"
+    synthetic_latent_run(run)
     port = _free_port()
     env = {**os.environ, "GRADIO_SERVER_PORT": str(port), "GRADIO_ANALYTICS_ENABLED": "False"}
-    proc = subprocess.Popen([sys.executable, *command], cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "app.py", "--run", str(run)], cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.time() + 300  # the app calibrates its speed at start: slow on a loaded machine
         while time.time() < deadline:
@@ -84,6 +90,9 @@ def test_app_serves_on_gradio_server_port(command):
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=2) as r:
                     assert r.status == 200 and b"gradio" in r.read().lower()
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/config", timeout=10) as r:
+                    config = r.read().decode()
+                assert "file=opened.safetensors qvg kv 2-bit" in config  # the opened runs' list holds it
                 # the serving process re-executed itself with the allocator settings that keep memory flat
                 environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
                 assert {b"MKL_DISABLE_FAST_MM=1", b"MALLOC_ARENA_MAX=2"} <= set(environ)
@@ -96,8 +105,9 @@ def test_app_serves_on_gradio_server_port(command):
         proc.wait(timeout=30)
 
 
-def test_app_rejects_a_bad_port_with_one_line():
+@pytest.mark.parametrize("command", [["app.py"], ["-m", "quantwm", "app"]])
+def test_app_rejects_a_bad_port_with_one_line(command):
     env = {**os.environ, "GRADIO_SERVER_PORT": "not-a-port"}
-    r = subprocess.run([sys.executable, "app.py"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    r = subprocess.run([sys.executable, *command], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert r.stderr.strip().splitlines() == ["quantwm app: error: GRADIO_SERVER_PORT must be an integer port, got 'not-a-port'"]
