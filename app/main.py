@@ -128,17 +128,18 @@ def main(argv: list[str] | None = None, restart: bool = True) -> None:
         from quantwm.evaluation.limits import Limits
 
         from . import world_handlers
-        from .assemble import build_app, launch_options
 
         world_handlers.use_files(files)
-        wb = Workbench(a.weights, threads=a.threads)
+        wb = Workbench(a.weights, threads=a.threads)  # bad weights and bad run files stop the start here, with
+        runs = RunRegistry(wb)  # their reason, before the speed calibration and gradio's import (seconds)
+        for path in a.run:
+            runs.open(path)
         wb.set_limits(Limits.from_machine(
             wb.cfg, len(wb.methods()), wb.calibrate(), memory_mb=a.memory_mb, max_seconds=a.max_seconds,
             max_frames=a.max_frames, max_methods=a.max_methods, max_upload_mb=a.max_upload_mb, cache_mb=a.cache_mb))
-        runs = RunRegistry(wb)
-        for path in a.run:
-            runs.open(path)  # a bad file stops the start here, with its reason
         print(f"quantwm app: {wb.limits.describe()}", flush=True)
+        from .assemble import build_app, launch_options
+
         app = build_app(a.trace, delete_cache=(max(1, a.file_age // 6), a.file_age), live=live, runs=runs)
     except ValueError as e:
         print(f"quantwm app: error: {e}", file=sys.stderr)
