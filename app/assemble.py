@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 from functools import partial
 from importlib import resources
+from pathlib import Path
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 
 import gradio as gr  # noqa: E402
+from gradio import processing_utils  # noqa: E402
 
 from quantwm.core.methods import known_methods  # noqa: E402
 from quantwm.drivers.registry import RunRegistry  # noqa: E402
@@ -63,6 +66,24 @@ def launch_options(wb: Workbench | None = None) -> dict:
     return opts
 
 
+def save_image_once(img, cache_dir: str, name: str = "image", format: str = "webp") -> str:
+    """Gradio's `processing_utils.save_pil_to_cache`, writing each image once and whole. Gradio stores an image a
+    handler returns under a folder named by the hash of its bytes, and rewrote that file in place whenever the same
+    image came again: a browser fetching it meanwhile got fewer or more bytes than the length it was promised, a
+    broken image that stayed broken (a Generate draws its frames twice at once, from the run's `.then` and from the
+    slider's change). Here a file that exists is left alone (the same name is the same bytes), and a new one
+    appears under its name only when complete (written beside it, then renamed)."""
+    data = processing_utils.encode_pil_to_bytes(img, format)
+    folder = Path(cache_dir) / processing_utils.hash_bytes(data)
+    folder.mkdir(exist_ok=True, parents=True)
+    path = (folder / f"{name}.{format}").resolve()
+    if not path.exists():
+        part = path.with_name(f".{path.name}.{os.getpid()}-{threading.get_ident()}.part")
+        part.write_bytes(data)
+        os.replace(part, path)
+    return str(path)
+
+
 def _bind(fn, *args, **kwargs):
     return wh.guarded(partial(fn, *args, **kwargs))
 
@@ -74,6 +95,7 @@ def build_app(trace: str | None = None, workbench: Workbench | None = None, fram
     real model's backend for generating on demand (`adapters.self_forcing.SelfForcingLive`; app/main.py
     `--model self-forcing`). `runs`: the run registry (with run files already opened), else one made over
     `workbench`."""
+    processing_utils.save_pil_to_cache = save_image_once  # every image a component returns (see its docstring)
     trace_path = default_trace(trace, wh.app_files().root)
     runs = runs or RunRegistry(workbench or Workbench())
     wb = runs.wb

@@ -40,6 +40,55 @@ def test_app_builds_with_an_api_name_on_every_event(trace_file):
     assert fns and all(getattr(f, "api_name", None) for f in fns)
 
 
+def test_an_image_shown_again_is_not_rewritten_and_a_new_one_appears_only_whole(trace_file, tmp_path):
+    """Gradio names an image's file by the hash of its bytes; the app's images are written once, whole: the second
+    save of the same image (a Generate draws its frames twice at once) leaves the file as it was, so a browser
+    fetching it meanwhile is never sent a file that changes under it; while threads save new images at once, a
+    file that exists always holds the whole image."""
+    import os
+    import threading
+
+    import numpy as np
+    from gradio import processing_utils
+    from PIL import Image
+
+    from app.assemble import build_app
+
+    build_app(trace_file)
+    assert processing_utils.save_pil_to_cache.__name__ == "save_image_once"  # what Gradio's components call
+    img = Image.fromarray(np.arange(64 * 64 * 3, dtype=np.uint8).reshape(64, 64, 3))
+    path = processing_utils.save_pil_to_cache(img, str(tmp_path), format="png")
+    os.utime(path, ns=(10**9, 10**9))
+    assert processing_utils.save_pil_to_cache(img, str(tmp_path), format="png") == path
+    assert os.stat(path).st_mtime_ns == 10**9  # not written again
+    assert np.array_equal(np.asarray(Image.open(path)), np.asarray(img))
+    rng = np.random.default_rng(0)
+    images = [Image.fromarray(rng.integers(0, 256, (256, 256, 3), dtype=np.uint8)) for _ in range(4)]
+    sizes = {processing_utils.hash_bytes(processing_utils.encode_pil_to_bytes(i, "png")):
+             len(processing_utils.encode_pil_to_bytes(i, "png")) for i in images}
+    seen, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            for h, n in sizes.items():
+                f = tmp_path / "new" / h / "image.png"
+                if f.exists():
+                    seen.append(f.stat().st_size == n)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    savers = [threading.Thread(target=lambda: [processing_utils.save_pil_to_cache(i, str(tmp_path / "new"), format="png")
+                                               for i in images]) for _ in range(4)]
+    for t in savers:
+        t.start()
+    for t in savers:
+        t.join()
+    done.set()
+    watcher.join()
+    assert all(seen) and all((tmp_path / "new" / h / "image.png").stat().st_size == n for h, n in sizes.items())
+    assert not list((tmp_path / "new").glob("*/.*.part"))  # nothing left beside them
+
+
 def test_the_app_process_keeps_an_environment_that_already_has_the_allocator_settings(monkeypatch):
     from app import main as app_main
 
