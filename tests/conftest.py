@@ -70,3 +70,54 @@ def runs(wb):
     from quantwm.drivers.registry import RunRegistry
 
     return RunRegistry(wb)
+
+
+# (fingerprint of the world model's weights, RunKey) -> (the Record as its rollout returned it, its progress calls)
+_ROLLOUTS: dict = {}
+_FINGERPRINTS: dict = {}  # id(model) -> (model, fingerprint)
+
+
+def _fingerprint(model) -> tuple:
+    """The weights' identity: their count, sum and sum of squares (a model loaded from other weights differs)."""
+    held = _FINGERPRINTS.get(id(model))
+    if held is None or held[0] is not model:
+        with torch.no_grad():
+            flat = torch.cat([p.detach().flatten().double() for p in model.parameters()])
+        held = _FINGERPRINTS[id(model)] = (model, (flat.numel(), float(flat.sum()), float(flat.square().sum())))
+    return held[1]
+
+
+@pytest.fixture(scope="module")
+def shared_rollouts():
+    """Rollouts of the built-in world model made once per test process for the modules that ask for it (those that
+    test what the app, its handlers and its files show of a run, not how a run is made; test_workbench.py and
+    test_reliability.py make their own): a Workbench asked for a run some module already made gets a copy of that
+    Record (its metrics and flow still to compute, as a new rollout's) and its progress calls replayed, instead
+    of the same seconds of generation again. A rollout is a pure function of the weights and the RunKey."""
+    import dataclasses
+
+    from quantwm.drivers.workbench import Workbench
+
+    real = Workbench._rollout
+
+    def rollout(self, key, progress):
+        slot = (_fingerprint(self.model), key)
+        made = _ROLLOUTS.get(slot)
+        if made is None:
+            calls = []
+
+            def tee(done, total):
+                calls.append((done, total))
+                if progress is not None:
+                    progress(done, total)
+
+            made = _ROLLOUTS[slot] = (real(self, key, tee), calls)
+        elif progress is not None:
+            for done, total in made[1]:
+                progress(done, total)
+        return dataclasses.replace(made[0], metrics={}, flow=None)
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(Workbench, "_rollout", rollout)
+    yield
+    patch.undo()

@@ -6,6 +6,8 @@ import imageio_ffmpeg
 import pytest
 from PIL import Image
 
+pytestmark = pytest.mark.usefixtures("shared_rollouts")  # conftest.py: each rollout made once per process
+
 FRAMES = 10
 
 

@@ -15,6 +15,8 @@ from quantwm.drivers.registry import RunRegistry
 from quantwm.drivers.workbench import RunKey, Workbench
 from quantwm.evaluation.synthetic import make_synthetic_trace
 
+pytestmark = pytest.mark.usefixtures("shared_rollouts")  # conftest.py: each rollout made once per process
+
 FRAMES = 10
 SETTINGS = (3, "pan-return", "qvg-budget", "k", 2, FRAMES)  # lossy here (qvg's 256 centroids hold every key)
 

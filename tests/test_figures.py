@@ -13,6 +13,8 @@ from quantwm.drivers.run_figures import run_figures
 from quantwm.drivers.workbench import RunKey, Workbench
 from quantwm.evaluation import figures as FG
 
+pytestmark = pytest.mark.usefixtures("shared_rollouts")  # conftest.py: each rollout made once per process
+
 FRAMES = 10
 
 

@@ -13,6 +13,8 @@ from quantwm.drivers.views import make_run
 from quantwm.drivers.workbench import RunKey
 from quantwm.evaluation.runfile import RunFacts, read_run, run_memory, write_run
 
+pytestmark = pytest.mark.usefixtures("shared_rollouts")  # conftest.py: each rollout made once per process
+
 FRAMES = 10
 
 

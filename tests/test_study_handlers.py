@@ -3,9 +3,13 @@ temporal-flickering score beside tdiff (the column, BF16's score, the status's s
 figure), called as plain functions (no browser, no server)."""
 import re
 
+import pytest
+
 from app import study_handlers as sh
 from app import world_handlers as wh
 from quantwm.drivers.workbench import RunKey
+
+pytestmark = pytest.mark.usefixtures("shared_rollouts")  # conftest.py: each rollout made once per process
 
 FRAMES = 10
 
