@@ -371,7 +371,7 @@ def test_two_users_at_once_each_see_their_own_run(browser_and_url):
     """Two browser contexts (two users, separate sessions) press Generate at the same time: one waits in the
     queue, and each ends with its own run, frames and trace. (No method B: the queue is what is tested.)"""
     pages = []
-    for seed in (7, 8):
+    for seed in (5, 7):  # seed 5: the world test_exports_equal_the_panels_after_a_scrub_and_after_a_new_run makes too
         page = new_user(*browser_and_url)
         seed_box = page.get_by_label("World seed")
         seed_box.fill(str(seed))
@@ -413,12 +413,12 @@ def test_an_uploaded_run_file_plays_scrubs_and_traces_like_a_generated_run(brows
     from quantwm.evaluation.runfile import write_run
 
     path = tmp_path / "recorded.safetensors"
-    write_run(path, make_run(Workbench(), RunKey(seed=9, method="kivi", frames=FRAMES)))
+    write_run(path, make_run(Workbench(), RunKey(seed=8, method="rtn", frames=FRAMES)))  # test_app_client.py's run
     page = upload_run(*browser_and_url, path)
     assert "opened" in page.locator("#generate-status").inner_text()
     assert page.locator("#video-bf16 video").count() == 1
     text = click_frame_pixel(page, 21, 42)
-    assert "row 5, col 2" in text and "kivi source" in text
+    assert "row 5, col 2" in text and "rtn source" in text
     page.context.close()
 
 
