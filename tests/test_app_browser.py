@@ -371,7 +371,7 @@ def test_two_users_at_once_each_see_their_own_run(browser_and_url):
     """Two browser contexts (two users, separate sessions) press Generate at the same time: one waits in the
     queue, and each ends with its own run, frames and trace. (No method B: the queue is what is tested.)"""
     pages = []
-    for seed in (5, 7):  # seed 5: the world test_exports_equal_the_panels_after_a_scrub_and_after_a_new_run makes too
+    for seed in (DEFAULT_SEED, 5):  # the first test's world and the exports test's
         page = new_user(*browser_and_url)
         seed_box = page.get_by_label("World seed")
         seed_box.fill(str(seed))
@@ -500,16 +500,16 @@ def test_a_recorded_tiny_wan_run_plays_scrubs_and_traces(browser_and_url, tmp_pa
 
 
 def synthetic_latent_run(path) -> None:
-    """A run file of a latent model whose frames are larger than the page's frame box: 240x416 output frames,
-    a 15x26 latent grid at 16 pixels per token, 4 output frames per latent frame (random content)."""
+    """A run file of a latent model whose frames are wider than the page's frame box (258 px): 128x288 output
+    frames, an 8x18 latent grid at 16 pixels per token, 4 output frames per latent frame (random content)."""
     import torch
 
     from quantwm.evaluation.runfile import Run, RunFacts, write_run
 
     g = torch.Generator().manual_seed(0)
-    f = RunFacts("synthetic latent model", 1, 1, 64, (15, 26), 1, 0, vae_spatial=8, patch=2, vae_temporal=4)
+    f = RunFacts("synthetic latent model", 1, 1, 64, (8, 18), 1, 0, vae_spatial=8, patch=2, vae_temporal=4)
     n, T = f.tokens_per_frame, f.output_frames(3)
-    frames = torch.randint(0, 256, (T, 240, 416, 3), generator=g, dtype=torch.uint8)
+    frames = torch.randint(0, 256, (T, 128, 288, 3), generator=g, dtype=torch.uint8)
     top1 = {c: tuple(torch.randint(0, c * n, (1, 1, n), generator=g, dtype=torch.int32) for _ in range(2)) for c in (1, 2)}
     logits = {c: tuple(torch.randn(1, 1, n, c * n, generator=g) for _ in range(2)) for c in (1, 2)}
     meta = {"method": "qvg", "target": "kv", "bits": 2, "bits_per_element": 2.5, "memory_mb": {"bf16": 1.0, "stored": 0.2},
@@ -525,9 +525,9 @@ def test_clicks_on_a_large_latent_frame_map_to_its_latent_token(browser_and_url,
     page = upload_run(*browser_and_url, path)
     scrub_to(page, 8)  # output frame 8: latent frame 2, probed
     natural = page.evaluate("document.querySelector('#frame-method img').naturalWidth")
-    assert natural == 416
-    text = click_frame_pixel(page, 400, 200, factor=1)  # frame pixel -> latent token row 12, col 25
-    assert "Query frame 2, row 12, col 25" in text, text  # latent frame 2 (trace layer: the run's logit layer 0)
+    assert natural == 288
+    text = click_frame_pixel(page, 280, 120, factor=1)  # frame pixel -> latent token row 7, col 17
+    assert "Query frame 2, row 7, col 17" in text, text  # latent frame 2 (trace layer: the run's logit layer 0)
     page.context.close()
 
 
