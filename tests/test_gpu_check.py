@@ -106,7 +106,7 @@ def test_steps_past_the_budget_are_skipped_with_a_message(tmp_path, monkeypatch)
 
 def test_a_step_that_fails_or_overruns_is_reported(tmp_path, monkeypatch):
     bad = [{"name": "fails", "limit": 60, "cmd": [sys.executable, "-c", "raise SystemExit(3)"]},
-           {"name": "hangs", "limit": 3, "cmd": [sys.executable, "-c", "print('started', flush=True); import time; time.sleep(60)"]}]
+           {"name": "hangs", "limit": 2, "cmd": [sys.executable, "-c", "print('started', flush=True); import time; time.sleep(60)"]}]
     monkeypatch.setattr(gpu_check, "steps", lambda out, dry: bad)
     monkeypatch.setattr(gpu_check, "MIN_STEP_S", 1)
     rows = gpu_check.run_steps(tmp_path, True, budget=100)

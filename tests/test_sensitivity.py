@@ -81,7 +81,7 @@ def test_cli_eval_layer_sensitivity_prints_and_writes_the_table(tmp_path, capsys
     assert "rtn: layer sensitivity" in text and "| all_but | 3     |" in text
     r = json.loads(out.read_text())["layer_sensitivity"]["rtn"]
     assert len(r["rows"]) == 2 * 4 and r["allocation"][0]["k_bits"] is None  # one grid for all channels
-    assert main(["eval", "--methods", "quantwm", "--budget", "3", "--seeds", "0", "--frames", "8", "--steps", "1",
+    assert main(["eval", "--methods", "quantwm", "--budget", "3", "--seeds", "0", "--frames", "6", "--steps", "1",
                  "--layer-sensitivity", "--figure", str(tmp_path / "sens")]) == 0
     assert (tmp_path / "sens.png").stat().st_size > 0 and "place shift by head" in capsys.readouterr().out
     assert main(["eval", "--methods", "rtn", "--seeds", "0", "--window", "1", "--layer-sensitivity"]) == 2
