@@ -74,8 +74,12 @@ def channel_errors_ref(sample: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
     for at in range(0, top.shape[0], tile):  # one pass at the shapes QuantWM meets
         t, a = top[at:at + tile], alpha[at:at + tile]
         low, step = channel_grid(lo, hi, torch.log2(t + 1), a)  # (C, S, D)
-        codes = torch.round((sample - low[:, :, None]) / step[:, :, None]).clamp_(min=0).minimum(t[..., None])
-        errors.append((sample - (low[:, :, None] + codes * step[:, :, None])).square().sum(2) * scale)
+        low, step = low[:, :, None], step[:, :, None]
+        # in place on one (C, S, n, D) buffer: x − (low + round((x − low) / step) clamped · step), the same
+        # operations in the same order as kernels/channel_errors.py (a + b is b + a, bit for bit)
+        x = torch.sub(sample, low).div_(step).round_().clamp_(min=0)
+        x = torch.minimum(x, t[..., None], out=x).mul_(step).add_(low)
+        errors.append(torch.sub(sample, x, out=x).square_().sum(2) * scale)
     measured = torch.cat(errors) if errors else sample.new_zeros(0, *lo.shape)
     if pairs is None:
         E = torch.where(tried[:, None, None], measured, float("inf"))
