@@ -342,13 +342,12 @@ def check_energy_plot(page) -> None:
     assert legend <= plot + 1
 
 
-def test_a_bad_seed_gets_the_same_error_line_on_the_page_and_over_the_api(browser_and_url):
+def test_a_bad_seed_gets_the_same_error_line_on_the_page_and_over_the_api(browser_and_url, browser_page):
     """One kind of error: seed -5 typed into the page and sent over the API give one Error line, naming the
     field and its range (no toast, no red badge)."""
     from gradio_client import Client
 
-    browser, url = browser_and_url
-    page = new_user(browser, url)
+    page, url = browser_page, browser_and_url[1]  # the module's page: the seed box is put back afterwards
     page.get_by_label("World seed").fill("-5")
     page.locator("#generate-btn").click()
     wait_text(page, "#generate-status", "Error")
@@ -356,7 +355,7 @@ def test_a_bad_seed_gets_the_same_error_line_on_the_page_and_over_the_api(browse
     api = Client(url, verbose=False).predict(-5, "loop", "quantwm", "kv", 2, FRAMES, api_name="/generate")[0]
     assert shown == api.replace("**", "").strip() and "world seed must lie in [0, 100000)" in shown
     assert page.locator(".toast-body").count() == 0
-    page.context.close()
+    page.get_by_label("World seed").fill(str(DEFAULT_SEED))
 
 
 def new_user(browser, url, width: int = 1400):
