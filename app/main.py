@@ -106,8 +106,6 @@ def main(argv: list[str] | None = None, restart: bool = True) -> None:
     """The app's process: `restart=False` skips the one re-execution that sets `SERVER_ENV` (for callers
     that are not the process's own entry point)."""
     a = parser().parse_args(argv)
-    if restart:
-        restart_with_server_env()
     try:
         host, port = server_address(a.host, a.port)
         os.environ["GRADIO_SERVER_PORT"] = str(port)  # what gradio reads at import: now a valid integer
@@ -117,6 +115,8 @@ def main(argv: list[str] | None = None, restart: bool = True) -> None:
             raise ValueError(f"--file-age must be >= 1 second, got {a.file_age}")
         if a.trace and not os.path.isfile(a.trace):
             raise ValueError(f"--trace {a.trace}: no such file")
+        if restart:  # once the options above are known good: a bad one is refused without a second start
+            restart_with_server_env()
         live = live_model(a) if a.model != "builtin" else None
         from .media import TempFiles
 
