@@ -395,10 +395,20 @@ def test_two_users_at_once_each_see_their_own_run(browser_and_url):
         page.context.close()
 
 
-def upload_run(browser, url, path):
-    """A new user who uploads the run file at `path`; returns its page once the run is shown and at rest."""
-    page = new_user(browser, url)
+@pytest.fixture(scope="module")
+def upload_page(browser_and_url):
+    """One user's page that the uploading tests share (each upload shows its own run in place of the one before)."""
+    page = new_user(*browser_and_url)
     page.get_by_text("Open a recorded run").click()
+    yield page
+    page.context.close()
+
+
+def upload_run(page, path):
+    """Upload the run file at `path` on `page` (its "Open a recorded run" panel open; a file uploaded before is
+    cleared first); returns the page once the run is shown and at rest."""
+    if page.locator("#run-upload input[type=file]").count() == 0:
+        page.locator("#run-upload button[aria-label=Clear]").click()
     page.locator("#run-upload input[type=file]").set_input_files(str(path))
     wait_fn(page, f"(n) => {RUN_ID}.startsWith('file=' + n)", arg=path.name, timeout=WAIT)
     page.wait_for_selector("#frame-method img", timeout=WAIT)
@@ -406,19 +416,18 @@ def upload_run(browser, url, path):
     return page
 
 
-def test_an_uploaded_run_file_plays_scrubs_and_traces_like_a_generated_run(browser_and_url, tmp_path):
+def test_an_uploaded_run_file_plays_scrubs_and_traces_like_a_generated_run(upload_page, tmp_path):
     from quantwm.drivers.views import make_run
     from quantwm.drivers.workbench import RunKey, Workbench
     from quantwm.evaluation.runfile import write_run
 
     path = tmp_path / "recorded.safetensors"
     write_run(path, make_run(Workbench(), RunKey(seed=8, method="rtn", frames=FRAMES)))  # test_app_client.py's run
-    page = upload_run(*browser_and_url, path)
+    page = upload_run(upload_page, path)
     assert "opened" in page.locator("#generate-status").inner_text()
     assert page.locator("#video-bf16 video").count() == 1
     text = click_frame_pixel(page, 21, 42)
     assert "row 5, col 2" in text and "rtn source" in text
-    page.context.close()
 
 
 def tiny_wan_run(path) -> None:
@@ -482,20 +491,19 @@ def trace_shown_run(page, x: int, y: int, frame: int = 44) -> str:
     return text
 
 
-def test_a_recorded_tiny_wan_run_plays_scrubs_and_traces(browser_and_url, tmp_path):
+def test_a_recorded_tiny_wan_run_plays_scrubs_and_traces(upload_page, tmp_path):
     """A tiny Wan2.1 run recorded through the Self-Forcing path, opened in the app (uploaded; `--run FILE` opens a
     file the same way, tests/test_packaging.py starts the app with one): scrub, both overlays, click a pixel: the
     source thumbnails and the logit heatmap appear (latent tokens: 16 px)."""
     pytest.importorskip("diffusers")
     path = tmp_path / "tiny-wan.safetensors"
     tiny_wan_run(path)
-    page = upload_run(*browser_and_url, path)
+    page = upload_run(upload_page, path)
     text = trace_shown_run(page, 40, 20)  # output frame 44 = latent frame 11; pixel -> token (1, 2)
     assert text.startswith("Query frame 11, row 1, col 2") and "quantwm source" in text, text
     assert "bits/element" in page.locator("#generate-status").inner_text()
     assert page.locator("#trace-src-bf16 img").count() == 1 and page.locator("#trace-src-method img").count() == 1
     assert page.locator("#trace-heatmap .js-plotly-plot g.hm image").count() == 3
-    page.context.close()
 
 
 def synthetic_latent_run(path) -> None:
@@ -516,18 +524,17 @@ def synthetic_latent_run(path) -> None:
     write_run(path, Run(f, meta, frames, frames.roll(1, 0), torch.eye(64).expand(1, 1, 64, 64).clone(), top1, logits))
 
 
-def test_clicks_on_a_large_latent_frame_map_to_its_latent_token(browser_and_url, tmp_path):
+def test_clicks_on_a_large_latent_frame_map_to_its_latent_token(upload_page, tmp_path):
     """Frames wider than the frame box are shown at their own size (factor 1) and scaled down by the page: a click
     still lands on the right latent token (16 output pixels per token)."""
     path = tmp_path / "latent.safetensors"
     synthetic_latent_run(path)
-    page = upload_run(*browser_and_url, path)
+    page = upload_run(upload_page, path)
     scrub_to(page, 8)  # output frame 8: latent frame 2, probed
     natural = page.evaluate("document.querySelector('#frame-method img').naturalWidth")
     assert natural == 288
     text = click_frame_pixel(page, 280, 120, factor=1)  # frame pixel -> latent token row 7, col 17
     assert "Query frame 2, row 7, col 17" in text, text  # latent frame 2 (trace layer: the run's logit layer 0)
-    page.context.close()
 
 
 if __name__ == "__main__" and "--readme" in sys.argv:

@@ -35,7 +35,8 @@ PRESETS = {
 
 def _timer(device: torch.device):
     def run(fn, reps: int) -> float:
-        fn()  # warm-up (compiles kernels)
+        if device.type == "cuda":
+            fn()  # warm-up (compiles kernels; a CPU's timing is a check that every path runs, not a measurement)
         times = []
         for _ in range(reps):
             if device.type == "cuda":
