@@ -33,6 +33,8 @@ source here.
 
     python benchmarks/bits_above_bound.py --kinds aligned flat rotated norope outliers --seeds 11 12 \\
         --variants qdims=4 qdims=24 qnoise=1 kpow=0.5 kpow=2 --out bits_above_bound.json
+    python benchmarks/bits_above_bound.py --method quantwm-trellis --kinds aligned flat rotated norope outliers \\
+        --seeds 11 12 --out trellis_bits_above_bound.json
 """
 from __future__ import annotations
 
@@ -188,12 +190,12 @@ def span_steps(keys: torch.Tensor, decoded: torch.Tensor, U: torch.Tensor | None
     return torch.stack(steps)[:, keep]
 
 
-def decompose_layer(trace: Trace, layer: int, budget: float = 2.5, seed: int = 0) -> dict:
+def decompose_layer(trace: Trace, layer: int, budget: float = 2.5, seed: int = 0, method: str = "quantwm") -> dict:
     """The decomposition of one traced layer (module docstring): {"bits", "side", "history", "reading"}, each meter
     {"steps": {step: mean bits above}, "parts": {part: the drop it closes}, "streams"}."""
     t = trace.layers[layer]
     chunk_tokens = int(trace.meta.get("chunk_frames", 1)) * trace.tokens_per_frame
-    config = CacheConfig(method="quantwm", target="k", k_bits=2, v_bits=2, budget_k=budget)
+    config = CacheConfig(method=method, target="k", k_bits=2, v_bits=2, budget_k=budget)
     cache, rope = layer_cache(trace, layer, config, chunk_tokens)
     if rope is not None:
         raise ValueError("pre-RoPE traces are not supported here")
@@ -313,6 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seeds", nargs="+", type=int, default=[11, 12])
     ap.add_argument("--variants", nargs="*", default=[], help="qdims=R, qnoise=X, kpow=P (on the first kind)")
     ap.add_argument("--budget", type=float, default=2.5)
+    ap.add_argument("--method", default="quantwm", help="the method decomposed (quantwm, or quantwm-trellis)")
     ap.add_argument("--out", help="JSON path")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
@@ -324,14 +327,14 @@ def main(argv: list[str] | None = None) -> None:
         for kind, seed, variant in jobs:
             trace = read_trace(args.trace) if args.trace else source(kind, seed, variant, Path(tmp))
             for layer in trace.layers:
-                row = decompose_layer(trace, layer, args.budget, seed=seed)
+                row = decompose_layer(trace, layer, args.budget, seed=seed, method=args.method)
                 row.update(source=args.trace or (f"{kind} {variant}".strip()), seed=seed, layer=layer)
                 rows.append(row)
                 print(f"{row['source']} seed {seed} layer {layer}: {row['bits']:.3f} bits, "
                       f"{row['history']['steps']['quantwm']:.3f} / {row['reading']['steps']['quantwm']:.3f} above",
                       flush=True)
                 if args.out:  # rewritten after every row: a long run leaves what it has
-                    Path(args.out).write_text(json.dumps({"budget": args.budget, "steps": STEPS, "parts": PARTS,
+                    Path(args.out).write_text(json.dumps({"budget": args.budget, "method": args.method, "steps": STEPS, "parts": PARTS,
                                                           "rows": rows}, indent=1))
     print(table(rows))
 

@@ -12,6 +12,12 @@ gain is reported on another (seed 2).
 
     python benchmarks/trellis_gain.py [--sequences 64] [--length 1728]
     python benchmarks/trellis_gain.py --trace t.pt [--budget 2.5]     # on a synthetic trace's Keys (below)
+    python benchmarks/trellis_gain.py --tables      # quantwm/core/trellis.py's constants (the bitshift trellis)
+
+`--tables`: the bitshift trellis QuantWM codes with (quantwm/core/trellis.py, 2^12 states, QTIP's computed
+codebook) on unit-Gaussian tuning samples (24 sequences of 1728, generator seed 7): at each width 1-8, the codebook
+scale of least error (0.8 to 1.8 by 0.1), that error, and its ratio to the uniform grid with the allocator's clip
+search (quantwm/core/allocate.py) on the same samples: the SCALES, UNIT_MSE and ERROR_RATIO tables.
 
 `--trace`: the textbook transform coder (S's eigenbasis of the history Queries, reverse water-filling over the
 allocator's uniform tables, as benchmarks/bits_above_bound.py's step 2) on the trace's second and third chunks,
@@ -102,6 +108,43 @@ def tcq_decode_path(y: torch.Tensor, widths: torch.Tensor, low: torch.Tensor, st
     return torch.where(b[:, None] > 0, out, 0.0).reshape(S, D, N).permute(0, 2, 1)
 
 
+def bitshift_tables() -> None:
+    """The module docstring's `--tables`, printed as a table and as the constants' tuples."""
+    from quantwm.core import trellis
+    from quantwm.core.allocate import CLIPS, channel_errors_ref
+
+    x = torch.randn(24, 1728, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    x = ((x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)).float()
+    cols = x.T[None]  # (1, N, 24): the sequences as the allocator's channels
+    rows = []
+    for k in trellis.WIDTHS:
+        E, _ = channel_errors_ref(cols, cols.amin(1), cols.amax(1), torch.tensor([2.0 ** k - 1]),
+                                  torch.tensor(CLIPS), 1.0)
+        uniform = E.sum().item() / x.numel()
+        best = None
+        for scale in [round(0.8 + 0.1 * i, 1) for i in range(11)]:
+            codes = trellis.viterbi(x / scale, k, trellis.codebook())
+            err = (x - scale * _path(codes, k)).square().mean().item()
+            best = min(best or (err, scale), (err, scale))
+        rows.append((k, best[0], best[1], uniform))
+        print(f"| {k} | {best[1]:.1f} | {best[0]:.3g} | {uniform:.3g} | {best[0] / uniform:.3f} |", flush=True)
+    print("SCALES =", tuple(r[2] for r in rows))
+    print("UNIT_MSE =", (1.0, *(float(f"{r[1]:.3g}") for r in rows)))
+    print("ERROR_RATIO =", (1.0, *(round(r[1] / r[3], 3) for r in rows)))
+
+
+def _path(codes: torch.Tensor, k: int) -> torch.Tensor:
+    """The codebook values of Viterbi codes (M, N) of width k, by the shift register (the reader's states)."""
+    from quantwm.core import trellis
+
+    state = torch.zeros(codes.shape[0], dtype=torch.long)
+    out = []
+    for t in range(codes.shape[1]):
+        state = (state >> k) | (codes[:, t] << (trellis.STATE_BITS - k))
+        out.append(state)
+    return trellis.mad(torch.stack(out, 1))
+
+
 def on_trace(path: str, budget: float) -> None:
     """The module docstring's `--trace` comparison, printed as a table."""
     import bits_above_bound as B
@@ -145,7 +188,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--length", type=int, default=1728)
     ap.add_argument("--trace", default=None, help="compare on this synthetic trace's Keys instead (docstring)")
     ap.add_argument("--budget", type=float, default=2.5)
+    ap.add_argument("--tables", action="store_true", help="measure quantwm/core/trellis.py's constants (docstring)")
     a = ap.parse_args(argv)
+    if a.tables:
+        return bitshift_tables()
     if a.trace:
         return on_trace(a.trace, a.budget)
     tune = torch.randn(16, 400, generator=torch.Generator().manual_seed(1), dtype=torch.float64)

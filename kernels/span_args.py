@@ -1,7 +1,7 @@
 """What the fused span-attention kernel reads of one cached span: the typed arguments of
 kernels/span_attention.py, built once per span by the span's layout (quantwm/core/layouts) and kept with it.
 
-A span has a key side and a value side, each in one of three forms:
+A span has a key side and a value side, each in one of four forms:
 
 * FULL: `data` is the span itself, (S, N, D) in its stored dtype.
 * GROUPED: `data` holds packed codes (S, N, D * bits / 8) uint8; `scales` and `zeros` (None on a symmetric
@@ -14,7 +14,13 @@ A span has a key side and a value side, each in one of three forms:
   when the span kept one, already folded in). Code j of a b-bit channel sits at bits [j b, j b + b) from the
   channel's offset, little-endian, so it may straddle two bytes. `max_bits` is the widest channel.
 
-GROUPED and CHANNELS sides may add a codebook stage: `codebook` (S, K, D) and `ids` (S, N), the row of every
+* TRELLIS: per-channel bitshift trellis codes over the whole span (`quantwm-trellis`), stored as CHANNELS stores
+  its grids: `data`, `meta` as there, `scales` the channels' scales (S, D) fp16 and `zeros` their means (S, D)
+  fp32. Sample j of a b-bit channel decodes from the 12 bits of the channel's stream that end where its code ends
+  (bits [(j + 1) b − 12, (j + 1) b), bits before the channel reading 0) as a state s: zero + scale · c(s), c the
+  codebook quantwm/core/trellis.py computes from s (`mad`).
+
+GROUPED, CHANNELS and TRELLIS sides may add a codebook stage: `codebook` (S, K, D) and `ids` (S, N), the row of every
 token added to its value. A key side may carry PSAC coefficients; their per-query terms come as `PsacArgs`.
 Nothing here imports Triton or QuantWM.
 """
@@ -24,11 +30,22 @@ from typing import NamedTuple
 
 import torch
 
-FULL, GROUPED, CHANNELS = 0, 1, 2
+FULL, GROUPED, CHANNELS, TRELLIS = 0, 1, 2, 3
 # key rows per tile of the fused kernel; the 8-bit path's PV blocks (quantwm/core/fp8.py) and the token groups whose
 # codes it reads as they are follow it
 BLOCK_N = 32
-FORMS = {FULL: "full", GROUPED: "grouped", CHANNELS: "channels"}
+FORMS = {FULL: "full", GROUPED: "grouped", CHANNELS: "channels", TRELLIS: "trellis"}
+
+# The TRELLIS form's code (quantwm/core/trellis.py; measured by benchmarks/trellis_gain.py --tables)
+TRELLIS_STATE_BITS = 12  # the state a sample decodes from
+MAD_MULT, MAD_ADD = 34038481, 76625530  # QTIP's "1MAD" codebook: a 32-bit linear congruential step of the state,
+MAD_CENTER = 510.0  # then the sum of its four bytes less their mean,
+MAD_SCALE = 0.006765875034034252  # times 1 / their standard deviation (√(4 (256² − 1) / 12)), exact in fp32
+TRELLIS_SCALES = (1.0, 0.9, 1.0, 1.1, 1.2, 1.2, 1.3, 1.4, 1.5)  # the codebook's scale at widths 0-8
+TRELLIS_UNIT_MSE = (1.0, 0.283, 0.0753, 0.0193, 0.00509, 0.00137, 0.000399, 0.000119, 3.41e-05)  # unit Gaussian
+# a channel's equivalent grid step (the Jensen term's Δ) per unit of its stored scale: √(12 MSE) / codebook scale
+TRELLIS_ERROR_STEP = tuple(0.0 if b == 0 else (12 * m) ** 0.5 / c
+                           for b, (m, c) in enumerate(zip(TRELLIS_UNIT_MSE, TRELLIS_SCALES)))
 
 
 class SideArgs(NamedTuple):

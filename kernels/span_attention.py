@@ -29,7 +29,9 @@ Supported: bits 2/4/8, asymmetric or symmetric grids, groups along channels (pow
 tokens, one codebook stage, keys and values independently quantized or full precision; and QuantWM's allocator
 (a budget): 0-8 bits per channel on per-channel grids over the span, each channel's codes packed along the span
 in one buffer with a table of byte offsets and widths (kernels/span_args.py's CHANNELS form), read code by code
-(codes of 3, 5, 6 or 7 bits straddle two bytes). Keys must be post-RoPE (pre-RoPE caches use the reference
+(codes of 3, 5, 6 or 7 bits straddle two bytes); and `quantwm-trellis`'s per-channel trellis codes in the same
+buffer (the TRELLIS form), each sample read as the 12-bit window of its channel's stream that ends with its code
+and decoded by QTIP's computed codebook. Keys must be post-RoPE (pre-RoPE caches use the reference
 path; see quantwm/core/attention.py for why).
 
 Each side arrives as a `SideArgs` (kernels/span_args.py) that the span's layout built once; the launcher turns it
@@ -48,7 +50,30 @@ import triton.language as tl
 
 from . import span_args as args
 from .span_args import BLOCK_N, PsacArgs, SideArgs
-from .span_tiles import CHANNELS, _code_dots, _dot, _dot_lowp, _lowp_rows, _rebuild, _to_e4m3, _unpack
+from .span_tiles import CHANNELS, TRELLIS, _code_dots, _dot, _dot_lowp, _lowp_rows, _rebuild, _to_e4m3, _unpack
+
+# a TRELLIS channel's equivalent grid step per unit of its scale, by width (span_args.TRELLIS_ERROR_STEP)
+E1: tl.constexpr = tl.constexpr(args.TRELLIS_ERROR_STEP[1])
+E2: tl.constexpr = tl.constexpr(args.TRELLIS_ERROR_STEP[2])
+E3: tl.constexpr = tl.constexpr(args.TRELLIS_ERROR_STEP[3])
+E4: tl.constexpr = tl.constexpr(args.TRELLIS_ERROR_STEP[4])
+E5: tl.constexpr = tl.constexpr(args.TRELLIS_ERROR_STEP[5])
+E6: tl.constexpr = tl.constexpr(args.TRELLIS_ERROR_STEP[6])
+E7: tl.constexpr = tl.constexpr(args.TRELLIS_ERROR_STEP[7])
+E8: tl.constexpr = tl.constexpr(args.TRELLIS_ERROR_STEP[8])
+
+
+@triton.jit
+def _trellis_error_step(bits):
+    """The factor of TRELLIS_ERROR_STEP at each width (0 at width 0)."""
+    f = tl.where(bits == 1, E1, 0.0)
+    f = tl.where(bits == 2, E2, f)
+    f = tl.where(bits == 3, E3, f)
+    f = tl.where(bits == 4, E4, f)
+    f = tl.where(bits == 5, E5, f)
+    f = tl.where(bits == 6, E6, f)
+    f = tl.where(bits == 7, E7, f)
+    return tl.where(bits == 8, E8, f)
 
 
 @triton.jit
@@ -80,9 +105,12 @@ def _span_attention_kernel(
                   other=0.0)
     if JENSEN:
         qf = q.to(tl.float32)
-        if K_FORM == CHANNELS:  # one step per channel over the span: the term is one number per query
+        if K_FORM == CHANNELS or K_FORM == TRELLIS:  # one step per channel over the span: one number per query
             st = tl.load(k_scales + s * D + d, mask=dmask, other=0.0).to(tl.float32)
-            st = tl.where((tl.load(k_meta + s * D + d, mask=dmask, other=0) & 15) > 0, st, 0.0)
+            kbits = tl.load(k_meta + s * D + d, mask=dmask, other=0) & 15
+            if K_FORM == TRELLIS:
+                st = st * _trellis_error_step(kbits)
+            st = tl.where(kbits > 0, st, 0.0)
             jen_q = jensen_coef * tl.sum(qf * qf * (st * st)[None, :], axis=1)
         elif K_AXIS_TOKEN:
             qsq = qf * qf  # (BM, BD)
@@ -133,7 +161,7 @@ def _span_attention_kernel(
             dots += tl.dot(pq, tl.trans(a), input_precision="ieee") + pc0[:, None]
         logits = dots * qk_scale
         if JENSEN:
-            if K_FORM == CHANNELS:
+            if K_FORM == CHANNELS or K_FORM == TRELLIS:
                 logits += jen_q[:, None]
             elif K_AXIS_TOKEN:
                 sidx = (s * ((N + K_G - 1) // K_G) + rows[:, None] // K_G).to(tl.int64) * D + d[None, :]
@@ -201,7 +229,7 @@ def _check_side(side: SideArgs, S: int, N: int, D: int, what: str) -> None:
         raise ValueError(f"{what}: {side.n_tokens} tokens, the keys have {N}")
     if side.form == args.FULL and tuple(side.data.shape) != (S, N, D):
         raise ValueError(f"{what}: full-precision tensor must be {(S, N, D)}, got {tuple(side.data.shape)}")
-    if side.form == args.CHANNELS and not (tuple(side.meta.shape) == tuple(side.scales.shape) == tuple(side.zeros.shape)
+    if side.form in (args.CHANNELS, args.TRELLIS) and not (tuple(side.meta.shape) == tuple(side.scales.shape) == tuple(side.zeros.shape)
                                       == (S, D)):
         raise ValueError(f"{what}: the channel table, steps and low ends must be {(S, D)}, got "
                          f"{tuple(side.meta.shape)}, {tuple(side.scales.shape)}, {tuple(side.zeros.shape)}")

@@ -11,6 +11,12 @@ from . import span_args
 FULL: tl.constexpr = tl.constexpr(span_args.FULL)
 GROUPED: tl.constexpr = tl.constexpr(span_args.GROUPED)
 CHANNELS: tl.constexpr = tl.constexpr(span_args.CHANNELS)
+TRELLIS: tl.constexpr = tl.constexpr(span_args.TRELLIS)
+STATE_BITS: tl.constexpr = tl.constexpr(span_args.TRELLIS_STATE_BITS)
+MAD_MULT: tl.constexpr = tl.constexpr(span_args.MAD_MULT)
+MAD_ADD: tl.constexpr = tl.constexpr(span_args.MAD_ADD)
+MAD_CENTER: tl.constexpr = tl.constexpr(span_args.MAD_CENTER)
+MAD_SCALE: tl.constexpr = tl.constexpr(span_args.MAD_SCALE)
 
 
 @triton.jit
@@ -161,15 +167,50 @@ def _code_dots(q_lp, q_sc, q3, qsum, qf32, codes_ptr, scale_ptr, zero_ptr, meta_
 
 
 @triton.jit
+def _trellis_values(codes_ptr, meta_ptr, s, rows, d, D, m2, dmask):
+    """(codebook values (BN, BD) fp32, bits (BD,) int32) of a TRELLIS side's samples `rows` of stream s: the state
+    is the STATE_BITS bits of the channel's stream ending where the sample's code ends (bits before the channel read
+    0; the window spans at most three bytes, all the channel's own), and its value QTIP's 1MAD of the state, the
+    integer and fp32 steps of quantwm/core/trellis.py's `mad`. 0-bit channels and rows outside m2 read 0."""
+    meta = tl.load(meta_ptr + s * D + d, mask=dmask, other=0)
+    bits = (meta & 15).to(tl.int32)
+    end = (rows[:, None].to(tl.int64) + 1) * bits[None, :]
+    first = tl.maximum(end - STATE_BITS, 0)
+    length = (end - first).to(tl.int32)
+    pos = (meta >> 4)[None, :] * 8 + first
+    byte = pos // 8
+    shift = (pos % 8).to(tl.int32)
+    live = m2 & (bits[None, :] > 0)
+    b0 = tl.load(codes_ptr + byte, mask=live, other=0).to(tl.int64)
+    b1 = tl.load(codes_ptr + byte + 1, mask=live & (shift + length > 8), other=0).to(tl.int64)
+    b2 = tl.load(codes_ptr + byte + 2, mask=live & (shift + length > 16), other=0).to(tl.int64)
+    window = ((b0 | (b1 << 8) | (b2 << 16)) >> shift) & ((1 << length) - 1)
+    state = (window << STATE_BITS) >> length  # the window in the state's top bits: window << (L - length)
+    x = (state * MAD_MULT + MAD_ADD) & 0xFFFFFFFF
+    total = (x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)
+    value = (total.to(tl.float32) - MAD_CENTER) * MAD_SCALE
+    return tl.where(live, value, 0.0), bits
+
+
+@triton.jit
 def _rebuild(data_ptr, scale_ptr, zero_ptr, meta_ptr, cb_ptr, ids_ptr, s, rows, d, N, D, n_cb, rmask, dmask,
              FORM: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, AXIS_TOKEN: tl.constexpr, SYM: tl.constexpr,
              CODEBOOK: tl.constexpr):
     """A (BLOCK_N, BLOCK_D) fp32 tile of rebuilt keys or values for token rows `rows` of stream s (0 outside the
     tile's rows), from a side of form FORM (kernels/span_args.py): FULL reads data_ptr as (S, N, D) values;
     GROUPED unpacks its codes against per-group scales and zeros; CHANNELS reads its codes through the channel
-    table meta_ptr against per-channel steps (scale_ptr) and low ends (zero_ptr)."""
+    table meta_ptr against per-channel steps (scale_ptr) and low ends (zero_ptr); TRELLIS its trellis states
+    through the same table, against per-channel scales (scale_ptr) and means (zero_ptr)."""
     m2 = rmask[:, None] & dmask[None, :]
-    if FORM == CHANNELS:
+    if FORM == TRELLIS:
+        value, _ = _trellis_values(data_ptr, meta_ptr, s, rows, d, D, m2, dmask)
+        scale = tl.load(scale_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32)
+        mean = tl.load(zero_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32)
+        x = tl.where(m2, mean[None, :] + value * scale[None, :], 0.0)
+        if CODEBOOK:
+            ids = tl.load(ids_ptr + s * N + rows, mask=rmask, other=0).to(tl.int64)
+            x += tl.load(cb_ptr + (s * n_cb + ids[:, None]) * D + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    elif FORM == CHANNELS:
         code, _ = _channel_codes(data_ptr, meta_ptr, s, rows, d, D, m2, dmask)
         step = tl.load(scale_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32)
         low = tl.load(zero_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32)

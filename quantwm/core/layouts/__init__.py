@@ -8,6 +8,7 @@ the fused kernel its view (`kernel_side`, built once and kept with the span), th
     Full          a span kept in BF16 (the `bf16` method)
     Grouped       packed codes with per-group scales and zeros (rtn, kivi; every residual of a group coder)
     Channels      per-channel grids over the span with 0-8 bits each (QuantWM's allocator)
+    TrellisChannels   the same buffer read as per-channel bitshift trellis codes (quantwm-trellis)
     Codebook      k-means stages (codebooks and ids) plus a residual layout (qvg, quantwm)
     Compensated   PSAC coefficients along a shared basis on top of a key layout (quantwm); RankCompensated
                   keeps a per-stream rank
@@ -28,6 +29,7 @@ from .grouped import Codebook, Full, Grouped
 from .psac import Compensated, RankCompensated
 from .rotated import Rotated
 from .split import TokenSplit, split_tokens
+from .trellis import TrellisChannels
 
 __all__ = ["ChannelFP8", "Channels", "CodeForm", "Codebook", "Compensated", "E2M1Blocks", "Full", "Grouped", "InBasis", "Layout",
-           "RankCompensated", "Rotated", "TokenSplit", "split_tokens", "TokenBlockInt8", "views_built"]
+           "RankCompensated", "Rotated", "TokenSplit", "split_tokens", "TokenBlockInt8", "TrellisChannels", "views_built"]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels.span_args import BLOCK_N, CHANNELS, FULL, GROUPED, SideArgs
+from ...kernels.span_args import BLOCK_N, CHANNELS, FULL, GROUPED, TRELLIS, SideArgs
 from ..quant import GroupQuant, dequantize_groups, group_step, unpack_bits_ref
 from .base import CodeForm, Layout
 from .channels import Channels
@@ -158,7 +158,7 @@ class Codebook(Layout):
             return None
         codebook, ids = self.stages[0]
         if ids is None:  # one row per stream: part of every channel's low end (the allocator's grids)
-            return side._replace(zeros=side.zeros + codebook.float()[:, 0]) if side.form == CHANNELS else None
+            return side._replace(zeros=side.zeros + codebook.float()[:, 0]) if side.form in (CHANNELS, TRELLIS) else None
         return side._replace(codebook=codebook, ids=ids)
 
     def reads_codes(self, qk: str) -> bool:

@@ -32,6 +32,7 @@ from ..allocate import allocate, encode_channels, error_tables, level_costs
 from ..kmeans import weighted_sqdist
 from ..layouts import Codebook, InBasis, Layout, TokenSplit, split_tokens
 from ..layouts.channels import table_bytes
+from ..layouts.trellis import TrellisChannels
 from ..psac import principal_basis
 from ..qsac import channel_sensitivity
 from ..quant import SCALE_DTYPES, BudgetError, check_budget, to_storage
@@ -46,9 +47,11 @@ from ..query_basis import (
     weighted_source,
 )
 from ..tables import on_device
+from ..trellis import ERROR_RATIO
 from .base import BUDGETS, Method, SpanContext, register
 from .qvg import QVGBudget
 
+_TRELLIS_RATIO = torch.tensor(ERROR_RATIO, device="cpu")  # per width 0-8 (quantwm/core/trellis.py)
 REUSE_RANK = 16  # a stored basis holds while its first (at most) 16 columns capture S's top-16 energy
 
 
@@ -70,10 +73,13 @@ class QuantWMAlloc(QVGBudget):
     aim_chunks: int = 4  # Keys: S re-aimed at the frames of the next this many chunks, where the cache can (0: off)
     loud: float = 3.0  # Keys: tokens whose key norm exceeds this many times the span's median go to BF16 (0: never)
     loud_share: float = 0.02  # at most this share of a span's tokens, the loudest
+    codes: str = "grids"  # each channel on a uniform grid ("grids") or a bitshift trellis ("trellis", §2.10)
 
     def __post_init__(self):
         super().__post_init__()
         check_budget(self.budget)
+        if self.codes not in ("grids", "trellis"):
+            raise ValueError(f"codes must be 'grids' or 'trellis', got {self.codes!r}")
         if self.basis_source not in ("weighted", "queries"):
             raise ValueError(f"basis_source must be 'weighted' or 'queries', got {self.basis_source!r}")
         if self.aim_chunks < 0:
@@ -92,7 +98,8 @@ class QuantWMAlloc(QVGBudget):
     def grid(self) -> str:
         basis = (f", Keys in the history Queries' basis (top {self.basis_rank} directions, shared while it captures "
                  f"{self.basis_reuse:.0%})" if self.query_basis and self.qsac else "")
-        return (f"allocator at {self.budget:g} bits per element: 0-8 bits per channel by the predicted "
+        codes = " (bitshift trellis codes)" if self.codes == "trellis" else ""
+        return (f"allocator at {self.budget:g} bits per element: 0-8 bits per channel{codes} by the predicted "
                 f"{'logit' if self.qsac else 'Euclidean'} error, k-means (≤ {self.n_centroids} {self.codebook_dtype} "
                 f"centroids, one per {self.min_tokens_per_centroid} tokens) or one mean per span{basis}")
 
@@ -143,6 +150,8 @@ class QuantWMAlloc(QVGBudget):
             if available < 0:
                 continue
             E, alpha = error_tables(r)
+            if self.codes == "trellis":  # a trellis channel's error: its uniform grid's times the Gaussian ratio
+                E = E * on_device(_TRELLIS_RATIO, E.device)
             weighted = w.float()[:, :, None] * E
             levels = allocate(weighted, cost, torch.full((S,), available, device=x.device))
             predicted = torch.gather(weighted, 2, levels[..., None]).sum()
@@ -156,6 +165,8 @@ class QuantWMAlloc(QVGBudget):
             ctx.state[f"{kind}.smoothing"] = k_means  # a host-side flag (not a tensor: no bytes on the device)
             candidates = [candidates[at]]
         predicted, r, stages, levels, alpha, capacity = candidates[0]
+        if self.codes == "trellis":
+            return predicted, lambda: Codebook(stages, TrellisChannels.code(r, levels, None, capacity))
         return predicted, lambda: Codebook(stages, encode_channels(r, levels, alpha, capacity))
 
     def in_query_basis(self, x: torch.Tensor, ctx: SpanContext, plain, plan: tuple):

@@ -1,0 +1,28 @@
+"""`quantwm-trellis`: QuantWM's allocator with every coded channel in a bitshift trellis code instead of a uniform
+grid (docs/method.md §2.10; quantwm/core/trellis.py), issue 44's block code.
+
+Everything else is `quantwm-alloc`'s: the centroids, the Keys in the Queries' basis, loud tokens in BF16, S
+re-aimed by RoPE, the per-channel widths by reverse water-filling within the budget (a trellis channel priced as
+its uniform grid's measured error times the trellis's Gaussian error ratio at that width). The stored bytes are
+the allocator's to the byte: the same widths, tables and code buffer, only read differently.
+
+Not yet GPU-shaped: the encoder is a Viterbi search in PyTorch (a step per token, eight searches a span at most),
+and the fused attention kernel does not read the codes (attention decodes the span). Opt-in until both are built.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .allocator import QuantWMAlloc
+from .base import BUDGETS, register
+
+
+@register("quantwm-trellis")
+@dataclass(frozen=True)
+class QuantWMTrellis(QuantWMAlloc):
+    name = "quantwm-trellis"
+    source = ("this project (docs/method.md §2.10): quantwm-alloc with bitshift trellis codes after QTIP "
+              "(arXiv 2406.11235)")
+    at_budget = "quantwm-trellis"
+    sweep = tuple({"budget": b} for b in BUDGETS)
+    codes: str = "trellis"

@@ -1,0 +1,119 @@
+"""quantwm/core/trellis.py and layouts/trellis.py: the bitshift trellis code (its codebook, the Viterbi search, the
+random-access read from the `Channels` buffer) and `quantwm-trellis` through the cache."""
+import itertools
+
+import pytest
+import torch
+
+from quantwm.core import trellis
+from quantwm.core.cache import CacheConfig, KVCache
+from quantwm.core.layouts.channels import _byte_layout
+from quantwm.core.layouts.trellis import TrellisChannels
+from quantwm.core.lloyd_max import lloyd_max
+
+
+def test_the_codebook_is_computed_from_the_state_and_close_to_a_unit_gaussian():
+    cb = trellis.codebook()
+    assert cb.shape == (1 << trellis.STATE_BITS,)
+    assert abs(cb.mean()) < 0.02 and abs(cb.std() - 1) < 0.01 and cb.abs().max() < 3.5
+    assert torch.equal(trellis.mad(torch.arange(4096)), cb)
+    # the stored format: a span coded today must decode the same tomorrow
+    assert [round(v, 4) for v in cb[[0, 1, 2, 4095]].tolist()] == [-1.2517, -0.839, -0.4263, 1.272]
+
+
+def _path_values(codes: torch.Tensor, k: int) -> torch.Tensor:
+    """Decode codes (M, N) by the shift register itself: s_t = (s_{t-1} >> k) | (code_t << (L - k)), s_{-1} = 0."""
+    state = torch.zeros(codes.shape[0], dtype=torch.long)
+    out = []
+    for t in range(codes.shape[1]):
+        state = (state >> k) | (codes[:, t] << (trellis.STATE_BITS - k))
+        out.append(trellis.codebook()[state])
+    return torch.stack(out, 1)
+
+
+@pytest.mark.parametrize("k,n", [(1, 7), (2, 4), (3, 3)])
+def test_viterbi_finds_the_least_error_path(k, n):
+    x = torch.randn(3, n, generator=torch.Generator().manual_seed(k))
+    codes = trellis.viterbi(x, k, trellis.codebook())
+    got = (_path_values(codes, k) - x).square().sum(1)
+    every = torch.tensor(list(itertools.product(range(1 << k), repeat=n)))  # (2^(k n), n): every code sequence
+    for row in range(x.shape[0]):
+        best = (_path_values(every, k) - x[row]).square().sum(1).min()
+        assert got[row] <= best + 1e-5
+
+
+def test_a_span_decodes_from_its_buffer_as_the_search_coded_it():
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(2, 37, 5, generator=g) * 3 + 1
+    bits = torch.tensor([[0, 1, 2, 5, 8], [3, 4, 6, 7, 2]])
+    layout = TrellisChannels.code(r, bits)
+    low, step = layout.low.float(), layout.step_.float()
+    x = (r - low[:, None]) / step[:, None]
+    for s, d in itertools.product(range(2), range(5)):
+        k = int(bits[s, d])
+        if k:
+            codes = trellis.viterbi(x[s, :, d][None], k, trellis.codebook())
+            want = low[s, d] + step[s, d] * _path_values(codes, k)[0]
+            torch.testing.assert_close(layout.decode()[s, :, d], want)
+    assert torch.equal(layout.decode()[0, :, 0], torch.zeros(37))  # a 0-bit channel: its centroid alone
+    assert layout.nbytes() == bits.numel() * 5 + int(_byte_layout(bits, 37)[1])  # Channels' bytes to the byte
+
+
+def test_trellis_codes_beat_the_best_scalar_grid_on_a_gaussian():
+    x = torch.randn(1, 8, 1728, generator=torch.Generator().manual_seed(3)).permute(0, 2, 1)  # 8 channels
+    for k, bound in ((1, 0.25), (2, 0.0625), (3, 0.015625)):
+        mse = (TrellisChannels.code(x, torch.full((1, 8), k)).decode() - x).square().mean() / x.var()
+        assert bound < mse < lloyd_max(k).mse * 0.8, (k, float(mse))  # at least 1 dB under Lloyd-Max
+
+
+def test_bad_widths_and_a_constant_channel():
+    with pytest.raises(ValueError, match="trellis widths are 1-8 bits, got 9"):
+        trellis.viterbi(torch.zeros(1, 4), 9, trellis.codebook())
+    r = torch.full((1, 16, 2), 0.75)
+    torch.testing.assert_close(TrellisChannels.code(r, torch.tensor([[2, 8]])).decode(), r, rtol=0, atol=1e-4)
+
+
+def test_quantwm_trellis_stores_what_quantwm_alloc_stores_and_codes_the_keys_closer():
+    g = torch.Generator().manual_seed(1)
+    q_dirs = torch.randn(64, 4, generator=g)
+    caches = {m: KVCache(CacheConfig(m, target="k", budget=2.5, keep_exact=True), 1) for m in ("quantwm-alloc", "quantwm-trellis")}
+    for chunk in range(4):
+        k = torch.randn(1, 2, 128, 64, generator=g) * torch.linspace(0.2, 3, 64)
+        q = (torch.randn(1, 2, 128, 4, generator=g) @ q_dirs.T) + 0.1 * torch.randn(1, 2, 128, 64, generator=g)
+        v = torch.randn(1, 2, 128, 64, generator=g)
+        for cache in caches.values():
+            cache.attend(0, q, k, v, chunk=chunk, commit=True)
+    plain, coded = caches["quantwm-alloc"], caches["quantwm-trellis"]
+    assert coded.bits_per_element() == plain.bits_per_element() <= 2.5
+    assert "trellis" in coded.configuration["k"]
+    assert any("trellis" in s.k_enc.describe() for s in coded.inspect(0) if s.k_enc is not None and s.k_enc.quantized)
+    exact = plain.keys(0, exact=True)
+    assert torch.equal(exact, coded.keys(0, exact=True))
+    err = {m: (q @ (c.keys(0) - exact).transpose(-1, -2)).square().mean() for m, c in caches.items()}  # logit error
+    assert err["quantwm-trellis"] < 0.9 * err["quantwm-alloc"]  # 0.83x measured
+
+
+def test_the_fused_kernel_reads_a_trellis_span_as_its_torch_twin():
+    from quantwm.kernels.span_args import TRELLIS
+    from quantwm.kernels.span_attention import span_attention
+
+    from quantwm.core.attention import merge_splits, new_state, span_attention_ref
+
+    g = torch.Generator().manual_seed(5)
+    S, N, D = 2, 45, 32
+    k = TrellisChannels.code(torch.randn(S, N, D, generator=g), torch.randint(0, 9, (S, D), generator=g))
+    v = TrellisChannels.code(torch.randn(S, N, D, generator=g), torch.randint(0, 9, (S, D), generator=g))
+    assert k.kernel_side.form == TRELLIS
+    q = torch.randn(S, 7, D, generator=g)
+    maxima = []
+    for jensen in (False, True):
+        outs = []
+        for fold, P in ((span_attention, 2), (span_attention_ref, 1)):
+            acc, m, l = new_state(S, P, 7, D, "cpu")
+            sides = (k.kernel_side, v.kernel_side) if fold is span_attention else (k, v)
+            fold(q, acc, m, l, *sides, 0.2, jensen=jensen)
+            outs.append(merge_splits(acc, m, l))
+            maxima.append(m.amax(1))
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(maxima[2], maxima[3], rtol=1e-5, atol=1e-5)
+    assert (maxima[2] < maxima[0]).all()  # the Jensen term lowers every logit of the span (one number a query)
