@@ -117,6 +117,7 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
         qsac_assign,
         quantize_pack,
         span_attention,
+        trellis_viterbi,
         unpack_bits,
     )
 
@@ -152,6 +153,9 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
     out.append(("allocate_levels", capture(allocate_levels, "_allocate_levels_kernel", allocate_levels.allocate_levels,
                                            torch.rand(H, D, len(LEVELS), generator=g), level_costs(N),
                                            torch.full((H,), 2.5 * N * D))))
+    from quantwm.core.trellis import codebook
+    out.append(("trellis_viterbi", capture(trellis_viterbi, "_viterbi_kernel", trellis_viterbi.trellis_viterbi,
+                                           x.permute(0, 2, 1).reshape(H * D, N), widths.flatten(), codebook())))
     c = torch.randn(H, 64, D, generator=g)
     out.append(("kmeans_assign", capture(kmeans_assign, "_kmeans_assign_kernel", kmeans_assign.kmeans_assign, x, c)))
     w = torch.rand(H, D, generator=g)
@@ -168,7 +172,11 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
             launch = e
         out.append((name, launch))
 
-    for method in ("bf16", "kivi", "quantwm", "quantwm+jensen", "quantwm@2.5"):  # @: the allocator at a budget
+    prefixes = tuple(p for p in (only or "").split(",") if p)
+    for method in ("bf16", "kivi", "quantwm", "quantwm+jensen", "quantwm@2.5", "quantwm-trellis+jensen@2.5"):  # @: budget
+        if prefixes and not any(f"span_attention {method}".startswith(p) or p.startswith(f"span_attention {method}")
+                                for p in prefixes):
+            continue  # none of its variants asked for: its cache is not built (a trellis span codes for seconds)
         name, _, budget = method.partition("@")
         cache = KVCache(CacheConfig(name, sink_chunks=0, recent_chunks=0, budget=float(budget) if budget else None), 1)
         cache.observe(0, torch.randn(1, H, N, D, generator=g))
@@ -181,7 +189,6 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
         if method == "quantwm":  # a chunk of few queries takes 16-row query tiles
             for lowp in (None, "int8"):
                 attention(f"span_attention quantwm, 16 queries, lowp={lowp}", q[:, :16], k, v, False, lowp, 4)
-    prefixes = tuple(p for p in (only or "").split(",") if p)
     return [(n, c) for n, c in out if not prefixes or n.startswith(prefixes)]
 
 

@@ -117,3 +117,26 @@ def test_the_fused_kernel_reads_a_trellis_span_as_its_torch_twin():
         torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(maxima[2], maxima[3], rtol=1e-5, atol=1e-5)
     assert (maxima[2] < maxima[0]).all()  # the Jensen term lowers every logit of the span (one number a query)
+
+
+def test_the_viterbi_kernel_codes_every_width_as_the_reference_does():
+    from quantwm.kernels.trellis_viterbi import trellis_viterbi
+
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(10, 23, generator=g)
+    widths = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 2])
+    got = trellis_viterbi(x, widths, trellis.codebook(), scratch_bytes=3 * 23 * 2048)  # batches of 3 rows
+    for row, k in enumerate(widths.tolist()):
+        want = trellis.viterbi(x[row:row + 1], k, trellis.codebook())[0] if k else torch.zeros(23, dtype=torch.long)
+        assert torch.equal(got[row], want), k
+    with pytest.raises(ValueError, match="need widths"):
+        trellis_viterbi(x, widths[:3], trellis.codebook())
+
+
+def test_a_span_coded_on_the_kernel_path_stores_the_same_bytes(monkeypatch):
+    r = torch.randn(2, 19, 6, generator=torch.Generator().manual_seed(4))
+    bits = torch.tensor([[0, 1, 2, 3, 8, 4], [5, 6, 7, 2, 2, 0]])
+    ref = TrellisChannels.code(r, bits)
+    monkeypatch.setenv("QUANTWM_KERNELS", "triton")
+    fast = TrellisChannels.code(r, bits)
+    assert torch.equal(fast.codes, ref.codes) and torch.equal(fast.low, ref.low) and torch.equal(fast.step_, ref.step_)

@@ -46,6 +46,7 @@ from ..kernels.span_args import (
     TRELLIS_STATE_BITS,
     TRELLIS_UNIT_MSE,
 )
+from .backend import kernel, use_kernels
 from .tables import on_device
 
 STATE_BITS = TRELLIS_STATE_BITS  # L = 12: the state a sample decodes from (4096 trellis states)
@@ -102,14 +103,17 @@ def viterbi(x: torch.Tensor, bits: int, values: torch.Tensor) -> torch.Tensor:
 def encode(y: torch.Tensor, widths: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Integer codes (S, N, D) of y (S, N, D) coded coordinate by coordinate along its tokens with widths (S, D)
     (0: nothing, code 0) against the stored mean and scale (S, D) (their fp16 values; ŷ = mean + scale ·
-    CODEBOOK[state]): one Viterbi search per width present."""
+    CODEBOOK[state]): kernels/trellis_viterbi.py on the fast path (every width in one launch), else one search per
+    width present (`viterbi`; the widths' counts read on the host once)."""
     S, N, D = y.shape
     x = ((y.float() - mean[:, None]) / scale[:, None]).permute(0, 2, 1).reshape(S * D, N)
     flat = widths.reshape(-1).long()
+    table = on_device(codebook(), y.device)
+    if use_kernels(y):  # one launch per batch of rows, every width at once, nothing read back
+        return kernel("trellis_viterbi")(x, flat, table).reshape(S, D, N).permute(0, 2, 1)
     order = flat.argsort(stable=True)  # the rows, grouped by width
     counts = torch.bincount(flat, minlength=len(WIDTHS) + 1).tolist()  # host read: one a span
     codes = torch.zeros(S * D, N, dtype=torch.long, device=y.device)
-    table = on_device(codebook(), y.device)
     start = counts[0]
     for k in WIDTHS:  # at most eight searches a span, one per width present
         rows = order[start:start + counts[k]]

@@ -1,0 +1,92 @@
+"""The bitshift trellis's Viterbi search, every row of a span at once: the twin of quantwm.core.trellis.encode's
+search (quantwm.core.trellis.viterbi, width by width), for `quantwm-trellis` (docs/method.md §2.10).
+
+Row r of x (M, N) (a channel's normalised samples along the span) is coded with widths[r] bits a sample (0: left
+at code 0). The trellis has 2^L states (L = STATE_BITS): state s' = (code << (L − k)) | (s >> k), and state s
+decodes to table[s]. One program per row holds the 2^L path costs in registers and takes one step per sample:
+the least cost over each state's 2^k predecessors (a (2^(L−k), 2^k) min, its argmin kept as a uint8 backpointer
+in `back`), then that cost, broadcast to the state's 2^k successors, plus the squared error of their values. Then
+it walks the backpointers from the cheapest final state and writes the codes. The width is a runtime value; each
+of the eight widths is its own compiled branch (block shapes are constants), so one launch covers a batch of
+rows whatever their widths, and nothing is read back to the host. Rows go in batches whose backpointers (N x
+2^(L−1) bytes a row at most) fit `scratch_bytes`.
+
+Ties between equal path costs go to the lowest predecessor, as torch's min takes the first: the codes equal the
+reference's wherever no two paths cost the same to the last bit.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .span_args import TRELLIS_STATE_BITS
+
+SCRATCH_BYTES = 1 << 30  # backpointers kept at once on a GPU (the interpreter's batches are the caller's)
+
+
+@triton.jit
+def _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, K: tl.constexpr, L: tl.constexpr):
+    S: tl.constexpr = 1 << L
+    KEEP: tl.constexpr = S >> K
+    s = tl.arange(0, S)
+    h = tl.arange(0, KEEP)
+    table = tl.load(table_ptr + s)
+    cost = tl.where(s == 0, 0.0, float("inf"))
+    base = r.to(tl.int64) * N * KEEP
+    for t in range(N):
+        best, arg = tl.min(tl.reshape(cost, (KEEP, 1 << K)), axis=1, return_indices=True, return_indices_tie_break_left=True)
+        tl.store(back_ptr + base + t * KEEP + h, arg.to(tl.uint8))
+        xt = tl.load(x_ptr + row.to(tl.int64) * N + t)
+        err = xt - table
+        cost = tl.reshape(tl.broadcast_to(best[None, :], (1 << K, KEEP)), (S,)) + err * err
+    state = tl.argmin(cost, axis=0, tie_break_left=True).to(tl.int32)
+    for i in range(N):
+        t = N - 1 - i
+        tl.store(codes_ptr + row.to(tl.int64) * N + t, (state >> (L - K)).to(tl.int64))
+        high = state & (KEEP - 1)
+        state = (high << K) | tl.load(back_ptr + base + t * KEEP + high).to(tl.int32)
+
+
+@triton.jit
+def _viterbi_kernel(x_ptr, w_ptr, table_ptr, back_ptr, codes_ptr, row0, N, L: tl.constexpr):
+    r = tl.program_id(0)
+    row = row0 + r
+    width = tl.load(w_ptr + row)
+    if width == 1:
+        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 1, L)
+    elif width == 2:
+        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 2, L)
+    elif width == 3:
+        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 3, L)
+    elif width == 4:
+        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 4, L)
+    elif width == 5:
+        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 5, L)
+    elif width == 6:
+        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 6, L)
+    elif width == 7:
+        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 7, L)
+    elif width == 8:
+        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 8, L)
+
+
+def trellis_viterbi(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor,
+                    scratch_bytes: int = SCRATCH_BYTES) -> torch.Tensor:
+    """x (M, N) float32 normalised samples, widths (M,) 0-8, table (2^L,) float32 the states' values -> codes (M, N)
+    int64 (0 on 0-width rows). A launch per batch of rows (the batches depend on shapes only)."""
+    M, N = x.shape
+    if tuple(widths.shape) != (M,) or table.numel() != 1 << TRELLIS_STATE_BITS:
+        raise ValueError(f"need widths ({M},) and a table of {1 << TRELLIS_STATE_BITS} values, got "
+                         f"{tuple(widths.shape)} and {table.numel()}")
+    codes = torch.zeros(M, N, dtype=torch.int64, device=x.device)
+    if M == 0 or N == 0:
+        return codes
+    per_row = N << (TRELLIS_STATE_BITS - 1)  # the widest backpointer table: width 1
+    rows = max(1, min(M, scratch_bytes // per_row))
+    back = torch.empty(rows * per_row, dtype=torch.uint8, device=x.device)
+    xs, ws, tab = x.float().contiguous(), widths.to(torch.int32).contiguous(), table.float().contiguous()
+    for row0 in range(0, M, rows):  # batches by shape, not by value
+        n = min(rows, M - row0)
+        _viterbi_kernel[(n,)](xs, ws, tab, back, codes, row0, N, L=TRELLIS_STATE_BITS, num_warps=8)
+    return codes
