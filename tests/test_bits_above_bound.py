@@ -33,6 +33,8 @@ def test_bits_above_bound_side_information_is_the_stored_bytes(tiny):
     assert tiny["bits"] == pytest.approx(tiny["bits_cache"], rel=1e-9)
     assert tiny["history"]["parts"]["side information"] == pytest.approx(sum(tiny["side"].values()), abs=1e-12)
     assert tiny["bits"] <= 2.5 + 1e-9
+    # the codes are one tensor of the span: every other stored byte is side information, none of it negative
+    assert 0 < tiny["code_bits"] <= tiny["bits"] and all(v >= 0 for v in tiny["side"].values()), tiny["side"]
 
 
 def test_lloyd_tables_never_above_the_uniform_grid():

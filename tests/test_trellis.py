@@ -69,6 +69,10 @@ def test_trellis_codes_beat_the_best_scalar_grid_on_a_gaussian():
 def test_bad_widths_and_a_constant_channel():
     with pytest.raises(ValueError, match="trellis widths are 1-8 bits, got 9"):
         trellis.viterbi(torch.zeros(1, 4), 9, trellis.codebook())
+    with pytest.raises(ValueError, match="trellis widths are 0-8 bits a channel, got 0..9"):
+        TrellisChannels.code(torch.zeros(1, 4, 2), torch.tensor([[0, 9]]))
+    with pytest.raises(ValueError, match=r"must be \(streams, channels\) = \(1, 2\), got \(2,\)"):
+        TrellisChannels.code(torch.zeros(1, 4, 2), torch.tensor([1, 2]))
     r = torch.full((1, 16, 2), 0.75)
     torch.testing.assert_close(TrellisChannels.code(r, torch.tensor([[2, 8]])).decode(), r, rtol=0, atol=1e-4)
 

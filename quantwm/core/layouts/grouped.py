@@ -132,6 +132,10 @@ class Codebook(Layout):
     def shared(self) -> dict[str, torch.Tensor]:
         return self.residual.shared()
 
+    def roles(self) -> dict[str, str]:
+        """The codebooks and centroid ids are side tables; the residual says what its own tensors are."""
+        return {**dict.fromkeys(self.components(), "tables"), **self.residual.roles()}
+
     def channel_bits(self) -> torch.Tensor | None:
         return self.residual.channel_bits()
 

@@ -16,10 +16,21 @@ import torch
 
 from ...kernels.span_args import TRELLIS, TRELLIS_ERROR_STEP, SideArgs
 from .. import trellis
+from ..quant import deferring
 from ..tables import on_device
 from .channels import Channels, _buffer_size, _byte_layout, _scatter_codes
 
 _ERROR_STEP = torch.tensor(TRELLIS_ERROR_STEP, device="cpu")
+
+
+def _check_widths(b: torch.Tensor) -> None:
+    """Widths in 0-8: a deferred flag under the cache's checks, else read at once (one host read)."""
+    ok = ((b >= 0) & (b <= 8)).all()
+    checks = deferring()
+    if checks is not None:
+        checks.record(ok)
+    elif not bool(ok):
+        raise ValueError(f"trellis widths are 0-8 bits a channel, got {int(b.min())}..{int(b.max())}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -32,8 +43,11 @@ class TrellisChannels(Channels):
         """r (S, N, D) coded channel by channel by the trellis with widths bits (S, D) against its mean and scale
         (fp16) over the span; `capacity` as in `Channels.pack`. `alpha` (a grid's clip) has no meaning here."""
         S, N, D = r.shape
+        if tuple(bits.shape) != (S, D):
+            raise ValueError(f"trellis widths must be (streams, channels) = {(S, D)}, got {tuple(bits.shape)}")
         rf = r.float()
         b = bits.to(r.device).long()
+        _check_widths(b)
         coded = b > 0
         std = rf.std(1, correction=0) if N > 1 else torch.zeros(S, D, device=r.device)
         tiny = torch.finfo(torch.float16).tiny
