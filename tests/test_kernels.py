@@ -171,7 +171,7 @@ def fold_ref(q, acc, m, l, k, v, scale, jensen=False, lowp=None):
     (m, N, dtype) for dtype, lengths in ((torch.bfloat16, (1, 97, 1025)), (torch.float16, (1, 97, 289)))
     for N in lengths for m in ("bf16", "rtn", "kivi", "qvg", "quantwm", "quantwm+jensen", "kivi+jensen")] + [
     (m, N, torch.bfloat16) for N in (97, 289) for m in ("quantwm@3", "quantwm+jensen@3")] + [  # a budget: N > 1
-    (m, 97, torch.bfloat16) for m in ("quantwm-trellis@3", "quantwm-trellis+jensen@3")])
+    ("quantwm-trellis@3", 97, torch.bfloat16)])  # the TRELLIS form (its fp32 twin: below and tests/test_trellis.py)
 def test_span_attention_kernel_error_within_twice_the_input_dtype_reference(method, N, dtype):
     cache = _span_cache(method, N)
     (k, v), = chunk_spans(cache, 0)
@@ -219,8 +219,9 @@ def test_span_attention_state_folds_spans_like_one_softmax():
     torch.testing.assert_close(merge_splits(acc, m, l), want, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("method", ["bf16", "kivi", "quantwm+jensen", "quantwm@3", "quantwm-trellis@3"])
-@pytest.mark.parametrize("lowp", ["int8", "e4m3"])
+@pytest.mark.parametrize("lowp,method", [(lowp, m) for lowp in ("int8", "e4m3")
+                                          for m in ("bf16", "kivi", "quantwm+jensen", "quantwm@3")]
+                         + [("int8", "quantwm-trellis@3")])  # trellis keys are rebuilt tiles in either format
 def test_lowp_kernel_matches_its_emulation_with_one_split(method, lowp):
     """The 8-bit path rounds where quantwm/core/fp8.py does: with one split the only difference left is fp32
     summation order; with splits and bf16 queries it stays within e4m3's rounding of P of the emulation."""
