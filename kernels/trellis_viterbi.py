@@ -53,22 +53,9 @@ def _viterbi_kernel(x_ptr, w_ptr, table_ptr, back_ptr, codes_ptr, row0, N, L: tl
     r = tl.program_id(0)
     row = row0 + r
     width = tl.load(w_ptr + row)
-    if width == 1:
-        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 1, L)
-    elif width == 2:
-        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 2, L)
-    elif width == 3:
-        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 3, L)
-    elif width == 4:
-        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 4, L)
-    elif width == 5:
-        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 5, L)
-    elif width == 6:
-        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 6, L)
-    elif width == 7:
-        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 7, L)
-    elif width == 8:
-        _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, 8, L)
+    for k in tl.static_range(1, 9):  # unrolled: each width its own branch with constant block shapes
+        if width == k:
+            _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, k, L)
 
 
 def trellis_viterbi(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor,
