@@ -7,8 +7,9 @@ it.
 * `kmeans_assign` / `qsac_assign`: nearest centroid under Euclidean distance / QSAC's cost J.
 * `channel_errors` / `allocate_levels` / `pack_channels`: QuantWM's allocator at commit: each channel's error at
   every width and clip, the bit assignment (bisection and greedy fill), the grids and the packed codes.
+* `trellis_viterbi`: quantwm-trellis's encoder, the bitshift trellis's Viterbi search over a span's channels.
 * `span_attention`: a chunk of queries over one cached span (packed, clustered, PSAC-corrected, or full
-  precision), online softmax carried across spans and splits (flash-decoding).
+  precision, or trellis-coded), online softmax carried across spans and splits (flash-decoding).
 
 Installed as `quantwm.kernels` (the distribution claims no top-level name but `quantwm`); it imports
 nothing else from quantwm. Each kernel's PyTorch twin is named `<kernel>_ref` and lives
