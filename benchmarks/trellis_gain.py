@@ -13,6 +13,7 @@ gain is reported on another (seed 2).
     python benchmarks/trellis_gain.py [--sequences 64] [--length 1728]
     python benchmarks/trellis_gain.py --trace t.pt [--budget 2.5]     # on a synthetic trace's Keys (below)
     python benchmarks/trellis_gain.py --tables      # quantwm/core/trellis.py's constants (the bitshift trellis)
+    python benchmarks/trellis_gain.py --warmup      # its error by token position: the first samples of a channel
 
 `--tables`: the bitshift trellis QuantWM codes with (quantwm/core/trellis.py, 2^12 states, QTIP's computed
 codebook) on unit-Gaussian tuning samples (24 sequences of 1728, generator seed 7): at each width 1-8, the codebook
@@ -133,6 +134,20 @@ def bitshift_tables() -> None:
     print("ERROR_RATIO =", (1.0, *(round(r[1] / r[3], 3) for r in rows)))
 
 
+def warmup() -> None:
+    """The `--warmup` table: a span of unit-Gaussian samples (4 streams x 128 tokens x 64 channels, the built-in
+    model's span; generator seed 0) coded by quantwm-trellis's layout at each width, its squared error by token
+    position over the channel's mean. The first samples decode from a window whose earlier bits are the zeros
+    before the channel: fewer choices, larger errors."""
+    from quantwm.core.layouts.trellis import TrellisChannels
+
+    r = torch.randn(4, 128, 64, generator=torch.Generator().manual_seed(0))
+    print("| bits | error of tokens 0-5 over the mean of tokens 12-127 |\n|---|---|")
+    for k in (1, 2, 3, 4):
+        e = (TrellisChannels.code(r, torch.full((4, 64), k)).decode() - r).square().mean((0, 2))
+        print(f"| {k} | " + ", ".join(f"{v / e[12:].mean().item():.1f}" for v in e[:6].tolist()) + " |")
+
+
 def _path(codes: torch.Tensor, k: int) -> torch.Tensor:
     """The codebook values of Viterbi codes (M, N) of width k, by the shift register (the reader's states)."""
     from quantwm.core import trellis
@@ -189,9 +204,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trace", default=None, help="compare on this synthetic trace's Keys instead (docstring)")
     ap.add_argument("--budget", type=float, default=2.5)
     ap.add_argument("--tables", action="store_true", help="measure quantwm/core/trellis.py's constants (docstring)")
+    ap.add_argument("--warmup", action="store_true", help="the trellis's error by token position (docstring)")
     a = ap.parse_args(argv)
     if a.tables:
         return bitshift_tables()
+    if a.warmup:
+        return warmup()
     if a.trace:
         return on_trace(a.trace, a.budget)
     tune = torch.randn(16, 400, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
