@@ -20,7 +20,8 @@ model's own channels.
 Loud tokens (`loud`, docs/method.md §2.8): a span's few tokens whose keys are `loud` times louder than the median
 are kept in BF16 (a `TokenSplit`; the cache splits the Values alike), paid out of the span's budget. S re-aimed
 (`aim_chunks`, §2.9): where the cache knows the model's 3-D RoPE, the Keys read S moved to the frames of the next
-chunks (`SpanContext.aim`) instead of the history's frames.
+chunks (`SpanContext.aim`) instead of the history's frames. Codes (`codes`, §2.10): each coded channel on its
+uniform grid ("grids"), or in a bitshift trellis code ("trellis", `quantwm-trellis`) in the same bytes.
 """
 from __future__ import annotations
 

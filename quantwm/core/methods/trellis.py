@@ -6,8 +6,10 @@ re-aimed by RoPE, the per-channel widths by reverse water-filling within the bud
 its uniform grid's measured error times the trellis's Gaussian error ratio at that width). The stored bytes are
 the allocator's to the byte: the same widths, tables and code buffer, only read differently.
 
-Not yet GPU-shaped: the encoder is a Viterbi search in PyTorch (a step per token, eight searches a span at most),
-and the fused attention kernel does not read the codes (attention decodes the span). Opt-in until both are built.
+On a GPU the encoder is one Triton launch per batch of channels (kernels/trellis_viterbi.py) and the fused
+attention kernel reads the codes (its TRELLIS form); on a CPU a PyTorch search per width. Opt-in: the search does
+4096 state updates per coded sample, not yet timed on a GPU against the commit budget `quantwm` meets, and a
+channel's first samples are coded badly (docs/results.md, "Trellis codes").
 """
 from __future__ import annotations
 
