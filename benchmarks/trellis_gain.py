@@ -135,17 +135,68 @@ def bitshift_tables() -> None:
 
 
 def warmup() -> None:
-    """The `--warmup` table: a span of unit-Gaussian samples (4 streams x 128 tokens x 64 channels, the built-in
-    model's span; generator seed 0) coded by quantwm-trellis's layout at each width, its squared error by token
-    position over the channel's mean. The first samples decode from a window whose earlier bits are the zeros
-    before the channel: fewer choices, larger errors."""
-    from quantwm.core.layouts.trellis import TrellisChannels
+    """The `--warmup` tables: unit-Gaussian samples (256 channels x 128 tokens, the built-in model's span length;
+    generator seed 0, each channel normalised as the layout does) coded at each width by the search quantwm-trellis
+    stores (its path starts at state 0: the bits before a channel read 0) and by a tail-biting search (QTIP's
+    rotation trick: a first search over the channel rotated by half its length gives the state at the channel's end,
+    and a second search starts and ends there, so the bits before the channel would be read from its end; a probe,
+    not the stored format). Per search: the squared error of tokens 0-5 over the mean of tokens 12-115, and the MSE."""
+    from quantwm.core import trellis
 
-    r = torch.randn(4, 128, 64, generator=torch.Generator().manual_seed(0))
-    print("| bits | error of tokens 0-5 over the mean of tokens 12-127 |\n|---|---|")
+    x = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
+    x = (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True, correction=0)
+    print("| bits | search | error of tokens 0-5 over the mean | MSE |\n|---|---|---|---|")
     for k in (1, 2, 3, 4):
-        e = (TrellisChannels.code(r, torch.full((4, 64), k)).decode() - r).square().mean((0, 2))
-        print(f"| {k} | " + ", ".join(f"{v / e[12:].mean().item():.1f}" for v in e[:6].tolist()) + " |")
+        values = trellis.codebook() * trellis.SCALES[k - 1]
+        for name, path in (("state 0 (stored)", _search_path(x, k, values, None)),
+                           ("tail-biting (probe)", _search_path(x, k, values, _rotated_end(x, k, values)))):
+            e = (path - x).square()
+            ratio = e.mean(0)[:6] / e.mean(0)[12:116].mean()
+            print(f"| {k} | {name} | " + ", ".join(f"{v:.1f}" for v in ratio.tolist()) + f" | {e.mean().item():.4f} |")
+
+
+def _rotated_end(x: torch.Tensor, k: int, values: torch.Tensor) -> torch.Tensor:
+    """The tail-biting start: the state after the channel's last sample on the search's path over the channel
+    rotated by half its length (that sample then sits mid-path)."""
+    from quantwm.core import trellis
+
+    half = x.shape[1] // 2
+    codes = trellis.viterbi(torch.cat([x[:, half:], x[:, :half]], 1), k, values)
+    return _states(codes[:, :x.shape[1] - half], k, torch.zeros(x.shape[0], dtype=torch.long))[:, -1]
+
+
+def _states(codes: torch.Tensor, k: int, start: torch.Tensor) -> torch.Tensor:
+    """The shift register's states (M, N) along codes (M, N) of width k from the states `start` (M,)."""
+    from quantwm.core import trellis
+
+    state, out = start, []
+    for t in range(codes.shape[1]):
+        state = (state >> k) | (codes[:, t] << (trellis.STATE_BITS - k))
+        out.append(state)
+    return torch.stack(out, 1)
+
+
+def _search_path(x: torch.Tensor, k: int, values: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
+    """The decoded least-error path of every row of x (M, N): from state 0 (`start` None, quantwm.core.trellis's
+    search), or beginning and ending at the states `start` (M,) (tail-biting)."""
+    from quantwm.core import trellis
+
+    if start is None:
+        return values[_states(trellis.viterbi(x, k, values), k, torch.zeros(x.shape[0], dtype=torch.long))]
+    M, N = x.shape
+    keep = values.numel() >> k
+    cost = torch.full((M, values.numel()), math.inf)
+    cost[torch.arange(M), start] = 0.0
+    back = torch.empty(N, M, keep, dtype=torch.long)
+    for t in range(N):
+        best, back[t] = cost.view(M, keep, 1 << k).min(2)
+        cost = best.repeat(1, 1 << k) + (x[:, t:t + 1] - values[None]).square()
+    state, states = start.clone(), torch.empty(M, N, dtype=torch.long)
+    for t in range(N - 1, -1, -1):  # back from the forced end, which is the start
+        states[:, t] = state
+        high = state & (keep - 1)
+        state = (high << k) | back[t].gather(1, high[:, None])[:, 0]
+    return values[states]
 
 
 def _path(codes: torch.Tensor, k: int) -> torch.Tensor:
