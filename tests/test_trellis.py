@@ -144,3 +144,16 @@ def test_a_span_coded_on_the_kernel_path_stores_the_same_bytes(monkeypatch):
     monkeypatch.setenv("QUANTWM_KERNELS", "triton")
     fast = TrellisChannels.code(r, bits)
     assert torch.equal(fast.codes, ref.codes) and torch.equal(fast.low, ref.low) and torch.equal(fast.step_, ref.step_)
+
+
+def test_a_trellis_span_commits_on_the_e4m3_path_without_reading_its_widest_channel():
+    cache = KVCache(CacheConfig("quantwm-trellis", target="k", budget=2.5, lowp="e4m3", sink_chunks=0,
+                                recent_chunks=0), 1)
+    g = torch.Generator().manual_seed(2)
+    cache.observe(0, torch.randn(1, 2, 64, 64, generator=g))
+    cache.write(0, torch.randn(1, 2, 64, 64, generator=g), torch.randn(1, 2, 64, 64, generator=g), 0)
+    cache.commit(0, 0)
+    (span,) = [s for s in cache.inspect(0) if s.k_enc is not None and s.k_enc.quantized]
+    layout = span.k_enc.coded()[1]
+    residual = getattr(layout, "residual", layout)
+    assert isinstance(residual, TrellisChannels) and "max_bits" not in residual.__dict__  # no host read for it

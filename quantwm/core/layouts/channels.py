@@ -186,9 +186,14 @@ class Channels(Layout):
         widest = self.__dict__.get("max_bits", 8)
         return SideArgs(CHANNELS, self.codes, self.n_tokens, self.step_, self.low_read, meta, max_bits=widest)
 
-    def prepare(self, lowp: str | None = None) -> None:
-        if lowp == "e4m3":  # its rule reads the widest channel: one host read, at commit, on this path only
+    def settle_widest(self, lowp: str | None) -> None:
+        """Read the widest channel where the 8-bit path's rule will ask for it (e4m3), before the kernel view is
+        built from it: one host read, at commit, on this path only."""
+        if lowp == "e4m3":
             _ = self.max_bits
+
+    def prepare(self, lowp: str | None = None) -> None:
+        self.settle_widest(lowp)
         super().prepare(lowp)
 
     def reads_codes(self, qk: str) -> bool:

@@ -169,8 +169,8 @@ class Codebook(Layout):
         return self.kernel_side is not None and self.residual.reads_codes(qk)
 
     def prepare(self, lowp: str | None = None) -> None:
-        if lowp == "e4m3" and isinstance(self.residual, Channels):  # its widest channel, before the view is built
-            _ = self.residual.max_bits  # from it (one host read at commit, on this path only)
+        if isinstance(self.residual, Channels):  # its widest channel where needed, before the view is built from it
+            self.residual.settle_widest(lowp)
         super().prepare(lowp)
 
     def code_form(self) -> CodeForm:

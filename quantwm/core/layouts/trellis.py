@@ -88,6 +88,9 @@ class TrellisChannels(Channels):
         return SideArgs(TRELLIS, self.codes, self.n_tokens, self.step_, self.low_read, meta,
                         max_bits=self.__dict__.get("max_bits", 8))
 
+    def settle_widest(self, lowp: str | None) -> None:
+        """Nothing: no 8-bit rule reads a trellis span's widest channel (it has no integer-code form)."""
+
     def reads_codes(self, qk: str) -> bool:
         return False
 
