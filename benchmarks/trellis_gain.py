@@ -125,7 +125,8 @@ def bitshift_tables() -> None:
         best = None
         for scale in [round(0.8 + 0.1 * i, 1) for i in range(11)]:
             codes = trellis.viterbi(x / scale, k, trellis.codebook())
-            err = (x - scale * _path(codes, k)).square().mean().item()
+            path = trellis.mad(_states(codes, k, torch.zeros(x.shape[0], dtype=torch.long)))
+            err = (x - scale * path).square().mean().item()
             best = min(best or (err, scale), (err, scale))
         rows.append((k, best[0], best[1], uniform))
         print(f"| {k} | {best[1]:.1f} | {best[0]:.3g} | {uniform:.3g} | {best[0] / uniform:.3f} |", flush=True)
@@ -197,18 +198,6 @@ def _search_path(x: torch.Tensor, k: int, values: torch.Tensor, start: torch.Ten
         high = state & (keep - 1)
         state = (high << k) | back[t].gather(1, high[:, None])[:, 0]
     return values[states]
-
-
-def _path(codes: torch.Tensor, k: int) -> torch.Tensor:
-    """The codebook values of Viterbi codes (M, N) of width k, by the shift register (the reader's states)."""
-    from quantwm.core import trellis
-
-    state = torch.zeros(codes.shape[0], dtype=torch.long)
-    out = []
-    for t in range(codes.shape[1]):
-        state = (state >> k) | (codes[:, t] << (trellis.STATE_BITS - k))
-        out.append(state)
-    return trellis.mad(torch.stack(out, 1))
 
 
 def on_trace(path: str, budget: float) -> None:
