@@ -155,7 +155,8 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
                                            torch.full((H,), 2.5 * N * D))))
     from quantwm.core.trellis import codebook
     out.append(("trellis_viterbi", capture(trellis_viterbi, "_viterbi_kernel", trellis_viterbi.trellis_viterbi,
-                                           x.permute(0, 2, 1).reshape(H * D, N), widths.flatten(), codebook())))
+                                           x.permute(0, 2, 1).reshape(H * D, N), widths.flatten(), codebook(),
+                                           torch.zeros(H * D, dtype=torch.long))))  # tail-biting: the wider variant
     c = torch.randn(H, 64, D, generator=g)
     out.append(("kmeans_assign", capture(kmeans_assign, "_kmeans_assign_kernel", kmeans_assign.kmeans_assign, x, c)))
     w = torch.rand(H, D, generator=g)

@@ -123,9 +123,8 @@ def bitshift_tables() -> None:
                                   torch.tensor(CLIPS), 1.0)
         uniform = E.sum().item() / x.numel()
         best = None
-        for scale in [round(0.8 + 0.1 * i, 1) for i in range(11)]:
-            codes = trellis.viterbi(x / scale, k, trellis.codebook())
-            path = trellis.mad(_states(codes, k, torch.zeros(x.shape[0], dtype=torch.long)))
+        for scale in [round(0.8 + 0.1 * i, 1) for i in range(11)]:  # the stored search: tail-biting
+            path = _search_path(x / scale, k, trellis.codebook(), tail=True)
             err = (x - scale * path).square().mean().item()
             best = min(best or (err, scale), (err, scale))
         rows.append((k, best[0], best[1], uniform))
@@ -138,10 +137,10 @@ def bitshift_tables() -> None:
 def warmup() -> None:
     """The `--warmup` tables: unit-Gaussian samples (256 channels x 128 tokens, the built-in model's span length;
     generator seed 0, each channel normalised as the layout does) coded at each width by the search quantwm-trellis
-    stores (its path starts at state 0: the bits before a channel read 0) and by a tail-biting search (QTIP's
-    rotation trick: a first search over the channel rotated by half its length gives the state at the channel's end,
-    and a second search starts and ends there, so the bits before the channel would be read from its end; a probe,
-    not the stored format). Per search: the squared error of tokens 0-5 over the mean of tokens 12-115, and the MSE."""
+    stores (tail-biting: the bits before a channel are read from its end, and the path begins and ends in the state
+    quantwm.core.trellis.wrap_states picks, QTIP's rotation trick over a window) and by the search from state 0
+    whose first samples read zeros before the channel (the format before the tail-biting one). Per search: the
+    squared error of tokens 0-5 over the mean of tokens 12-115, and the MSE."""
     from quantwm.core import trellis
 
     x = torch.randn(256, 128, generator=torch.Generator().manual_seed(0))
@@ -149,21 +148,10 @@ def warmup() -> None:
     print("| bits | search | error of tokens 0-5 over the mean | MSE |\n|---|---|---|---|")
     for k in (1, 2, 3, 4):
         values = trellis.codebook() * trellis.SCALES[k - 1]
-        for name, path in (("state 0 (stored)", _search_path(x, k, values, None)),
-                           ("tail-biting (probe)", _search_path(x, k, values, _rotated_end(x, k, values)))):
-            e = (path - x).square()
+        for name, tail in (("from state 0 (before)", False), ("tail-biting (stored)", True)):
+            e = (_search_path(x, k, values, tail) - x).square()
             ratio = e.mean(0)[:6] / e.mean(0)[12:116].mean()
             print(f"| {k} | {name} | " + ", ".join(f"{v:.1f}" for v in ratio.tolist()) + f" | {e.mean().item():.4f} |")
-
-
-def _rotated_end(x: torch.Tensor, k: int, values: torch.Tensor) -> torch.Tensor:
-    """The tail-biting start: the state after the channel's last sample on the search's path over the channel
-    rotated by half its length (that sample then sits mid-path)."""
-    from quantwm.core import trellis
-
-    half = x.shape[1] // 2
-    codes = trellis.viterbi(torch.cat([x[:, half:], x[:, :half]], 1), k, values)
-    return _states(codes[:, :x.shape[1] - half], k, torch.zeros(x.shape[0], dtype=torch.long))[:, -1]
 
 
 def _states(codes: torch.Tensor, k: int, start: torch.Tensor) -> torch.Tensor:
@@ -177,27 +165,15 @@ def _states(codes: torch.Tensor, k: int, start: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, 1)
 
 
-def _search_path(x: torch.Tensor, k: int, values: torch.Tensor, start: torch.Tensor | None) -> torch.Tensor:
-    """The decoded least-error path of every row of x (M, N): from state 0 (`start` None, quantwm.core.trellis's
-    search), or beginning and ending at the states `start` (M,) (tail-biting)."""
+def _search_path(x: torch.Tensor, k: int, values: torch.Tensor, tail: bool) -> torch.Tensor:
+    """The decoded least-error path of every row of x (M, N) (N k >= 12) at width k: tail-biting as quantwm-trellis
+    stores it, or from state 0."""
     from quantwm.core import trellis
 
-    if start is None:
-        return values[_states(trellis.viterbi(x, k, values), k, torch.zeros(x.shape[0], dtype=torch.long))]
-    M, N = x.shape
-    keep = values.numel() >> k
-    cost = torch.full((M, values.numel()), math.inf)
-    cost[torch.arange(M), start] = 0.0
-    back = torch.empty(N, M, keep, dtype=torch.long)
-    for t in range(N):
-        best, back[t] = cost.view(M, keep, 1 << k).min(2)
-        cost = best.repeat(1, 1 << k) + (x[:, t:t + 1] - values[None]).square()
-    state, states = start.clone(), torch.empty(M, N, dtype=torch.long)
-    for t in range(N - 1, -1, -1):  # back from the forced end, which is the start
-        states[:, t] = state
-        high = state & (keep - 1)
-        state = (high << k) | back[t].gather(1, high[:, None])[:, 0]
-    return values[states]
+    start = torch.zeros(x.shape[0], dtype=torch.long)
+    if tail:
+        start = trellis.wrap_states(x, torch.full_like(start, k), lambda w: trellis.viterbi(w, k, values))
+    return values[_states(trellis.viterbi(x, k, values, start if tail else None), k, start)]
 
 
 def on_trace(path: str, budget: float) -> None:

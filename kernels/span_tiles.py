@@ -167,29 +167,41 @@ def _code_dots(q_lp, q_sc, q3, qsum, qf32, codes_ptr, scale_ptr, zero_ptr, meta_
 
 
 @triton.jit
-def _trellis_values(codes_ptr, meta_ptr, s, rows, d, D, m2, dmask):
+def _trellis_values(codes_ptr, meta_ptr, s, rows, d, N, D, m2, dmask):
     """(codebook values (BN, BD) fp32, bits (BD,) int32) of a TRELLIS side's samples `rows` of stream s: the state
-    is the STATE_BITS bits of the channel's stream ending where the sample's code ends (bits before the channel read
-    0; the window spans at most three bytes, all the channel's own), and its value QTIP's 1MAD of the state, the
-    integer and fp32 steps of quantwm/core/trellis.py's `mad`. 0-bit channels and rows outside m2 read 0."""
+    is the STATE_BITS bits of the channel's stream ending where the sample's code ends, the bits before the stream's
+    first read from its end where it holds at least STATE_BITS bits (tail-biting), else 0 (each part at most three
+    bytes, all the channel's own), and its value QTIP's 1MAD of the state, the integer and fp32 steps of
+    quantwm/core/trellis.py's `mad`. 0-bit channels and rows outside m2 read 0."""
     meta = tl.load(meta_ptr + s * D + d, mask=dmask, other=0)
     bits = (meta & 15).to(tl.int32)
-    end = (rows[:, None].to(tl.int64) + 1) * bits[None, :]
+    base = (meta >> 4)[None, :] * 8  # the channel's first bit (int64)
+    end = (rows[:, None] + 1) * bits[None, :]  # int32 from here: a stream holds fewer than 2^31 bits
     first = tl.maximum(end - STATE_BITS, 0)
-    length = (end - first).to(tl.int32)
-    pos = (meta >> 4)[None, :] * 8 + first
-    byte = pos // 8
-    shift = (pos % 8).to(tl.int32)
+    length = end - first
     live = m2 & (bits[None, :] > 0)
-    b0 = tl.load(codes_ptr + byte, mask=live, other=0).to(tl.int64)
-    b1 = tl.load(codes_ptr + byte + 1, mask=live & (shift + length > 8), other=0).to(tl.int64)
-    b2 = tl.load(codes_ptr + byte + 2, mask=live & (shift + length > 16), other=0).to(tl.int64)
-    window = ((b0 | (b1 << 8) | (b2 << 16)) >> shift) & ((1 << length) - 1)
-    state = (window << STATE_BITS) >> length  # the window in the state's top bits: window << (L - length)
-    x = (state * MAD_MULT + MAD_ADD) & 0xFFFFFFFF
+    state = (_stream_bits(codes_ptr, base + first, length, live) << STATE_BITS) >> length  # in the state's top bits
+    if tl.min(rows, axis=0) < STATE_BITS - 1:  # a tile holding a channel's first samples (the span's first tile)
+        n_bits = N * bits[None, :]  # the stream's length
+        wrap = live & (end < STATE_BITS) & (n_bits >= STATE_BITS)
+        missing = tl.where(wrap, STATE_BITS - end, 0)  # the window's oldest bits: the stream's last ones
+        state |= _stream_bits(codes_ptr, base + (n_bits - missing), missing, wrap)
+    x = state.to(tl.uint32) * MAD_MULT + MAD_ADD  # mod 2^32
     total = (x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)
     value = (total.to(tl.float32) - MAD_CENTER) * MAD_SCALE
     return tl.where(live, value, 0.0), bits
+
+
+@triton.jit
+def _stream_bits(codes_ptr, pos, length, live):
+    """The `length` (at most 17) bits of the code buffer from bit `pos` (int64) on, little-endian (int32; 0 where not
+    live)."""
+    byte = pos // 8
+    shift = (pos % 8).to(tl.int32)
+    b0 = tl.load(codes_ptr + byte, mask=live, other=0).to(tl.int32)
+    b1 = tl.load(codes_ptr + byte + 1, mask=live & (shift + length > 8), other=0).to(tl.int32)
+    b2 = tl.load(codes_ptr + byte + 2, mask=live & (shift + length > 16), other=0).to(tl.int32)
+    return ((b0 | (b1 << 8) | (b2 << 16)) >> shift) & ((1 << length) - 1)
 
 
 @triton.jit
@@ -203,7 +215,7 @@ def _rebuild(data_ptr, scale_ptr, zero_ptr, meta_ptr, cb_ptr, ids_ptr, s, rows, 
     through the same table, against per-channel scales (scale_ptr) and means (zero_ptr)."""
     m2 = rmask[:, None] & dmask[None, :]
     if FORM == TRELLIS:
-        value, _ = _trellis_values(data_ptr, meta_ptr, s, rows, d, D, m2, dmask)
+        value, _ = _trellis_values(data_ptr, meta_ptr, s, rows, d, N, D, m2, dmask)
         scale = tl.load(scale_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32)
         mean = tl.load(zero_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32)
         x = tl.where(m2, mean[None, :] + value * scale[None, :], 0.0)

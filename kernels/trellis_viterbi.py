@@ -6,7 +6,9 @@ at code 0). The trellis has 2^L states (L = STATE_BITS): state s' = (code << (L 
 decodes to table[s]. One program per row holds the 2^L path costs in registers and takes one step per sample:
 the least cost over each state's 2^k predecessors (a (2^(L−k), 2^k) min, its argmin kept as a uint8 backpointer
 in `back`), then that cost, broadcast to the state's 2^k successors, plus the squared error of their values. Then
-it walks the backpointers from the cheapest final state and writes the codes. The width is a runtime value; each
+it walks the backpointers from the cheapest final state and writes the codes. Given start states (the tail-biting
+search of quantwm.core.trellis.encode), a row of at least L bits begins after its start state and its walk back
+begins there too. The width is a runtime value; each
 of the eight widths is its own compiled branch (block shapes are constants), so one launch covers a batch of
 rows whatever their widths, and nothing is read back to the host. Rows go in batches whose backpointers (N x
 2^(L−1) bytes a row at most) fit `scratch_bytes`.
@@ -26,13 +28,13 @@ SCRATCH_BYTES = 1 << 30  # backpointers kept at once on a GPU (the interpreter's
 
 
 @triton.jit
-def _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, K: tl.constexpr, L: tl.constexpr):
+def _search(x_ptr, table_ptr, back_ptr, codes_ptr, first, tail, row, r, N, K: tl.constexpr, L: tl.constexpr):
     S: tl.constexpr = 1 << L
     KEEP: tl.constexpr = S >> K
     s = tl.arange(0, S)
     h = tl.arange(0, KEEP)
     table = tl.load(table_ptr + s)
-    cost = tl.where(s == 0, 0.0, float("inf"))
+    cost = tl.where(s == first, 0.0, float("inf"))
     base = r.to(tl.int64) * N * KEEP
     for t in range(N):
         best, arg = tl.min(tl.reshape(cost, (KEEP, 1 << K)), axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -40,7 +42,7 @@ def _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, K: tl.constexpr, L
         xt = tl.load(x_ptr + row.to(tl.int64) * N + t)
         err = xt - table
         cost = tl.reshape(tl.broadcast_to(best[None, :], (1 << K, KEEP)), (S,)) + err * err
-    state = tl.argmin(cost, axis=0, tie_break_left=True).to(tl.int32)
+    state = tl.where(tail, first, tl.argmin(cost, axis=0, tie_break_left=True).to(tl.int32))
     for i in range(N):
         t = N - 1 - i
         tl.store(codes_ptr + row.to(tl.int64) * N + t, (state >> (L - K)).to(tl.int64))
@@ -49,23 +51,30 @@ def _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, K: tl.constexpr, L
 
 
 @triton.jit
-def _viterbi_kernel(x_ptr, w_ptr, table_ptr, back_ptr, codes_ptr, row0, N, L: tl.constexpr):
+def _viterbi_kernel(x_ptr, w_ptr, start_ptr, table_ptr, back_ptr, codes_ptr, row0, N, L: tl.constexpr,
+                    TAIL: tl.constexpr):
     r = tl.program_id(0)
     row = row0 + r
     width = tl.load(w_ptr + row)
+    tail = (N * width >= L) & TAIL  # a row of at least L bits: the tail-biting path through its start state
+    first = tl.load(start_ptr + row, mask=tail, other=0).to(tl.int32)
     for k in tl.static_range(1, 9):  # unrolled: each width its own branch with constant block shapes
         if width == k:
-            _search(x_ptr, table_ptr, back_ptr, codes_ptr, row, r, N, k, L)
+            _search(x_ptr, table_ptr, back_ptr, codes_ptr, first, tail, row, r, N, k, L)
 
 
-def trellis_viterbi(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor,
+def trellis_viterbi(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, start: torch.Tensor | None = None,
                     scratch_bytes: int = SCRATCH_BYTES) -> torch.Tensor:
     """x (M, N) float32 normalised samples, widths (M,) 0-8, table (2^L,) float32 the states' values -> codes (M, N)
-    int64 (0 on 0-width rows). A launch per batch of rows (the batches depend on shapes only)."""
+    int64 (0 on 0-width rows): every row's path from state 0 with a free end, or, given `start` (M,) states, the
+    tail-biting path through start[r] of every row of at least L bits (N · width >= L; the others' from state 0).
+    A launch per batch of rows (the batches depend on shapes only)."""
     M, N = x.shape
-    if tuple(widths.shape) != (M,) or table.numel() != 1 << TRELLIS_STATE_BITS:
-        raise ValueError(f"need widths ({M},) and a table of {1 << TRELLIS_STATE_BITS} values, got "
-                         f"{tuple(widths.shape)} and {table.numel()}")
+    if (tuple(widths.shape) != (M,) or table.numel() != 1 << TRELLIS_STATE_BITS
+            or (start is not None and tuple(start.shape) != (M,))):
+        raise ValueError(f"need widths ({M},), start states None or ({M},) and a table of {1 << TRELLIS_STATE_BITS} "
+                         f"values, got {tuple(widths.shape)}, {None if start is None else tuple(start.shape)} and "
+                         f"{table.numel()}")
     codes = torch.zeros(M, N, dtype=torch.int64, device=x.device)
     if M == 0 or N == 0:
         return codes
@@ -73,7 +82,9 @@ def trellis_viterbi(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor,
     rows = max(1, min(M, scratch_bytes // per_row))
     back = torch.empty(rows * per_row, dtype=torch.uint8, device=x.device)
     xs, ws, tab = x.float().contiguous(), widths.to(torch.int32).contiguous(), table.float().contiguous()
+    starts = None if start is None else start.to(torch.int32).contiguous()
     for row0 in range(0, M, rows):  # batches by shape, not by value
         n = min(rows, M - row0)
-        _viterbi_kernel[(n,)](xs, ws, tab, back, codes, row0, N, L=TRELLIS_STATE_BITS, num_warps=8)
+        _viterbi_kernel[(n,)](xs, ws, ws if start is None else starts, tab, back, codes, row0, N, L=TRELLIS_STATE_BITS,
+                              TAIL=start is not None, num_warps=8)
     return codes

@@ -21,42 +21,64 @@ def test_the_codebook_is_computed_from_the_state_and_close_to_a_unit_gaussian():
     assert [round(v, 4) for v in cb[[0, 1, 2, 4095]].tolist()] == [-1.2517, -0.839, -0.4263, 1.272]
 
 
-def _path_values(codes: torch.Tensor, k: int) -> torch.Tensor:
-    """Decode codes (M, N) by the shift register itself: s_t = (s_{t-1} >> k) | (code_t << (L - k)), s_{-1} = 0."""
+def _path_values(codes: torch.Tensor, k: int, tail: bool = False) -> torch.Tensor:
+    """Decode codes (M, N) by the shift register itself: s_t = (s_{t-1} >> k) | (code_t << (L - k)), from s_{-1} = 0
+    or (tail) from the state the register holds after the last code (s_{-1} = s_{N-1})."""
     state = torch.zeros(codes.shape[0], dtype=torch.long)
     out = []
-    for t in range(codes.shape[1]):
-        state = (state >> k) | (codes[:, t] << (trellis.STATE_BITS - k))
-        out.append(trellis.codebook()[state])
+    for _ in range(2 if tail else 1):
+        out = []
+        for t in range(codes.shape[1]):
+            state = (state >> k) | (codes[:, t] << (trellis.STATE_BITS - k))
+            out.append(trellis.codebook()[state])
     return torch.stack(out, 1)
 
 
-@pytest.mark.parametrize("k,n", [(1, 7), (2, 4), (3, 3)])
-def test_viterbi_finds_the_least_error_path(k, n):
-    x = torch.randn(3, n, generator=torch.Generator().manual_seed(k))
-    codes = trellis.viterbi(x, k, trellis.codebook())
-    got = (_path_values(codes, k) - x).square().sum(1)
+@pytest.mark.parametrize("k,n,tail", [(1, 7, False), (2, 4, False), (3, 3, False), (1, 12, True), (2, 6, True),
+                                      (3, 4, True), (5, 3, True)])
+def test_viterbi_finds_the_least_error_path(k, n, tail):
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(3, n, generator=g)
     every = torch.tensor(list(itertools.product(range(1 << k), repeat=n)))  # (2^(k n), n): every code sequence
+    start = None
+    if tail:  # a tail-biting path ends in its start state: the sequences that do
+        start = torch.randint(0, 1 << trellis.STATE_BITS, (3,), generator=g)
+        ends = trellis.end_state(every, torch.full((len(every),), k), n - 1)
+    codes = trellis.viterbi(x, k, trellis.codebook(), start)
+    got = (_path_values(codes, k, tail) - x).square().sum(1)
     for row in range(x.shape[0]):
-        best = (_path_values(every, k) - x[row]).square().sum(1).min()
+        pool = every if start is None else every[ends == start[row]]
+        if start is not None:
+            assert trellis.end_state(codes[row:row + 1], torch.tensor([k]), n - 1) == start[row]
+            assert len(pool) == 1 << (n * k - trellis.STATE_BITS)
+        best = (_path_values(pool, k, tail) - x[row]).square().sum(1).min()
         assert got[row] <= best + 1e-5
+    with pytest.raises(ValueError, match="needs one start state a row"):
+        trellis.viterbi(x[:, :2], 2, trellis.codebook(), torch.zeros(3, dtype=torch.long))  # 4 bits a row
 
 
-def test_a_span_decodes_from_its_buffer_as_the_search_coded_it():
+@pytest.mark.parametrize("n", [37, 5])  # a stream of 5 codes of 1 or 2 bits is shorter than a state: no wrap
+def test_a_span_decodes_from_its_buffer_as_the_search_coded_it(n):
     g = torch.Generator().manual_seed(0)
-    r = torch.randn(2, 37, 5, generator=g) * 3 + 1
+    r = torch.randn(2, n, 5, generator=g) * 3 + 1
     bits = torch.tensor([[0, 1, 2, 5, 8], [3, 4, 6, 7, 2]])
     layout = TrellisChannels.code(r, bits)
     low, step = layout.low.float(), layout.step_.float()
-    x = (r - low[:, None]) / step[:, None]
+    codes = trellis.encode(r, bits, low, step)
     for s, d in itertools.product(range(2), range(5)):
         k = int(bits[s, d])
         if k:
-            codes = trellis.viterbi(x[s, :, d][None], k, trellis.codebook())
-            want = low[s, d] + step[s, d] * _path_values(codes, k)[0]
+            want = low[s, d] + step[s, d] * _path_values(codes[s, :, d][None], k, n * k >= trellis.STATE_BITS)[0]
             torch.testing.assert_close(layout.decode()[s, :, d], want)
-    assert torch.equal(layout.decode()[0, :, 0], torch.zeros(37))  # a 0-bit channel: its centroid alone
-    assert layout.nbytes() == bits.numel() * 5 + int(_byte_layout(bits, 37)[1])  # Channels' bytes to the byte
+    assert torch.equal(layout.decode()[0, :, 0], torch.zeros(n))  # a 0-bit channel: its centroid alone
+    assert layout.nbytes() == bits.numel() * 5 + int(_byte_layout(bits, n)[1])  # Channels' bytes to the byte
+
+
+def test_a_channels_first_samples_code_as_well_as_the_rest():
+    x = torch.randn(1, 128, 96, generator=torch.Generator().manual_seed(11))  # 96 channels of 128 tokens
+    for k in (1, 2, 3):
+        err = (TrellisChannels.code(x, torch.full((1, 96), k)).decode() - x).square().mean((0, 2))
+        assert err[:4].mean() < 1.5 * err[16:112].mean(), k  # from state 0: 3.4x at 1 bit (the window read zeros)
 
 
 def test_trellis_codes_beat_the_best_scalar_grid_on_a_gaussian():
@@ -129,10 +151,14 @@ def test_the_viterbi_kernel_codes_every_width_as_the_reference_does():
     g = torch.Generator().manual_seed(9)
     x = torch.randn(10, 23, generator=g)
     widths = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 2])
-    got = trellis_viterbi(x, widths, trellis.codebook(), scratch_bytes=3 * 23 * 2048)  # batches of 3 rows
-    for row, k in enumerate(widths.tolist()):
-        want = trellis.viterbi(x[row:row + 1], k, trellis.codebook())[0] if k else torch.zeros(23, dtype=torch.long)
-        assert torch.equal(got[row], want), k
+    start = torch.randint(0, 4096, (10,), generator=g)
+    for tail in (False, True):  # from state 0; tail-biting through `start`
+        got = trellis_viterbi(x, widths, trellis.codebook(), start if tail else None,
+                              scratch_bytes=3 * 23 * 2048)  # batches of 3 rows
+        for row, k in enumerate(widths.tolist()):
+            want = trellis.viterbi(x[row:row + 1], k, trellis.codebook(), start[row:row + 1] if tail else None)[0] \
+                if k else torch.zeros(23, dtype=torch.long)
+            assert torch.equal(got[row], want), (k, tail)
     with pytest.raises(ValueError, match="need widths"):
         trellis_viterbi(x, widths[:3], trellis.codebook())
 

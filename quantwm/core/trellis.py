@@ -4,14 +4,15 @@ sample, read at random (docs/method.md §2.10; issue 44's block code).
 A coordinate's N samples, normalised x_t = (y_t − mean) / scale, are coded with k bits each (k = 1..8), exactly
 as many bits as a k-bit uniform grid stores, in the same little-endian bitstream (`Channels`' buffer: code t at
 bits [t k, t k + k)). What differs is what a code means. The reader of sample t takes the STATE_BITS = L bits of
-the stream that end where code t ends, bits [(t + 1) k − L, (t + 1) k) (bits before the coordinate's first one
-read 0), as an integer s_t, and decodes
+the stream that end where code t ends, bits [(t + 1) k − L, (t + 1) k), as an integer s_t, and decodes
 
     ŷ_t = mean + scale · CODEBOOK[s_t]      (scale: the coordinate's standard deviation times SCALES[k]).
 
 So s_t = (s_{t−1} >> k) | (code_t << (L − k)): a shift register, and each code picks one of 2^k successors of the
-previous state, a path through a trellis of 2^L states. The encoder finds the path of least squared error by the
-Viterbi search (one step per token, every sequence and state at once). CODEBOOK holds 2^L values whose histogram
+previous state, a path through a trellis of 2^L states. The bits before the stream's first are its last ones (a
+tail-biting trellis: s_{−1} = s_{N−1}) where the stream holds at least L bits, else 0, so that no sample decodes
+from a window of padding. The encoder finds the path of least squared error by the Viterbi search (one step per
+token, every sequence and state at once), tail-biting by QTIP's rotation trick (`wrap_states`). CODEBOOK holds 2^L values whose histogram
 is close to the unit Gaussian's, computed from s alone (QTIP's "1MAD": a 32-bit linear congruential step of s,
 then the sum of its four bytes, centred and scaled: `mad`), so the paths through it fill space better than any
 scalar grid (the "bitshift trellis" of QTIP, Tseng et al., arXiv 2406.11235). Decoding needs no scan and no
@@ -55,6 +56,7 @@ SCALES = TRELLIS_SCALES[1:]  # codebook scale per width 1..8 (module docstring's
 UNIT_MSE = TRELLIS_UNIT_MSE  # per unit variance, widths 0..8
 ERROR_RATIO = (1.0, 0.602, 0.579, 0.477, 0.414, 0.391, 0.403, 0.486, 0.558)  # trellis / uniform MSE, widths 0..8
 BACKPOINTER_BYTES = 1 << 27  # the Viterbi search keeps at most this many bytes of backpointers at once
+WRAP_TOKENS = 64  # the tail-biting start's search sees this many samples either side of the wrap (`wrap_states`)
 _SCALE_TABLE = torch.tensor(TRELLIS_SCALES, device="cpu")
 
 
@@ -73,26 +75,31 @@ def codebook() -> torch.Tensor:
     return mad(torch.arange(1 << STATE_BITS, device="cpu"))
 
 
-def viterbi(x: torch.Tensor, bits: int, values: torch.Tensor) -> torch.Tensor:
+def viterbi(x: torch.Tensor, bits: int, values: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
     """Codes (M, N) int64 in [0, 2^bits) of the least-squared-error path of every row of x (M, N) through the trellis
-    whose state s decodes to values[s] (2^L,), starting from state 0. One step per token for every row and state at
-    once; rows in batches whose backpointers (N x rows x 2^(L − bits) bytes) stay within BACKPOINTER_BYTES."""
+    whose state s decodes to values[s] (2^L,): from state 0 with a free end, or, given `start` (M,) states, the
+    tail-biting path that begins after start[r] and ends in it (needs N · bits >= L, so that every state can end a
+    path). One step per token for every row and state at once; rows in batches whose backpointers (N x rows x
+    2^(L − bits) bytes) stay within BACKPOINTER_BYTES."""
     M, N = x.shape
     if not 1 <= bits <= 8:
         raise ValueError(f"trellis widths are 1-8 bits, got {bits}")
+    if start is not None and (tuple(start.shape) != (M,) or N * bits < STATE_BITS):
+        raise ValueError(f"a tail-biting search needs one start state a row ({M},) and at least {STATE_BITS} bits a "
+                         f"row, got {tuple(start.shape)} and {N} x {bits}")
     n_states, keep = values.numel(), values.numel() >> bits  # 2^L states; each is reached from 2^bits of them
     rows = max(1, BACKPOINTER_BYTES // max(1, N * keep))
     out = torch.empty(M, N, dtype=torch.long, device=x.device)
     for at in range(0, M, rows):  # one batch at the shapes a span meets
         xb = x[at:at + rows].float()
         m = xb.shape[0]
-        cost = torch.full((m, n_states), math.inf, device=x.device)
-        cost[:, 0] = 0.0
+        first = torch.zeros(m, dtype=torch.long, device=x.device) if start is None else start[at:at + m].long()
+        cost = torch.full((m, n_states), math.inf, device=x.device).scatter_(1, first[:, None], 0.0)
         back = torch.empty(N, m, keep, dtype=torch.uint8, device=x.device)
         for t in range(N):  # s' = (code << (L − bits)) | (s >> bits): the low bits of s are what is forgotten
             best, back[t] = cost.view(m, keep, 1 << bits).min(2)
             cost = best.repeat(1, 1 << bits) + (xb[:, t:t + 1] - values[None]).square()
-        state = cost.argmin(1)
+        state = cost.argmin(1) if start is None else first
         for t in range(N - 1, -1, -1):
             out[at:at + m, t] = state >> (STATE_BITS - bits)
             high = state & (keep - 1)
@@ -100,41 +107,79 @@ def viterbi(x: torch.Tensor, bits: int, values: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def end_state(codes: torch.Tensor, widths: torch.Tensor, at: int) -> torch.Tensor:
+    """The state (M,) int64 after code `at` of every row of codes (M, N) of widths (M,) (0-8), read from state 0:
+    the L bits that end where code `at` ends (the codes before the row's first read 0). Batched over the window's
+    at most L codes."""
+    j = torch.arange(STATE_BITS, device=codes.device)  # code at − j ...
+    pos = at - j
+    window = codes[:, pos.clamp_min(0)] * (pos >= 0)  # (M, L)
+    shift = STATE_BITS - widths.long()[:, None] * (j + 1)  # ... sits at bit `shift` of the state (< 0: partly out)
+    part = torch.where(shift >= 0, window << shift.clamp_min(0), window >> (-shift).clamp(0, 63))
+    return torch.where(shift > -widths.long()[:, None], part, 0).sum(1)
+
+
+def wrap_states(x: torch.Tensor, widths: torch.Tensor, search) -> torch.Tensor:
+    """Each row's tail-biting state (M,): the state after its last sample on the free-start search over a window
+    around the wrap, its last WRAP_TOKENS samples (at most half the row) then its first (so that the last sample
+    sits mid-path); QTIP's rotation trick, over a window. `search(window)` codes the window (M, W) at `widths`."""
+    N = x.shape[1]
+    before, after = min(N - N // 2, WRAP_TOKENS), min(N // 2, WRAP_TOKENS)
+    window = torch.cat([x[:, N - before:], x[:, :after]], 1)
+    return end_state(search(window), widths, before - 1)
+
+
 def encode(y: torch.Tensor, widths: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Integer codes (S, N, D) of y (S, N, D) coded coordinate by coordinate along its tokens with widths (S, D)
     (0: nothing, code 0) against the stored mean and scale (S, D) (their fp16 values; ŷ = mean + scale ·
-    CODEBOOK[state]): kernels/trellis_viterbi.py on the fast path (every width in one launch), else one search per
-    width present (`viterbi`; the widths' counts read on the host once)."""
+    CODEBOOK[state]). A coordinate of N · k >= L bits takes the tail-biting path through the state `wrap_states`
+    picks (`states` reads the bits before its first from its end); a shorter one the path from state 0.
+    kernels/trellis_viterbi.py on the fast path (every width in one launch a search), else the searches of
+    `viterbi`, width by width present (the widths' counts read on the host once)."""
     S, N, D = y.shape
     x = ((y.float() - mean[:, None]) / scale[:, None]).permute(0, 2, 1).reshape(S * D, N)
     flat = widths.reshape(-1).long()
     table = on_device(codebook(), y.device)
-    if use_kernels(y):  # one launch per batch of rows, every width at once, nothing read back
-        return kernel("trellis_viterbi")(x, flat, table).reshape(S, D, N).permute(0, 2, 1)
+    if use_kernels(y):  # two launches per batch of rows, every width at once, nothing read back
+        search = kernel("trellis_viterbi")
+        start = wrap_states(x, flat, lambda w: search(w, flat, table))
+        return search(x, flat, table, start).reshape(S, D, N).permute(0, 2, 1)
     order = flat.argsort(stable=True)  # the rows, grouped by width
     counts = torch.bincount(flat, minlength=len(WIDTHS) + 1).tolist()  # host read: one a span
     codes = torch.zeros(S * D, N, dtype=torch.long, device=y.device)
-    start = counts[0]
-    for k in WIDTHS:  # at most eight searches a span, one per width present
-        rows = order[start:start + counts[k]]
-        start += counts[k]
-        if counts[k]:
-            codes[rows] = viterbi(x[rows], k, table)
+    begin = counts[0]
+    for k in WIDTHS:  # at most eight widths a span, one or two searches each
+        rows = order[begin:begin + counts[k]]
+        begin += counts[k]
+        if not counts[k]:
+            continue
+        start = None
+        if N * k >= STATE_BITS:
+            start = wrap_states(x[rows], torch.full_like(rows, k), lambda w, k=k: viterbi(w, k, table))
+        codes[rows] = viterbi(x[rows], k, table, start)
     return codes.reshape(S, D, N).permute(0, 2, 1)
 
 
 def states(buffer: torch.Tensor, offsets: torch.Tensor, widths: torch.Tensor, n_tokens: int) -> torch.Tensor:
     """The state (S, N, D) int64 each sample decodes from: the L bits of its coordinate's stream ending where its
-    code ends (bits before the stream read 0), from the uint8 buffer, first bytes `offsets` and widths (S, D)."""
+    code ends, from the uint8 buffer, first bytes `offsets` and widths (S, D). Bits before the stream's first are
+    read from its end (tail-biting) where the stream holds at least L bits, else as 0."""
     b = widths.long()[:, None, :]
     end = (torch.arange(n_tokens, device=b.device)[None, :, None] + 1) * b  # (S, N, D) bit after the code
     first = (end - STATE_BITS).clamp_min(0)
-    byte = offsets[:, None, :] * 8 + first
     buf = torch.nn.functional.pad(buffer.long(), (0, 3))  # a window spans at most three bytes
-    at = torch.where(b > 0, byte >> 3, 0)
+    head = _read_bits(buf, offsets[:, None, :] * 8 + first, end - first, b > 0)
+    wrap = (b > 0) & (end < STATE_BITS) & (n_tokens * b >= STATE_BITS)
+    missing = torch.where(wrap, STATE_BITS - end, 0)  # the window's oldest bits, the stream's last ones
+    tail = _read_bits(buf, offsets[:, None, :] * 8 + n_tokens * b - missing, missing, wrap)
+    return torch.where(b > 0, (head << (STATE_BITS - (end - first))) | tail, 0)
+
+
+def _read_bits(buf: torch.Tensor, bit: torch.Tensor, length: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+    """The `length` (at most 17) bits of buf (int64, padded by 3) from bit `bit` on, little-endian; 0 where not live."""
+    at = torch.where(live, bit >> 3, 0)
     word = buf[at] | (buf[at + 1] << 8) | (buf[at + 2] << 16)
-    window = (word >> (byte & 7)) & ((1 << (end - first)) - 1)
-    return torch.where(b > 0, window << (STATE_BITS - (end - first)), 0)
+    return torch.where(live, (word >> (bit & 7)) & ((1 << length) - 1), 0)
 
 
 def values(state: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
