@@ -42,7 +42,7 @@ MAD_MULT, MAD_ADD = 34038481, 76625530  # QTIP's "1MAD" codebook: a 32-bit linea
 MAD_CENTER = 510.0  # then the sum of its four bytes less their mean,
 MAD_SCALE = 0.006765875034034252  # times 1 / their standard deviation (√(4 (256² − 1) / 12)), exact in fp32
 TRELLIS_SCALES = (1.0, 0.9, 1.0, 1.1, 1.2, 1.2, 1.3, 1.4, 1.5)  # the codebook's scale at widths 0-8
-TRELLIS_UNIT_MSE = (1.0, 0.283, 0.0753, 0.0193, 0.00509, 0.00137, 0.000399, 0.000119, 3.41e-05)  # unit Gaussian
+TRELLIS_UNIT_MSE = (1.0, 0.281, 0.0748, 0.0192, 0.00504, 0.00136, 0.000397, 0.000118, 3.4e-05)  # unit Gaussian
 # a channel's equivalent grid step (the Jensen term's Δ) per unit of its stored scale: √(12 MSE) / codebook scale
 TRELLIS_ERROR_STEP = tuple(0.0 if b == 0 else (12 * m) ** 0.5 / c
                            for b, (m, c) in enumerate(zip(TRELLIS_UNIT_MSE, TRELLIS_SCALES)))
