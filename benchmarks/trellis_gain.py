@@ -14,6 +14,7 @@ gain is reported on another (seed 2).
     python benchmarks/trellis_gain.py --trace t.pt [--budget 2.5]     # on a synthetic trace's Keys (below)
     python benchmarks/trellis_gain.py --tables      # quantwm/core/trellis.py's constants (the bitshift trellis)
     python benchmarks/trellis_gain.py --warmup      # its error by token position: the first samples of a channel
+    python benchmarks/trellis_gain.py --wrap        # the tail-biting start's search window (WRAP_TOKENS)
 
 `--tables`: the bitshift trellis QuantWM codes with (quantwm/core/trellis.py, 2^12 states, QTIP's computed
 codebook) on unit-Gaussian tuning samples (24 sequences of 1728, generator seed 7): at each width 1-8, the codebook
@@ -154,6 +155,25 @@ def warmup() -> None:
             print(f"| {k} | {name} | " + ", ".join(f"{v:.1f}" for v in ratio.tolist()) + f" | {e.mean().item():.4f} |")
 
 
+def wrap_window() -> None:
+    """The `--wrap` table: the MSE of the tail-biting search quantwm-trellis stores when its start state comes from a
+    search over 8 ... 64 samples either side of the wrap, or over the whole channel rotated by half (QTIP's trick as
+    published), on unit-Gaussian samples (generator seed 0, normalised per channel): 256 channels of 128 tokens and
+    24 of 1728, widths 1-3."""
+    from quantwm.core import trellis
+
+    windows = (8, 16, 32, 64, None)
+    print("| tokens | bits | " + " | ".join(f"window {w}" if w else "whole channel" for w in windows) + " |\n|---" * 7
+          + "|")
+    for n, m in ((128, 256), (1728, 24)):
+        x = torch.randn(m, n, generator=torch.Generator().manual_seed(0))
+        x = (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True, correction=0)
+        for k in (1, 2, 3):
+            values = trellis.codebook() * trellis.SCALES[k - 1]
+            cells = [f"{(_search_path(x, k, values, True, w or n) - x).square().mean().item():.5f}" for w in windows]
+            print(f"| {n} | {k} | " + " | ".join(cells) + " |", flush=True)
+
+
 def _states(codes: torch.Tensor, k: int, start: torch.Tensor) -> torch.Tensor:
     """The shift register's states (M, N) along codes (M, N) of width k from the states `start` (M,)."""
     from quantwm.core import trellis
@@ -165,14 +185,16 @@ def _states(codes: torch.Tensor, k: int, start: torch.Tensor) -> torch.Tensor:
     return torch.stack(out, 1)
 
 
-def _search_path(x: torch.Tensor, k: int, values: torch.Tensor, tail: bool) -> torch.Tensor:
+def _search_path(x: torch.Tensor, k: int, values: torch.Tensor, tail: bool, window: int | None = None) -> torch.Tensor:
     """The decoded least-error path of every row of x (M, N) (N k >= 12) at width k: tail-biting as quantwm-trellis
-    stores it, or from state 0."""
+    stores it (its start searched over `window` samples either side of the wrap; None: the library's), or from
+    state 0."""
     from quantwm.core import trellis
 
     start = torch.zeros(x.shape[0], dtype=torch.long)
     if tail:
-        start = trellis.wrap_states(x, torch.full_like(start, k), lambda w: trellis.viterbi(w, k, values))
+        start = trellis.wrap_states(x, torch.full_like(start, k), lambda w: trellis.viterbi(w, k, values),
+                                    window or trellis.WRAP_TOKENS)
     return values[_states(trellis.viterbi(x, k, values, start if tail else None), k, start)]
 
 
@@ -221,11 +243,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget", type=float, default=2.5)
     ap.add_argument("--tables", action="store_true", help="measure quantwm/core/trellis.py's constants (docstring)")
     ap.add_argument("--warmup", action="store_true", help="the trellis's error by token position (docstring)")
+    ap.add_argument("--wrap", action="store_true", help="the tail-biting start's search window (docstring)")
     a = ap.parse_args(argv)
     if a.tables:
         return bitshift_tables()
     if a.warmup:
         return warmup()
+    if a.wrap:
+        return wrap_window()
     if a.trace:
         return on_trace(a.trace, a.budget)
     tune = torch.randn(16, 400, generator=torch.Generator().manual_seed(1), dtype=torch.float64)

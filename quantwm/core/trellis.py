@@ -120,14 +120,13 @@ def end_state(codes: torch.Tensor, widths: torch.Tensor, at: int) -> torch.Tenso
     return torch.where(shift > -widths.long()[:, None], part, 0).sum(1)
 
 
-def wrap_states(x: torch.Tensor, widths: torch.Tensor, search) -> torch.Tensor:
+def wrap_states(x: torch.Tensor, widths: torch.Tensor, search, window: int = WRAP_TOKENS) -> torch.Tensor:
     """Each row's tail-biting state (M,): the state after its last sample on the free-start search over a window
-    around the wrap, its last WRAP_TOKENS samples (at most half the row) then its first (so that the last sample
-    sits mid-path); QTIP's rotation trick, over a window. `search(window)` codes the window (M, W) at `widths`."""
+    around the wrap, its last `window` samples (at most half the row) then its first (so that the last sample sits
+    mid-path); QTIP's rotation trick, over a window. `search(w)` codes the window w (M, W) at `widths`."""
     N = x.shape[1]
-    before, after = min(N - N // 2, WRAP_TOKENS), min(N // 2, WRAP_TOKENS)
-    window = torch.cat([x[:, N - before:], x[:, :after]], 1)
-    return end_state(search(window), widths, before - 1)
+    before, after = min(N - N // 2, window), min(N // 2, window)
+    return end_state(search(torch.cat([x[:, N - before:], x[:, :after]], 1)), widths, before - 1)
 
 
 def encode(y: torch.Tensor, widths: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -101,20 +101,30 @@ def key_rate_distortion(cache: KVCache, k: torch.Tensor, k_hat: torch.Tensor, q:
             "k_distortion": figures["distortion"], "k_bound_distortion": figures["bound_distortion"]}
 
 
+def layer_keys(trace: Trace, layer: int, config: CacheConfig,
+               chunk_tokens: int) -> tuple[KVCache, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(cache, k, k_hat, bias): the traced layer committed as `layer_cache` commits it, its exact keys (H, L, D)
+    (post-RoPE, as the cache reads them), the cache's keys, and the logit bias (H, Nq, L) the method adds for the
+    trace's queries (None without one)."""
+    t = trace.layers[layer]
+    cache, rope = layer_cache(trace, layer, config, chunk_tokens)
+    k = t["k"].float()
+    if rope is not None:
+        k = rope(k[None], torch.arange(k.shape[1]))[0]
+    bias = cache.logit_bias(0, t["q"].float()[None], trace.softmax_scale)
+    return cache, k, cache.keys(0)[0], None if bias is None else bias[0]
+
+
 def analyze_layer(trace: Trace, layer: int, config: CacheConfig, chunk_tokens: int, topk: int = 8) -> dict:
     """Metrics of one method on one traced layer: means plus per-head lists."""
     t = trace.layers[layer]
-    q, k, v = t["q"].float(), t["k"].float(), t["v"].float()
+    q, v = t["q"].float(), t["v"].float()
     scale = trace.softmax_scale
-    cache, rope = layer_cache(trace, layer, config, chunk_tokens)
-    if rope is not None:
-        k = rope(k[None], torch.arange(k.shape[1]))[0]
-    k_hat, v_hat = cache.keys(0)[0], cache.values(0)[0]
-    bias = cache.logit_bias(0, q[None], scale)
-    heads = attention_metrics(q, k, k_hat, scale, None if bias is None else bias[0], topk=topk)
+    cache, k, k_hat, bias = layer_keys(trace, layer, config, chunk_tokens)
+    v_hat = cache.values(0)[0]
+    heads = attention_metrics(q, k, k_hat, scale, bias, topk=topk)
     out = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
-    out_hat = torch.nn.functional.scaled_dot_product_attention(q, k_hat, v_hat, scale=scale,
-                                                               attn_mask=None if bias is None else bias[0])
+    out_hat = torch.nn.functional.scaled_dot_product_attention(q, k_hat, v_hat, scale=scale, attn_mask=bias)
     row = {name: float(x.mean()) for name, x in heads.items()}
     row.update(k_rel_err=rel_err(k_hat, k), v_rel_err=rel_err(v_hat, v), out_rel_err=rel_err(out_hat, out),
                bits_per_element=cache.bits_per_element())

@@ -81,6 +81,12 @@ def rate_at(sigma2: torch.Tensor, distortion: torch.Tensor | float) -> torch.Ten
 
 def distortion_at(sigma2: torch.Tensor, rate: torch.Tensor | float) -> torch.Tensor:
     """D*(R), the bound's distortion at R bits per token: sigma2 (..., n) ≥ 0, rate (...,) or a number ≥ 0."""
+    return water_filling(sigma2.double(), water_level(sigma2, rate))[0]
+
+
+def water_level(sigma2: torch.Tensor, rate: torch.Tensor | float) -> torch.Tensor:
+    """θ (...,) of reverse water-filling at R bits per token (components of σ² ≤ θ get no bits, the others
+    D_i = θ): sigma2 (..., n) ≥ 0, rate (...,) or a number ≥ 0."""
     sigma2 = sigma2.double()
     rate = torch.as_tensor(rate, dtype=torch.float64).expand(sigma2.shape[:-1])
     positive = sigma2 > 0
@@ -94,7 +100,7 @@ def distortion_at(sigma2: torch.Tensor, rate: torch.Tensor | float) -> torch.Ten
         mid = (lo + hi) / 2
         above = water_filling(sigma2, mid.exp())[1] > rate
         lo, hi = torch.where(above, mid, lo), torch.where(above, hi, mid)
-    return water_filling(sigma2, hi.exp())[0]
+    return hi.exp()
 
 
 def weighted_spectrum(keys: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
