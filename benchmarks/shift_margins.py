@@ -58,8 +58,11 @@ def bound_logits(q: torch.Tensor, k: torch.Tensor, spans: list[slice], budget: f
     return logits
 
 
-def margin_table(path: str, methods: list[str], budget: float, bound: bool = False) -> dict[str, torch.Tensor]:
-    """{method: (3, bins) float64}: per margin bin the share of queries, the flip rate and the shift it adds."""
+def margin_table(path: str, methods: list[str], budget: float, bound: bool = False) -> dict[str, dict]:
+    """{method: {"bins": (3, bins) float64, "logit_rmse": float, "top1_key_error": float}}: per margin bin the share
+    of queries, the flip rate and the shift it adds; the scaled-logit RMSE over the quantized keys; and the key error
+    (L2) at each query's exact top-1 key, where that key is quantized, over the mean key error of the quantized keys
+    (nan for the bound, which has no keys)."""
     trace = read_trace(path)
     chunk = int(trace.meta.get("chunk_frames", 1)) * trace.tokens_per_frame
     H, L, D = next(iter(trace.layers.values()))["k"].shape
@@ -75,21 +78,35 @@ def margin_table(path: str, methods: list[str], budget: float, bound: bool = Fal
                              budget_k=budget, held_chunks=held)
         count = torch.zeros(len(EDGES) + 1, dtype=torch.float64)
         flips = torch.zeros_like(count)
+        sq, n_sq, top_err, n_top, mean_err = 0.0, 0, 0.0, 0, 0.0
         for layer in trace.layers:
             cache, k, k_hat, bias = layer_keys(trace, layer, config, chunk)
             q = trace.layers[layer]["q"].float()
             exact, stored = probe_logits(q, k, k_hat, trace.softmax_scale, bias)
+            ends = torch.tensor([s.n_tokens for s in cache.inspect(0)]).cumsum(0).tolist()
+            spans = [slice(e - s.n_tokens, e) for s, e in zip(cache.inspect(0), ends) if s.quantized]
+            quantized = torch.zeros(k.shape[1], dtype=torch.bool)
+            for span in spans:
+                quantized[span] = True
             if m == "bound":  # textbook's cache only for its spans: which tokens are quantized
-                ends = torch.tensor([s.n_tokens for s in cache.inspect(0)]).cumsum(0).tolist()
-                spans = [slice(e - s.n_tokens, e) for s, e in zip(cache.inspect(0), ends) if s.quantized]
                 stored = (bound_logits(q, k, spans, budget, gen) * trace.softmax_scale).float()
+            sq += (stored - exact)[..., quantized].double().square().sum().item()
+            n_sq += (stored - exact)[..., quantized].numel()
+            first = exact.argmax(-1)  # (H, Nq)
+            error = (k_hat - k).norm(dim=-1).double()  # (H, L)
+            hit = quantized[first]
+            top_err += error.gather(1, first)[hit].sum().item()
+            n_top += int(hit.sum())
+            mean_err += error[:, quantized].mean().item() / len(trace.layers)
             top = exact.topk(2, -1).values
             bins = torch.bucketize((top[..., 0] - top[..., 1]).double().flatten(), edges)
             moved = (exact.argmax(-1) != stored.argmax(-1)).double().flatten()
             count += torch.bincount(bins, minlength=len(count)).double()
             flips += torch.bincount(bins, weights=moved, minlength=len(count))
         total = count.sum()
-        out[m] = torch.stack([count / total, flips / count.clamp_min(1), flips / total])
+        ratio = top_err / max(n_top, 1) / mean_err if m != "bound" and mean_err > 0 else float("nan")
+        out[m] = {"bins": torch.stack([count / total, flips / count.clamp_min(1), flips / total]),
+                  "logit_rmse": (sq / max(n_sq, 1)) ** 0.5, "top1_key_error": ratio}
     return out
 
 
@@ -104,11 +121,16 @@ def main(argv: list[str] | None = None) -> None:
     for path in a.trace:
         print(f"\n{path}, {a.budget:g} bits, margin bins (scaled logits): " + ", ".join(names))
         print("| method | row | " + " | ".join(names) + " | total |\n|---|---|" + "---|" * (len(names) + 1))
-        for m, t in margin_table(path, a.methods.split(","), a.budget, a.bound).items():
+        table = margin_table(path, a.methods.split(","), a.budget, a.bound)
+        for m, r in table.items():
+            t = r["bins"]
             for i, row in enumerate(("share of queries", "top-1 moves", "adds to the shift")):
                 total = f"{t[2].sum().item():.4f}" if i == 2 else ""
                 print(f"| {m} | {row} | " + " | ".join(f"{x:.4f}" for x in t[i].tolist()) + f" | {total} |",
                       flush=True)
+        for m, r in table.items():
+            print(f"{m}: logit RMSE over the quantized keys {r['logit_rmse']:.4f}; key error at the top-1 key over "
+                  f"the mean {r['top1_key_error']:.3f}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ gain is reported on another (seed 2).
     python benchmarks/trellis_gain.py --tables      # quantwm/core/trellis.py's constants (the bitshift trellis)
     python benchmarks/trellis_gain.py --warmup      # its error by token position: the first samples of a channel
     python benchmarks/trellis_gain.py --wrap        # the tail-biting start's search window (WRAP_TOKENS)
+    python benchmarks/trellis_gain.py --encode-time # seconds to code one span on this CPU, one thread
 
 `--tables`: the bitshift trellis QuantWM codes with (quantwm/core/trellis.py, 2^12 states, QTIP's computed
 codebook) on unit-Gaussian tuning samples (24 sequences of 1728, generator seed 7): at each width 1-8, the codebook
@@ -163,8 +164,8 @@ def wrap_window() -> None:
     from quantwm.core import trellis
 
     windows = (8, 16, 32, 64, None)
-    print("| tokens | bits | " + " | ".join(f"window {w}" if w else "whole channel" for w in windows) + " |\n|---" * 7
-          + "|")
+    print("| tokens | bits | " + " | ".join(f"window {w}" if w else "whole channel" for w in windows) + " |")
+    print("|---" * (len(windows) + 2) + "|")
     for n, m in ((128, 256), (1728, 24)):
         x = torch.randn(m, n, generator=torch.Generator().manual_seed(0))
         x = (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True, correction=0)
@@ -172,6 +173,21 @@ def wrap_window() -> None:
             values = trellis.codebook() * trellis.SCALES[k - 1]
             cells = [f"{(_search_path(x, k, values, True, w or n) - x).square().mean().item():.5f}" for w in windows]
             print(f"| {n} | {k} | " + " | ".join(cells) + " |", flush=True)
+
+
+def encode_time() -> None:
+    """The `--encode-time` figure: seconds to code one span as quantwm-trellis does on the CPU path (4 heads x 1728
+    tokens x head dim 128, unit-Gaussian samples, widths 0-8 drawn at random; generator seed 0), one thread."""
+    import time
+
+    from quantwm.core.layouts.trellis import TrellisChannels
+
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(0)
+    r, bits = torch.randn(4, 1728, 128, generator=g), torch.randint(0, 9, (4, 128), generator=g)
+    start = time.perf_counter()
+    TrellisChannels.code(r, bits)
+    print(f"one span of 4 x 1728 x 128 coded in {time.perf_counter() - start:.1f} s (one thread)")
 
 
 def _states(codes: torch.Tensor, k: int, start: torch.Tensor) -> torch.Tensor:
@@ -244,6 +260,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tables", action="store_true", help="measure quantwm/core/trellis.py's constants (docstring)")
     ap.add_argument("--warmup", action="store_true", help="the trellis's error by token position (docstring)")
     ap.add_argument("--wrap", action="store_true", help="the tail-biting start's search window (docstring)")
+    ap.add_argument("--encode-time", action="store_true", help="seconds to code one span here (docstring)")
     a = ap.parse_args(argv)
     if a.tables:
         return bitshift_tables()
@@ -251,6 +268,8 @@ def main(argv: list[str] | None = None) -> None:
         return warmup()
     if a.wrap:
         return wrap_window()
+    if a.encode_time:
+        return encode_time()
     if a.trace:
         return on_trace(a.trace, a.budget)
     tune = torch.randn(16, 400, generator=torch.Generator().manual_seed(1), dtype=torch.float64)

@@ -31,10 +31,11 @@ def test_the_bins_add_up_to_the_shift_analyze_reports(trace_path):
     assert list(table) == ["textbook", "quantwm", "bound"]
     report = analyze_trace(read_trace(trace_path), ["textbook", "quantwm"], target="k", budget=(2.5, None))
     for m in ("textbook", "quantwm"):
-        share, rate, adds = table[m]
+        share, rate, adds = table[m]["bins"]
+        assert table[m]["logit_rmse"] > 0 and table[m]["top1_key_error"] > 0
         assert share.sum() == pytest.approx(1.0) and bool((rate >= 0).all() and (rate <= 1).all())
         assert adds.sum().item() == pytest.approx(report["methods"][m]["mean"]["shift_rate"], abs=1e-9)
-    assert torch.equal(table["bound"][0], table["textbook"][0])  # the same exact logits, the same bins
+    assert torch.equal(table["bound"]["bins"][0], table["textbook"]["bins"][0])  # the same exact logits and bins
 
 
 def test_the_test_channel_is_exact_at_a_high_rate_and_errs_at_a_low_one():
