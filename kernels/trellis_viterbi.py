@@ -8,10 +8,9 @@ the least cost over each state's 2^k predecessors (a (2^(L−k), 2^k) min, its a
 in `back`), then that cost, broadcast to the state's 2^k successors, plus the squared error of their values. Then
 it walks the backpointers from the cheapest final state and writes the codes. Given start states (the tail-biting
 search of quantwm.core.trellis.encode), a row of at least L bits begins after its start state and its walk back
-begins there too. The width is a runtime value; each
-of the eight widths is its own compiled branch (block shapes are constants), so one launch covers a batch of
-rows whatever their widths, and nothing is read back to the host. Rows go in batches whose backpointers (N x
-2^(L−1) bytes a row at most) fit `scratch_bytes`.
+begins there too. The width is a runtime value; each of the eight widths is its own compiled branch (block shapes
+are constants), so one launch covers a batch of rows whatever their widths, and nothing is read back to the host.
+Rows go in batches whose backpointers (N x 2^(L−1) bytes a row at most) fit `scratch_bytes`.
 
 Ties between equal path costs go to the lowest predecessor, as torch's min takes the first: the codes equal the
 reference's wherever no two paths cost the same to the last bit.

@@ -12,11 +12,11 @@ So s_t = (s_{t−1} >> k) | (code_t << (L − k)): a shift register, and each co
 previous state, a path through a trellis of 2^L states. The bits before the stream's first are its last ones (a
 tail-biting trellis: s_{−1} = s_{N−1}) where the stream holds at least L bits, else 0, so that no sample decodes
 from a window of padding. The encoder finds the path of least squared error by the Viterbi search (one step per
-token, every sequence and state at once), tail-biting by QTIP's rotation trick (`wrap_states`). CODEBOOK holds 2^L values whose histogram
-is close to the unit Gaussian's, computed from s alone (QTIP's "1MAD": a 32-bit linear congruential step of s,
-then the sum of its four bytes, centred and scaled: `mad`), so the paths through it fill space better than any
-scalar grid (the "bitshift trellis" of QTIP, Tseng et al., arXiv 2406.11235). Decoding needs no scan and no
-table: one window read and a few integer operations per sample.
+token, every sequence and state at once), tail-biting by QTIP's rotation trick (`wrap_states`). CODEBOOK holds
+2^L values whose histogram is close to the unit Gaussian's, computed from s alone (QTIP's "1MAD": a 32-bit linear
+congruential step of s, then the sum of its four bytes, centred and scaled: `mad`), so the paths through it fill
+space better than any scalar grid (the "bitshift trellis" of QTIP, Tseng et al., arXiv 2406.11235). Decoding
+needs no scan and no table: one or two window reads and a few integer operations per sample.
 
 Measured on unit-Gaussian tuning samples (24 sequences of 1728, generator seed 7; no trace or world seed):
 `python benchmarks/trellis_gain.py --tables`. The mean squared error per sample of the tail-biting search the format

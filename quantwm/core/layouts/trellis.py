@@ -5,9 +5,9 @@ Stored exactly as `Channels` stores it: per stream and channel a width b (uint8,
 channel's N codes of b bits packed along the span in one uint8 buffer. The two numbers are the channel's mean
 and scale over the span (not a grid's low end and step), and sample t decodes to mean + scale · CODEBOOK[s_t],
 s_t the 12 bits of the channel's stream that end where code t ends (tail-biting: those before the stream's first
-are its last). A 0-bit channel decodes to 0 (its centroid
-alone). The fused kernel reads it as its TRELLIS form (kernels/span_args.py), window by window; the 8-bit path's
-QKᵀ takes its rebuilt keys (it has no integer-code form).
+are its last). A 0-bit channel decodes to 0 (its centroid alone). The fused kernel reads it as its TRELLIS form
+(kernels/span_args.py), window by window; the 8-bit path's QKᵀ takes its rebuilt keys (it has no integer-code
+form).
 """
 from __future__ import annotations
 
