@@ -16,6 +16,7 @@ gain is reported on another (seed 2).
     python benchmarks/trellis_gain.py --warmup      # its error by token position: the first samples of a channel
     python benchmarks/trellis_gain.py --wrap        # the tail-biting start's search window (WRAP_TOKENS)
     python benchmarks/trellis_gain.py --encode-time # seconds to code one span on this CPU, one thread
+    python benchmarks/trellis_gain.py --tails t.pt [--budget 4]    # its key error by how extreme an element is
 
 `--tables`: the bitshift trellis QuantWM codes with (quantwm/core/trellis.py, 2^12 states, QTIP's computed
 codebook) on unit-Gaussian tuning samples (24 sequences of 1728, generator seed 7): at each width 1-8, the codebook
@@ -190,6 +191,42 @@ def encode_time() -> None:
     print(f"one span of 4 x 1728 x 128 coded in {time.perf_counter() - start:.1f} s (one thread)")
 
 
+def tails(path: str, budget: float) -> None:
+    """The `--tails` table: quantwm's and quantwm-trellis's Keys committed from a trace as `quantwm analyze` commits
+    them at `budget`, and the squared error of every quantized key element binned by how extreme it is in its
+    span's channel (|z|, its distance from the channel's mean over its standard deviation; bins at quantiles 0.5,
+    0.9, 0.99 and 0.999 of |z|)."""
+    from quantwm.core.cache import CacheConfig
+    from quantwm.evaluation.analyze import layer_keys
+    from quantwm.evaluation.trace import read_trace
+
+    trace = read_trace(path)
+    chunk = int(trace.meta.get("chunk_frames", 1)) * trace.tokens_per_frame
+    held = max(1, next(iter(trace.layers.values()))["k"].shape[1] // chunk - 2)  # analyze's sink and recent chunks
+    parts = {}
+    for m in ("quantwm", "quantwm-trellis"):
+        config = CacheConfig(method=m, target="k", sink_chunks=1, recent_chunks=1, budget_k=budget, held_chunks=held)
+        rows = []
+        for layer in trace.layers:
+            cache, k, k_hat, _ = layer_keys(trace, layer, config, chunk)
+            ends = torch.tensor([s.n_tokens for s in cache.inspect(0)]).cumsum(0).tolist()
+            for span, end in zip(cache.inspect(0), ends):
+                if span.quantized:
+                    x = k[:, end - span.n_tokens:end]
+                    z = (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True).clamp_min(1e-6)
+                    rows.append(torch.stack([z.abs().flatten(), (k_hat[:, end - span.n_tokens:end] - x).square().flatten()]))
+        parts[m] = torch.cat(rows, 1)
+    z = parts["quantwm"][0]
+    qs = [0.0, 0.5, 0.9, 0.99, 0.999, 1.0]
+    edges = torch.sort(z).values[[min(len(z) - 1, int(q * len(z))) for q in qs]]
+    print(f"{path}, Keys at {budget:g} bits\n| quantiles of abs(z) | abs(z) | quantwm MSE | quantwm-trellis MSE | ratio |"
+          "\n|---|---|---|---|---|")
+    for i in range(len(qs) - 1):
+        sel = (z >= edges[i]) & (z <= edges[i + 1])
+        g, t = parts["quantwm"][1][sel].mean().item(), parts["quantwm-trellis"][1][sel].mean().item()
+        print(f"| {qs[i]:g}-{qs[i + 1]:g} | {edges[i]:.2f}-{edges[i + 1]:.2f} | {g:.3e} | {t:.3e} | {t / g:.2f} |")
+
+
 def _states(codes: torch.Tensor, k: int, start: torch.Tensor) -> torch.Tensor:
     """The shift register's states (M, N) along codes (M, N) of width k from the states `start` (M,)."""
     from quantwm.core import trellis
@@ -261,6 +298,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--warmup", action="store_true", help="the trellis's error by token position (docstring)")
     ap.add_argument("--wrap", action="store_true", help="the tail-biting start's search window (docstring)")
     ap.add_argument("--encode-time", action="store_true", help="seconds to code one span here (docstring)")
+    ap.add_argument("--tails", default=None, help="a trace: the trellis's key error by how extreme an element is")
     a = ap.parse_args(argv)
     if a.tables:
         return bitshift_tables()
@@ -270,6 +308,8 @@ def main(argv: list[str] | None = None) -> None:
         return wrap_window()
     if a.encode_time:
         return encode_time()
+    if a.tails:
+        return tails(a.tails, a.budget)
     if a.trace:
         return on_trace(a.trace, a.budget)
     tune = torch.randn(16, 400, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
