@@ -17,6 +17,7 @@ gain is reported on another (seed 2).
     python benchmarks/trellis_gain.py --wrap        # the tail-biting start's search window (WRAP_TOKENS)
     python benchmarks/trellis_gain.py --encode-time # seconds to code one span on this CPU, one thread
     python benchmarks/trellis_gain.py --tails t.pt [--budget 4]    # its key error by how extreme an element is
+    python benchmarks/trellis_gain.py --price t.pt [--budget 4]    # its real error against its price, per width
 
 `--tables`: the bitshift trellis QuantWM codes with (quantwm/core/trellis.py, 2^12 states, QTIP's computed
 codebook) on unit-Gaussian tuning samples (24 sequences of 1728, generator seed 7): at each width 1-8, the codebook
@@ -227,6 +228,48 @@ def tails(path: str, budget: float) -> None:
         print(f"| {qs[i]:g}-{qs[i + 1]:g} | {edges[i]:.2f}-{edges[i + 1]:.2f} | {g:.3e} | {t:.3e} | {t / g:.2f} |")
 
 
+def price(path: str, budget: float) -> None:
+    """The `--price` table: quantwm-trellis's Keys committed from a trace as `quantwm analyze` commits them at
+    `budget`; for every coded residual (TrellisChannels.code is wrapped to see it), each channel's squared error as
+    coded by the trellis against its uniform grid's at the same width (the allocator's error table), summed per
+    width: the ratio the allocator assumed (ERROR_RATIO, measured on Gaussian samples) against the real one."""
+    from quantwm.core import trellis
+    from quantwm.core.allocate import error_tables
+    from quantwm.core.cache import CacheConfig
+    from quantwm.core.layouts import trellis as layout
+    from quantwm.evaluation.analyze import layer_keys
+    from quantwm.evaluation.trace import read_trace
+
+    sums = torch.zeros(3, len(trellis.WIDTHS) + 1, dtype=torch.float64)  # trellis error, grid error, channels
+    code = layout.TrellisChannels.code.__func__
+
+    def measured(cls, r, bits, alpha=None, capacity=None):
+        out = code(cls, r, bits, alpha, capacity)
+        grid = error_tables(r)[0].gather(2, bits.long()[..., None])[..., 0]
+        real = (out.decode() - r.float()).square().sum(1)
+        for k in trellis.WIDTHS:
+            sel = bits == k
+            sums[:, k] += torch.tensor([real[sel].sum().item(), grid[sel].sum().item(), sel.sum().item()])
+        return out
+
+    trace = read_trace(path)
+    chunk = int(trace.meta.get("chunk_frames", 1)) * trace.tokens_per_frame
+    held = max(1, next(iter(trace.layers.values()))["k"].shape[1] // chunk - 2)  # analyze's sink and recent chunks
+    config = CacheConfig(method="quantwm-trellis", target="k", sink_chunks=1, recent_chunks=1, budget_k=budget,
+                         held_chunks=held)
+    layout.TrellisChannels.code = classmethod(measured)
+    try:
+        for layer in trace.layers:
+            layer_keys(trace, layer, config, chunk)
+    finally:
+        layout.TrellisChannels.code = classmethod(code)
+    print(f"{path}, Keys at {budget:g} bits\n| width | channels | trellis error / its grid's | the price's ratio |"
+          "\n|---|---|---|---|")
+    for k in trellis.WIDTHS:
+        if sums[2, k]:
+            print(f"| {k} | {int(sums[2, k])} | {sums[0, k] / sums[1, k]:.3f} | {trellis.ERROR_RATIO[k]} |")
+
+
 def _states(codes: torch.Tensor, k: int, start: torch.Tensor) -> torch.Tensor:
     """The shift register's states (M, N) along codes (M, N) of width k from the states `start` (M,)."""
     from quantwm.core import trellis
@@ -299,6 +342,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--wrap", action="store_true", help="the tail-biting start's search window (docstring)")
     ap.add_argument("--encode-time", action="store_true", help="seconds to code one span here (docstring)")
     ap.add_argument("--tails", default=None, help="a trace: the trellis's key error by how extreme an element is")
+    ap.add_argument("--price", default=None, help="a trace: the trellis's real error against its price per width")
     a = ap.parse_args(argv)
     if a.tables:
         return bitshift_tables()
@@ -310,6 +354,8 @@ def main(argv: list[str] | None = None) -> None:
         return encode_time()
     if a.tails:
         return tails(a.tails, a.budget)
+    if a.price:
+        return price(a.price, a.budget)
     if a.trace:
         return on_trace(a.trace, a.budget)
     tune = torch.randn(16, 400, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
