@@ -241,7 +241,8 @@ def price(path: str, budget: float) -> None:
     from quantwm.evaluation.trace import read_trace
 
     sums = torch.zeros(3, len(trellis.WIDTHS) + 1, dtype=torch.float64)  # trellis error, grid error, channels
-    code = layout.TrellisChannels.code.__func__
+    original = layout.TrellisChannels.__dict__["code"]
+    code = original.__func__
 
     def measured(cls, r, bits, alpha=None, capacity=None):
         out = code(cls, r, bits, alpha, capacity)
@@ -262,7 +263,7 @@ def price(path: str, budget: float) -> None:
         for layer in trace.layers:
             layer_keys(trace, layer, config, chunk)
     finally:
-        layout.TrellisChannels.code = classmethod(code)
+        layout.TrellisChannels.code = original
     print(f"{path}, Keys at {budget:g} bits\n| width | channels | trellis error / its grid's | the price's ratio |"
           "\n|---|---|---|---|")
     for k in trellis.WIDTHS:
