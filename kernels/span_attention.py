@@ -107,9 +107,10 @@ def _span_attention_kernel(
         qf = q.to(tl.float32)
         if K_FORM == CHANNELS or K_FORM == TRELLIS:  # one step per channel over the span: one number per query
             st = tl.load(k_scales + s * D + d, mask=dmask, other=0.0).to(tl.float32)
-            kbits = tl.load(k_meta + s * D + d, mask=dmask, other=0) & 15
-            if K_FORM == TRELLIS:
-                st = st * _trellis_error_step(kbits)
+            kmeta = tl.load(k_meta + s * D + d, mask=dmask, other=0)
+            kbits = kmeta & 15
+            if K_FORM == TRELLIS:  # a trellis channel's equivalent step; a grid channel's (16 in its meta) its own
+                st = tl.where(((kmeta >> 4) & 1) != 0, st, st * _trellis_error_step(kbits))
             st = tl.where(kbits > 0, st, 0.0)
             jen_q = jensen_coef * tl.sum(qf * qf * (st * st)[None, :], axis=1)
         elif K_AXIS_TOKEN:

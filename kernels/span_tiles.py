@@ -168,14 +168,16 @@ def _code_dots(q_lp, q_sc, q3, qsum, qf32, codes_ptr, scale_ptr, zero_ptr, meta_
 
 @triton.jit
 def _trellis_values(codes_ptr, meta_ptr, s, rows, d, N, D, m2, dmask):
-    """(codebook values (BN, BD) fp32, bits (BD,) int32) of a TRELLIS side's samples `rows` of stream s: the state
-    is the STATE_BITS bits of the channel's stream ending where the sample's code ends, the bits before the stream's
-    first read from its end where it holds at least STATE_BITS bits (tail-biting), else 0 (each part at most three
-    bytes, all the channel's own), and its value QTIP's 1MAD of the state, the integer and fp32 steps of
-    quantwm/core/trellis.py's `mad`. 0-bit channels and rows outside m2 read 0."""
+    """(values (BN, BD) fp32, bits (BD,) int32) of a TRELLIS side's samples `rows` of stream s (meta = offset * 32 +
+    16 on a grid channel + bits). A trellis channel's state is the STATE_BITS bits of its stream ending where the
+    sample's code ends, the bits before the stream's first read from its end where it holds at least STATE_BITS
+    bits (tail-biting), else 0 (each part at most three bytes, all the channel's own), and its value QTIP's 1MAD of
+    the state, the integer and fp32 steps of quantwm/core/trellis.py's `mad`; a grid channel's value is its code.
+    0-bit channels and rows outside m2 read 0."""
     meta = tl.load(meta_ptr + s * D + d, mask=dmask, other=0)
     bits = (meta & 15).to(tl.int32)
-    base = (meta >> 4)[None, :] * 8  # the channel's first bit (int64)
+    grid = ((meta >> 4) & 1) != 0  # a channel on its uniform grid: code t at bits [t b, t b + b)
+    base = (meta >> 5)[None, :] * 8  # the channel's first bit (int64)
     end = (rows[:, None] + 1) * bits[None, :]  # int32 from here: a stream holds fewer than 2^31 bits
     first = tl.maximum(end - STATE_BITS, 0)
     length = end - first
@@ -189,7 +191,9 @@ def _trellis_values(codes_ptr, meta_ptr, s, rows, d, N, D, m2, dmask):
     x = state.to(tl.uint32) * MAD_MULT + MAD_ADD  # mod 2^32
     total = (x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)
     value = (total.to(tl.float32) - MAD_CENTER) * MAD_SCALE
-    return tl.where(live, value, 0.0), bits
+    on_grid = live & grid[None, :]
+    code = _stream_bits(codes_ptr, base + rows[:, None] * bits[None, :], bits[None, :], on_grid)
+    return tl.where(live, tl.where(on_grid, code.to(tl.float32), value), 0.0), bits
 
 
 @triton.jit

@@ -7,7 +7,7 @@ import torch
 
 from quantwm.core import trellis
 from quantwm.core.cache import CacheConfig, KVCache
-from quantwm.core.layouts.channels import _byte_layout
+from quantwm.core.layouts.channels import Channels, _byte_layout
 from quantwm.core.layouts.trellis import TrellisChannels
 from quantwm.core.lloyd_max import lloyd_max
 
@@ -74,6 +74,28 @@ def test_a_span_decodes_from_its_buffer_as_the_search_coded_it(n):
     assert layout.nbytes() == bits.numel() * 5 + int(_byte_layout(bits, n)[1])  # Channels' bytes to the byte
 
 
+def test_a_channel_its_grid_codes_better_is_stored_on_the_grid_in_the_same_bytes():
+    g = torch.Generator().manual_seed(6)
+    r = torch.randn(2, 64, 4, generator=g)
+    r[:, :, 1] = torch.randint(0, 2, (2, 64), generator=g) * 2.0 - 1  # two values: a 1-bit grid holds them exactly
+    r[:, :, 3] = torch.randint(0, 8, (2, 64), generator=g).float()  # eight levels: a 3-bit grid, exactly
+    bits = torch.tensor([[2, 1, 0, 3], [2, 1, 4, 3]])
+    alpha = torch.ones(2, 4)
+    plain, mixed = TrellisChannels.code(r, bits), TrellisChannels.code(r, bits, alpha)
+    assert plain.grid is None and mixed.grid.tolist() == [[False, True, False, True], [False, True, False, True]]
+    err = {name: (lay.decode() - r).square().sum(1) for name, lay in (("plain", plain), ("mixed", mixed))}
+    grid = (Channels.code(r, bits, alpha).decode() - r).square().sum(1)
+    torch.testing.assert_close(err["mixed"], torch.minimum(err["plain"], grid))  # the better of the two, per channel
+    assert err["mixed"][:, [1, 3]].max() < 1e-6
+    assert mixed.nbytes() == plain.nbytes() and torch.equal(mixed.width_byte & 15, bits.to(torch.uint8))
+    center = torch.where(mixed.grid, mixed.decode().mean(1), mixed.low.float() * (bits > 0))  # a trellis one: its mean
+    torch.testing.assert_close(mixed.make_center(), center)
+    step = mixed.step()[:, 0]
+    assert torch.equal(step[:, [1, 3]], mixed.step_.float()[:, [1, 3]])  # a grid channel's Jensen step: its own
+    with pytest.raises(ValueError, match=r"grid clips must be \(streams, channels\)"):
+        TrellisChannels.code(r, bits, torch.ones(4))
+
+
 def test_a_channels_first_samples_code_as_well_as_the_rest():
     x = torch.randn(1, 128, 96, generator=torch.Generator().manual_seed(11))  # 96 channels of 128 tokens
     for k in (1, 2, 3):
@@ -127,7 +149,10 @@ def test_the_fused_kernel_reads_a_trellis_span_as_its_torch_twin():
 
     g = torch.Generator().manual_seed(5)
     S, N, D = 2, 45, 32
-    k = TrellisChannels.code(torch.randn(S, N, D, generator=g), torch.randint(0, 9, (S, D), generator=g))
+    keys = torch.randn(S, N, D, generator=g)
+    keys[:, :, ::4] = torch.randint(0, 2, (S, N, D // 4), generator=g).float()  # channels a grid codes better
+    k = TrellisChannels.code(keys, torch.randint(0, 9, (S, D), generator=g), torch.ones(S, D))
+    assert bool(k.grid.any()) and not bool(k.grid.all())  # both kinds of channel in the span
     v = TrellisChannels.code(torch.randn(S, N, D, generator=g), torch.randint(0, 9, (S, D), generator=g))
     assert k.kernel_side.form == TRELLIS
     q = torch.randn(S, 7, D, generator=g)

@@ -11,6 +11,7 @@ form).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +20,7 @@ from ...kernels.span_args import TRELLIS, TRELLIS_ERROR_STEP, SideArgs
 from .. import trellis
 from ..quant import deferring
 from ..tables import on_device
-from .channels import Channels, _buffer_size, _byte_layout, _scatter_codes
+from .channels import Channels, _buffer_size, _byte_layout, _scatter_codes, channel_grid
 
 _ERROR_STEP = torch.tensor(TRELLIS_ERROR_STEP, device="cpu")
 
@@ -36,44 +37,75 @@ def _check_widths(b: torch.Tensor) -> None:
 
 @dataclass(frozen=True, eq=False)
 class TrellisChannels(Channels):
-    """codes: the uint8 buffer; bits (S, D) uint8; low: each channel's mean, step_: its scale (S, D) fp16; N."""
+    """codes: the uint8 buffer; bits (S, D) uint8; low, step_ (S, D) fp16: a trellis channel's mean and scale, a grid
+    channel's low end and step; N; grid (S, D) bool: the channels on their uniform grid (None: none)."""
+
+    grid: torch.Tensor | None = None
 
     @classmethod
     def code(cls, r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor | None = None,
              capacity: int | None = None) -> TrellisChannels:
         """r (S, N, D) coded channel by channel by the trellis with widths bits (S, D) against its mean and scale
-        (fp16) over the span; `capacity` as in `Channels.pack`. `alpha` (a grid's clip) has no meaning here."""
+        (fp16) over the span; `capacity` as in `Channels.pack`. Given `alpha` (S, D), each channel's clip for its
+        uniform grid at that width (as `Channels.code` takes it), a channel whose grid codes it with less squared
+        error than the trellis is stored on the grid instead, in the same bits (the better of the two, measured)."""
         S, N, D = r.shape
         if tuple(bits.shape) != (S, D):
             raise ValueError(f"trellis widths must be (streams, channels) = {(S, D)}, got {tuple(bits.shape)}")
+        if alpha is not None and tuple(alpha.shape) != (S, D):
+            raise ValueError(f"grid clips must be (streams, channels) = {(S, D)}, got {tuple(alpha.shape)}")
         rf = r.float()
         b = bits.to(r.device).long()
         _check_widths(b)
         coded = b > 0
         std = rf.std(1, correction=0) if N > 1 else torch.zeros(S, D, device=r.device)
         tiny = torch.finfo(torch.float16).tiny
-        low = torch.where(coded, rf.mean(1), 0.0).half()
-        step = torch.where(coded, trellis.scale_of(std, b).clamp_min(tiny), 1.0).half()
-        codes = trellis.encode(rf, b, low.float(), step.float())
+        low = torch.where(coded, rf.mean(1), 0.0).half().float()
+        step = torch.where(coded, trellis.scale_of(std, b).clamp_min(tiny), 1.0).half().float()
+        codes = trellis.encode(rf, b, low, step)
         offsets, needed = _byte_layout(b, N)
-        out = cls(_scatter_codes(codes, b, offsets, _buffer_size(needed, capacity)), b.to(torch.uint8), low, step, N)
+        size = _buffer_size(needed, capacity)
+        grid = None
+        if alpha is not None:  # the grid's codes and error beside the trellis's, per channel: the better is kept
+            g_low, g_step = channel_grid(rf.amin(1), rf.amax(1), b, alpha.to(rf))
+            g_codes = torch.minimum(torch.round((rf - g_low[:, None]) / g_step[:, None]).clamp_min(0),
+                                    2.0 ** b[:, None] - 1).long()
+            g_err = (g_low[:, None] + g_codes * g_step[:, None] - rf).square().sum(1)
+            state = trellis.states(_scatter_codes(codes, b, offsets, size), offsets, b, N)
+            t_err = (low[:, None] + trellis.values(state, b) * step[:, None] - rf).square().sum(1)
+            grid = coded & (g_err < t_err)
+            codes = torch.where(grid[:, None], g_codes, codes)
+            low, step = torch.where(grid, g_low, low), torch.where(grid, g_step, step)
+        out = cls(_scatter_codes(codes, b, offsets, size), b.to(torch.uint8), low.half(), step.half(), N, grid)
         out.__dict__["offsets"] = offsets
         return out
 
+    @functools.cached_property
+    def on_grid(self) -> torch.Tensor:
+        """The grid channels (S, D) bool (none where `grid` is None)."""
+        return torch.zeros_like(self.bits, dtype=torch.bool) if self.grid is None else self.grid
+
     def decode(self) -> torch.Tensor:
         state = trellis.states(self.codes, self.offsets, self.bits, self.n_tokens)
-        x = self.low.float()[:, None, :] + trellis.values(state, self.bits) * self.step_.float()[:, None, :]
+        value = torch.where(self.on_grid[:, None], self.int_codes().float(), trellis.values(state, self.bits))
+        x = self.low.float()[:, None, :] + value * self.step_.float()[:, None, :]
         return torch.where(self.bits[:, None, :] > 0, x, 0.0)
 
     def step(self) -> torch.Tensor:
-        """Each coded channel's equivalent grid step, √12 times the error's standard deviation the width gives a
-        Gaussian channel (span_args.TRELLIS_ERROR_STEP times the stored scale); 0-bit channels count as exact."""
-        factor = on_device(_ERROR_STEP, self.bits.device)[self.bits.long()]
-        step = self.step_.float() * factor
+        """Each coded channel's equivalent grid step: a grid channel's own step; a trellis channel's √12 times the
+        error's standard deviation the width gives a Gaussian channel (span_args.TRELLIS_ERROR_STEP times the stored
+        scale); 0-bit channels count as exact."""
+        factor = torch.where(self.on_grid, 1.0, on_device(_ERROR_STEP, self.bits.device)[self.bits.long()])
+        step = torch.where(self.bits > 0, self.step_.float() * factor, 0.0)
         return step[:, None, :].expand(self.shape).contiguous()
 
+    @functools.cached_property
+    def width_byte(self) -> torch.Tensor:
+        """What each channel's byte stores (S, D) uint8: its width, and 16 where it is on its grid."""
+        return (self.bits.long() + 16 * self.on_grid.long()).to(torch.uint8)
+
     def components(self) -> dict[str, torch.Tensor]:
-        return {"alloc_bits": self.bits, "trellis_mean": self.low, "trellis_scale": self.step_,
+        return {"alloc_bits": self.width_byte, "trellis_mean": self.low, "trellis_scale": self.step_,
                 "trellis_codes": self.codes}
 
     def roles(self) -> dict[str, str]:
@@ -85,7 +117,7 @@ class TrellisChannels(Channels):
         return f"per-channel trellis codes over the span ({trellis.STATE_BITS}-bit states), 0-{widest} bits per channel"
 
     def make_kernel_side(self) -> SideArgs:
-        meta = torch.add(self.bits.long(), self.offsets, alpha=16)  # offset * 16 + bits, as Channels'
+        meta = self.width_byte.long() + 32 * self.offsets  # offset * 32 + 16 on a grid channel + bits
         return SideArgs(TRELLIS, self.codes, self.n_tokens, self.step_, self.low_read, meta,
                         max_bits=self.__dict__.get("max_bits", 8))
 
@@ -99,6 +131,9 @@ class TrellisChannels(Channels):
         raise ValueError(f"{self.describe()} has no integer-code form")
 
     def make_center(self) -> torch.Tensor:
-        """Each channel's mean (0 on 0-bit channels)."""
-        return self.low_read
+        """Each channel's mean (0 on 0-bit channels): a trellis channel stores it; a grid channel's, of its decoded
+        samples."""
+        if self.grid is None:
+            return self.low_read
+        return torch.where(self.on_grid, self.decode().mean(1), self.low_read)
 

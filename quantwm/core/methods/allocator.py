@@ -167,7 +167,7 @@ class QuantWMAlloc(QVGBudget):
             candidates = [candidates[at]]
         predicted, r, stages, levels, alpha, capacity = candidates[0]
         if self.codes == "trellis":
-            return predicted, lambda: Codebook(stages, TrellisChannels.code(r, levels, None, capacity))
+            return predicted, lambda: Codebook(stages, TrellisChannels.code(r, levels, alpha, capacity))
         return predicted, lambda: Codebook(stages, encode_channels(r, levels, alpha, capacity))
 
     def in_query_basis(self, x: torch.Tensor, ctx: SpanContext, plain, plan: tuple):
