@@ -15,11 +15,12 @@ A span has a key side and a value side, each in one of four forms:
   channel's offset, little-endian, so it may straddle two bytes. `max_bits` is the widest channel.
 
 * TRELLIS: per-channel bitshift trellis codes over the whole span (`quantwm-trellis`), stored as CHANNELS stores
-  its grids: `data`, `meta` as there, `scales` the channels' scales (S, D) fp16 and `zeros` their means (S, D)
-  fp32. Sample j of a b-bit channel decodes from the 12 bits of the channel's stream that end where its code ends
-  (bits [(j + 1) b − 12, (j + 1) b); bits before the channel's first are its last where its stream holds at
-  least 12 bits (tail-biting), else 0) as a state s: zero + scale · c(s), c the codebook quantwm/core/trellis.py
-  computes from s (`mad`).
+  its grids: `data` as there, `meta` = byte offset * 32 + 16 on a grid channel + bits, `scales` the channels'
+  scales (S, D) fp16 and `zeros` their means (S, D) fp32. Sample j of a b-bit trellis channel decodes from the 12
+  bits of the channel's stream that end where its code ends (bits [(j + 1) b − 12, (j + 1) b); bits before the
+  channel's first are its last where its stream holds at least 12 bits (tail-biting), else 0) as a state s:
+  zero + scale · c(s), c the codebook quantwm/core/trellis.py computes from s (`mad`). A grid channel (flag 16)
+  decodes as CHANNELS does, zero + scale · code, its zero and scale then its low end and step.
 
 GROUPED, CHANNELS and TRELLIS sides may add a codebook stage: `codebook` (S, K, D) and `ids` (S, N), the row of every
 token added to its value. A key side may carry PSAC coefficients; their per-query terms come as `PsacArgs`.

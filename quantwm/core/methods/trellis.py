@@ -1,15 +1,16 @@
-"""`quantwm-trellis`: QuantWM's allocator with every coded channel in a bitshift trellis code instead of a uniform
-grid (docs/method.md §2.10; quantwm/core/trellis.py), issue 44's block code.
+"""`quantwm-trellis`: QuantWM's allocator with each coded channel in a tail-biting bitshift trellis code, or on
+its uniform grid where that codes it better (docs/method.md §2.10; quantwm/core/trellis.py), issue 44's block code.
 
 Everything else is `quantwm-alloc`'s: the centroids, the Keys in the Queries' basis, loud tokens in BF16, S
-re-aimed by RoPE, the per-channel widths by reverse water-filling within the budget (a trellis channel priced as
-its uniform grid's measured error times the trellis's Gaussian error ratio at that width). The stored bytes are
-the allocator's to the byte: the same widths, tables and code buffer, only read differently.
+re-aimed by RoPE, the per-channel widths by reverse water-filling within the budget (a channel priced as its
+uniform grid's measured error times the trellis's Gaussian error ratio at that width). The stored bytes are the
+allocator's to the byte: the same widths, tables and code buffer, only read differently; which of trellis and
+grid codes a channel is a flag in its width byte, chosen at commit by their measured errors.
 
-On a GPU the encoder is one Triton launch per batch of channels (kernels/trellis_viterbi.py) and the fused
-attention kernel reads the codes (its TRELLIS form); on a CPU a PyTorch search per width. Opt-in: the search does
-4096 state updates per coded sample, not yet timed on a GPU against the commit budget `quantwm` meets, and a
-channel's first samples are coded badly (docs/results.md, "Trellis codes").
+On a GPU the encoder is two Triton launches per batch of channels (kernels/trellis_viterbi.py: the tail-biting
+start's search, then the channel's) and the fused attention kernel reads the codes (its TRELLIS form); on a CPU
+PyTorch searches per width. Opt-in: the search does 4096 state updates per coded sample, not yet timed on a GPU
+against the commit budget `quantwm` meets (docs/results.md, "Trellis codes").
 """
 from __future__ import annotations
 
