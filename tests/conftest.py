@@ -36,6 +36,18 @@ def small_trace_path(tmp_path_factory):
     return path
 
 
+@pytest.fixture(scope="session")
+def tiny_trace_path(tmp_path_factory) -> str:
+    """A one-layer synthetic trace of the `aligned` kind (tuning seed 100003): 2 heads x 32, 8x8-token frames, 6 cached
+    frames in chunks of 2: the benchmarks' trace probes at test size."""
+    from quantwm.evaluation.synthetic import make_synthetic_trace
+
+    path = tmp_path_factory.mktemp("tiny") / "t.pt"
+    make_synthetic_trace(seed=100003, n_layers=1, n_heads=2, head_dim=32, grid=(8, 8), cached_frames=6,
+                         chunk_frames=2, content_dim=8, kind="aligned").save(path)
+    return str(path)
+
+
 @pytest.fixture
 def app_start(monkeypatch, capsys, tmp_path):
     """Start the app's `main` (what `python -m quantwm.app` runs) in this process, for a start that must end:

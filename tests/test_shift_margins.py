@@ -14,22 +14,13 @@ import shift_margins as sm  # noqa: E402
 from quantwm.evaluation.analyze import analyze_trace  # noqa: E402
 from quantwm.evaluation.metrics import second_moment  # noqa: E402
 from quantwm.evaluation.rate_distortion import distortion_at, weighted_spectrum  # noqa: E402
-from quantwm.evaluation.synthetic import make_synthetic_trace  # noqa: E402
 from quantwm.evaluation.trace import read_trace  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def trace_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("sm") / "t.pt"
-    make_synthetic_trace(seed=100003, n_layers=1, n_heads=2, head_dim=32, grid=(8, 8), cached_frames=6,
-                         chunk_frames=2, content_dim=8, kind="aligned").save(path)
-    return str(path)
-
-
-def test_the_bins_add_up_to_the_shift_analyze_reports(trace_path):
-    table = sm.margin_table(trace_path, ["textbook", "quantwm"], 2.5, bound=True)
+def test_the_bins_add_up_to_the_shift_analyze_reports(tiny_trace_path):
+    table = sm.margin_table(tiny_trace_path, ["textbook", "quantwm"], 2.5, bound=True)
     assert list(table) == ["textbook", "quantwm", "bound"]
-    report = analyze_trace(read_trace(trace_path), ["textbook", "quantwm"], target="k", budget=(2.5, None))
+    report = analyze_trace(read_trace(tiny_trace_path), ["textbook", "quantwm"], target="k", budget=(2.5, None))
     for m in ("textbook", "quantwm"):
         share, rate, adds = table[m]["bins"]
         assert table[m]["logit_rmse"] > 0 and table[m]["top1_key_error"] > 0

@@ -4,23 +4,12 @@ import re
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import trellis_gain as tg  # noqa: E402
 
 from quantwm.core.layouts.trellis import TrellisChannels  # noqa: E402
-from quantwm.evaluation.synthetic import make_synthetic_trace  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def trace_path(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tg") / "t.pt"
-    make_synthetic_trace(seed=100003, n_layers=1, n_heads=2, head_dim=32, grid=(8, 8), cached_frames=6,
-                         chunk_frames=2, content_dim=8, kind="aligned").save(path)
-    return str(path)
 
 
 def _rows(text: str) -> list[list[float]]:
@@ -28,15 +17,15 @@ def _rows(text: str) -> list[list[float]]:
             if re.match(r"\| \d", line)]
 
 
-def test_price_prints_a_positive_ratio_per_width_and_restores_the_layout(trace_path, capsys):
+def test_price_prints_a_positive_ratio_per_width_and_restores_the_layout(tiny_trace_path, capsys):
     before = TrellisChannels.__dict__["code"]
-    tg.price(trace_path, 2.5)
+    tg.price(tiny_trace_path, 2.5)
     rows = _rows(capsys.readouterr().out)
     assert rows and all(r[0] > 0 for r in rows)  # real trellis error over the grid's
     assert TrellisChannels.__dict__["code"] is before
 
 
-def test_tails_bins_every_quantized_element(trace_path, capsys):
-    tg.tails(trace_path, 2.5)
+def test_tails_bins_every_quantized_element(tiny_trace_path, capsys):
+    tg.tails(tiny_trace_path, 2.5)
     rows = _rows(capsys.readouterr().out)
     assert len(rows) == 5 and all(r[-1] > 0 for r in rows)  # five bins, each with a ratio
