@@ -153,10 +153,10 @@ def encode(y: torch.Tensor, widths: torch.Tensor, mean: torch.Tensor, scale: tor
         begin += counts[k]
         if not counts[k]:
             continue
-        start = None
+        xk, start = x[rows], None
         if N * k >= STATE_BITS:
-            start = wrap_states(x[rows], torch.full_like(rows, k), lambda w, k=k: viterbi(w, k, table))
-        codes[rows] = viterbi(x[rows], k, table, start)
+            start = wrap_states(xk, torch.full_like(rows, k), lambda w, k=k: viterbi(w, k, table))
+        codes[rows] = viterbi(xk, k, table, start)
     return codes.reshape(S, D, N).permute(0, 2, 1)
 
 

@@ -21,7 +21,7 @@ from ...kernels.span_args import TRELLIS, TRELLIS_ERROR_STEP, SideArgs
 from .. import trellis
 from ..quant import deferring
 from ..tables import on_device
-from .channels import Channels, _buffer_size, _byte_layout, _scatter_codes, channel_grid
+from .channels import Channels, _buffer_size, _byte_layout, _scatter_codes
 
 _ERROR_STEP = torch.tensor(TRELLIS_ERROR_STEP, device="cpu")
 
@@ -66,17 +66,15 @@ class TrellisChannels(Channels):
         codes = trellis.encode(rf, b, low, step)
         offsets, needed = _byte_layout(b, N)
         size = _buffer_size(needed, capacity)
-        grid = None
-        if alpha is not None:  # the grid's codes and error beside the trellis's, per channel: the better is kept
-            g_low, g_step = channel_grid(rf.amin(1), rf.amax(1), b, alpha.to(rf))
-            g_codes = torch.minimum(torch.round((rf - g_low[:, None]) / g_step[:, None]).clamp_min(0),
-                                    2.0 ** b[:, None] - 1).long()
-            g_err = (g_low[:, None] + g_codes * g_step[:, None] - rf).square().sum(1)
-            state = trellis.states(_scatter_codes(codes, b, offsets, size), offsets, b, N)
-            t_err = (low[:, None] + trellis.values(state, b) * step[:, None] - rf).square().sum(1)
-            grid = coded & (g_err < t_err)
-            codes = torch.where(grid[:, None], g_codes, codes)
-            low, step = torch.where(grid, g_low, low), torch.where(grid, g_step, step)
+        out = cls(_scatter_codes(codes, b, offsets, size), b.to(torch.uint8), low.half(), step.half(), N)
+        out.__dict__["offsets"] = offsets
+        if alpha is None:
+            return out
+        # the span on its grids as quantwm-alloc stores it, beside the trellis: per channel the better is kept
+        plain = Channels.code(r, bits, alpha, size)
+        grid = coded & ((plain.decode() - rf).square().sum(1) < (out.decode() - rf).square().sum(1))
+        codes = torch.where(grid[:, None], plain.int_codes(), codes)
+        low, step = torch.where(grid, plain.low.float(), low), torch.where(grid, plain.step_.float(), step)
         out = cls(_scatter_codes(codes, b, offsets, size), b.to(torch.uint8), low.half(), step.half(), N, grid)
         out.__dict__["offsets"] = offsets
         return out
