@@ -25,8 +25,7 @@ import argparse
 import torch
 
 from quantwm.core.budget import fit_methods
-from quantwm.core.cache import CacheConfig
-from quantwm.evaluation.analyze import layer_keys
+from quantwm.evaluation.analyze import keys_config, layer_keys, quantized_spans
 from quantwm.evaluation.metrics import probe_logits, second_moment
 from quantwm.evaluation.rate_distortion import water_level
 from quantwm.evaluation.trace import read_trace
@@ -64,18 +63,17 @@ def margin_table(path: str, methods: list[str], budget: float, bound: bool = Fal
     (L2) at each query's exact top-1 key, where that key is quantized, over the mean key error of the quantized keys
     (nan for the bound, which has no keys)."""
     trace = read_trace(path)
-    chunk = int(trace.meta.get("chunk_frames", 1)) * trace.tokens_per_frame
     H, L, D = next(iter(trace.layers.values()))["k"].shape
-    held = max(1, L // chunk - 2)  # analyze's default sink and recent chunks, one each
-    fitted, left_out = fit_methods(methods, budget, None, D, chunk, "k", {}, layer_elements=H * held * chunk * D)
+    config, chunk = keys_config(trace, "textbook", budget)
+    fitted, left_out = fit_methods(methods, budget, None, D, chunk, "k", {},
+                                   layer_elements=H * config.held_chunks * chunk * D)
     for m, why in left_out.items():
         print(f"{m}: left out ({why})")
     edges = torch.tensor(EDGES, dtype=torch.float64)
     gen = torch.Generator().manual_seed(0)
     out = {}
     for m in [m for m in fitted if m not in left_out] + (["bound"] if bound else []):
-        config = CacheConfig(method="textbook" if m == "bound" else m, target="k", sink_chunks=1, recent_chunks=1,
-                             budget_k=budget, held_chunks=held)
+        config = keys_config(trace, "textbook" if m == "bound" else m, budget)[0]
         count = torch.zeros(len(EDGES) + 1, dtype=torch.float64)
         flips = torch.zeros_like(count)
         sq, n_sq, top_err, n_top, mean_err = 0.0, 0, 0.0, 0, 0.0
@@ -83,15 +81,14 @@ def margin_table(path: str, methods: list[str], budget: float, bound: bool = Fal
             cache, k, k_hat, bias = layer_keys(trace, layer, config, chunk)
             q = trace.layers[layer]["q"].float()
             exact, stored = probe_logits(q, k, k_hat, trace.softmax_scale, bias)
-            ends = torch.tensor([s.n_tokens for s in cache.inspect(0)]).cumsum(0).tolist()
-            spans = [slice(e - s.n_tokens, e) for s, e in zip(cache.inspect(0), ends) if s.quantized]
+            spans = quantized_spans(cache)
             quantized = torch.zeros(k.shape[1], dtype=torch.bool)
             for span in spans:
                 quantized[span] = True
             if m == "bound":  # textbook's cache only for its spans: which tokens are quantized
                 stored = (bound_logits(q, k, spans, budget, gen) * trace.softmax_scale).float()
-            sq += (stored - exact)[..., quantized].double().square().sum().item()
-            n_sq += (stored - exact)[..., quantized].numel()
+            diff = (stored - exact)[..., quantized].double()
+            sq, n_sq = sq + diff.square().sum().item(), n_sq + diff.numel()
             first = exact.argmax(-1)  # (H, Nq)
             error = (k_hat - k).norm(dim=-1).double()  # (H, L)
             hit = quantized[first]
@@ -100,7 +97,7 @@ def margin_table(path: str, methods: list[str], budget: float, bound: bool = Fal
             mean_err += error[:, quantized].mean().item() / len(trace.layers)
             top = exact.topk(2, -1).values
             bins = torch.bucketize((top[..., 0] - top[..., 1]).double().flatten(), edges)
-            moved = (exact.argmax(-1) != stored.argmax(-1)).double().flatten()
+            moved = (first != stored.argmax(-1)).double().flatten()
             count += torch.bincount(bins, minlength=len(count)).double()
             flips += torch.bincount(bins, weights=moved, minlength=len(count))
         total = count.sum()

@@ -197,25 +197,20 @@ def tails(path: str, budget: float) -> None:
     them at `budget`, and the squared error of every quantized key element binned by how extreme it is in its
     span's channel (|z|, its distance from the channel's mean over its standard deviation; bins at quantiles 0.5,
     0.9, 0.99 and 0.999 of |z|)."""
-    from quantwm.core.cache import CacheConfig
-    from quantwm.evaluation.analyze import layer_keys
+    from quantwm.evaluation.analyze import keys_config, layer_keys, quantized_spans
     from quantwm.evaluation.trace import read_trace
 
     trace = read_trace(path)
-    chunk = int(trace.meta.get("chunk_frames", 1)) * trace.tokens_per_frame
-    held = max(1, next(iter(trace.layers.values()))["k"].shape[1] // chunk - 2)  # analyze's sink and recent chunks
     parts = {}
     for m in ("quantwm", "quantwm-trellis"):
-        config = CacheConfig(method=m, target="k", sink_chunks=1, recent_chunks=1, budget_k=budget, held_chunks=held)
+        config, chunk = keys_config(trace, m, budget)
         rows = []
         for layer in trace.layers:
             cache, k, k_hat, _ = layer_keys(trace, layer, config, chunk)
-            ends = torch.tensor([s.n_tokens for s in cache.inspect(0)]).cumsum(0).tolist()
-            for span, end in zip(cache.inspect(0), ends):
-                if span.quantized:
-                    x = k[:, end - span.n_tokens:end]
-                    z = (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True).clamp_min(1e-6)
-                    rows.append(torch.stack([z.abs().flatten(), (k_hat[:, end - span.n_tokens:end] - x).square().flatten()]))
+            for span in quantized_spans(cache):
+                x = k[:, span]
+                z = (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True).clamp_min(1e-6)
+                rows.append(torch.stack([z.abs().flatten(), (k_hat[:, span] - x).square().flatten()]))
         parts[m] = torch.cat(rows, 1)
     z = parts["quantwm"][0]
     qs = [0.0, 0.5, 0.9, 0.99, 0.999, 1.0]
@@ -235,9 +230,8 @@ def price(path: str, budget: float) -> None:
     width: the ratio the allocator assumed (ERROR_RATIO, measured on Gaussian samples) against the real one."""
     from quantwm.core import trellis
     from quantwm.core.allocate import error_tables
-    from quantwm.core.cache import CacheConfig
     from quantwm.core.layouts import trellis as layout
-    from quantwm.evaluation.analyze import layer_keys
+    from quantwm.evaluation.analyze import keys_config, layer_keys
     from quantwm.evaluation.trace import read_trace
 
     sums = torch.zeros(3, len(trellis.WIDTHS) + 1, dtype=torch.float64)  # trellis error, grid error, channels
@@ -254,10 +248,7 @@ def price(path: str, budget: float) -> None:
         return out
 
     trace = read_trace(path)
-    chunk = int(trace.meta.get("chunk_frames", 1)) * trace.tokens_per_frame
-    held = max(1, next(iter(trace.layers.values()))["k"].shape[1] // chunk - 2)  # analyze's sink and recent chunks
-    config = CacheConfig(method="quantwm-trellis", target="k", sink_chunks=1, recent_chunks=1, budget_k=budget,
-                         held_chunks=held)
+    config, chunk = keys_config(trace, "quantwm-trellis", budget)
     layout.TrellisChannels.code = classmethod(measured)
     try:
         for layer in trace.layers:

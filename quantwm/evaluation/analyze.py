@@ -86,6 +86,21 @@ def key_bits_per_element(cache: KVCache) -> float:
     return 8 * nbytes / elems if elems else float("nan")
 
 
+def quantized_spans(cache: KVCache, layer: int = 0) -> list[slice]:
+    """The token ranges (in cache order) of the layer's quantized spans."""
+    ends = torch.tensor([s.n_tokens for s in cache.inspect(layer)]).cumsum(0).tolist()
+    return [slice(end - s.n_tokens, end) for s, end in zip(cache.inspect(layer), ends) if s.quantized]
+
+
+def keys_config(trace: Trace, method: str, budget: float) -> tuple[CacheConfig, int]:
+    """(config, chunk tokens) with which `quantwm analyze --target k --budget B` commits a trace's Keys for `method`:
+    the trace's chunks, its default one sink and one recent chunk kept exact."""
+    chunk = int(trace.meta.get("chunk_frames", 1)) * trace.tokens_per_frame
+    held = max(1, next(iter(trace.layers.values()))["k"].shape[1] // chunk - 2)  # the quantized chunks a layer holds
+    return CacheConfig(method=method, target="k", sink_chunks=1, recent_chunks=1, budget_k=budget,
+                       held_chunks=held), chunk
+
+
 def key_rate_distortion(cache: KVCache, k: torch.Tensor, k_hat: torch.Tensor, q: torch.Tensor) -> dict:
     """The rate-distortion meter on layer 0's quantized Key spans: k, k_hat (H, L, D) in cache order, S from
     the queries q (H, Nq, D); the figures of rate_distortion.summarise, plus the Keys' bits per element."""
@@ -93,10 +108,8 @@ def key_rate_distortion(cache: KVCache, k: torch.Tensor, k_hat: torch.Tensor, q:
     nan = {"k_bits_above_bound": math.nan, "k_distortion": math.nan, "k_bound_distortion": math.nan}
     if math.isnan(bits):
         return {"k_bits_per_element": bits, **nan}
-    ends = torch.tensor([s.n_tokens for s in cache.inspect(0)]).cumsum(0).tolist()
-    spans = [slice(end - s.n_tokens, end) for s, end in zip(cache.inspect(0), ends) if s.quantized]
     S = second_moment(q)  # (H, D, D), the measured queries'
-    figures = summarise([rate_distortion(k[:, s], k_hat[:, s], S, bits) for s in spans])
+    figures = summarise([rate_distortion(k[:, s], k_hat[:, s], S, bits) for s in quantized_spans(cache)])
     return {"k_bits_per_element": bits, "k_bits_above_bound": figures["bits_above_bound"],
             "k_distortion": figures["distortion"], "k_bound_distortion": figures["bound_distortion"]}
 
