@@ -16,9 +16,9 @@ A span has a key side and a value side, each in one of four forms:
 
 * TRELLIS: per-channel bitshift trellis codes over the whole span (`quantwm-trellis`), stored as CHANNELS stores
   its grids: `data` as there, `meta` = byte offset * 32 + 16 on a grid channel + bits, `scales` the channels'
-  scales (S, D) fp16 and `zeros` their means (S, D) fp32. Sample j of a b-bit trellis channel decodes from the 12
-  bits of the channel's stream that end where its code ends (bits [(j + 1) b − 12, (j + 1) b); bits before the
-  channel's first are its last where its stream holds at least 12 bits (tail-biting), else 0) as a state s:
+  scales (S, D) fp16 and `zeros` their means (S, D) fp32. Sample j of a b-bit trellis channel decodes from the L = 8
+  bits of the channel's stream that end where its code ends (bits [(j + 1) b − 8, (j + 1) b); bits before the
+  channel's first are its last where its stream holds at least 8 bits (tail-biting), else 0) as a state s:
   zero + scale · c(s), c the codebook quantwm/core/trellis.py computes from s (`mad`). A grid channel (flag 16)
   decodes as CHANNELS does, zero + scale · code, its zero and scale then its low end and step.
 
@@ -39,12 +39,12 @@ BLOCK_N = 32
 FORMS = {FULL: "full", GROUPED: "grouped", CHANNELS: "channels", TRELLIS: "trellis"}
 
 # The TRELLIS form's code (quantwm/core/trellis.py; measured by benchmarks/trellis_gain.py --tables)
-TRELLIS_STATE_BITS = 12  # the state a sample decodes from
+TRELLIS_STATE_BITS = 8  # the state a sample decodes from
 MAD_MULT, MAD_ADD = 34038481, 76625530  # QTIP's "1MAD" codebook: a 32-bit linear congruential step of the state,
 MAD_CENTER = 510.0  # then the sum of its four bytes less their mean,
 MAD_SCALE = 0.006765875034034252  # times 1 / their standard deviation (√(4 (256² − 1) / 12)), exact in fp32
-TRELLIS_SCALES = (1.0, 0.9, 1.0, 1.1, 1.2, 1.2, 1.3, 1.4, 1.5)  # the codebook's scale at widths 0-8
-TRELLIS_UNIT_MSE = (1.0, 0.281, 0.0748, 0.0192, 0.00504, 0.00136, 0.000397, 0.000118, 3.4e-05)  # unit Gaussian
+TRELLIS_SCALES = (1.0, 0.9, 1.1, 1.2, 1.2, 1.4, 1.4, 1.4, 1.6)  # the codebook's scale at widths 0-8
+TRELLIS_UNIT_MSE = (1.0, 0.305, 0.0859, 0.0245, 0.00672, 0.00204, 0.000642, 0.000308, 0.000124)  # unit Gaussian
 # a channel's equivalent grid step (the Jensen term's Δ) per unit of its stored scale: √(12 MSE) / codebook scale
 TRELLIS_ERROR_STEP = tuple(0.0 if b == 0 else (12 * m) ** 0.5 / c
                            for b, (m, c) in enumerate(zip(TRELLIS_UNIT_MSE, TRELLIS_SCALES)))

@@ -30,7 +30,7 @@ tokens, one codebook stage, keys and values independently quantized or full prec
 (a budget): 0-8 bits per channel on per-channel grids over the span, each channel's codes packed along the span
 in one buffer with a table of byte offsets and widths (kernels/span_args.py's CHANNELS form), read code by code
 (codes of 3, 5, 6 or 7 bits straddle two bytes); and `quantwm-trellis`'s per-channel trellis codes in the same
-buffer (the TRELLIS form), each sample read as the 12-bit window of its channel's stream that ends with its code
+buffer (the TRELLIS form), each sample read as the 8-bit window of its channel's stream that ends with its code
 and decoded by QTIP's computed codebook. Keys must be post-RoPE (pre-RoPE caches use the reference
 path; see quantwm/core/attention.py for why).
 

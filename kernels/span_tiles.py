@@ -171,7 +171,7 @@ def _trellis_values(codes_ptr, meta_ptr, s, rows, d, N, D, m2, dmask):
     """(values (BN, BD) fp32, bits (BD,) int32) of a TRELLIS side's samples `rows` of stream s (meta = offset * 32 +
     16 on a grid channel + bits). A trellis channel's state is the STATE_BITS bits of its stream ending where the
     sample's code ends, the bits before the stream's first read from its end where it holds at least STATE_BITS
-    bits (tail-biting), else 0 (each part at most three bytes, all the channel's own), and its value QTIP's 1MAD of
+    bits (tail-biting), else 0 (each part at most two bytes, all the channel's own), and its value QTIP's 1MAD of
     the state, the integer and fp32 steps of quantwm/core/trellis.py's `mad`; a grid channel's value is its code.
     0-bit channels and rows outside m2 read 0."""
     meta = tl.load(meta_ptr + s * D + d, mask=dmask, other=0)

@@ -24,6 +24,7 @@ import triton.language as tl
 from .span_args import TRELLIS_STATE_BITS
 
 SCRATCH_BYTES = 1 << 30  # backpointers kept at once on a GPU (the interpreter's batches are the caller's)
+WARPS = max(1, (1 << TRELLIS_STATE_BITS) // 512)  # at most 16 path costs a thread (2^8 states: one warp, 8 each)
 
 
 @triton.jit
@@ -85,5 +86,5 @@ def trellis_viterbi(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, 
     for row0 in range(0, M, rows):  # batches by shape, not by value
         n = min(rows, M - row0)
         _viterbi_kernel[(n,)](xs, ws, ws if start is None else starts, tab, back, codes, row0, N, L=TRELLIS_STATE_BITS,
-                              TAIL=start is not None, num_warps=8)
+                              TAIL=start is not None, num_warps=WARPS)
     return codes

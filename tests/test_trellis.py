@@ -15,10 +15,10 @@ from quantwm.core.lloyd_max import lloyd_max
 def test_the_codebook_is_computed_from_the_state_and_close_to_a_unit_gaussian():
     cb = trellis.codebook()
     assert cb.shape == (1 << trellis.STATE_BITS,)
-    assert abs(cb.mean()) < 0.02 and abs(cb.std() - 1) < 0.01 and cb.abs().max() < 3.5
-    assert torch.equal(trellis.mad(torch.arange(4096)), cb)
+    assert abs(cb.mean()) < 0.02 and abs(cb.std() - 1) < 0.025 and cb.abs().max() < 3.5  # 256 values
+    assert torch.equal(trellis.mad(torch.arange(256)), cb)
     # the stored format: a span coded today must decode the same tomorrow
-    assert [round(v, 4) for v in cb[[0, 1, 2, 4095]].tolist()] == [-1.2517, -0.839, -0.4263, 1.272]
+    assert [round(v, 4) for v in cb[[0, 1, 2, 255]].tolist()] == [-1.2517, -0.839, -0.4263, 0.4601]
 
 
 def _path_values(codes: torch.Tensor, k: int, tail: bool = False) -> torch.Tensor:
@@ -107,7 +107,8 @@ def test_trellis_codes_beat_the_best_scalar_grid_on_a_gaussian():
     x = torch.randn(1, 8, 1728, generator=torch.Generator().manual_seed(3)).permute(0, 2, 1)  # 8 channels
     for k, bound in ((1, 0.25), (2, 0.0625), (3, 0.015625)):
         mse = (TrellisChannels.code(x, torch.full((1, 8), k)).decode() - x).square().mean() / x.var()
-        assert bound < mse < lloyd_max(k).mse * 0.8, (k, float(mse))  # at least 1 dB under Lloyd-Max
+        # under Lloyd-Max by at least 0.7 dB at 1 bit and 1 dB at 2-3 (256 states: 0.75, 1.4, 1.5 dB on Gaussians)
+        assert bound < mse < lloyd_max(k).mse * (0.85 if k == 1 else 0.8), (k, float(mse))
 
 
 def test_bad_widths_and_a_constant_channel():
@@ -176,7 +177,7 @@ def test_the_viterbi_kernel_codes_every_width_as_the_reference_does():
     g = torch.Generator().manual_seed(9)
     x = torch.randn(10, 23, generator=g)
     widths = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 2])
-    start = torch.randint(0, 4096, (10,), generator=g)
+    start = torch.randint(0, 1 << trellis.STATE_BITS, (10,), generator=g)
     for tail in (False, True):  # from state 0; tail-biting through `start`
         got = trellis_viterbi(x, widths, trellis.codebook(), start if tail else None,
                               scratch_bytes=3 * 23 * 2048)  # batches of 3 rows

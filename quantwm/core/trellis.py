@@ -24,12 +24,16 @@ stores, at the best of the codebook's scales 0.8 .. 1.8, against a uniform grid 
 the same samples:
 
     k                1      2      3       4        5        6        7        8
-    trellis MSE      0.281  0.0748 0.0192  0.00504  0.00136  0.000397 0.000118 0.0000340
-    / uniform grid   0.598  0.575  0.475   0.411    0.390    0.401    0.482    0.556
-    codebook scale   0.9    1.0    1.1     1.2      1.2      1.3      1.4      1.5
+    trellis MSE      0.305  0.0859 0.0245  0.00672  0.00204  0.000642 0.000308 0.000124
+    / uniform grid   0.650  0.660  0.605   0.547    0.583    0.649    1.261    2.033
+    codebook scale   0.9    1.1    1.2     1.2      1.4      1.4      1.4      1.6
 
 (the Gaussian bound 2^−2k: 0.25, 0.0625, 0.0156, 0.0039; a Lloyd-Max scalar grid: 0.363, 0.118, 0.0345, 0.0095).
-The allocator prices a trellis coordinate as its uniform grid's measured error times the ratio (ERROR_RATIO).
+L = 8 (256 states), not QTIP's 16 or the 12 this format first used (0.281, 0.0748, 0.0192 at 1-3 bits, 0.575 of the
+grid at 2): the search's work and its backpointers grow as 2^L per sample, and a commit must fit the GPU budget
+`quantwm` meets; at 7-8 bits 256 values are too few and the grid codes a channel better (the commit keeps it).
+The allocator prices a trellis coordinate as its uniform grid's measured error times the ratio (ERROR_RATIO), at
+most 1 (the grid is kept where it is better).
 The constants the fused kernel needs live in quantwm/kernels/span_args.py.
 """
 from __future__ import annotations
@@ -51,11 +55,11 @@ from ..kernels.span_args import (
 from .backend import kernel, use_kernels
 from .tables import on_device
 
-STATE_BITS = TRELLIS_STATE_BITS  # L = 12: the state a sample decodes from (4096 trellis states)
+STATE_BITS = TRELLIS_STATE_BITS  # L = 8: the state a sample decodes from (256 trellis states)
 WIDTHS = tuple(range(1, 9))  # the widths a trellis coordinate may take
 SCALES = TRELLIS_SCALES[1:]  # codebook scale per width 1..8 (module docstring's table)
 UNIT_MSE = TRELLIS_UNIT_MSE  # per unit variance, widths 0..8
-ERROR_RATIO = (1.0, 0.598, 0.575, 0.475, 0.411, 0.39, 0.401, 0.482, 0.556)  # trellis / uniform MSE, widths 0..8
+ERROR_RATIO = (1.0, 0.65, 0.66, 0.605, 0.547, 0.583, 0.649, 1.261, 2.033)  # trellis / uniform MSE, widths 0..8
 BACKPOINTER_BYTES = 1 << 27  # the Viterbi search keeps at most this many bytes of backpointers at once
 WRAP_TOKENS = 64  # the tail-biting start's search sees this many samples either side of the wrap (`wrap_states`)
 _SCALE_TABLE = torch.tensor(TRELLIS_SCALES, device="cpu")

@@ -5,7 +5,7 @@ Stored exactly as `Channels` stores it: per stream and channel a width b (uint8,
 is on its grid), two fp16 numbers and the channel's N codes of b bits packed along the span in one uint8 buffer.
 A grid channel is a `Channels` one (its low end and step, code t at bits [t b, t b + b)); on a trellis channel the
 two numbers are the channel's mean and scale over the span, and sample t decodes to mean + scale · CODEBOOK[s_t],
-s_t the 12 bits of the channel's stream that end where code t ends (tail-biting: those before the stream's first
+s_t the 8 bits of the channel's stream that end where code t ends (tail-biting: those before the stream's first
 are its last). A 0-bit channel decodes to 0 (its centroid alone). The fused kernel reads it as its TRELLIS form
 (kernels/span_args.py), window by window; the 8-bit path's QKᵀ takes its rebuilt keys (it has no integer-code
 form).

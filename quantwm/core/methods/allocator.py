@@ -52,7 +52,7 @@ from ..trellis import ERROR_RATIO
 from .base import BUDGETS, Method, SpanContext, register
 from .qvg import QVGBudget
 
-_TRELLIS_RATIO = torch.tensor(ERROR_RATIO, device="cpu")  # per width 0-8 (quantwm/core/trellis.py)
+_TRELLIS_RATIO = torch.tensor(ERROR_RATIO, device="cpu").clamp(max=1.0)  # per width 0-8 (quantwm/core/trellis.py)
 REUSE_RANK = 16  # a stored basis holds while its first (at most) 16 columns capture S's top-16 energy
 
 

@@ -9,8 +9,9 @@ grid codes a channel is a flag in its width byte, chosen at commit by their meas
 
 On a GPU the encoder is two Triton launches per batch of channels (kernels/trellis_viterbi.py: the tail-biting
 start's search, then the channel's) and the fused attention kernel reads the codes (its TRELLIS form); on a CPU
-PyTorch searches per width. Opt-in: the search does 4096 state updates per coded sample, not yet timed on a GPU
-against the commit budget `quantwm` meets (docs/results.md, "Trellis codes").
+PyTorch searches per width. Opt-in: the search does 256 state updates per coded sample (2^8 states; QTIP's 2^12
+would be 16 times as many), not yet timed on a GPU against the commit budget `quantwm` meets (docs/results.md,
+"Trellis codes").
 """
 from __future__ import annotations
 
