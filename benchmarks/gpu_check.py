@@ -18,16 +18,19 @@ dry run, each on one CPU thread):
 4. `commit cost`: `benchmarks/commit_cost.py` for quantwm and kivi at 2.5 bits at Wan-1.3B shapes: each commit's
    ATen ops, kernel launches and host syncs per layer, its cost estimated by the script's stated model, and on
    CUDA the commit timed with CUDA events beside a BF16 SDPA over the same cache (issue 42).
-5. `kernel bench`: `quantwm selfcheck --model wan-1.3b` (the command a user runs; its timing is
+5. `trellis encode`: `benchmarks/trellis_gain.py --encode-time`, one span of Wan-1.3B's shape (12 heads x 4680
+   tokens x 128, widths 0-8 at random) coded by quantwm-trellis's Triton Viterbi searches, timed after the compile
+   (a layer's commit codes two such spans); the dry run: 1 x 64 x 32 on the CPU path.
+6. `kernel bench`: `quantwm selfcheck --model wan-1.3b` (the command a user runs; its timing is
    quantwm/evaluation/kernel_timing.py, which `benchmarks/kernel_bench.py` runs too): which path every method
    takes, every kernel checked against its reference on first use, and the timing at Wan-1.3B shapes (12 heads
    x 128, chunks of 4680 queries, caches of 8K/32K/64K tokens): BF16 SDPA (the flash backend on CUDA), dequantize-then-SDPA, the fused 2-bit
    kernel, its 8-bit paths (INT8 and e4m3 QKᵀ, e4m3 PV), and the cost of quantizing a committed chunk as a share
    of the chunk's attention time. The dry run: the tiny preset at 1 head x 64, chunks of 32 tokens, caches of 96
    and 128 tokens (every path, a quantized span at each length).
-6. `real shapes`: `benchmarks/real_shapes.py`, a randomly initialised Wan-1.3B-sized transformer generating
+7. `real shapes`: `benchmarks/real_shapes.py`, a randomly initialised Wan-1.3B-sized transformer generating
    chunk by chunk through the cache (bytes, peak memory, time per chunk).
-7. `live rollout`: a random Self-Forcing model (diffusers Wan classes, 2 layers at Wan-1.3B's 12 heads x 128 and
+8. `live rollout`: a random Self-Forcing model (diffusers Wan classes, 2 layers at Wan-1.3B's 12 heads x 128 and
    its 480x832 frames) recorded BF16 vs quantwm through the live backend's recorder, written as a run file
    and read back.
 
@@ -68,6 +71,9 @@ def steps(out: Path, dry: bool) -> list[dict]:
         {"name": "commit cost", "limit": 60 if dry else 90,  # issue 42: a commit's cost, counted, priced and timed
          "cmd": [py, "benchmarks/commit_cost.py", "--preset", "wan-1.3b", "--methods", "quantwm,kivi", "--budget", "2.5",
                  "--json", str(out / "commit_cost.json"), *(["--dry-run"] if dry else [])]},
+        {"name": "trellis encode", "limit": 30 if dry else 60,  # quantwm-trellis's Viterbi searches, one span timed
+         "cmd": [py, "benchmarks/trellis_gain.py", "--encode-time",
+                 *(["--shape", "1,64,32"] if dry else ["--device", "cuda", "--shape", "12,4680,128"])]},
         {"name": "kernel bench", "limit": 150 if dry else 180,  # the user's own check: `quantwm selfcheck`
          "cmd": [py, "-m", "quantwm", "selfcheck", "--model", "tiny" if dry else "wan-1.3b",
                  *(["--heads", "1", "--chunk-tokens", "32", "--lengths", "96,128"] if dry else ["--lengths", "8192,32768,65536"]),
@@ -133,6 +139,10 @@ def figures(name: str, out: Path, text: str) -> dict:
                                   "estimated_ms": round(r["estimate"]["commit_gpu_ms"]["steady"], 3),
                                   "syncs": r["commit"]["mean"]["syncs"],
                                   "share": round(r["estimate"]["commit_share"]["steady"], 4)} for r in rows}
+        if name == "trellis encode":  # seconds for one span: a Wan-1.3B layer's commit codes two (Keys, Values)
+            line = next(line for line in text.splitlines() if " coded in " in line)
+            return {"span": line.split(" coded in ")[0].removeprefix("one span of "),
+                    "seconds": float(line.split(" coded in ")[1].split()[0])}
         if name == "kernel bench":
             rows = json.loads((out / "kernel_bench.json").read_text())["rows"]
             return {f"{r['path']} @ {r['cache_tokens']}": round(r["vs_bf16"], 3) for r in rows}

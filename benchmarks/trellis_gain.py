@@ -12,17 +12,19 @@ gain is reported on another (seed 2).
 
     python benchmarks/trellis_gain.py [--sequences 64] [--length 1728]
     python benchmarks/trellis_gain.py --trace t.pt [--budget 2.5]     # on a synthetic trace's Keys (below)
-    python benchmarks/trellis_gain.py --tables      # quantwm/core/trellis.py's constants (the bitshift trellis)
+    python benchmarks/trellis_gain.py --tables [--state-bits L]  # quantwm/core/trellis.py's constants (2^L states)
     python benchmarks/trellis_gain.py --warmup      # its error by token position: the first samples of a channel
     python benchmarks/trellis_gain.py --wrap        # the tail-biting start's search window (WRAP_TOKENS)
-    python benchmarks/trellis_gain.py --encode-time # seconds to code one span on this CPU, one thread
+    python benchmarks/trellis_gain.py --encode-time [--device cuda] [--shape 12,4680,128]  # seconds to code a span
     python benchmarks/trellis_gain.py --tails t.pt [--budget 4]    # its key error by how extreme an element is
     python benchmarks/trellis_gain.py --price t.pt [--budget 4]    # its real error against its price, per width
 
-`--tables`: the bitshift trellis QuantWM codes with (quantwm/core/trellis.py, 2^12 states, QTIP's computed
+`--tables`: the bitshift trellis QuantWM codes with (quantwm/core/trellis.py, 2^8 states, QTIP's computed
 codebook) on unit-Gaussian tuning samples (24 sequences of 1728, generator seed 7): at each width 1-8, the codebook
 scale of least error (0.8 to 1.8 by 0.1), that error, and its ratio to the uniform grid with the allocator's clip
-search (quantwm/core/allocate.py) on the same samples: the SCALES, UNIT_MSE and ERROR_RATIO tables.
+search (quantwm/core/allocate.py) on the same samples: the SCALES, UNIT_MSE and ERROR_RATIO tables. `--state-bits
+L` measures the same trellis with 2^L states (the codebook `mad` of states 0 .. 2^L − 1), the state sizes not
+stored: 10 and 12 (QTIP's 16 is out of this machine's reach).
 
 `--trace`: the textbook transform coder (S's eigenbasis of the history Queries, reverse water-filling over the
 allocator's uniform tables, as benchmarks/bits_above_bound.py's step 2) on the trace's second and third chunks,
@@ -113,14 +115,19 @@ def tcq_decode_path(y: torch.Tensor, widths: torch.Tensor, low: torch.Tensor, st
     return torch.where(b[:, None] > 0, out, 0.0).reshape(S, D, N).permute(0, 2, 1)
 
 
-def bitshift_tables() -> None:
-    """The module docstring's `--tables`, printed as a table and as the constants' tuples."""
+def bitshift_tables(state_bits: int | None = None) -> None:
+    """The module docstring's `--tables` (2^state_bits states; None: the stored code's), printed as a table and as
+    the constants' tuples."""
     from quantwm.core import trellis
     from quantwm.core.allocate import CLIPS, channel_errors_ref
 
     x = torch.randn(24, 1728, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     x = ((x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)).float()
     cols = x.T[None]  # (1, N, 24): the sequences as the allocator's channels
+    L = trellis.STATE_BITS if state_bits is None else state_bits
+    if not 8 <= L <= 12:
+        raise SystemExit(f"--state-bits takes 8-12 (the stored code has {trellis.STATE_BITS}), got {L}")
+    values = trellis.mad(torch.arange(1 << L))
     rows = []
     for k in trellis.WIDTHS:
         E, _ = channel_errors_ref(cols, cols.amin(1), cols.amax(1), torch.tensor([2.0 ** k - 1]),
@@ -128,7 +135,7 @@ def bitshift_tables() -> None:
         uniform = E.sum().item() / x.numel()
         best = None
         for scale in [round(0.8 + 0.1 * i, 1) for i in range(11)]:  # the stored search: tail-biting
-            path = _search_path(x / scale, k, trellis.codebook(), tail=True)
+            path = _search_path(x / scale, k, values, tail=True)
             err = (x - scale * path).square().mean().item()
             best = min(best or (err, scale), (err, scale))
         rows.append((k, best[0], best[1], uniform))
@@ -177,19 +184,38 @@ def wrap_window() -> None:
             print(f"| {n} | {k} | " + " | ".join(cells) + " |", flush=True)
 
 
-def encode_time() -> None:
-    """The `--encode-time` figure: seconds to code one span as quantwm-trellis does on the CPU path (4 heads x 1728
-    tokens x head dim 128, unit-Gaussian samples, widths 0-8 drawn at random; generator seed 0), one thread."""
+def encode_time(device: str = "cpu", shape: str = "4,1728,128") -> None:
+    """The `--encode-time` figure: seconds to code one span (heads x tokens x head dim, `shape`) as quantwm-trellis
+    does at commit (unit-Gaussian samples, widths 0-8 drawn at random; generator seed 0). On the CPU its PyTorch
+    path on one thread; on CUDA (`--device cuda`) its Triton searches, timed after one untimed call (the compile)
+    with the device synchronised around the timed one."""
     import time
 
     from quantwm.core.layouts.trellis import TrellisChannels
 
-    torch.set_num_threads(1)
+    try:
+        H, N, D = (int(v) for v in shape.split(","))
+    except ValueError:
+        raise SystemExit(f"--shape takes heads,tokens,head_dim, got {shape!r}") from None
+    if min(H, N, D) < 1:
+        raise SystemExit(f"--shape needs positive sizes, got {shape!r}")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here")
     g = torch.Generator().manual_seed(0)
-    r, bits = torch.randn(4, 1728, 128, generator=g), torch.randint(0, 9, (4, 128), generator=g)
+    r, bits = torch.randn(H, N, D, generator=g).to(dev), torch.randint(0, 9, (H, D), generator=g).to(dev)
+    if dev.type == "cuda":
+        TrellisChannels.code(r, bits)  # the first call compiles the search
+        torch.cuda.synchronize(dev)
+        where = torch.cuda.get_device_name(dev)
+    else:
+        torch.set_num_threads(1)
+        where = "one CPU thread"
     start = time.perf_counter()
     TrellisChannels.code(r, bits)
-    print(f"one span of 4 x 1728 x 128 coded in {time.perf_counter() - start:.1f} s (one thread)")
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    print(f"one span of {H} x {N} x {D} coded in {time.perf_counter() - start:.3f} s ({where})")
 
 
 def tails(path: str, budget: float) -> None:
@@ -226,8 +252,9 @@ def tails(path: str, budget: float) -> None:
 def price(path: str, budget: float) -> None:
     """The `--price` table: quantwm-trellis's Keys committed from a trace as `quantwm analyze` commits them at
     `budget`; for every coded residual (TrellisChannels.code is wrapped to see it), each channel's squared error as
-    coded by the trellis against its uniform grid's at the same width (the allocator's error table), summed per
-    width: the ratio the allocator assumed (ERROR_RATIO, measured on Gaussian samples) against the real one."""
+    stored (its trellis code, or its grid where that codes it better: at most 1) against its uniform grid's at the
+    same width (the allocator's error table), summed per width: the ratio the allocator assumed (ERROR_RATIO,
+    measured on Gaussian samples) against the real one."""
     from quantwm.core import trellis
     from quantwm.core.allocate import error_tables
     from quantwm.core.layouts import trellis as layout
@@ -255,35 +282,34 @@ def price(path: str, budget: float) -> None:
             layer_keys(trace, layer, config, chunk)
     finally:
         layout.TrellisChannels.code = original
-    print(f"{path}, Keys at {budget:g} bits\n| width | channels | trellis error / its grid's | the price's ratio |"
+    print(f"{path}, Keys at {budget:g} bits\n| width | channels | stored error / its grid's | the price's ratio |"
           "\n|---|---|---|---|")
     for k in trellis.WIDTHS:
         if sums[2, k]:
             print(f"| {k} | {int(sums[2, k])} | {sums[0, k] / sums[1, k]:.3f} | {trellis.ERROR_RATIO[k]} |")
 
 
-def _states(codes: torch.Tensor, k: int, start: torch.Tensor) -> torch.Tensor:
-    """The shift register's states (M, N) along codes (M, N) of width k from the states `start` (M,)."""
-    from quantwm.core import trellis
-
+def _states(codes: torch.Tensor, k: int, start: torch.Tensor, L: int) -> torch.Tensor:
+    """The shift register's states (M, N) of L bits along codes (M, N) of width k from the states `start` (M,)."""
     state, out = start, []
     for t in range(codes.shape[1]):
-        state = (state >> k) | (codes[:, t] << (trellis.STATE_BITS - k))
+        state = (state >> k) | (codes[:, t] << (L - k))
         out.append(state)
     return torch.stack(out, 1)
 
 
 def _search_path(x: torch.Tensor, k: int, values: torch.Tensor, tail: bool, window: int | None = None) -> torch.Tensor:
-    """The decoded least-error path of every row of x (M, N) (N k >= 12) at width k: tail-biting as quantwm-trellis
-    stores it (its start searched over `window` samples either side of the wrap; None: the library's), or from
-    state 0."""
+    """The decoded least-error path of every row of x (M, N) (N k >= L) at width k through the trellis whose 2^L
+    states decode to `values`: tail-biting as quantwm-trellis stores it (its start searched over `window` samples
+    either side of the wrap; None: the library's), or from state 0."""
     from quantwm.core import trellis
 
+    L = values.numel().bit_length() - 1
     start = torch.zeros(x.shape[0], dtype=torch.long)
     if tail:
         start = trellis.wrap_states(x, torch.full_like(start, k), lambda w: trellis.viterbi(w, k, values),
-                                    window or trellis.WRAP_TOKENS)
-    return values[_states(trellis.viterbi(x, k, values, start if tail else None), k, start)]
+                                    window or trellis.WRAP_TOKENS, L)
+    return values[_states(trellis.viterbi(x, k, values, start if tail else None), k, start, L)]
 
 
 def on_trace(path: str, budget: float) -> None:
@@ -330,20 +356,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trace", default=None, help="compare on this synthetic trace's Keys instead (docstring)")
     ap.add_argument("--budget", type=float, default=2.5)
     ap.add_argument("--tables", action="store_true", help="measure quantwm/core/trellis.py's constants (docstring)")
+    ap.add_argument("--state-bits", type=int, default=None, help="--tables for a trellis of 2^L states (8-12)")
     ap.add_argument("--warmup", action="store_true", help="the trellis's error by token position (docstring)")
     ap.add_argument("--wrap", action="store_true", help="the tail-biting start's search window (docstring)")
     ap.add_argument("--encode-time", action="store_true", help="seconds to code one span here (docstring)")
+    ap.add_argument("--device", default="cpu", help="--encode-time on this device (cpu or cuda)")
+    ap.add_argument("--shape", default="4,1728,128", help="--encode-time's span: heads,tokens,head_dim")
     ap.add_argument("--tails", default=None, help="a trace: the trellis's key error by how extreme an element is")
     ap.add_argument("--price", default=None, help="a trace: the trellis's real error against its price per width")
     a = ap.parse_args(argv)
+    if a.state_bits is not None and not a.tables:
+        ap.error("--state-bits goes with --tables")
     if a.tables:
-        return bitshift_tables()
+        return bitshift_tables(a.state_bits)
     if a.warmup:
         return warmup()
     if a.wrap:
         return wrap_window()
     if a.encode_time:
-        return encode_time()
+        return encode_time(a.device, a.shape)
     if a.tails:
         return tails(a.tails, a.budget)
     if a.price:

@@ -14,7 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import gpu_check  # noqa: E402
 
-STEPS = ["cuda tests", "cuda tier", "warm attend", "commit cost", "kernel bench", "real shapes", "live rollout"]
+STEPS = ["cuda tests", "cuda tier", "warm attend", "commit cost", "trellis encode", "kernel bench", "real shapes",
+         "live rollout"]
 # The two steps that run tests of this suite in a pytest of their own: the suite runs those tests itself, and
 # test_the_pytest_steps_select_tests_of_this_suite checks what they select; the dry run below runs the others.
 PYTEST_STEPS = ("cuda tests", "cuda tier")
@@ -33,6 +34,8 @@ def test_the_dry_run_runs_every_step_and_writes_one_json(tmp_path):
     commit = steps["commit cost"]["figures"]  # per method: estimated steady commit ms per layer, nothing measured
     assert set(commit) == {"quantwm", "kivi"} and all(f["estimated_ms"] > 0 and f["measured_ms"] is None
                                                       for f in commit.values())
+    trellis = steps["trellis encode"]["figures"]  # one span coded by quantwm-trellis's search, timed
+    assert trellis["span"] == "1 x 64 x 32" and trellis["seconds"] > 0
     assert any(k.startswith("fused @ ") for k in steps["kernel bench"]["figures"])
     assert any(k.startswith("fused int8 @ ") for k in steps["kernel bench"]["figures"])
     selfcheck = json.loads((tmp_path / "kernel_bench.json").read_text())

@@ -209,3 +209,23 @@ def test_a_trellis_span_commits_on_the_e4m3_path_without_reading_its_widest_chan
     layout = span.k_enc.coded()[1]
     residual = getattr(layout, "residual", layout)
     assert isinstance(residual, TrellisChannels) and "max_bits" not in residual.__dict__  # no host read for it
+
+
+def test_the_search_takes_its_trellis_size_from_its_values():
+    """viterbi reads L from its values (the stored code's 2^8, or 2^10 as benchmarks/trellis_gain.py --tables
+    --state-bits 10 measures it): more states code a Gaussian closer, and a table of no power of two is refused."""
+    x = torch.randn(32, 256, generator=torch.Generator().manual_seed(4))
+    mse = {}
+    for L in (8, 10):
+        values = trellis.mad(torch.arange(1 << L))
+        codes = trellis.viterbi(x, 2, values)
+        state, err = torch.zeros(32, dtype=torch.long), 0.0
+        for t in range(x.shape[1]):
+            state = (state >> 2) | (codes[:, t] << (L - 2))
+            err += (values[state] - x[:, t]).square().sum().item()
+        mse[L] = err / x.numel()
+    assert mse[10] < mse[8] < 0.13  # both under the 2-bit uniform grid's 0.12-0.13
+    with pytest.raises(ValueError, match=r"needs 2\^L >= 2\^2 state values, got 300"):
+        trellis.viterbi(x, 2, torch.zeros(300))
+    with pytest.raises(ValueError, match=r"needs 2\^L >= 2\^3 state values, got 4"):
+        trellis.viterbi(x, 3, torch.zeros(4))

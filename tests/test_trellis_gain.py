@@ -4,6 +4,8 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -29,3 +31,11 @@ def test_tails_bins_every_quantized_element(tiny_trace_path, capsys):
     tg.tails(tiny_trace_path, 2.5)
     rows = _rows(capsys.readouterr().out)
     assert len(rows) == 5 and all(r[-1] > 0 for r in rows)  # five bins, each with a ratio
+
+
+def test_state_bits_is_checked(capsys):
+    with pytest.raises(SystemExit):
+        tg.main(["--state-bits", "10"])  # without --tables
+    assert "--state-bits goes with --tables" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--state-bits takes 8-12"):
+        tg.main(["--tables", "--state-bits", "16"])

@@ -82,17 +82,21 @@ def codebook() -> torch.Tensor:
 
 def viterbi(x: torch.Tensor, bits: int, values: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
     """Codes (M, N) int64 in [0, 2^bits) of the least-squared-error path of every row of x (M, N) through the trellis
-    whose state s decodes to values[s] (2^L,): from state 0 with a free end, or, given `start` (M,) states, the
-    tail-biting path that begins after start[r] and ends in it (needs N · bits >= L, so that every state can end a
-    path). One step per token for every row and state at once; rows in batches whose backpointers (N x rows x
-    2^(L − bits) bytes) stay within BACKPOINTER_BYTES."""
+    whose state s decodes to values[s] (2^L,; L is read from its size, STATE_BITS for the stored code): from state 0
+    with a free end, or, given `start` (M,) states, the tail-biting path that begins after start[r] and ends in it
+    (needs N · bits >= L, so that every state can end a path). One step per token for every row and state at once;
+    rows in batches whose backpointers (N x rows x 2^(L − bits) bytes) stay within BACKPOINTER_BYTES."""
     M, N = x.shape
+    n_states = values.numel()
+    L = n_states.bit_length() - 1
     if not 1 <= bits <= 8:
         raise ValueError(f"trellis widths are 1-8 bits, got {bits}")
-    if start is not None and (tuple(start.shape) != (M,) or N * bits < STATE_BITS):
-        raise ValueError(f"a tail-biting search needs one start state a row ({M},) and at least {STATE_BITS} bits a "
+    if n_states != 1 << L or L < bits:
+        raise ValueError(f"a trellis of {bits}-bit codes needs 2^L >= 2^{bits} state values, got {n_states}")
+    if start is not None and (tuple(start.shape) != (M,) or N * bits < L):
+        raise ValueError(f"a tail-biting search needs one start state a row ({M},) and at least {L} bits a "
                          f"row, got {tuple(start.shape)} and {N} x {bits}")
-    n_states, keep = values.numel(), values.numel() >> bits  # 2^L states; each is reached from 2^bits of them
+    keep = n_states >> bits  # each state is reached from 2^bits of them
     rows = max(1, BACKPOINTER_BYTES // max(1, N * keep))
     out = torch.empty(M, N, dtype=torch.long, device=x.device)
     for at in range(0, M, rows):  # one batch at the shapes a span meets
@@ -106,31 +110,33 @@ def viterbi(x: torch.Tensor, bits: int, values: torch.Tensor, start: torch.Tenso
             cost = best.repeat(1, 1 << bits) + (xb[:, t:t + 1] - values[None]).square()
         state = cost.argmin(1) if start is None else first
         for t in range(N - 1, -1, -1):
-            out[at:at + m, t] = state >> (STATE_BITS - bits)
+            out[at:at + m, t] = state >> (L - bits)
             high = state & (keep - 1)
             state = (high << bits) | back[t].gather(1, high[:, None])[:, 0].long()
     return out
 
 
-def end_state(codes: torch.Tensor, widths: torch.Tensor, at: int) -> torch.Tensor:
+def end_state(codes: torch.Tensor, widths: torch.Tensor, at: int, state_bits: int = STATE_BITS) -> torch.Tensor:
     """The state (M,) int64 after code `at` of every row of codes (M, N) of widths (M,) (0-8), read from state 0:
-    the L bits that end where code `at` ends (the codes before the row's first read 0). Batched over the window's
-    at most L codes."""
-    j = torch.arange(STATE_BITS, device=codes.device)  # code at − j ...
+    the L = state_bits bits that end where code `at` ends (the codes before the row's first read 0). Batched over
+    the window's at most L codes."""
+    j = torch.arange(state_bits, device=codes.device)  # code at − j ...
     pos = at - j
     window = codes[:, pos.clamp_min(0)] * (pos >= 0)  # (M, L)
-    shift = STATE_BITS - widths.long()[:, None] * (j + 1)  # ... sits at bit `shift` of the state (< 0: partly out)
+    shift = state_bits - widths.long()[:, None] * (j + 1)  # ... sits at bit `shift` of the state (< 0: partly out)
     part = torch.where(shift >= 0, window << shift.clamp_min(0), window >> (-shift).clamp(0, 63))
     return torch.where(shift > -widths.long()[:, None], part, 0).sum(1)
 
 
-def wrap_states(x: torch.Tensor, widths: torch.Tensor, search, window: int = WRAP_TOKENS) -> torch.Tensor:
+def wrap_states(x: torch.Tensor, widths: torch.Tensor, search, window: int = WRAP_TOKENS,
+                state_bits: int = STATE_BITS) -> torch.Tensor:
     """Each row's tail-biting state (M,): the state after its last sample on the free-start search over a window
     around the wrap, its last `window` samples (at most half the row) then its first (so that the last sample sits
-    mid-path); QTIP's rotation trick, over a window. `search(w)` codes the window w (M, W) at `widths`."""
+    mid-path); QTIP's rotation trick, over a window. `search(w)` codes the window w (M, W) at `widths` in a trellis
+    of 2^state_bits states."""
     N = x.shape[1]
     before, after = min(N - N // 2, window), min(N // 2, window)
-    return end_state(search(torch.cat([x[:, N - before:], x[:, :after]], 1)), widths, before - 1)
+    return end_state(search(torch.cat([x[:, N - before:], x[:, :after]], 1)), widths, before - 1, state_bits)
 
 
 def encode(y: torch.Tensor, widths: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
