@@ -13,6 +13,7 @@ bits: (0·16+2, 2·16+0, 2·16+3) = (2, 32, 35).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -22,6 +23,8 @@ from ...kernels.span_args import CHANNELS, SideArgs
 from ..backend import kernel, use_kernels
 from ..quant import deferring
 from .base import CodeForm, Layout
+
+UNBIAS_FLOOR = 0.5  # `Channels.unbiased` undoes a channel's shrinkage down to this slope, no further
 
 
 def channel_bytes(n_tokens, bits):
@@ -165,6 +168,26 @@ class Channels(Layout):
     def decode(self) -> torch.Tensor:
         x = self.low.float()[:, None, :] + self.int_codes().float() * self.step_.float()[:, None, :]
         return torch.where(self.bits[:, None, :] > 0, x, 0.0)
+
+    def unbiased(self, r: torch.Tensor, floor: float = UNBIAS_FLOOR) -> Channels:
+        """This layout with each coded channel's decode stretched about its mean over the span so that the
+        least-squares slope of its decoded values on r's (S, N, D, the values it coded) is 1: its low end and step
+        (its two fp16 numbers, whatever they mean) rewritten, nothing else. A clipped grid or a code that decodes to
+        its cell's mean (the trellis) shrinks each channel toward its mean by a factor s ≤ 1 that depends on its
+        width, so the output attention reads from a span's values carries a bias that its averaging over tokens
+        does not remove, where it removes the codes' noise; dividing the deviation by s removes the bias (s kept in
+        [floor, 1]: only shrinkage is undone). Batched tensor ops on r's device, no host read (docs/method.md §2.6)."""
+        rf = r.float()
+        x = self.decode()
+        dm, rm = x.mean(1), rf.mean(1)  # (S, D)
+        cov = ((x - dm[:, None]) * (rf - rm[:, None])).mean(1)
+        var = (rf - rm[:, None]).square().mean(1)
+        live = (self.bits > 0) & (var > 0) & (cov > 0)
+        s = torch.where(live, cov / torch.where(live, var, 1.0), 1.0).clamp(floor, 1.0)
+        low = dm + (self.low.float() - dm) / s
+        out = dataclasses.replace(self, low=low.half(), step_=(self.step_.float() / s).half())
+        out.__dict__["offsets"] = self.offsets  # the byte layout is unchanged
+        return out
 
     def step(self) -> torch.Tensor:
         """Each coded channel's grid step for every token; 0-bit channels, which have no grid, count as exact."""

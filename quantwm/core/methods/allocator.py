@@ -75,12 +75,15 @@ class QuantWMAlloc(QVGBudget):
     loud: float = 3.0  # Keys: tokens whose key norm exceeds this many times the span's median go to BF16 (0: never)
     loud_share: float = 0.02  # at most this share of a span's tokens, the loudest
     codes: str = "grids"  # each channel on a uniform grid ("grids") or a bitshift trellis ("trellis", §2.10)
+    unbias: bool = True  # Values: each coded channel's decode stretched to a slope of 1 (Channels.unbiased, §2.6)
 
     def __post_init__(self):
         super().__post_init__()
         check_budget(self.budget)
         if self.codes not in ("grids", "trellis"):
             raise ValueError(f"codes must be 'grids' or 'trellis', got {self.codes!r}")
+        if not isinstance(self.unbias, bool):
+            raise ValueError(f"unbias must be true or false, got {self.unbias!r}")
         if self.basis_source not in ("weighted", "queries"):
             raise ValueError(f"basis_source must be 'weighted' or 'queries', got {self.basis_source!r}")
         if self.aim_chunks < 0:
@@ -166,9 +169,12 @@ class QuantWMAlloc(QVGBudget):
             ctx.state[f"{kind}.smoothing"] = k_means  # a host-side flag (not a tensor: no bytes on the device)
             candidates = [candidates[at]]
         predicted, r, stages, levels, alpha, capacity = candidates[0]
-        if self.codes == "trellis":
-            return predicted, lambda: Codebook(stages, TrellisChannels.code(r, levels, alpha, capacity))
-        return predicted, lambda: Codebook(stages, encode_channels(r, levels, alpha, capacity))
+
+        def build():
+            coded = (TrellisChannels.code(r, levels, alpha, capacity) if self.codes == "trellis"
+                     else encode_channels(r, levels, alpha, capacity))
+            return Codebook(stages, coded.unbiased(r) if self.unbias and kind == "v" else coded)
+        return predicted, build
 
     def in_query_basis(self, x: torch.Tensor, ctx: SpanContext, plain, plan: tuple):
         """(predicted error, build) of the Keys in the Queries' basis (the eigenvectors of `basis_source_of`). A
