@@ -25,6 +25,7 @@ from ..quant import deferring
 from .base import CodeForm, Layout
 
 UNBIAS_FLOOR = 0.5  # `Channels.unbiased` undoes a channel's shrinkage down to this slope, no further
+UNBIAS_TOKENS = 1024  # ... measured on at most this many evenly strided tokens (as the allocator's error tables)
 
 
 def channel_bytes(n_tokens, bits):
@@ -158,15 +159,23 @@ class Channels(Layout):
 
     def int_codes(self) -> torch.Tensor:
         """The codes (S, N, D) int64, read from the buffer as the kernel reads them (0 on 0-bit channels)."""
+        return self._codes_at(torch.arange(self.n_tokens, device=self.bits.device))
+
+    def _codes_at(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The codes (S, T, D) int64 of the tokens `tokens` (T,) int64."""
         bits = self.bits.long()
         off = self.offsets
-        pos = torch.arange(self.n_tokens, device=bits.device)[None, :, None] * bits[:, None, :]  # bit positions
+        pos = tokens[None, :, None] * bits[:, None, :]  # bit positions
         buf = torch.nn.functional.pad(self.codes.long(), (0, 2))  # a code's second byte; an empty buffer reads 0
         byte = torch.where(bits[:, None, :] > 0, off[:, None, :] + pos // 8, 0)
         return ((buf[byte] | (buf[byte + 1] << 8)) >> (pos % 8)) & ((1 << bits[:, None, :]) - 1)
 
     def decode(self) -> torch.Tensor:
-        x = self.low.float()[:, None, :] + self.int_codes().float() * self.step_.float()[:, None, :]
+        return self._decoded_at(torch.arange(self.n_tokens, device=self.bits.device))
+
+    def _decoded_at(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The decoded values (S, T, D) of the tokens `tokens` (T,) int64."""
+        x = self.low.float()[:, None, :] + self._codes_at(tokens).float() * self.step_.float()[:, None, :]
         return torch.where(self.bits[:, None, :] > 0, x, 0.0)
 
     def unbiased(self, r: torch.Tensor, floor: float = UNBIAS_FLOOR) -> Channels:
@@ -176,9 +185,12 @@ class Channels(Layout):
         its cell's mean (the trellis) shrinks each channel toward its mean by a factor s ≤ 1 that depends on its
         width, so the output attention reads from a span's values carries a bias that its averaging over tokens
         does not remove, where it removes the codes' noise; dividing the deviation by s removes the bias (s kept in
-        [floor, 1]: only shrinkage is undone). Batched tensor ops on r's device, no host read (docs/method.md §2.6)."""
-        rf = r.float()
-        x = self.decode()
+        [floor, 1]: only shrinkage is undone), measured on at most UNBIAS_TOKENS evenly strided tokens. Batched tensor
+        ops on r's device, no host read (docs/method.md §2.6)."""
+        N = self.n_tokens
+        tokens = torch.arange(0, N, max(1, -(-N // UNBIAS_TOKENS)), device=r.device)
+        rf = r[:, tokens].float()
+        x = self._decoded_at(tokens)
         dm, rm = x.mean(1), rf.mean(1)  # (S, D)
         cov = ((x - dm[:, None]) * (rf - rm[:, None])).mean(1)
         var = (rf - rm[:, None]).square().mean(1)

@@ -75,7 +75,8 @@ class QuantWMAlloc(QVGBudget):
     loud: float = 3.0  # Keys: tokens whose key norm exceeds this many times the span's median go to BF16 (0: never)
     loud_share: float = 0.02  # at most this share of a span's tokens, the loudest
     codes: str = "grids"  # each channel on a uniform grid ("grids") or a bitshift trellis ("trellis", §2.10)
-    unbias: bool = True  # Values: each coded channel's decode stretched to a slope of 1 (Channels.unbiased, §2.6)
+    unbias: bool = False  # Values: each coded channel's decode stretched to a slope of 1 (Channels.unbiased, §2.6);
+    # off here until it costs no launch of its own (a steady commit's GPU budget), on in quantwm-trellis
 
     def __post_init__(self):
         super().__post_init__()

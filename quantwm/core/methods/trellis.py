@@ -29,4 +29,5 @@ class QuantWMTrellis(QuantWMAlloc):
               "(arXiv 2406.11235)")
     at_budget = "quantwm-trellis"
     sweep = tuple({"budget": b} for b in BUDGETS)
+    unbias: bool = True  # Values decoded without shrinkage: its codes shrink more than a grid (docs/method.md §2.6)
     codes: str = "trellis"
