@@ -62,7 +62,7 @@ SYNCS = {
         (1, "the widest channel, which the e4m3 path's rule reads (at commit)"),
     ("quantwm/core/kmeans.py:init_centroids", "to (upload)"):
         (8, "k-means' first centroids drawn on the host (the same draw on every device): one copy a stage"),
-    ("quantwm/core/trellis.py:encode", "tolist"):
+    ("quantwm/core/trellis.py:_width_groups", "tolist"):
         (2, "quantwm-trellis: the channels of each width, one read for Keys and Values each (a PyTorch encoder)"),
     ("quantwm/core/allocate.py:allocate_levels_ref", "__bool__"):
         (None, "the reference's greedy fill, once a step (on a GPU kernels/allocate_levels.py reads nothing)"),

@@ -185,6 +185,7 @@ def test_the_viterbi_kernel_codes_every_width_as_the_reference_does():
             want = trellis.viterbi(x[row:row + 1], k, trellis.codebook(), start[row:row + 1] if tail else None)[0] \
                 if k else torch.zeros(23, dtype=torch.long)
             assert torch.equal(got[row], want), (k, tail)
+        assert torch.equal(got, trellis.trellis_viterbi_ref(x, widths, trellis.codebook(), start if tail else None))
     with pytest.raises(ValueError, match="need widths"):
         trellis_viterbi(x, widths[:3], trellis.codebook())
 

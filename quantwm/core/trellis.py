@@ -39,6 +39,7 @@ The constants the fused kernel needs live in quantwm/kernels/span_args.py.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -145,29 +146,46 @@ def encode(y: torch.Tensor, widths: torch.Tensor, mean: torch.Tensor, scale: tor
     CODEBOOK[state]). A coordinate of N · k >= L bits takes the tail-biting path through the state `wrap_states`
     picks (`states` reads the bits before its first from its end); a shorter one the path from state 0.
     kernels/trellis_viterbi.py on the fast path (every width in one launch a search), else the searches of
-    `viterbi`, width by width present (the widths' counts read on the host once)."""
+    `viterbi`, width by width present (the widths' counts read on the host once, for both searches)."""
     S, N, D = y.shape
     x = ((y.float() - mean[:, None]) / scale[:, None]).permute(0, 2, 1).reshape(S * D, N)
     flat = widths.reshape(-1).long()
     table = on_device(codebook(), y.device)
     if use_kernels(y):  # two launches per batch of rows, every width at once, nothing read back
         search = kernel("trellis_viterbi")
-        start = wrap_states(x, flat, lambda w: search(w, flat, table))
-        return search(x, flat, table, start).reshape(S, D, N).permute(0, 2, 1)
-    order = flat.argsort(stable=True)  # the rows, grouped by width
-    counts = torch.bincount(flat, minlength=len(WIDTHS) + 1).tolist()  # host read: one a span
-    codes = torch.zeros(S * D, N, dtype=torch.long, device=y.device)
-    begin = counts[0]
-    for k in WIDTHS:  # at most eight widths a span, one or two searches each
-        rows = order[begin:begin + counts[k]]
-        begin += counts[k]
-        if not counts[k]:
-            continue
-        xk, start = x[rows], None
-        if N * k >= STATE_BITS:
-            start = wrap_states(xk, torch.full_like(rows, k), lambda w, k=k: viterbi(w, k, table))
-        codes[rows] = viterbi(xk, k, table, start)
-    return codes.reshape(S, D, N).permute(0, 2, 1)
+    else:  # the widths' rows grouped once (host read: one a span), then a search per width present
+        groups = _width_groups(flat)
+        search = functools.partial(_search_by_width, groups=groups)
+    start = wrap_states(x, flat, lambda w: search(w, flat, table))
+    return search(x, flat, table, start).reshape(S, D, N).permute(0, 2, 1)
+
+
+def _width_groups(widths: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """(width, its rows) for every width 1-8 present in widths (M,) (host read: the counts, once)."""
+    order = widths.argsort(stable=True)
+    counts = torch.bincount(widths, minlength=len(WIDTHS) + 1).tolist()
+    ends = list(itertools.accumulate(counts))
+    return [(k, order[ends[k] - counts[k]:ends[k]]) for k in WIDTHS if counts[k]]
+
+
+def _search_by_width(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, start: torch.Tensor | None = None,
+                     groups: list | None = None) -> torch.Tensor:
+    """Codes (M, N) of every row of x (M, N) at its width (0: code 0) by `viterbi`, width by width: from state 0,
+    or given `start` (M,), tail-biting through start[r] where the row holds at least L bits."""
+    M, N = x.shape
+    L = table.numel().bit_length() - 1
+    codes = torch.zeros(M, N, dtype=torch.long, device=x.device)
+    for k, rows in groups if groups is not None else _width_groups(widths.long()):
+        tail = start is not None and N * k >= L
+        codes[rows] = viterbi(x[rows], k, table, start[rows] if tail else None)
+    return codes
+
+
+def trellis_viterbi_ref(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, start: torch.Tensor | None = None,
+                        scratch_bytes: int | None = None) -> torch.Tensor:
+    """The PyTorch twin of kernels/trellis_viterbi.py (same arguments, the same codes): `viterbi` width by width
+    (the widths' counts read on the host once); `scratch_bytes` is the kernel's and unused here."""
+    return _search_by_width(x, widths, table, start)
 
 
 def states(buffer: torch.Tensor, offsets: torch.Tensor, widths: torch.Tensor, n_tokens: int) -> torch.Tensor:
