@@ -37,6 +37,10 @@ def test_a_shrunk_channel_is_stretched_to_slope_one_in_the_same_bytes(coder):
     assert torch.equal(fixed.codes, coded.codes) and torch.equal(fixed.bits, coded.bits)
     if coder == "trellis":
         assert torch.equal(fixed.on_grid, coded.on_grid)
+        # coding with unbias reuses the choice's decodes: the same tables as unbiasing the coded span afterwards
+        direct = TrellisChannels.code(r, bits, alpha, unbias=True)
+        assert torch.equal(direct.low, fixed.low) and torch.equal(direct.step_, fixed.step_)
+        assert torch.equal(direct.codes, fixed.codes)
     # the mean squared error rises (noise kept, bias removed) but the error is now uncorrelated with the values
     err = after - r
     assert (_slopes(err + r, r) - 1)[live].abs().max() < 0.01

@@ -178,19 +178,20 @@ class Channels(Layout):
         x = self.low.float()[:, None, :] + self._codes_at(tokens).float() * self.step_.float()[:, None, :]
         return torch.where(self.bits[:, None, :] > 0, x, 0.0)
 
-    def unbiased(self, r: torch.Tensor, floor: float = UNBIAS_FLOOR) -> Channels:
+    def unbiased(self, r: torch.Tensor, floor: float = UNBIAS_FLOOR, decoded: torch.Tensor | None = None) -> Channels:
         """This layout with each coded channel's decode stretched about its mean over the span so that the
         least-squares slope of its decoded values on r's (S, N, D, the values it coded) is 1: its low end and step
         (its two fp16 numbers, whatever they mean) rewritten, nothing else. A clipped grid or a code that decodes to
         its cell's mean (the trellis) shrinks each channel toward its mean by a factor s ≤ 1 that depends on its
         width, so the output attention reads from a span's values carries a bias that its averaging over tokens
         does not remove, where it removes the codes' noise; dividing the deviation by s removes the bias (s kept in
-        [floor, 1]: only shrinkage is undone), measured on at most UNBIAS_TOKENS evenly strided tokens. Batched tensor
+        [floor, 1]: only shrinkage is undone), measured on at most UNBIAS_TOKENS evenly strided tokens. `decoded`:
+        this layout's decode (S, N, D) where the caller already has it (then nothing is decoded again). Batched tensor
         ops on r's device, no host read (docs/method.md §2.6)."""
         N = self.n_tokens
         tokens = torch.arange(0, N, max(1, -(-N // UNBIAS_TOKENS)), device=r.device)
         rf = r[:, tokens].float()
-        x = self._decoded_at(tokens)
+        x = self._decoded_at(tokens) if decoded is None else decoded[:, tokens]
         dm, rm = x.mean(1), rf.mean(1)  # (S, D)
         cov = ((x - dm[:, None]) * (rf - rm[:, None])).mean(1)
         var = (rf - rm[:, None]).square().mean(1)

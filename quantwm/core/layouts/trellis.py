@@ -45,11 +45,12 @@ class TrellisChannels(Channels):
 
     @classmethod
     def code(cls, r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor | None = None,
-             capacity: int | None = None) -> TrellisChannels:
+             capacity: int | None = None, unbias: bool = False) -> TrellisChannels:
         """r (S, N, D) coded channel by channel by the trellis with widths bits (S, D) against its mean and scale
         (fp16) over the span; `capacity` as in `Channels.pack`. Given `alpha` (S, D), each channel's clip for its
         uniform grid at that width (as `Channels.code` takes it), a channel whose grid codes it with less squared
-        error than the trellis is stored on the grid instead, in the same bits (the better of the two, measured)."""
+        error than the trellis is stored on the grid instead, in the same bits (the better of the two, measured).
+        `unbias`: the result's `unbiased(r)`, from the decodes the choice already made (none made again)."""
         S, N, D = r.shape
         if tuple(bits.shape) != (S, D):
             raise ValueError(f"trellis widths must be (streams, channels) = {(S, D)}, got {tuple(bits.shape)}")
@@ -69,15 +70,18 @@ class TrellisChannels(Channels):
         out = cls(_scatter_codes(codes, b, offsets, size), b.to(torch.uint8), low.half(), step.half(), N)
         out.__dict__["offsets"] = offsets
         if alpha is None:
-            return out
+            return out.unbiased(r) if unbias else out
         # the span on its grids as quantwm-alloc stores it, beside the trellis: per channel the better is kept
         plain = Channels.code(r, bits, alpha, size)
-        grid = coded & ((plain.decode() - rf).square().sum(1) < (out.decode() - rf).square().sum(1))
+        on_plain, on_trellis = plain.decode(), out.decode()
+        grid = coded & ((on_plain - rf).square().sum(1) < (on_trellis - rf).square().sum(1))
         codes = torch.where(grid[:, None], plain.int_codes(), codes)
         low, step = torch.where(grid, plain.low.float(), low), torch.where(grid, plain.step_.float(), step)
         out = cls(_scatter_codes(codes, b, offsets, size), b.to(torch.uint8), low.half(), step.half(), N, grid)
         out.__dict__["offsets"] = offsets
-        return out
+        if not unbias:
+            return out
+        return out.unbiased(r, decoded=torch.where(grid[:, None], on_plain, on_trellis))  # == out.decode()
 
     @functools.cached_property
     def on_grid(self) -> torch.Tensor:

@@ -172,9 +172,11 @@ class QuantWMAlloc(QVGBudget):
         predicted, r, stages, levels, alpha, capacity = candidates[0]
 
         def build():
-            coded = (TrellisChannels.code(r, levels, alpha, capacity) if self.codes == "trellis"
-                     else encode_channels(r, levels, alpha, capacity))
-            return Codebook(stages, coded.unbiased(r) if self.unbias and kind == "v" else coded)
+            unbias = self.unbias and kind == "v"
+            if self.codes == "trellis":  # it unbiases from the decodes its grid-or-trellis choice made
+                return Codebook(stages, TrellisChannels.code(r, levels, alpha, capacity, unbias=unbias))
+            coded = encode_channels(r, levels, alpha, capacity)
+            return Codebook(stages, coded.unbiased(r) if unbias else coded)
         return predicted, build
 
     def in_query_basis(self, x: torch.Tensor, ctx: SpanContext, plain, plan: tuple):
