@@ -265,8 +265,8 @@ def price(path: str, budget: float) -> None:
     original = layout.TrellisChannels.__dict__["code"]
     code = original.__func__
 
-    def measured(cls, r, bits, alpha=None, capacity=None):
-        out = code(cls, r, bits, alpha, capacity)
+    def measured(cls, r, bits, alpha=None, capacity=None, unbias=False):
+        out = code(cls, r, bits, alpha, capacity, unbias)
         grid = error_tables(r)[0].gather(2, bits.long()[..., None])[..., 0]
         real = (out.decode() - r.float()).square().sum(1)
         for k in trellis.WIDTHS:
