@@ -119,6 +119,7 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
         span_attention,
         trellis_viterbi,
         unpack_bits,
+        unshrink_channels,
     )
 
     from quantwm.core.allocate import LEVELS, _tables, level_costs
@@ -144,9 +145,15 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
                                                             quantize_pack.quantize_pack, x, sc, zero, 2, group, axis)))
     widths = torch.randint(0, 9, (H, D), generator=g)  # QuantWM's allocator format: a width of 0-8 bits a channel
     lo, hi = x.amin(1), x.amax(1)
-    out.append(("pack_channels", capture(pack_channels, "_pack_channels_kernel", pack_channels.pack_channels, x, lo, hi,
-                                         torch.ones(H, D), widths, channel_offsets(widths, N),
-                                         int(channel_bytes(N, widths).sum()))))
+    pack_args = (x, lo, hi, torch.ones(H, D), widths, channel_offsets(widths, N), int(channel_bytes(N, widths).sum()))
+    out.append(("pack_channels", capture(pack_channels, "_pack_channels_kernel", pack_channels.pack_channels,
+                                         *pack_args)))
+    out.append(("pack_channels sums", capture(pack_channels, "_pack_channels_kernel", pack_channels.pack_channels,
+                                              *pack_args, sums=True)))  # quantwm's Values (unbias): the sums too
+    sums = torch.randn(4, H * D, -(-N // pack_channels.BLOCK_B), generator=g)
+    out.append(("unshrink_channels", capture(unshrink_channels, "_unshrink_channels_kernel",
+                                             unshrink_channels.unshrink_channels, sums, widths, lo.half(),
+                                             (hi - lo).half() / 3, N, 0.5)))
     qmax, clips = _tables(LEVELS)
     out.append(("channel_errors", capture(channel_errors, "_channel_errors_kernel", channel_errors.channel_errors, x, lo,
                                           hi, qmax, clips, 1.0)))

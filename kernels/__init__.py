@@ -5,8 +5,9 @@ it.
 * `pack_bits` / `unpack_bits`: codes <-> little-endian packed uint8 rows (2/4/8 bits).
 * `quantize_pack`: a committed span's codes against its stored scales/zeros, packed, in one pass.
 * `kmeans_assign` / `qsac_assign`: nearest centroid under Euclidean distance / QSAC's cost J.
-* `channel_errors` / `allocate_levels` / `pack_channels`: QuantWM's allocator at commit: each channel's error at
-  every width and clip, the bit assignment (bisection and greedy fill), the grids and the packed codes.
+* `channel_errors` / `allocate_levels` / `pack_channels` / `unshrink_channels`: QuantWM's allocator at commit:
+  each channel's error at every width and clip, the bit assignment (bisection and greedy fill), the grids and the
+  packed codes (with the Values' slope sums), the Values' grids stretched to a slope of 1.
 * `trellis_viterbi`: quantwm-trellis's encoder, the bitshift trellis's Viterbi search over a span's channels.
 * `span_attention`: a chunk of queries over one cached span (packed, clustered, PSAC-corrected, or full
   precision, or trellis-coded), online softmax carried across spans and splits (flash-decoding).

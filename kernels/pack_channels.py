@@ -7,7 +7,10 @@ little-endian, so a code may straddle two bytes; channels start on whole bytes (
 One program per (block of 16 neighbouring channels, block of 32 bytes of each): each byte gathers the (at most 9)
 codes that touch it, each code round((x − low) / step) half to even, as torch.round, clamped to [0, 2^b − 1], and
 writes the byte once. Nothing of tokens x channels size is materialised; bytes past the last channel stay as the
-caller zeroed them.
+caller zeroed them. Asked for (`sums`), each program also writes, per channel, four sums over the codes whose first
+bit lies in its bytes (so every token counts once): of u = x − mid (mid the middle of the channel's range), u², c =
+code − (2^b − 1)/2 and c·u, the partial sums kernels/unshrink_channels.py adds up to stretch the grid to a slope of
+1 (docs/method.md §2.6, step 5) without reading the span again.
 """
 from __future__ import annotations
 
@@ -15,13 +18,14 @@ import torch
 import triton
 import triton.language as tl
 
+BLOCK_C, BLOCK_B = 16, 32  # a program's channels and bytes of each (16 x 64 spilled on sm_90: docs/kernels.md)
 FP16_TINY = tl.constexpr(6.103515625e-05)  # torch.finfo(torch.float16).tiny: the least step a grid stores (a constexpr: a
 # kernel may read no other global)
 
 
 @triton.jit
-def _pack_channels_kernel(x_ptr, lo_ptr, hi_ptr, alpha_ptr, bits_ptr, off_ptr, out_ptr, low_ptr, step_ptr, N, D, C,
-                          BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr):
+def _pack_channels_kernel(x_ptr, lo_ptr, hi_ptr, alpha_ptr, bits_ptr, off_ptr, out_ptr, low_ptr, step_ptr, read_ptr,
+                          sums_ptr, N, D, C, NB, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr, SUMS: tl.constexpr):
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)  # channels s * D + i: neighbours in memory
     cmask = c < C
     s = c // D
@@ -38,13 +42,19 @@ def _pack_channels_kernel(x_ptr, lo_ptr, hi_ptr, alpha_ptr, bits_ptr, off_ptr, o
     step = tl.maximum(step.to(tl.float16).to(tl.float32), FP16_TINY)
     low, step = tl.where(b > 0, low, 0.0), tl.where(b > 0, step, 1.0)  # 0 bits: no grid (decodes to 0)
     if tl.program_id(1) == 0:
-        tl.store(low_ptr + c, low, mask=cmask)
-        tl.store(step_ptr + c, step, mask=cmask)
+        tl.store(low_ptr + c, low.to(tl.float16), mask=cmask)  # exact: both already hold fp16 values
+        tl.store(step_ptr + c, step.to(tl.float16), mask=cmask)
+        tl.store(read_ptr + c, low, mask=cmask)
     nbytes = (N * b + 7) // 8
     j = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)  # the channels' bytes: (BLOCK_C, BLOCK_B) below
     on = cmask[:, None] & (j[None, :] < nbytes[:, None])
     first = (8 * j[None, :]) // tl.maximum(b, 1)[:, None]  # the first code that touches byte j
     acc = tl.zeros((BLOCK_C, BLOCK_B), tl.int32)
+    centre = (top.to(tl.float32) / 2)[:, None]  # the codes' middle, (2^b - 1) / 2
+    su = tl.zeros((BLOCK_C, BLOCK_B), tl.float32)  # the sums' terms, added up over the bytes at the end
+    suu = tl.zeros((BLOCK_C, BLOCK_B), tl.float32)
+    sc = tl.zeros((BLOCK_C, BLOCK_B), tl.float32)
+    scu = tl.zeros((BLOCK_C, BLOCK_B), tl.float32)
     for k in tl.static_range(9):  # a byte meets at most 8 one-bit codes and one that straddles into it
         t = first + k
         p = t * b[:, None] - 8 * j[None, :]  # the code's first bit within the byte (negative: began in the byte before)
@@ -54,30 +64,47 @@ def _pack_channels_kernel(x_ptr, lo_ptr, hi_ptr, alpha_ptr, bits_ptr, off_ptr, o
         f = tl.floor(v)
         frac = v - f
         q = tl.where(frac > 0.5, f + 1, tl.where(frac < 0.5, f, f + (f - 2 * tl.floor(f * 0.5))))
-        q = tl.minimum(tl.maximum(q, 0.0), top.to(tl.float32)[:, None]).to(tl.int32)
+        qf = tl.minimum(tl.maximum(q, 0.0), top.to(tl.float32)[:, None])
+        q = qf.to(tl.int32)
         part = tl.where(p >= 0, q << tl.maximum(p, 0), q >> tl.maximum(-p, 0)) & 255
         acc = acc | tl.where(hit, part, 0)
+        if SUMS:  # each code counted in the byte that holds its first bit
+            u = tl.where(hit & (p >= 0), x - mid[:, None], 0.0)
+            cq = tl.where(hit & (p >= 0), qf - centre, 0.0)
+            su += u
+            suu += u * u
+            sc += cq
+            scu += cq * u
     tl.store(out_ptr + off[:, None] + j[None, :], acc.to(tl.uint8), mask=on & (b > 0)[:, None])
+    if SUMS:  # (4, C, NB): every (channel, block) written, zeros where the block holds no code of the channel
+        at = c.to(tl.int64) * NB + tl.program_id(1)
+        tl.store(sums_ptr + at, tl.sum(su, 1), mask=cmask)
+        tl.store(sums_ptr + C * NB + at, tl.sum(suu, 1), mask=cmask)
+        tl.store(sums_ptr + 2 * C * NB + at, tl.sum(sc, 1), mask=cmask)
+        tl.store(sums_ptr + 3 * C * NB + at, tl.sum(scu, 1), mask=cmask)
 
 
 def pack_channels(r: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: torch.Tensor, bits: torch.Tensor,
-                  offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  offsets: torch.Tensor, total: int, sums: bool = False) -> tuple[torch.Tensor, ...]:
     """r (S, N, D) float32; per channel (S, D): its range lo/hi, clip alpha, width bits (0-8) and first byte
-    offsets -> (the uint8 buffer (total,), zeros past the last channel; low (S, D) and step (S, D) of each
-    channel's grid, float32 holding their fp16 values; 0 and 1 on 0-bit channels)."""
+    offsets -> (the uint8 buffer (total,), zeros past the last channel; low (S, D) and step (S, D) fp16 of each
+    channel's grid, 0 and 1 on 0-bit channels; low as float32, as the kernel view reads it), and with `sums` the
+    partial sums (4, S·D, ceil(N / BLOCK_B)) float32 of u, u², c and c·u per block of BLOCK_B bytes (the module)."""
     shapes = (lo.shape, hi.shape, alpha.shape, bits.shape, offsets.shape)
     if r.dim() != 3 or any(x != r.shape[::2] for x in shapes):
         raise ValueError(f"expected r (S, N, D) and lo, hi, alpha, bits, offsets (S, D), got {tuple(r.shape)}, "
                          f"{[tuple(x) for x in shapes]}")
     S, N, D = r.shape
     out = torch.zeros(total, dtype=torch.uint8, device=r.device)
-    low = torch.zeros(S, D, dtype=torch.float32, device=r.device)
-    step = torch.ones(S, D, dtype=torch.float32, device=r.device)
+    low = torch.zeros(S, D, dtype=torch.float16, device=r.device)
+    step = torch.ones(S, D, dtype=torch.float16, device=r.device)
+    read = torch.zeros(S, D, dtype=torch.float32, device=r.device)
+    NB = triton.cdiv(N, BLOCK_B)  # a channel has at most N bytes (8 bits a code)
+    partial = torch.empty(4, S * D, NB, dtype=torch.float32, device=r.device) if sums else read
     if S and N and D:
-        BLOCK_C, BLOCK_B = 16, 32
-        grid = (triton.cdiv(S * D, BLOCK_C), triton.cdiv(N, BLOCK_B))  # a channel has at most N bytes (8 bits a code)
+        grid = (triton.cdiv(S * D, BLOCK_C), NB)
         _pack_channels_kernel[grid](r.float().contiguous(), lo.float().contiguous(), hi.float().contiguous(),
                                     alpha.float().contiguous(), bits.to(torch.int32).contiguous(),
-                                    offsets.to(torch.int64).contiguous(), out, low, step, N, D, S * D,
-                                    BLOCK_C=BLOCK_C, BLOCK_B=BLOCK_B)
-    return out, low, step
+                                    offsets.to(torch.int64).contiguous(), out, low, step, read, partial, N, D, S * D,
+                                    NB, BLOCK_C=BLOCK_C, BLOCK_B=BLOCK_B, SUMS=sums)
+    return (out, low, step, read, partial) if sums else (out, low, step, read)

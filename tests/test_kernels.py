@@ -21,6 +21,7 @@ from quantwm.kernels import qsac_assign as _qa
 from quantwm.kernels import quantize_pack as _qp
 from quantwm.kernels import span_attention as _sa
 from quantwm.kernels import unpack_bits as _ub
+from quantwm.kernels import unshrink_channels as _uc
 from quantwm.kernels.span_args import full_side
 
 from quantwm.core.allocate import CLIPS, allocate_levels_ref, channel_errors_ref, error_tables
@@ -28,7 +29,7 @@ from quantwm.core.attention import chunk_spans, merge_splits, new_state, span_at
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.kmeans import kmeans_assign_ref
 from quantwm.core.layouts import Channels, Codebook, Full, Grouped
-from quantwm.core.layouts.channels import channel_bytes, channel_offsets, pack_channels_ref
+from quantwm.core.layouts.channels import channel_bytes, channel_offsets, pack_channels_ref, unshrink_channels_ref
 from quantwm.core.qsac import qsac_assign_ref
 from quantwm.core.quant import pack_bits_ref, quantize_groups, quantize_pack_ref, unpack_bits_ref
 
@@ -383,10 +384,49 @@ def test_pack_channels_kernel_bytes_and_grids_equal_ref_at_every_width(N, D):
     ref = pack_channels_ref(r, lo, hi, alpha, bits, offsets, total)
     out = [t.cpu() for t in _pc.pack_channels(*map(_move, (r, lo, hi, alpha, bits, offsets)), total)]
     assert torch.equal(out[0], ref[0]) and (out[0][-5:] == 0).all()
-    assert torch.equal(out[1], ref[1]) and torch.equal(out[2], ref[2])  # the grids, bit for bit
-    buf, low, step = ref
-    decoded = Channels(buf, bits.to(torch.uint8), low.half(), step.half(), N).decode()
+    assert all(torch.equal(a, b) for a, b in zip(out[1:], ref[1:]))  # the grids (fp16 and as read), bit for bit
+    assert out[1].dtype == torch.float16 and out[3].dtype == torch.float32
+    buf, low, step, low_read = ref
+    assert torch.equal(low_read, torch.where(bits > 0, low.float(), 0.0))
+    decoded = Channels(buf, bits.to(torch.uint8), low, step, N).decode()
+    low, step = low.float(), step.float()
     top = (2 ** bits - 1)[:, None, :]
     codes = torch.minimum(torch.round((r - low[:, None]) / step[:, None]).clamp(min=0), top)
     expect = torch.where(bits[:, None, :] > 0, low[:, None] + codes * step[:, None], 0.0)
     assert torch.allclose(decoded, expect)  # what was packed reads back as the grid's codes
+
+
+@pytest.mark.parametrize("N, D", [(1, 16), (97, 40), (1025, 3)])  # 1025: 33 blocks, more than unshrink's 32 at a time
+def test_pack_channels_sums_and_unshrink_kernels_equal_their_refs(N, D):
+    """The partial sums the packing gathers for `unbias` (each code once, in the block of its first bit) add up to
+    the span's own sums; the stretch from them equals its twin's and the stretch from a full decode (fp16 tables)."""
+    g = torch.Generator().manual_seed(7 * N + D)
+    S = 2
+    bits = torch.randint(0, 9, (S, D), generator=g)
+    bits[0, :9] = torch.arange(min(D, 9))
+    r = torch.randn(S, N, D, generator=g) * 3 + 1
+    r[1, :, 1] = 0.75  # no spread: left as it is
+    alpha = torch.tensor(CLIPS)[torch.randint(0, 6, (S, D), generator=g)]
+    lo, hi = r.amin(1), r.amax(1)
+    offsets = channel_offsets(bits, N)
+    total = int(channel_bytes(N, bits).sum())
+    ref = pack_channels_ref(r, lo, hi, alpha, bits, offsets, total, sums=True)
+    out = [t.cpu() for t in _pc.pack_channels(*map(_move, (r, lo, hi, alpha, bits, offsets)), total, sums=True)]
+    assert all(torch.equal(a, b) for a, b in zip(out[:4], ref[:4]))  # asking for the sums changes nothing else
+    assert out[4].shape == ref[4].shape == (4, S * D, -(-N // 32))
+    assert torch.allclose(out[4], ref[4], rtol=1e-5, atol=1e-3)  # the same sums, added in another order
+    layout = Channels(ref[0], bits.to(torch.uint8), ref[1], ref[2], N)
+    b = bits[:, None, :]
+    u, c = r - ((hi + lo) / 2)[:, None], layout.int_codes().float() - ((1 << b) - 1) / 2
+    whole = (torch.stack([u.sum(1), (u * u).sum(1), c.sum(1), (c * u).sum(1)]) * (bits > 0)).reshape(4, S * D)
+    assert torch.allclose(ref[4].sum(2), whole, rtol=1e-5, atol=1e-3)
+    mine = unshrink_channels_ref(ref[4], bits, ref[1], ref[2], N, 0.5)
+    theirs = [t.cpu() for t in _uc.unshrink_channels(*map(_move, (out[4], bits, out[1], out[2])), N, 0.5)]
+    ulp = lambda a, b: ((a.float() - b.float()).abs() <= b.float().abs() * 2 ** -10 + 1e-7).all()  # fp16: 1 ulp
+    assert all(ulp(a, b) for a, b in zip(theirs, mine))
+    fixed = layout.unbiased(r)
+    assert ulp(mine[0], fixed.low) and ulp(mine[1], fixed.step_)
+    assert torch.equal(mine[2], torch.where(bits > 0, mine[0].float(), 0.0))
+    assert torch.equal(mine[1][1, 1], ref[2][1, 1]) and torch.equal(mine[0][bits == 0], ref[1][bits == 0])
+    with pytest.raises(ValueError, match="least slope undone"):
+        _uc.unshrink_channels(out[4], bits, out[1], out[2], N, 0.0)

@@ -35,6 +35,12 @@ def test_a_shrunk_channel_is_stretched_to_slope_one_in_the_same_bytes(coder):
     assert (after[:, :, ~live[0]][0] == 0).all()  # a 0-bit channel still decodes to 0
     assert type(fixed) is type(coded) and fixed.nbytes() == coded.nbytes()
     assert torch.equal(fixed.codes, coded.codes) and torch.equal(fixed.bits, coded.bits)
+    if coder == "grid":  # coding with unbias: the same stretch from the packing's sums (1 fp16 ulp: another order)
+        direct = encode_channels(r, bits, alpha, None, unbias=True)
+        assert torch.equal(direct.codes, coded.codes)
+        for a, b in ((direct.low, fixed.low), (direct.step_, fixed.step_)):
+            assert ((a.float() - b.float()).abs() <= b.float().abs() * 2 ** -10).all()
+        assert torch.equal(direct.low_read, torch.where(bits > 0, direct.low.float(), 0.0))
     if coder == "trellis":
         assert torch.equal(fixed.on_grid, coded.on_grid)
         # coding with unbias reuses the choice's decodes: the same tables as unbiasing the coded span afterwards
@@ -59,8 +65,7 @@ def test_an_unshrunk_or_constant_channel_is_left_as_it_is():
 def test_the_allocator_unbiases_values_not_keys(method):
     x = _span(2, S=2, N=384, D=32)
     ctx = SpanContext()
-    # on by default in quantwm-trellis; off in quantwm-alloc (`quantwm` at a budget) until it costs no launch
-    assert get_method(method, budget=2.0).unbias == (method == "quantwm-trellis")
+    assert get_method(method, budget=2.0).unbias  # on by default in both (quantwm-alloc: `quantwm` at a budget)
     on, off = get_method(method, budget=2.0, unbias=True), get_method(method, budget=2.0, unbias=False)
     assert torch.equal(on.encode(x, "k", ctx).decode(), off.encode(x, "k", ctx).decode())  # Keys untouched
     v_on, v_off = on.encode(x, "v", ctx), off.encode(x, "v", ctx)

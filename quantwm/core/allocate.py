@@ -157,8 +157,10 @@ def allocate_levels_ref(weighted: torch.Tensor, cost: torch.Tensor, available: t
     return levels
 
 
-def encode_channels(r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor, capacity: int | None = None) -> Channels:
+def encode_channels(r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor, capacity: int | None = None,
+                    unbias: bool = False) -> Channels:
     """Code r (S, N, D) with bits (S, D) per channel and clips alpha (S, D): the span's `Channels` layout, on r's
     device (one kernel launch on the fast path). `capacity`: the code buffer's size in bytes when the caller bounds
-    it (the allocator: its budget), else it is read from the widths (one host read)."""
-    return Channels.code(r, bits.to(r.device), alpha.to(r.device), capacity)
+    it (the allocator: its budget), else it is read from the widths (one host read). `unbias`: each channel's grid
+    stretched to a slope of 1 on the values it codes (`Channels.code`; docs/method.md §2.6, step 5)."""
+    return Channels.code(r, bits.to(r.device), alpha.to(r.device), capacity, unbias)

@@ -25,7 +25,6 @@ from ..quant import deferring
 from .base import CodeForm, Layout
 
 UNBIAS_FLOOR = 0.5  # `Channels.unbiased` undoes a channel's shrinkage down to this slope, no further
-UNBIAS_TOKENS = 1024  # ... measured on at most this many evenly strided tokens (as the allocator's error tables)
 
 
 def channel_bytes(n_tokens, bits):
@@ -85,16 +84,65 @@ def _scatter_codes(codes: torch.Tensor, b: torch.Tensor, start: torch.Tensor, to
     return buf[:total].to(torch.uint8)
 
 
+PACK_BLOCK_BYTES = 32  # kernels/pack_channels.py's bytes of a channel a program codes: one partial sum each
+
+
 def pack_channels_ref(r: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: torch.Tensor, bits: torch.Tensor,
-                      offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(buffer (total,), low (S, D), step (S, D)): each channel of r (S, N, D) on its grid (`channel_grid` of its
-    range lo/hi, clip alpha and width bits; 0 and 1 on 0-bit channels), coded round((r − low) / step), clamped to
-    its width and packed from `offsets`: the twin of kernels/pack_channels.py."""
+                      offsets: torch.Tensor, total: int, sums: bool = False) -> tuple[torch.Tensor, ...]:
+    """(buffer (total,), low (S, D) fp16, step (S, D) fp16, low (S, D) float32 as the kernel view reads it): each
+    channel of r (S, N, D) on its grid (`channel_grid` of its range lo/hi, clip alpha and width bits; 0 and 1 on
+    0-bit channels), coded round((r − low) / step), clamped to its width and packed from `offsets`; with `sums` also
+    the partial sums (4, S·D, ceil(N / 32)) over each block of 32 bytes of a channel, of u = r − (lo + hi) / 2, u²,
+    c = code − (2^b − 1) / 2 and c·u, every code counted in the block that holds its first bit (what
+    `unshrink_channels_ref` adds up): the twin of kernels/pack_channels.py."""
     low, step = channel_grid(lo, hi, bits, alpha)
     coded = bits > 0
     low, step = torch.where(coded, low, 0.0), torch.where(coded, step, 1.0)
     codes = torch.round((r.float() - low[:, None]) / step[:, None]).long()
-    return _scatter_codes(codes, bits.long(), offsets, total), low, step
+    out = (_scatter_codes(codes, bits.long(), offsets, total), low.half(), step.half(), low)
+    if not sums:
+        return out
+    S, N, D = r.shape
+    b = bits.long()[:, None, :]
+    top = (1 << b) - 1
+    c = codes.clamp(0).minimum(top).float() - top / 2
+    u = r.float() - ((hi + lo) / 2)[:, None]
+    n_blocks = -(-N // PACK_BLOCK_BYTES)
+    block = torch.arange(N, device=r.device)[None, :, None] * b // (8 * PACK_BLOCK_BYTES)  # of each code's first bit
+    terms = torch.stack([u, u * u, c, c * u]) * (b > 0)  # (4, S, N, D); 0-bit channels hold no code
+    partial = torch.zeros(4, S * D, n_blocks, device=r.device)
+    index = block.expand(S, N, D).permute(0, 2, 1).reshape(1, S * D, N).expand(4, -1, -1)
+    return (*out, partial.scatter_add_(2, index, terms.permute(0, 1, 3, 2).reshape(4, S * D, N)))
+
+
+def _stretched(low: torch.Tensor, step: torch.Tensor, bits: torch.Tensor, mean: torch.Tensor, cov: torch.Tensor,
+               var: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(low, step) float32 (S, D) of grids decoding to low + step · v, stretched about the decode's mean `mean` so
+    that its slope on the coded values, cov / var (the decode's covariance with them and their variance), becomes 1;
+    a slope kept in [floor, 1] (only shrinkage is undone); a channel without width, spread or positive covariance,
+    or at slope 1, keeps its grid (§2.6 step 5)."""
+    low, step = low.float(), step.float()
+    live = (bits > 0) & (var > 0) & (cov > 0)
+    s = torch.where(live, cov / torch.where(live, var, 1.0), 1.0).clamp(floor, 1.0)
+    shrunk = live & (s < 1)
+    return torch.where(shrunk, mean + (low - mean) / s, low), torch.where(shrunk, step / s, step)
+
+
+def unshrink_channels_ref(sums: torch.Tensor, bits: torch.Tensor, low: torch.Tensor, step: torch.Tensor,
+                          n_tokens: int, floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(low, step (S, D) fp16, low float32 as the kernel view reads it): the grids low + code · step (fp16, widths
+    bits (S, D)) stretched to a slope of 1 from `pack_channels_ref`'s partial sums over the span's n_tokens tokens,
+    the slope no lower than floor: the twin of kernels/unshrink_channels.py."""
+    S, D = bits.shape
+    if not (S * D and n_tokens):
+        return low.half(), step.half(), torch.where(bits > 0, low.float(), 0.0)
+    mean_u, mean_uu, mean_c, mean_cu = (sums.sum(2) / n_tokens).reshape(4, S, D)
+    step32 = step.float()
+    mean = low.float() + step32 * (mean_c + ((1 << bits.long()) - 1) / 2)
+    new_low, new_step = _stretched(low, step, bits, mean, step32 * (mean_cu - mean_c * mean_u),
+                                   mean_uu - mean_u * mean_u, floor)
+    new_low = new_low.half()
+    return new_low, new_step.half(), torch.where(bits > 0, new_low.float(), 0.0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,18 +167,25 @@ class Channels(Layout):
         return cls(buf, bits.to(torch.uint8), low.half(), step.half(), N)
 
     @classmethod
-    def code(cls, r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor, capacity: int | None = None) -> Channels:
+    def code(cls, r: torch.Tensor, bits: torch.Tensor, alpha: torch.Tensor, capacity: int | None = None,
+             unbias: bool = False) -> Channels:
         """r (S, N, D) coded channel by channel on a grid over its range shrunk by alpha (S, D) with bits (S, D)
         (low end and step stored in fp16) and packed: kernels/pack_channels.py on the fast path (one launch), else
-        `pack_channels_ref`. `capacity` as in `pack`."""
+        `pack_channels_ref`. `capacity` as in `pack`. `unbias`: the grids stretched as `unbiased(r)` stretches them,
+        from sums the packing gathers (one launch more, kernels/unshrink_channels.py; the span is not read again)."""
         S, N, D = r.shape
         rf = r.float()
         offsets, needed = _byte_layout(bits, N)
         args = (rf, rf.amin(1), rf.amax(1), alpha.to(rf), bits.long(), offsets, _buffer_size(needed, capacity))
-        buf, low, step = kernel("pack_channels")(*args) if use_kernels(r) else pack_channels_ref(*args)
-        out = cls(buf, bits.to(torch.uint8), low.half(), step.half(), N)
+        fast = use_kernels(r)
+        packed = kernel("pack_channels")(*args, sums=unbias) if fast else pack_channels_ref(*args, sums=unbias)
+        buf, low, step, low_read = packed[:4]
+        if unbias:
+            unshrink = kernel("unshrink_channels") if fast else unshrink_channels_ref
+            low, step, low_read = unshrink(packed[4], args[4], low, step, N, UNBIAS_FLOOR)
+        out = cls(buf, bits.to(torch.uint8), low, step, N)
         out.__dict__["offsets"] = offsets  # the cached properties, already computed (low is 0 on 0-bit channels)
-        out.__dict__["low_read"] = low  # fp16 values in fp32 already
+        out.__dict__["low_read"] = low_read  # fp16 values in fp32 already
         return out
 
     @functools.cached_property
@@ -159,23 +214,15 @@ class Channels(Layout):
 
     def int_codes(self) -> torch.Tensor:
         """The codes (S, N, D) int64, read from the buffer as the kernel reads them (0 on 0-bit channels)."""
-        return self._codes_at(torch.arange(self.n_tokens, device=self.bits.device))
-
-    def _codes_at(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The codes (S, T, D) int64 of the tokens `tokens` (T,) int64."""
         bits = self.bits.long()
         off = self.offsets
-        pos = tokens[None, :, None] * bits[:, None, :]  # bit positions
+        pos = torch.arange(self.n_tokens, device=bits.device)[None, :, None] * bits[:, None, :]  # bit positions
         buf = torch.nn.functional.pad(self.codes.long(), (0, 2))  # a code's second byte; an empty buffer reads 0
         byte = torch.where(bits[:, None, :] > 0, off[:, None, :] + pos // 8, 0)
         return ((buf[byte] | (buf[byte + 1] << 8)) >> (pos % 8)) & ((1 << bits[:, None, :]) - 1)
 
     def decode(self) -> torch.Tensor:
-        return self._decoded_at(torch.arange(self.n_tokens, device=self.bits.device))
-
-    def _decoded_at(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The decoded values (S, T, D) of the tokens `tokens` (T,) int64."""
-        x = self.low.float()[:, None, :] + self._codes_at(tokens).float() * self.step_.float()[:, None, :]
+        x = self.low.float()[:, None, :] + self.int_codes().float() * self.step_.float()[:, None, :]
         return torch.where(self.bits[:, None, :] > 0, x, 0.0)
 
     def unbiased(self, r: torch.Tensor, floor: float = UNBIAS_FLOOR, decoded: torch.Tensor | None = None) -> Channels:
@@ -185,20 +232,15 @@ class Channels(Layout):
         its cell's mean (the trellis) shrinks each channel toward its mean by a factor s ≤ 1 that depends on its
         width, so the output attention reads from a span's values carries a bias that its averaging over tokens
         does not remove, where it removes the codes' noise; dividing the deviation by s removes the bias (s kept in
-        [floor, 1]: only shrinkage is undone), measured on at most UNBIAS_TOKENS evenly strided tokens. `decoded`:
-        this layout's decode (S, N, D) where the caller already has it (then nothing is decoded again). Batched tensor
-        ops on r's device, no host read (docs/method.md §2.6)."""
-        N = self.n_tokens
-        tokens = torch.arange(0, N, max(1, -(-N // UNBIAS_TOKENS)), device=r.device)
-        rf = r[:, tokens].float()
-        x = self._decoded_at(tokens) if decoded is None else decoded[:, tokens]
+        [floor, 1]: only shrinkage is undone), measured on every token. `decoded`: this layout's decode (S, N, D)
+        where the caller already has it (then nothing is decoded again). Batched tensor ops on r's device, no host
+        read (docs/method.md §2.6). `Channels.code(..., unbias=True)` does the same while it packs."""
+        x = self.decode() if decoded is None else decoded
+        rf = r.float()
         dm, rm = x.mean(1), rf.mean(1)  # (S, D)
         cov = ((x - dm[:, None]) * (rf - rm[:, None])).mean(1)
-        var = (rf - rm[:, None]).square().mean(1)
-        live = (self.bits > 0) & (var > 0) & (cov > 0)
-        s = torch.where(live, cov / torch.where(live, var, 1.0), 1.0).clamp(floor, 1.0)
-        low = dm + (self.low.float() - dm) / s
-        out = dataclasses.replace(self, low=low.half(), step_=(self.step_.float() / s).half())
+        low, step = _stretched(self.low, self.step_, self.bits, dm, cov, (rf - rm[:, None]).square().mean(1), floor)
+        out = dataclasses.replace(self, low=low.half(), step_=step.half())
         out.__dict__["offsets"] = self.offsets  # the byte layout is unchanged
         return out
 

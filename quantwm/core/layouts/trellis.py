@@ -94,11 +94,6 @@ class TrellisChannels(Channels):
         x = self.low.float()[:, None, :] + value * self.step_.float()[:, None, :]
         return torch.where(self.bits[:, None, :] > 0, x, 0.0)
 
-    def _decoded_at(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The decoded values (S, T, D) of the tokens `tokens` (T,): a trellis sample's window reaches back over the
-        tokens before it, so the span is decoded whole and indexed."""
-        return self.decode()[:, tokens]
-
     def step(self) -> torch.Tensor:
         """Each coded channel's equivalent grid step: a grid channel's own step; a trellis channel's √12 times the
         error's standard deviation the width gives a Gaussian channel (span_args.TRELLIS_ERROR_STEP times the stored

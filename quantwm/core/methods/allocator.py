@@ -75,8 +75,8 @@ class QuantWMAlloc(QVGBudget):
     loud: float = 3.0  # Keys: tokens whose key norm exceeds this many times the span's median go to BF16 (0: never)
     loud_share: float = 0.02  # at most this share of a span's tokens, the loudest
     codes: str = "grids"  # each channel on a uniform grid ("grids") or a bitshift trellis ("trellis", §2.10)
-    unbias: bool = False  # Values: each coded channel's decode stretched to a slope of 1 (Channels.unbiased, §2.6);
-    # off here until it costs no launch of its own (a steady commit's GPU budget), on in quantwm-trellis
+    unbias: bool = True  # Values: each coded channel's grid stretched to a slope of 1 (Channels.code, §2.6 step 5),
+    # from sums the packing kernel gathers: one launch more a commit (False: the grids as the clip set them)
 
     def __post_init__(self):
         super().__post_init__()
@@ -175,8 +175,7 @@ class QuantWMAlloc(QVGBudget):
             unbias = self.unbias and kind == "v"
             if self.codes == "trellis":  # it unbiases from the decodes its grid-or-trellis choice made
                 return Codebook(stages, TrellisChannels.code(r, levels, alpha, capacity, unbias=unbias))
-            coded = encode_channels(r, levels, alpha, capacity)
-            return Codebook(stages, coded.unbiased(r) if unbias else coded)
+            return Codebook(stages, encode_channels(r, levels, alpha, capacity, unbias))
         return predicted, build
 
     def in_query_basis(self, x: torch.Tensor, ctx: SpanContext, plain, plan: tuple):
