@@ -161,9 +161,11 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
                                            torch.rand(H, D, len(LEVELS), generator=g), level_costs(N),
                                            torch.full((H,), 2.5 * N * D))))
     from quantwm.core.trellis import codebook
+    search = (x.permute(0, 2, 1).reshape(H * D, N), widths.flatten(), codebook(), torch.zeros(H * D, dtype=torch.long))
     out.append(("trellis_viterbi", capture(trellis_viterbi, "_viterbi_kernel", trellis_viterbi.trellis_viterbi,
-                                           x.permute(0, 2, 1).reshape(H * D, N), widths.flatten(), codebook(),
-                                           torch.zeros(H * D, dtype=torch.long))))  # tail-biting: the wider variant
+                                           *search)))  # tail-biting: the wider variant
+    out.append(("trellis_viterbi states", capture(trellis_viterbi, "_viterbi_kernel", trellis_viterbi.trellis_viterbi,
+                                                  *search, states=True)))  # what quantwm-trellis's commit runs
     c = torch.randn(H, 64, D, generator=g)
     out.append(("kmeans_assign", capture(kmeans_assign, "_kmeans_assign_kernel", kmeans_assign.kmeans_assign, x, c)))
     w = torch.rand(H, D, generator=g)

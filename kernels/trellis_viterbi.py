@@ -6,7 +6,8 @@ at code 0). The trellis has 2^L states (L = STATE_BITS): state s' = (code << (L 
 decodes to table[s]. One program per row holds the 2^L path costs in registers and takes one step per sample:
 the least cost over each state's 2^k predecessors (a (2^(L−k), 2^k) min, its argmin kept as a uint8 backpointer
 in `back`), then that cost, broadcast to the state's 2^k successors, plus the squared error of their values. Then
-it walks the backpointers from the cheapest final state and writes the codes. Given start states (the tail-biting
+it walks the backpointers from the cheapest final state and writes the codes (or, asked, the states the path
+passes through: the decode reads them without unpacking anything). Given start states (the tail-biting
 search of quantwm.core.trellis.encode), a row of at least L bits begins after its start state and its walk back
 begins there too. The width is a runtime value; each of the eight widths is its own compiled branch (block shapes
 are constants), so one launch covers a batch of rows whatever their widths, and nothing is read back to the host.
@@ -28,7 +29,8 @@ WARPS = max(1, (1 << TRELLIS_STATE_BITS) // 512)  # at most 16 path costs a thre
 
 
 @triton.jit
-def _search(x_ptr, table_ptr, back_ptr, codes_ptr, first, tail, row, r, N, K: tl.constexpr, L: tl.constexpr):
+def _search(x_ptr, table_ptr, back_ptr, codes_ptr, first, tail, row, r, N, K: tl.constexpr, L: tl.constexpr,
+            STATES: tl.constexpr):
     S: tl.constexpr = 1 << L
     KEEP: tl.constexpr = S >> K
     s = tl.arange(0, S)
@@ -45,14 +47,17 @@ def _search(x_ptr, table_ptr, back_ptr, codes_ptr, first, tail, row, r, N, K: tl
     state = tl.where(tail, first, tl.argmin(cost, axis=0, tie_break_left=True).to(tl.int32))
     for i in range(N):
         t = N - 1 - i
-        tl.store(codes_ptr + row.to(tl.int64) * N + t, (state >> (L - K)).to(tl.int64))
+        if STATES:  # the state itself (its top K bits are the code; it decodes to table[state])
+            tl.store(codes_ptr + row.to(tl.int64) * N + t, state.to(tl.uint8))
+        else:
+            tl.store(codes_ptr + row.to(tl.int64) * N + t, (state >> (L - K)).to(tl.int64))
         high = state & (KEEP - 1)
         state = (high << K) | tl.load(back_ptr + base + t * KEEP + high).to(tl.int32)
 
 
 @triton.jit
 def _viterbi_kernel(x_ptr, w_ptr, start_ptr, table_ptr, back_ptr, codes_ptr, row0, N, L: tl.constexpr,
-                    TAIL: tl.constexpr):
+                    TAIL: tl.constexpr, STATES: tl.constexpr):
     r = tl.program_id(0)
     row = row0 + r
     width = tl.load(w_ptr + row)
@@ -60,22 +65,23 @@ def _viterbi_kernel(x_ptr, w_ptr, start_ptr, table_ptr, back_ptr, codes_ptr, row
     first = tl.load(start_ptr + row, mask=tail, other=0).to(tl.int32)
     for k in tl.static_range(1, 9):  # unrolled: each width its own branch with constant block shapes
         if width == k:
-            _search(x_ptr, table_ptr, back_ptr, codes_ptr, first, tail, row, r, N, k, L)
+            _search(x_ptr, table_ptr, back_ptr, codes_ptr, first, tail, row, r, N, k, L, STATES)
 
 
 def trellis_viterbi(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, start: torch.Tensor | None = None,
-                    scratch_bytes: int = SCRATCH_BYTES) -> torch.Tensor:
+                    scratch_bytes: int = SCRATCH_BYTES, states: bool = False) -> torch.Tensor:
     """x (M, N) float32 normalised samples, widths (M,) 0-8, table (2^L,) float32 the states' values -> codes (M, N)
     int64 (0 on 0-width rows): every row's path from state 0 with a free end, or, given `start` (M,) states, the
     tail-biting path through start[r] of every row of at least L bits (N · width >= L; the others' from state 0).
-    A launch per batch of rows (the batches depend on shapes only)."""
+    `states`: the path's states (M, N) uint8 instead (each sample's L bits; code = state >> (L − width), value =
+    table[state]; 0 on 0-width rows). A launch per batch of rows (the batches depend on shapes only)."""
     M, N = x.shape
     if (tuple(widths.shape) != (M,) or table.numel() != 1 << TRELLIS_STATE_BITS
             or (start is not None and tuple(start.shape) != (M,))):
         raise ValueError(f"need widths ({M},), start states None or ({M},) and a table of {1 << TRELLIS_STATE_BITS} "
                          f"values, got {tuple(widths.shape)}, {None if start is None else tuple(start.shape)} and "
                          f"{table.numel()}")
-    codes = torch.zeros(M, N, dtype=torch.int64, device=x.device)
+    codes = torch.zeros(M, N, dtype=torch.uint8 if states else torch.int64, device=x.device)
     if M == 0 or N == 0:
         return codes
     per_row = N << (TRELLIS_STATE_BITS - 1)  # the widest backpointer table: width 1
@@ -86,5 +92,5 @@ def trellis_viterbi(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, 
     for row0 in range(0, M, rows):  # batches by shape, not by value
         n = min(rows, M - row0)
         _viterbi_kernel[(n,)](xs, ws, ws if start is None else starts, tab, back, codes, row0, N, L=TRELLIS_STATE_BITS,
-                              TAIL=start is not None, num_warps=WARPS)
+                              TAIL=start is not None, STATES=states, num_warps=WARPS)
     return codes

@@ -65,6 +65,8 @@ def test_a_span_decodes_from_its_buffer_as_the_search_coded_it(n):
     layout = TrellisChannels.code(r, bits)
     low, step = layout.low.float(), layout.step_.float()
     codes = trellis.encode(r, bits, low, step)
+    path = trellis.encode(r, bits, low, step, states=True)  # the search's own states: what the buffer's reader reads
+    assert torch.equal(path.long(), trellis.states(layout.codes, layout.offsets, bits, n))
     for s, d in itertools.product(range(2), range(5)):
         k = int(bits[s, d])
         if k:
@@ -186,6 +188,12 @@ def test_the_viterbi_kernel_codes_every_width_as_the_reference_does():
                 if k else torch.zeros(23, dtype=torch.long)
             assert torch.equal(got[row], want), (k, tail)
         assert torch.equal(got, trellis.trellis_viterbi_ref(x, widths, trellis.codebook(), start if tail else None))
+        # the path's states instead: their top bits are the codes, and the reference's states are the same
+        states = trellis_viterbi(x, widths, trellis.codebook(), start if tail else None, states=True)
+        assert states.dtype == torch.uint8
+        assert torch.equal(states.long() >> (trellis.STATE_BITS - widths[:, None]), got)
+        assert torch.equal(states, trellis.trellis_viterbi_ref(x, widths, trellis.codebook(), start if tail else None,
+                                                               states=True))
     with pytest.raises(ValueError, match="need widths"):
         trellis_viterbi(x, widths[:3], trellis.codebook())
 

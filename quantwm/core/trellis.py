@@ -81,12 +81,14 @@ def codebook() -> torch.Tensor:
     return mad(torch.arange(1 << STATE_BITS, device="cpu"))
 
 
-def viterbi(x: torch.Tensor, bits: int, values: torch.Tensor, start: torch.Tensor | None = None) -> torch.Tensor:
+def viterbi(x: torch.Tensor, bits: int, values: torch.Tensor, start: torch.Tensor | None = None,
+            states: bool = False) -> torch.Tensor:
     """Codes (M, N) int64 in [0, 2^bits) of the least-squared-error path of every row of x (M, N) through the trellis
     whose state s decodes to values[s] (2^L,; L is read from its size, STATE_BITS for the stored code): from state 0
     with a free end, or, given `start` (M,) states, the tail-biting path that begins after start[r] and ends in it
     (needs N · bits >= L, so that every state can end a path). One step per token for every row and state at once;
-    rows in batches whose backpointers (N x rows x 2^(L − bits) bytes) stay within BACKPOINTER_BYTES."""
+    rows in batches whose backpointers (N x rows x 2^(L − bits) bytes) stay within BACKPOINTER_BYTES. `states`: the
+    path's states (M, N) int64 instead of its codes (code = state >> (L − bits), value = values[state])."""
     M, N = x.shape
     n_states = values.numel()
     L = n_states.bit_length() - 1
@@ -111,7 +113,7 @@ def viterbi(x: torch.Tensor, bits: int, values: torch.Tensor, start: torch.Tenso
             cost = best.repeat(1, 1 << bits) + (xb[:, t:t + 1] - values[None]).square()
         state = cost.argmin(1) if start is None else first
         for t in range(N - 1, -1, -1):
-            out[at:at + m, t] = state >> (L - bits)
+            out[at:at + m, t] = state if states else state >> (L - bits)
             high = state & (keep - 1)
             state = (high << bits) | back[t].gather(1, high[:, None])[:, 0].long()
     return out
@@ -140,13 +142,15 @@ def wrap_states(x: torch.Tensor, widths: torch.Tensor, search, window: int = WRA
     return end_state(search(torch.cat([x[:, N - before:], x[:, :after]], 1)), widths, before - 1, state_bits)
 
 
-def encode(y: torch.Tensor, widths: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def encode(y: torch.Tensor, widths: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor,
+           states: bool = False) -> torch.Tensor:
     """Integer codes (S, N, D) of y (S, N, D) coded coordinate by coordinate along its tokens with widths (S, D)
     (0: nothing, code 0) against the stored mean and scale (S, D) (their fp16 values; ŷ = mean + scale ·
     CODEBOOK[state]). A coordinate of N · k >= L bits takes the tail-biting path through the state `wrap_states`
     picks (`states` reads the bits before its first from its end); a shorter one the path from state 0.
     kernels/trellis_viterbi.py on the fast path (every width in one launch a search), else the searches of
-    `viterbi`, width by width present (the widths' counts read on the host once, for both searches)."""
+    `viterbi`, width by width present (the widths' counts read on the host once, for both searches). `states`: the
+    paths' states (S, N, D) uint8 instead of their codes (code = state >> (L − width); `values` decodes them)."""
     S, N, D = y.shape
     x = ((y.float() - mean[:, None]) / scale[:, None]).permute(0, 2, 1).reshape(S * D, N)
     flat = widths.reshape(-1).long()
@@ -157,7 +161,7 @@ def encode(y: torch.Tensor, widths: torch.Tensor, mean: torch.Tensor, scale: tor
         groups = _width_groups(flat)
         search = functools.partial(_search_by_width, groups=groups)
     start = wrap_states(x, flat, lambda w: search(w, flat, table))
-    return search(x, flat, table, start).reshape(S, D, N).permute(0, 2, 1)
+    return search(x, flat, table, start, states=states).reshape(S, D, N).permute(0, 2, 1)
 
 
 def _width_groups(widths: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
@@ -169,23 +173,24 @@ def _width_groups(widths: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 
 
 def _search_by_width(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, start: torch.Tensor | None = None,
-                     groups: list | None = None) -> torch.Tensor:
+                     groups: list | None = None, states: bool = False) -> torch.Tensor:
     """Codes (M, N) of every row of x (M, N) at its width (0: code 0) by `viterbi`, width by width: from state 0,
-    or given `start` (M,), tail-biting through start[r] where the row holds at least L bits."""
+    or given `start` (M,), tail-biting through start[r] where the row holds at least L bits; `states`: the paths'
+    states (M, N) uint8 instead (0 on 0-width rows)."""
     M, N = x.shape
     L = table.numel().bit_length() - 1
-    codes = torch.zeros(M, N, dtype=torch.long, device=x.device)
+    codes = torch.zeros(M, N, dtype=torch.uint8 if states and L <= 8 else torch.long, device=x.device)
     for k, rows in groups if groups is not None else _width_groups(widths.long()):
         tail = start is not None and N * k >= L
-        codes[rows] = viterbi(x[rows], k, table, start[rows] if tail else None)
+        codes[rows] = viterbi(x[rows], k, table, start[rows] if tail else None, states).to(codes.dtype)
     return codes
 
 
 def trellis_viterbi_ref(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, start: torch.Tensor | None = None,
-                        scratch_bytes: int | None = None) -> torch.Tensor:
-    """The PyTorch twin of kernels/trellis_viterbi.py (same arguments, the same codes): `viterbi` width by width
-    (the widths' counts read on the host once); `scratch_bytes` is the kernel's and unused here."""
-    return _search_by_width(x, widths, table, start)
+                        scratch_bytes: int | None = None, states: bool = False) -> torch.Tensor:
+    """The PyTorch twin of kernels/trellis_viterbi.py (same arguments, the same codes or states): `viterbi` width by
+    width (the widths' counts read on the host once); `scratch_bytes` is the kernel's and unused here."""
+    return _search_by_width(x, widths, table, start, states=states)
 
 
 def states(buffer: torch.Tensor, offsets: torch.Tensor, widths: torch.Tensor, n_tokens: int) -> torch.Tensor:
@@ -211,8 +216,10 @@ def _read_bits(buf: torch.Tensor, bit: torch.Tensor, length: torch.Tensor, live:
 
 
 def values(state: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
-    """CODEBOOK[state]: the normalised samples (S, N, D) float32, 0 at width 0."""
-    return torch.where(widths[:, None, :] > 0, mad(state), 0.0)
+    """CODEBOOK[state] for states (S, N, D) in [0, 2^L) and widths (S, D): the normalised samples (S, N, D) float32,
+    0 at width 0. Looked up in `codebook()` (one gather; `mad`'s dozen integer ops over the span give the same
+    values, which the fused kernel computes in registers instead)."""
+    return torch.where(widths[:, None, :] > 0, on_device(codebook(), state.device)[state.long()], 0.0)
 
 
 def scale_of(std: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:

@@ -84,6 +84,18 @@ def _scatter_codes(codes: torch.Tensor, b: torch.Tensor, start: torch.Tensor, to
     return buf[:total].to(torch.uint8)
 
 
+def grid_codes(r: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: torch.Tensor,
+               bits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(low (S, D), step (S, D), codes (S, N, D) float32): each channel of r (S, N, D, float32) on its grid
+    (`channel_grid` of its range lo/hi, clip alpha and width bits; low 0 and step 1 on 0-bit channels) and its
+    codes round((r − low) / step), half to even, clamped to [0, 2^b − 1]: what `Channels.code` stores."""
+    low, step = channel_grid(lo, hi, bits, alpha)
+    coded = bits > 0
+    low, step = torch.where(coded, low, 0.0), torch.where(coded, step, 1.0)
+    codes = torch.round((r - low[:, None]) / step[:, None]).clamp_min(0).minimum(((1 << bits.long()) - 1)[:, None])
+    return low, step, codes
+
+
 PACK_BLOCK_BYTES = 32  # kernels/pack_channels.py's bytes of a channel a program codes: one partial sum each
 
 
@@ -95,17 +107,13 @@ def pack_channels_ref(r: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha
     the partial sums (4, S·D, ceil(N / 32)) over each block of 32 bytes of a channel, of u = r − (lo + hi) / 2, u²,
     c = code − (2^b − 1) / 2 and c·u, every code counted in the block that holds its first bit (what
     `unshrink_channels_ref` adds up): the twin of kernels/pack_channels.py."""
-    low, step = channel_grid(lo, hi, bits, alpha)
-    coded = bits > 0
-    low, step = torch.where(coded, low, 0.0), torch.where(coded, step, 1.0)
-    codes = torch.round((r.float() - low[:, None]) / step[:, None]).long()
-    out = (_scatter_codes(codes, bits.long(), offsets, total), low.half(), step.half(), low)
+    low, step, codes = grid_codes(r.float(), lo, hi, alpha, bits)
+    out = (_scatter_codes(codes.long(), bits.long(), offsets, total), low.half(), step.half(), low)
     if not sums:
         return out
     S, N, D = r.shape
     b = bits.long()[:, None, :]
-    top = (1 << b) - 1
-    c = codes.clamp(0).minimum(top).float() - top / 2
+    c = codes - ((1 << b) - 1) / 2
     u = r.float() - ((hi + lo) / 2)[:, None]
     n_blocks = -(-N // PACK_BLOCK_BYTES)
     block = torch.arange(N, device=r.device)[None, :, None] * b // (8 * PACK_BLOCK_BYTES)  # of each code's first bit

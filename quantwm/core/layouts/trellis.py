@@ -21,7 +21,7 @@ from ...kernels.span_args import TRELLIS, TRELLIS_ERROR_STEP, SideArgs
 from .. import trellis
 from ..quant import deferring
 from ..tables import on_device
-from .channels import Channels, _buffer_size, _byte_layout, _scatter_codes
+from .channels import Channels, _buffer_size, _byte_layout, _scatter_codes, grid_codes
 
 _ERROR_STEP = torch.tensor(TRELLIS_ERROR_STEP, device="cpu")
 
@@ -64,19 +64,23 @@ class TrellisChannels(Channels):
         tiny = torch.finfo(torch.float16).tiny
         low = torch.where(coded, rf.mean(1), 0.0).half().float()
         step = torch.where(coded, trellis.scale_of(std, b).clamp_min(tiny), 1.0).half().float()
-        codes = trellis.encode(rf, b, low, step)
+        state = trellis.encode(rf, b, low, step, states=True).long()  # the search's path: codes and decodes
+        codes = state >> (trellis.STATE_BITS - b[:, None])  # 0 on 0-bit channels (state 0)
         offsets, needed = _byte_layout(b, N)
         size = _buffer_size(needed, capacity)
-        out = cls(_scatter_codes(codes, b, offsets, size), b.to(torch.uint8), low.half(), step.half(), N)
-        out.__dict__["offsets"] = offsets
         if alpha is None:
+            out = cls(_scatter_codes(codes, b, offsets, size), b.to(torch.uint8), low.half(), step.half(), N)
+            out.__dict__["offsets"] = offsets
             return out.unbiased(r) if unbias else out
-        # the span on its grids as quantwm-alloc stores it, beside the trellis: per channel the better is kept
-        plain = Channels.code(r, bits, alpha, size)
-        on_plain, on_trellis = plain.decode(), out.decode()
+        # the span on its grids as quantwm-alloc stores it (Channels.code's grids and codes, computed here from r),
+        # beside the trellis as its search's states decode (no buffer read): per channel the better is kept
+        g_low, g_step, g_codes = grid_codes(rf, rf.amin(1), rf.amax(1), alpha.to(rf), b)
+        on_plain = torch.where(coded[:, None], g_low[:, None] + g_codes * g_step[:, None], 0.0)
+        value = trellis.values(state, b)
+        on_trellis = torch.where(coded[:, None], low[:, None] + value * step[:, None], 0.0)
         grid = coded & ((on_plain - rf).square().sum(1) < (on_trellis - rf).square().sum(1))
-        codes = torch.where(grid[:, None], plain.int_codes(), codes)
-        low, step = torch.where(grid, plain.low.float(), low), torch.where(grid, plain.step_.float(), step)
+        codes = torch.where(grid[:, None], g_codes.long(), codes)
+        low, step = torch.where(grid, g_low, low), torch.where(grid, g_step, step)
         out = cls(_scatter_codes(codes, b, offsets, size), b.to(torch.uint8), low.half(), step.half(), N, grid)
         out.__dict__["offsets"] = offsets
         if not unbias:
