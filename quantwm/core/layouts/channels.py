@@ -184,13 +184,14 @@ class Channels(Layout):
         S, N, D = r.shape
         rf = r.float()
         offsets, needed = _byte_layout(bits, N)
-        args = (rf, rf.amin(1), rf.amax(1), alpha.to(rf), bits.long(), offsets, _buffer_size(needed, capacity))
+        b = bits.long()
+        args = (rf, rf.amin(1), rf.amax(1), alpha.to(rf), b, offsets, _buffer_size(needed, capacity))
         fast = use_kernels(r)
         packed = kernel("pack_channels")(*args, sums=unbias) if fast else pack_channels_ref(*args, sums=unbias)
         buf, low, step, low_read = packed[:4]
         if unbias:
             unshrink = kernel("unshrink_channels") if fast else unshrink_channels_ref
-            low, step, low_read = unshrink(packed[4], args[4], low, step, N, UNBIAS_FLOOR)
+            low, step, low_read = unshrink(packed[4], b, low, step, N, UNBIAS_FLOOR)
         out = cls(buf, bits.to(torch.uint8), low, step, N)
         out.__dict__["offsets"] = offsets  # the cached properties, already computed (low is 0 on 0-bit channels)
         out.__dict__["low_read"] = low_read  # fp16 values in fp32 already

@@ -75,9 +75,9 @@ class TrellisChannels(Channels):
         # the span on its grids as quantwm-alloc stores it (Channels.code's grids and codes, computed here from r),
         # beside the trellis as its search's states decode (no buffer read): per channel the better is kept
         g_low, g_step, g_codes = grid_codes(rf, rf.amin(1), rf.amax(1), alpha.to(rf), b)
-        on_plain = torch.where(coded[:, None], g_low[:, None] + g_codes * g_step[:, None], 0.0)
-        value = trellis.values(state, b)
-        on_trellis = torch.where(coded[:, None], low[:, None] + value * step[:, None], 0.0)
+        # both decodes are 0 on 0-bit channels as they stand (low 0, code and value 0): no mask needed
+        on_plain = g_low[:, None] + g_codes * g_step[:, None]
+        on_trellis = low[:, None] + trellis.values(state, b) * step[:, None]
         grid = coded & ((on_plain - rf).square().sum(1) < (on_trellis - rf).square().sum(1))
         codes = torch.where(grid[:, None], g_codes.long(), codes)
         low, step = torch.where(grid, g_low, low), torch.where(grid, g_step, step)
