@@ -117,6 +117,7 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
         qsac_assign,
         quantize_pack,
         span_attention,
+        trellis_choice,
         trellis_viterbi,
         unpack_bits,
         unshrink_channels,
@@ -166,6 +167,13 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
                                            *search)))  # tail-biting: the wider variant
     out.append(("trellis_viterbi states", capture(trellis_viterbi, "_viterbi_kernel", trellis_viterbi.trellis_viterbi,
                                                   *search, states=True)))  # what quantwm-trellis's commit runs
+    states = torch.randint(0, 256, (H, D, N), generator=g, dtype=torch.uint8)  # then its choice and packing
+    choice = (x, states, codebook(), lo, hi, torch.ones(H, D), widths, x.mean(1), x.std(1))
+    for unbias in (False, True):
+        out.append(("trellis_choice" + " unbias" * unbias, capture(trellis_choice, "_trellis_choice_kernel",
+                                                                    trellis_choice.trellis_choice, *choice, unbias, 0.5)))
+    out.append(("pack_channels states", capture(pack_channels, "_pack_channels_kernel", pack_channels.pack_channels,
+                                                *pack_args, states=states, grid=widths % 2 == 0)))
     c = torch.randn(H, 64, D, generator=g)
     out.append(("kmeans_assign", capture(kmeans_assign, "_kmeans_assign_kernel", kmeans_assign.kmeans_assign, x, c)))
     w = torch.rand(H, D, generator=g)

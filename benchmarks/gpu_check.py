@@ -19,8 +19,9 @@ dry run, each on one CPU thread):
    ATen ops, kernel launches and host syncs per layer, its cost estimated by the script's stated model, and on
    CUDA the commit timed with CUDA events beside a BF16 SDPA over the same cache (issue 42).
 5. `trellis encode`: `benchmarks/trellis_gain.py --encode-time`, one span of Wan-1.3B's shape (12 heads x 4680
-   tokens x 128, widths 0-8 at random) coded by quantwm-trellis's Triton Viterbi searches, timed after the compile
-   (a layer's commit codes two such spans); the dry run: 1 x 64 x 32 on the CPU path.
+   tokens x 128, widths 0-8 at random) coded as quantwm-trellis codes its Values, by its Triton kernels (the
+   Viterbi searches, the grid-or-trellis choice with the stretch, the packing), timed after the compile (a
+   layer's commit codes two such spans); the dry run: 1 x 64 x 32 on the CPU path.
 6. `kernel bench`: `quantwm selfcheck --model wan-1.3b` (the command a user runs; its timing is
    quantwm/evaluation/kernel_timing.py, which `benchmarks/kernel_bench.py` runs too): which path every method
    takes, every kernel checked against its reference on first use, and the timing at Wan-1.3B shapes (12 heads
@@ -71,7 +72,7 @@ def steps(out: Path, dry: bool) -> list[dict]:
         {"name": "commit cost", "limit": 60 if dry else 90,  # issue 42: a commit's cost, counted, priced and timed
          "cmd": [py, "benchmarks/commit_cost.py", "--preset", "wan-1.3b", "--methods", "quantwm,kivi", "--budget", "2.5",
                  "--json", str(out / "commit_cost.json"), *(["--dry-run"] if dry else [])]},
-        {"name": "trellis encode", "limit": 30 if dry else 60,  # quantwm-trellis's Viterbi searches, one span timed
+        {"name": "trellis encode", "limit": 30 if dry else 60,  # quantwm-trellis's search, choice and packing, one span timed
          "cmd": [py, "benchmarks/trellis_gain.py", "--encode-time",
                  *(["--shape", "1,64,32"] if dry else ["--device", "cuda", "--shape", "12,4680,128"])]},
         {"name": "kernel bench", "limit": 150 if dry else 180,  # the user's own check: `quantwm selfcheck`

@@ -293,10 +293,11 @@ def _twin(name: str):
     """The PyTorch twin of kernels/<name>.py under the kernel's own rule, or None (span_attention)."""
     from quantwm.core import allocate, kmeans, qsac, quant, trellis
     from quantwm.core.layouts import channels
+    from quantwm.core.layouts import trellis as trellis_layout
 
     if name == "qsac_assign":  # the kernel's rule is the exact one: J on every centroid
         return lambda *a, **k: qsac.qsac_assign_ref(*a, **k, candidates=None)
-    for module in (quant, kmeans, allocate, channels, trellis):
+    for module in (quant, kmeans, allocate, channels, trellis, trellis_layout):
         if hasattr(module, f"{name}_ref"):
             return getattr(module, f"{name}_ref")
     return None

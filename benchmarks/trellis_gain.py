@@ -186,9 +186,10 @@ def wrap_window() -> None:
 
 def encode_time(device: str = "cpu", shape: str = "4,1728,128") -> None:
     """The `--encode-time` figure: seconds to code one span (heads x tokens x head dim, `shape`) as quantwm-trellis
-    does at commit (unit-Gaussian samples, widths 0-8 drawn at random; generator seed 0). On the CPU its PyTorch
-    path on one thread; on CUDA (`--device cuda`) its Triton searches, timed after one untimed call (the compile)
-    with the device synchronised around the timed one."""
+    codes its Values at commit (unit-Gaussian samples, widths 0-8 drawn at random, every grid unclipped; generator
+    seed 0): the searches, each channel's choice of trellis or grid with the stretch, the packing. On the CPU its
+    PyTorch path on one thread; on CUDA (`--device cuda`) its Triton kernels, timed after one untimed call (the
+    compile) with the device synchronised around the timed one."""
     import time
 
     from quantwm.core.layouts.trellis import TrellisChannels
@@ -204,15 +205,16 @@ def encode_time(device: str = "cpu", shape: str = "4,1728,128") -> None:
         raise SystemExit("--device cuda: no CUDA device here")
     g = torch.Generator().manual_seed(0)
     r, bits = torch.randn(H, N, D, generator=g).to(dev), torch.randint(0, 9, (H, D), generator=g).to(dev)
+    alpha = torch.ones(H, D, device=dev)
     if dev.type == "cuda":
-        TrellisChannels.code(r, bits)  # the first call compiles the search
+        TrellisChannels.code(r, bits, alpha, unbias=True)  # the first call compiles the kernels
         torch.cuda.synchronize(dev)
         where = torch.cuda.get_device_name(dev)
     else:
         torch.set_num_threads(1)
         where = "one CPU thread"
     start = time.perf_counter()
-    TrellisChannels.code(r, bits)
+    TrellisChannels.code(r, bits, alpha, unbias=True)
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
     print(f"one span of {H} x {N} x {D} coded in {time.perf_counter() - start:.3f} s ({where})")

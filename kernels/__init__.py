@@ -8,7 +8,9 @@ it.
 * `channel_errors` / `allocate_levels` / `pack_channels` / `unshrink_channels`: QuantWM's allocator at commit:
   each channel's error at every width and clip, the bit assignment (bisection and greedy fill), the grids and the
   packed codes (with the Values' slope sums), the Values' grids stretched to a slope of 1.
-* `trellis_viterbi`: quantwm-trellis's encoder, the bitshift trellis's Viterbi search over a span's channels.
+* `trellis_viterbi` / `trellis_choice`: quantwm-trellis's encoder, the bitshift trellis's Viterbi search over a
+  span's channels, then each channel's choice of trellis or grid (and the Values' stretch); `pack_channels` packs
+  the codes kept from the search's states.
 * `span_attention`: a chunk of queries over one cached span (packed, clustered, PSAC-corrected, or full
   precision, or trellis-coded), online softmax carried across spans and splits (flash-decoding).
 

@@ -10,7 +10,9 @@ writes the byte once. Nothing of tokens x channels size is materialised; bytes p
 caller zeroed them. Asked for (`sums`), each program also writes, per channel, four sums over the codes whose first
 bit lies in its bytes (so every token counts once): of u = x − mid (mid the middle of the channel's range), u², c =
 code − (2^b − 1)/2 and c·u, the partial sums kernels/unshrink_channels.py adds up to stretch the grid to a slope of
-1 (docs/method.md §2.6, step 5) without reading the span again.
+1 (docs/method.md §2.6, step 5) without reading the span again. Given the trellis's states (quantwm-trellis, §2.10)
+and which channels stay on their grid (kernels/trellis_choice.py), a trellis channel's code t is instead the top b
+bits of its state t (state >> (L − b)), packed the same way.
 """
 from __future__ import annotations
 
@@ -18,14 +20,18 @@ import torch
 import triton
 import triton.language as tl
 
+from .span_args import TRELLIS_STATE_BITS
+
 BLOCK_C, BLOCK_B = 16, 32  # a program's channels and bytes of each (16 x 64 spilled on sm_90: docs/kernels.md)
 FP16_TINY = tl.constexpr(6.103515625e-05)  # torch.finfo(torch.float16).tiny: the least step a grid stores (a constexpr: a
 # kernel may read no other global)
+STATE_BITS = tl.constexpr(TRELLIS_STATE_BITS)  # L: a trellis code is its state's top bits
 
 
 @triton.jit
 def _pack_channels_kernel(x_ptr, lo_ptr, hi_ptr, alpha_ptr, bits_ptr, off_ptr, out_ptr, low_ptr, step_ptr, read_ptr,
-                          sums_ptr, N, D, C, NB, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr, SUMS: tl.constexpr):
+                          sums_ptr, state_ptr, grid_ptr, N, D, C, NB, BLOCK_C: tl.constexpr, BLOCK_B: tl.constexpr,
+                          SUMS: tl.constexpr, TRELLIS: tl.constexpr):
     c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)  # channels s * D + i: neighbours in memory
     cmask = c < C
     s = c // D
@@ -41,6 +47,8 @@ def _pack_channels_kernel(x_ptr, lo_ptr, hi_ptr, alpha_ptr, bits_ptr, off_ptr, o
     step = tl.where(half > 0, tl.math.div_rn(2 * half, tl.maximum(top, 1).to(tl.float32)), 1.0)
     step = tl.maximum(step.to(tl.float16).to(tl.float32), FP16_TINY)
     low, step = tl.where(b > 0, low, 0.0), tl.where(b > 0, step, 1.0)  # 0 bits: no grid (decodes to 0)
+    if TRELLIS:
+        on_grid = tl.load(grid_ptr + c, mask=cmask, other=0) != 0
     if tl.program_id(1) == 0:
         tl.store(low_ptr + c, low.to(tl.float16), mask=cmask)  # exact: both already hold fp16 values
         tl.store(step_ptr + c, step.to(tl.float16), mask=cmask)
@@ -66,6 +74,9 @@ def _pack_channels_kernel(x_ptr, lo_ptr, hi_ptr, alpha_ptr, bits_ptr, off_ptr, o
         q = tl.where(frac > 0.5, f + 1, tl.where(frac < 0.5, f, f + (f - 2 * tl.floor(f * 0.5))))
         qf = tl.minimum(tl.maximum(q, 0.0), top.to(tl.float32)[:, None])
         q = qf.to(tl.int32)
+        if TRELLIS:  # a trellis channel's code: its state's top b bits
+            state = tl.load(state_ptr + c.to(tl.int64)[:, None] * N + t, mask=hit, other=0).to(tl.int32)
+            q = tl.where(on_grid[:, None], q, state >> (-b + STATE_BITS)[:, None])
         part = tl.where(p >= 0, q << tl.maximum(p, 0), q >> tl.maximum(-p, 0)) & 255
         acc = acc | tl.where(hit, part, 0)
         if SUMS:  # each code counted in the byte that holds its first bit
@@ -85,16 +96,25 @@ def _pack_channels_kernel(x_ptr, lo_ptr, hi_ptr, alpha_ptr, bits_ptr, off_ptr, o
 
 
 def pack_channels(r: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: torch.Tensor, bits: torch.Tensor,
-                  offsets: torch.Tensor, total: int, sums: bool = False) -> tuple[torch.Tensor, ...]:
+                  offsets: torch.Tensor, total: int, sums: bool = False, states: torch.Tensor | None = None,
+                  grid: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """r (S, N, D) float32; per channel (S, D): its range lo/hi, clip alpha, width bits (0-8) and first byte
     offsets -> (the uint8 buffer (total,), zeros past the last channel; low (S, D) and step (S, D) fp16 of each
     channel's grid, 0 and 1 on 0-bit channels; low as float32, as the kernel view reads it), and with `sums` the
-    partial sums (4, S·D, ceil(N / BLOCK_B)) float32 of u, u², c and c·u per block of BLOCK_B bytes (the module)."""
+    partial sums (4, S·D, ceil(N / BLOCK_B)) float32 of u, u², c and c·u per block of BLOCK_B bytes (the module).
+    Given `states` (S, D, N) uint8, a trellis's paths, and `grid` (S, D) bool, the channels kept on their grid, the
+    other channels' codes are their states' top bits (no sums then)."""
     shapes = (lo.shape, hi.shape, alpha.shape, bits.shape, offsets.shape)
     if r.dim() != 3 or any(x != r.shape[::2] for x in shapes):
         raise ValueError(f"expected r (S, N, D) and lo, hi, alpha, bits, offsets (S, D), got {tuple(r.shape)}, "
                          f"{[tuple(x) for x in shapes]}")
     S, N, D = r.shape
+    trellis = states is not None
+    if trellis != (grid is not None) or (trellis and sums):
+        raise ValueError("trellis states and their grid flags go together, and without sums")
+    if trellis and (tuple(states.shape) != (S, D, N) or states.dtype != torch.uint8 or tuple(grid.shape) != (S, D)):
+        raise ValueError(f"expected states (S, D, N) = {(S, D, N)} uint8 and grid (S, D), got "
+                         f"{tuple(states.shape)} {states.dtype} and {tuple(grid.shape)}")
     out = torch.zeros(total, dtype=torch.uint8, device=r.device)
     low = torch.zeros(S, D, dtype=torch.float16, device=r.device)
     step = torch.ones(S, D, dtype=torch.float16, device=r.device)
@@ -102,9 +122,10 @@ def pack_channels(r: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: to
     NB = triton.cdiv(N, BLOCK_B)  # a channel has at most N bytes (8 bits a code)
     partial = torch.empty(4, S * D, NB, dtype=torch.float32, device=r.device) if sums else read
     if S and N and D:
-        grid = (triton.cdiv(S * D, BLOCK_C), NB)
-        _pack_channels_kernel[grid](r.float().contiguous(), lo.float().contiguous(), hi.float().contiguous(),
+        _pack_channels_kernel[(triton.cdiv(S * D, BLOCK_C), NB)](r.float().contiguous(), lo.float().contiguous(), hi.float().contiguous(),
                                     alpha.float().contiguous(), bits.to(torch.int32).contiguous(),
-                                    offsets.to(torch.int64).contiguous(), out, low, step, read, partial, N, D, S * D,
-                                    NB, BLOCK_C=BLOCK_C, BLOCK_B=BLOCK_B, SUMS=sums)
+                                    offsets.to(torch.int64).contiguous(), out, low, step, read, partial,
+                                    states.contiguous() if trellis else out, grid.to(torch.int8).contiguous() if
+                                    trellis else out, N, D, S * D, NB, BLOCK_C=BLOCK_C, BLOCK_B=BLOCK_B, SUMS=sums,
+                                    TRELLIS=trellis, num_warps=8 if trellis else 4)  # 4 with states: 40 B spilled
     return (out, low, step, read, partial) if sums else (out, low, step, read)

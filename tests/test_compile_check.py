@@ -29,8 +29,9 @@ def test_span_attention_compiles_for_sm90_and_sm80_and_lowp_is_refused_before_sm
 
 def test_the_allocators_kernels_and_the_trellis_search_compile_for_sm90_without_spilling(tmp_path):
     rows = compiled(tmp_path, "90", "pack_channels,pack_channels sums,unshrink_channels,channel_errors,allocate_levels,"
-                    "trellis_viterbi")
+                    "trellis_viterbi,trellis_choice")
     assert sorted(r["variant"] for r in rows) == ["allocate_levels", "channel_errors", "pack_channels",
-                                                  "pack_channels sums", "trellis_viterbi", "trellis_viterbi states",
+                                                  "pack_channels states", "pack_channels sums", "trellis_choice",
+                                                  "trellis_choice unbias", "trellis_viterbi", "trellis_viterbi states",
                                                   "unshrink_channels"]
     assert all(r["status"] == "ok" and 0 < r["reg"] <= 255 and r["stack"] == 0 for r in rows), rows

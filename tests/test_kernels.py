@@ -20,16 +20,19 @@ from quantwm.kernels import pack_channels as _pc
 from quantwm.kernels import qsac_assign as _qa
 from quantwm.kernels import quantize_pack as _qp
 from quantwm.kernels import span_attention as _sa
+from quantwm.kernels import trellis_choice as _tc
 from quantwm.kernels import unpack_bits as _ub
 from quantwm.kernels import unshrink_channels as _uc
 from quantwm.kernels.span_args import full_side
 
+from quantwm.core import trellis
 from quantwm.core.allocate import CLIPS, allocate_levels_ref, channel_errors_ref, error_tables
 from quantwm.core.attention import chunk_spans, merge_splits, new_state, span_attention_ref
 from quantwm.core.cache import CacheConfig, KVCache
 from quantwm.core.kmeans import kmeans_assign_ref
 from quantwm.core.layouts import Channels, Codebook, Full, Grouped
 from quantwm.core.layouts.channels import channel_bytes, channel_offsets, pack_channels_ref, unshrink_channels_ref
+from quantwm.core.layouts.trellis import trellis_choice_ref
 from quantwm.core.qsac import qsac_assign_ref
 from quantwm.core.quant import pack_bits_ref, quantize_groups, quantize_pack_ref, unpack_bits_ref
 
@@ -430,3 +433,51 @@ def test_pack_channels_sums_and_unshrink_kernels_equal_their_refs(N, D):
     assert torch.equal(mine[1][1, 1], ref[2][1, 1]) and torch.equal(mine[0][bits == 0], ref[1][bits == 0])
     with pytest.raises(ValueError, match="least slope undone"):
         _uc.unshrink_channels(out[4], bits, out[1], out[2], N, 0.0)
+
+
+@pytest.mark.parametrize("N, D", [(1, 16), (97, 40), (289, 9)])  # 9: a part block of channels; 1: a lone token
+def test_trellis_choice_and_packing_from_states_equal_their_refs(N, D):
+    """quantwm-trellis's commit after its search: the grid-or-trellis choice per channel (with and without the
+    Values' stretch) and the codes packed from the states where the trellis is kept, against their twins."""
+    g = torch.Generator().manual_seed(3 * N + D)
+    S = 2
+    bits = torch.randint(0, 9, (S, D), generator=g)
+    bits[0, :9] = torch.arange(9)
+    r = torch.randn(S, N, D, generator=g) * 2 + 0.5
+    r[1, :, 2] = torch.randint(0, 2, (N,), generator=g).float()  # two levels: the grid wins where it has 1+ bits
+    r[1, :, 1] = 0.75  # no spread
+    alpha = torch.tensor(CLIPS)[torch.randint(0, 6, (S, D), generator=g)]
+    lo, hi = r.amin(1), r.amax(1)
+    states = torch.randint(0, 256, (S, D, N), generator=g, dtype=torch.uint8)
+    states[bits == 0] = 0  # a 0-bit row's path
+    low = torch.where(bits > 0, r.mean(1), 0.0).half().float()
+    step = torch.where(bits > 0, r.std(1, correction=0).clamp_min(1e-3), 1.0).half().float()
+    table = trellis.codebook()
+    ulp = lambda a, b: ((a.float() - b.float()).abs() <= b.float().abs() * 2 ** -10 + 1e-7).all()  # fp16: 1 ulp
+    for unbias in (False, True):
+        args = (r, states, table, lo, hi, alpha, bits, low, step, unbias, 0.5)
+        want = trellis_choice_ref(*args)
+        got = [t.cpu() for t in _tc.trellis_choice(*map(_move, args))]
+        assert torch.equal(got[0], want[0]) and got[0].dtype == torch.bool, unbias
+        same = ulp if unbias else torch.equal
+        assert same(got[1], want[1]) and same(got[2], want[2]) and got[1].dtype == torch.float16, unbias
+        assert torch.equal(got[3], torch.where(bits > 0, got[1].float(), 0.0))
+    grid = want[0]
+    assert grid[1, 2] == (bits[1, 2] > 0) and not grid[bits == 0].any()
+    offsets = channel_offsets(bits, N)
+    total = int(channel_bytes(N, bits).sum()) + 3
+    ref = pack_channels_ref(r, lo, hi, alpha, bits, offsets, total, states=states, grid=grid)
+    out = [t.cpu() for t in _pc.pack_channels(*map(_move, (r, lo, hi, alpha, bits, offsets)), total,
+                                              states=_move(states), grid=_move(grid))]
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+    codes = Channels(ref[0], bits.to(torch.uint8), ref[1], ref[2], N).int_codes()
+    tops = states.permute(0, 2, 1).long() >> (8 - bits.long()[:, None])
+    plain = pack_channels_ref(r, lo, hi, alpha, bits, offsets, total)[0]
+    grid_codes = Channels(plain, bits.to(torch.uint8), ref[1], ref[2], N).int_codes()
+    assert torch.equal(codes, torch.where(grid[:, None], grid_codes, torch.where(bits[:, None] > 0, tops, 0)))
+    with pytest.raises(ValueError, match="states"):
+        _tc.trellis_choice(r, states.permute(0, 2, 1), table, lo, hi, alpha, bits, low, step, False, 0.5)
+    with pytest.raises(ValueError, match="go together"):
+        _pc.pack_channels(r, lo, hi, alpha, bits, offsets, total, states=states)
+    with pytest.raises(ValueError, match="least slope"):
+        _tc.trellis_choice(r, states, table, lo, hi, alpha, bits, low, step, True, 0.0)

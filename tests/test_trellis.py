@@ -199,12 +199,25 @@ def test_the_viterbi_kernel_codes_every_width_as_the_reference_does():
 
 
 def test_a_span_coded_on_the_kernel_path_stores_the_same_bytes(monkeypatch):
-    r = torch.randn(2, 19, 6, generator=torch.Generator().manual_seed(4))
+    """The search, and with clips the grid-or-trellis choice and the packing (kernels/trellis_choice.py,
+    kernels/pack_channels.py given the states), store what the PyTorch path stores: the same bytes and grid flags,
+    the same tables (to 1 fp16 ulp where the Values' stretch adds its sums in another order)."""
+    g = torch.Generator().manual_seed(4)
+    r = torch.randn(2, 19, 6, generator=g)
+    r[1, :, 3] = torch.randint(0, 4, (19,), generator=g).float()  # four levels: on its 2-bit grid exactly
     bits = torch.tensor([[0, 1, 2, 3, 8, 4], [5, 6, 7, 2, 2, 0]])
-    ref = TrellisChannels.code(r, bits)
+    alpha = torch.tensor([[1.0, 0.85, 0.7, 1.0, 1.0, 0.55], [1.0, 0.85, 1.0, 1.0, 0.42, 1.0]])
+    ref = {(clip, unbias): TrellisChannels.code(r, bits, alpha if clip else None, unbias=unbias)
+           for clip in (False, True) for unbias in (False, True)}
     monkeypatch.setenv("QUANTWM_KERNELS", "triton")
-    fast = TrellisChannels.code(r, bits)
-    assert torch.equal(fast.codes, ref.codes) and torch.equal(fast.low, ref.low) and torch.equal(fast.step_, ref.step_)
+    ulp = lambda a, b: ((a.float() - b.float()).abs() <= b.float().abs() * 2 ** -10 + 1e-7).all()  # fp16: 1 ulp
+    for (clip, unbias), want in ref.items():
+        fast = TrellisChannels.code(r, bits, alpha if clip else None, unbias=unbias)
+        assert torch.equal(fast.codes, want.codes), (clip, unbias)
+        assert torch.equal(fast.on_grid, want.on_grid) and torch.equal(fast.low_read, want.low_read.float())
+        same = torch.equal if not unbias else ulp
+        assert same(fast.low, want.low) and same(fast.step_, want.step_), (clip, unbias)
+    assert ref[True, False].grid[1, 3] and ref[True, False].grid.any() and not ref[True, False].grid.all()
 
 
 def test_a_trellis_span_commits_on_the_e4m3_path_without_reading_its_widest_channel():

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kernels.span_args import CHANNELS, SideArgs
+from ...kernels.span_args import CHANNELS, TRELLIS_STATE_BITS, SideArgs
 from ..backend import kernel, use_kernels
 from ..quant import deferring
 from .base import CodeForm, Layout
@@ -100,14 +100,19 @@ PACK_BLOCK_BYTES = 32  # kernels/pack_channels.py's bytes of a channel a program
 
 
 def pack_channels_ref(r: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: torch.Tensor, bits: torch.Tensor,
-                      offsets: torch.Tensor, total: int, sums: bool = False) -> tuple[torch.Tensor, ...]:
+                      offsets: torch.Tensor, total: int, sums: bool = False, states: torch.Tensor | None = None,
+                      grid: torch.Tensor | None = None) -> tuple[torch.Tensor, ...]:
     """(buffer (total,), low (S, D) fp16, step (S, D) fp16, low (S, D) float32 as the kernel view reads it): each
     channel of r (S, N, D) on its grid (`channel_grid` of its range lo/hi, clip alpha and width bits; 0 and 1 on
     0-bit channels), coded round((r − low) / step), clamped to its width and packed from `offsets`; with `sums` also
     the partial sums (4, S·D, ceil(N / 32)) over each block of 32 bytes of a channel, of u = r − (lo + hi) / 2, u²,
     c = code − (2^b − 1) / 2 and c·u, every code counted in the block that holds its first bit (what
-    `unshrink_channels_ref` adds up): the twin of kernels/pack_channels.py."""
+    `unshrink_channels_ref` adds up). Given a trellis's `states` (S, D, N) uint8 and `grid` (S, D) bool, the channels
+    not on their grid store their states' top bits instead (quantwm-trellis). The twin of kernels/pack_channels.py."""
     low, step, codes = grid_codes(r.float(), lo, hi, alpha, bits)
+    if states is not None:
+        on_trellis = states.permute(0, 2, 1).long() >> (TRELLIS_STATE_BITS - bits.long()[:, None])
+        codes = torch.where(grid[:, None], codes.long(), on_trellis)
     out = (_scatter_codes(codes.long(), bits.long(), offsets, total), low.half(), step.half(), low)
     if not sums:
         return out

@@ -19,9 +19,19 @@ import torch
 
 from ...kernels.span_args import TRELLIS, TRELLIS_ERROR_STEP, SideArgs
 from .. import trellis
+from ..backend import kernel, use_kernels
 from ..quant import deferring
 from ..tables import on_device
-from .channels import Channels, _buffer_size, _byte_layout, _scatter_codes, grid_codes
+from .channels import (
+    UNBIAS_FLOOR,
+    Channels,
+    _buffer_size,
+    _byte_layout,
+    _scatter_codes,
+    _stretched,
+    grid_codes,
+    pack_channels_ref,
+)
 
 _ERROR_STEP = torch.tensor(TRELLIS_ERROR_STEP, device="cpu")
 
@@ -34,6 +44,31 @@ def _check_widths(b: torch.Tensor) -> None:
         checks.record(ok)
     elif not bool(ok):
         raise ValueError(f"trellis widths are 0-8 bits a channel, got {int(b.min())}..{int(b.max())}")
+
+
+def trellis_choice_ref(r: torch.Tensor, states: torch.Tensor, table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
+                       alpha: torch.Tensor, bits: torch.Tensor, low: torch.Tensor, step: torch.Tensor, unbias: bool,
+                       floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(grid (S, D) bool, low, step (S, D) fp16, low float32 as the kernel view reads it): each coded channel of r
+    (S, N, D) kept on whichever code errs less over the span, its uniform grid (`grid_codes` of its range lo/hi, clip
+    alpha and width bits) or the trellis as its search's states (S, D, N) uint8 decode (table[state], its mean low
+    and scale step, fp16 values), with that code's two numbers; `unbias`: stretched to a slope of 1 on r from the
+    chosen decode (`Channels.unbiased`'s rule, the slope no lower than floor). The twin of kernels/trellis_choice.py."""
+    rf, b = r.float(), bits.long()
+    g_low, g_step, g_codes = grid_codes(rf, lo, hi, alpha.to(rf), b)
+    # both decodes are 0 on 0-bit channels as they stand (low 0, code and value 0): no mask needed
+    on_plain = g_low[:, None] + g_codes * g_step[:, None]
+    value = torch.where(b[:, None, :] > 0, table[states.permute(0, 2, 1).long()], 0.0)
+    on_trellis = low[:, None] + value * step[:, None]
+    grid = (b > 0) & ((on_plain - rf).square().sum(1) < (on_trellis - rf).square().sum(1))
+    low, step = torch.where(grid, g_low, low), torch.where(grid, g_step, step)
+    if unbias:
+        decoded = torch.where(grid[:, None], on_plain, on_trellis)
+        dm, rm = decoded.mean(1), rf.mean(1)  # (S, D)
+        cov = ((decoded - dm[:, None]) * (rf - rm[:, None])).mean(1)
+        low, step = _stretched(low, step, b, dm, cov, (rf - rm[:, None]).square().mean(1), floor)
+    low = low.half()
+    return grid, low, step.half(), torch.where(b > 0, low.float(), 0.0)
 
 
 @dataclass(frozen=True, eq=False)
@@ -64,28 +99,28 @@ class TrellisChannels(Channels):
         tiny = torch.finfo(torch.float16).tiny
         low = torch.where(coded, rf.mean(1), 0.0).half().float()
         step = torch.where(coded, trellis.scale_of(std, b).clamp_min(tiny), 1.0).half().float()
-        state = trellis.encode(rf, b, low, step, states=True).long()  # the search's path: codes and decodes
-        codes = state >> (trellis.STATE_BITS - b[:, None])  # 0 on 0-bit channels (state 0)
+        # the search's path, row by row (S, D, N): its states' top bits are the codes, their lookup the decodes
+        state = trellis.encode(rf, b, low, step, states=True).permute(0, 2, 1)
         offsets, needed = _byte_layout(b, N)
         size = _buffer_size(needed, capacity)
         if alpha is None:
+            codes = state.permute(0, 2, 1).long() >> (trellis.STATE_BITS - b[:, None])  # 0 on 0-bit channels
             out = cls(_scatter_codes(codes, b, offsets, size), b.to(torch.uint8), low.half(), step.half(), N)
             out.__dict__["offsets"] = offsets
             return out.unbiased(r) if unbias else out
-        # the span on its grids as quantwm-alloc stores it (Channels.code's grids and codes, computed here from r),
-        # beside the trellis as its search's states decode (no buffer read): per channel the better is kept
-        g_low, g_step, g_codes = grid_codes(rf, rf.amin(1), rf.amax(1), alpha.to(rf), b)
-        # both decodes are 0 on 0-bit channels as they stand (low 0, code and value 0): no mask needed
-        on_plain = g_low[:, None] + g_codes * g_step[:, None]
-        on_trellis = low[:, None] + trellis.values(state, b) * step[:, None]
-        grid = coded & ((on_plain - rf).square().sum(1) < (on_trellis - rf).square().sum(1))
-        codes = torch.where(grid[:, None], g_codes.long(), codes)
-        low, step = torch.where(grid, g_low, low), torch.where(grid, g_step, step)
-        out = cls(_scatter_codes(codes, b, offsets, size), b.to(torch.uint8), low.half(), step.half(), N, grid)
+        # the span on its grids as quantwm-alloc stores it, beside the trellis as its states decode (no buffer read):
+        # per channel the better is kept (kernels/trellis_choice.py), then packed once (kernels/pack_channels.py)
+        fast = use_kernels(r)
+        grid_args = (rf, rf.amin(1), rf.amax(1), alpha.to(rf), b)
+        choose = kernel("trellis_choice") if fast else trellis_choice_ref
+        table = on_device(trellis.codebook(), r.device)
+        grid, low16, step16, low_read = choose(rf, state, table, *grid_args[1:], low, step, unbias, UNBIAS_FLOOR)
+        pack = kernel("pack_channels") if fast else pack_channels_ref
+        buf = pack(*grid_args, offsets, size, states=state, grid=grid)[0]
+        out = cls(buf, b.to(torch.uint8), low16, step16, N, grid)
         out.__dict__["offsets"] = offsets
-        if not unbias:
-            return out
-        return out.unbiased(r, decoded=torch.where(grid[:, None], on_plain, on_trellis))  # == out.decode()
+        out.__dict__["low_read"] = low_read  # fp16 values in fp32 already, 0 on 0-bit channels
+        return out
 
     @functools.cached_property
     def on_grid(self) -> torch.Tensor:
