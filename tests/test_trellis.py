@@ -251,3 +251,25 @@ def test_the_search_takes_its_trellis_size_from_its_values():
         trellis.viterbi(x, 2, torch.zeros(300))
     with pytest.raises(ValueError, match=r"needs 2\^L >= 2\^3 state values, got 4"):
         trellis.viterbi(x, 3, torch.zeros(4))
+
+
+def test_the_allocators_two_prices_of_a_trellis_channel():
+    """"ratio": the grid's error times the Gaussian ratio; "variance": the lesser of the grid's error and the
+    trellis's on a Gaussian of the channel's variance, so a channel its grid codes exactly is priced at 0."""
+    from quantwm.core.allocate import error_tables
+    from quantwm.core.methods.allocator import QuantWMAlloc, trellis_errors
+
+    g = torch.Generator().manual_seed(8)
+    r = torch.randn(1, 256, 3, generator=g) * torch.tensor([1.0, 3.0, 1.0])
+    r[0, :, 2] = torch.randint(0, 4, (256,), generator=g).float()  # four levels: exact on a 2-bit grid
+    E, _ = error_tables(r)
+    ratio = trellis_errors(E, r, "ratio")
+    assert torch.allclose(ratio, E * torch.tensor(trellis.ERROR_RATIO).clamp(max=1))
+    variance = trellis_errors(E, r, "variance")
+    unit = torch.tensor(trellis.UNIT_MSE)
+    expect = torch.minimum(E, r.var(1, correction=0)[..., None] * 256 * unit)
+    assert torch.allclose(variance[..., 1:], expect[..., 1:]) and torch.equal(variance[..., 0], E[..., 0])
+    assert (variance <= E).all() and variance[0, 2, 2] < 1e-6  # an exact grid stays exact
+    assert 0.6 < (variance[0, :2, 2] / ratio[0, :2, 2]).mean() < 1.6  # Gaussian channels: about the ratio's price
+    with pytest.raises(ValueError, match="trellis_price must be"):
+        QuantWMAlloc(codes="trellis", trellis_price="gaussian")

@@ -48,15 +48,27 @@ from ..query_basis import (
     weighted_source,
 )
 from ..tables import on_device
-from ..trellis import ERROR_RATIO
+from ..trellis import ERROR_RATIO, UNIT_MSE
 from .base import BUDGETS, Method, SpanContext, register
 from .qvg import QVGBudget
 
 _TRELLIS_RATIO = torch.tensor(ERROR_RATIO, device="cpu").clamp(max=1.0)  # per width 0-8 (quantwm/core/trellis.py)
+_TRELLIS_UNIT = torch.tensor((float("inf"),) + UNIT_MSE[1:], device="cpu")  # per unit variance, widths 0-8 (0: none)
 REUSE_RANK = 16  # a stored basis holds while its first (at most) 16 columns capture S's top-16 energy
 
 
 @register("quantwm-alloc")
+def trellis_errors(E: torch.Tensor, r: torch.Tensor, price: str) -> torch.Tensor:
+    """The allocator's predicted error (S, D, widths 0-8) of each channel of r (S, N, D) coded by the trellis or
+    its grid, whichever is better (the commit keeps that one), from E, its grids' measured errors: "ratio", E times
+    the trellis's error ratio to the grid on Gaussian samples (at most 1); "variance", the lesser of E and the
+    trellis's error on a Gaussian of the channel's variance over the span (N var UNIT_MSE[b]; 0 bits: E)."""
+    if price == "ratio":
+        return E * on_device(_TRELLIS_RATIO, E.device)
+    spread = r.float().var(1, correction=0)[..., None] * r.shape[1] * on_device(_TRELLIS_UNIT, E.device)
+    return torch.minimum(E, spread)
+
+
 @dataclass(frozen=True)
 class QuantWMAlloc(QVGBudget):
     name = "quantwm-alloc"
@@ -77,12 +89,16 @@ class QuantWMAlloc(QVGBudget):
     codes: str = "grids"  # each channel on a uniform grid ("grids") or a bitshift trellis ("trellis", §2.10)
     unbias: bool = True  # Values: each coded channel's grid stretched to a slope of 1 (Channels.code, §2.6 step 5),
     # from sums the packing kernel gathers: one launch more a commit (False: the grids as the clip set them)
+    trellis_price: str = "ratio"  # codes="trellis": a channel priced at its grid's error times the Gaussian ratio
+    # ("ratio"), or at the lesser of its grid's error and a Gaussian of its variance's trellis error ("variance")
 
     def __post_init__(self):
         super().__post_init__()
         check_budget(self.budget)
         if self.codes not in ("grids", "trellis"):
             raise ValueError(f"codes must be 'grids' or 'trellis', got {self.codes!r}")
+        if self.trellis_price not in ("ratio", "variance"):
+            raise ValueError(f"trellis_price must be 'ratio' or 'variance', got {self.trellis_price!r}")
         if not isinstance(self.unbias, bool):
             raise ValueError(f"unbias must be true or false, got {self.unbias!r}")
         if self.basis_source not in ("weighted", "queries"):
@@ -155,8 +171,8 @@ class QuantWMAlloc(QVGBudget):
             if available < 0:
                 continue
             E, alpha = error_tables(r)
-            if self.codes == "trellis":  # a trellis channel's error: its uniform grid's times the Gaussian ratio
-                E = E * on_device(_TRELLIS_RATIO, E.device)
+            if self.codes == "trellis":
+                E = trellis_errors(E, r, self.trellis_price)
             weighted = w.float()[:, :, None] * E
             levels = allocate(weighted, cost, torch.full((S,), available, device=x.device))
             predicted = torch.gather(weighted, 2, levels[..., None]).sum()
