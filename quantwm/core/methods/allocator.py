@@ -57,7 +57,6 @@ _TRELLIS_UNIT = torch.tensor((float("inf"),) + UNIT_MSE[1:], device="cpu")  # pe
 REUSE_RANK = 16  # a stored basis holds while its first (at most) 16 columns capture S's top-16 energy
 
 
-@register("quantwm-alloc")
 def trellis_errors(E: torch.Tensor, r: torch.Tensor, price: str) -> torch.Tensor:
     """The allocator's predicted error (S, D, widths 0-8) of each channel of r (S, N, D) coded by the trellis or
     its grid, whichever is better (the commit keeps that one), from E, its grids' measured errors: "ratio", E times
@@ -69,6 +68,7 @@ def trellis_errors(E: torch.Tensor, r: torch.Tensor, price: str) -> torch.Tensor
     return torch.minimum(E, spread)
 
 
+@register("quantwm-alloc")
 @dataclass(frozen=True)
 class QuantWMAlloc(QVGBudget):
     name = "quantwm-alloc"
