@@ -26,7 +26,8 @@ Host syncs, each counted once:
 Each sync's `where` is the innermost frame in quantwm/ or kernels/ ("quantwm/core/quant.py:120 quantize").
 Bytes of an op: its tensors' distinct elements, in and out. FLOPs: 2MNK for mm/bmm/addmm/baddbmm, 4·B·H·Nq·Nkv·D
 for SDPA, 2·x·K for a k-means or QSAC assignment, a constant x n³ per matrix for decompositions (DECOMPOSITIONS),
-else the largest tensor's numel (elementwise: the output; a reduction: its input).
+VITERBI_OPS per state update for the trellis's Viterbi search (rows x samples x 2^L updates, its sequential steps
+as work: see the constant), else the largest tensor's numel (elementwise: the output; a reduction: its input).
 Known limits: on the CPU every tensor is a host tensor, so a copy from the host to the device (a tensor built
 without `device=` then moved) cannot be told from device-resident code; a CUDA run sees it.
 """
@@ -281,12 +282,32 @@ class TritonLaunches:
                 out = launcher(*args, **kwargs)
             if counter is not None and not counter.paused:
                 tensors = [x for x in tree_leaves((args, kwargs, out)) if isinstance(x, torch.Tensor)]
-                flops = 2.0 * tensors[0].numel() * tensors[1].shape[-2] if name.endswith("_assign") else \
-                    float(max((x.numel() for x in tensors), default=0))
+                counter.paused += 1  # the rule's own arithmetic is not the commit's
+                try:
+                    flops = launch_flops(name, tensors)
+                finally:
+                    counter.paused -= 1
                 counter.tally.triton += 1
                 counter.tally.launch(Kernel(f"triton:{name}", sum(map(touched, tensors)), flops, torch.float32))
             return out
         return counted
+
+
+VITERBI_OPS = 7.5  # lane operations per state update and sample of kernels/trellis_viterbi.py: some 60 warp
+# instructions a step for 256 states on one warp (each lane's 8 states: their errors and sums, the least of each
+# state's 2^k predecessors, the costs exchanged, the backpointer stored), 60 x 32 / 256; an estimate from the kernel's
+# code, not a measurement (docs/results.md, "Trellis codes")
+
+
+def launch_flops(name: str, tensors: list[torch.Tensor]) -> float:
+    """FLOPs of one kernels/ launch from its tensors (arguments, then outputs): the module docstring's rule."""
+    if name.endswith("_assign"):
+        return 2.0 * tensors[0].numel() * tensors[1].shape[-2]
+    if name == "trellis_viterbi":  # x (M, N) samples, widths (M,), table (2^L,): every state updated at every sample
+        x, widths, table = tensors[:3]  # of the coded rows (a 0-width row is skipped; on a GPU's run all are counted)
+        rows = int((widths > 0).sum()) if widths.device.type == "cpu" else widths.numel()
+        return VITERBI_OPS * rows * x.shape[-1] * table.numel()
+    return float(max((x.numel() for x in tensors), default=0))
 
 
 def _twin(name: str):
