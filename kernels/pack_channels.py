@@ -122,10 +122,11 @@ def pack_channels(r: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, alpha: to
     NB = triton.cdiv(N, BLOCK_B)  # a channel has at most N bytes (8 bits a code)
     partial = torch.empty(4, S * D, NB, dtype=torch.float32, device=r.device) if sums else read
     if S and N and D:
-        _pack_channels_kernel[(triton.cdiv(S * D, BLOCK_C), NB)](r.float().contiguous(), lo.float().contiguous(), hi.float().contiguous(),
-                                    alpha.float().contiguous(), bits.to(torch.int32).contiguous(),
-                                    offsets.to(torch.int64).contiguous(), out, low, step, read, partial,
-                                    states.contiguous() if trellis else out, grid.to(torch.int8).contiguous() if
-                                    trellis else out, N, D, S * D, NB, BLOCK_C=BLOCK_C, BLOCK_B=BLOCK_B, SUMS=sums,
-                                    TRELLIS=trellis, num_warps=8 if trellis else 4)  # 4 with states: 40 B spilled
+        state_arg = states.contiguous() if trellis else out  # unread unless TRELLIS
+        grid_arg = grid.to(torch.int8).contiguous() if trellis else out
+        _pack_channels_kernel[(triton.cdiv(S * D, BLOCK_C), NB)](
+            r.float().contiguous(), lo.float().contiguous(), hi.float().contiguous(), alpha.float().contiguous(),
+            bits.to(torch.int32).contiguous(), offsets.to(torch.int64).contiguous(), out, low, step, read, partial,
+            state_arg, grid_arg, N, D, S * D, NB, BLOCK_C=BLOCK_C, BLOCK_B=BLOCK_B, SUMS=sums, TRELLIS=trellis,
+            num_warps=8 if trellis else 4)  # with states at 4 warps it spilled 40 B on sm_90
     return (out, low, step, read, partial) if sums else (out, low, step, read)
