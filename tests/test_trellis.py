@@ -273,3 +273,23 @@ def test_the_allocators_two_prices_of_a_trellis_channel():
     assert 0.6 < (variance[0, :2, 2] / ratio[0, :2, 2]).mean() < 1.6  # Gaussian channels: about the ratio's price
     with pytest.raises(ValueError, match="trellis_price must be"):
         QuantWMAlloc(codes="trellis", trellis_price="gaussian")
+
+
+def test_trellis_kinds_codes_only_the_halves_it_names():
+    """trellis_kinds="v": the Values in trellis codes, the Keys on quantwm-alloc's grids (and "k" the other way)."""
+    from quantwm.core.methods.allocator import QuantWMAlloc
+
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 2, 64, 64, generator=g) for _ in range(3))
+    for kinds, want in (("v", {"k": False, "v": True}), ("k", {"k": True, "v": False})):
+        cache = KVCache(CacheConfig("quantwm-trellis", budget=2.5, sink_chunks=0, recent_chunks=0,
+                                    method_options=(("trellis_kinds", kinds),)), 1)
+        cache.observe(0, q)
+        cache.write(0, k, v, 0)
+        cache.commit(0, 0)
+        (span,) = [s for s in cache.inspect(0) if s.k_enc is not None and s.k_enc.quantized]
+        for kind, enc in (("k", span.k_enc), ("v", span.v_enc)):
+            layout = enc.coded()[1]
+            assert isinstance(getattr(layout, "residual", layout), TrellisChannels) == want[kind], (kinds, kind)
+    with pytest.raises(ValueError, match="trellis_kinds must be"):
+        QuantWMAlloc(codes="trellis", trellis_kinds="q")

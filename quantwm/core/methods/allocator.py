@@ -89,6 +89,7 @@ class QuantWMAlloc(QVGBudget):
     codes: str = "grids"  # each channel on a uniform grid ("grids") or a bitshift trellis ("trellis", §2.10)
     unbias: bool = True  # Values: each coded channel's grid stretched to a slope of 1 (Channels.code, §2.6 step 5),
     # from sums the packing kernel gathers: one launch more a commit (False: the grids as the clip set them)
+    trellis_kinds: str = "kv"  # codes="trellis": the halves it codes ("k", "v" or "kv"; the other keeps its grids)
     trellis_price: str = "ratio"  # codes="trellis": a channel priced at its grid's error times the Gaussian ratio
     # ("ratio"), or at the lesser of its grid's error and a Gaussian of its variance's trellis error ("variance")
 
@@ -97,6 +98,8 @@ class QuantWMAlloc(QVGBudget):
         check_budget(self.budget)
         if self.codes not in ("grids", "trellis"):
             raise ValueError(f"codes must be 'grids' or 'trellis', got {self.codes!r}")
+        if self.trellis_kinds not in ("k", "v", "kv"):
+            raise ValueError(f"trellis_kinds must be 'k', 'v' or 'kv', got {self.trellis_kinds!r}")
         if self.trellis_price not in ("ratio", "variance"):
             raise ValueError(f"trellis_price must be 'ratio' or 'variance', got {self.trellis_price!r}")
         if not isinstance(self.unbias, bool):
@@ -123,6 +126,10 @@ class QuantWMAlloc(QVGBudget):
         return (f"allocator at {self.budget:g} bits per element: 0-8 bits per channel{codes} by the predicted "
                 f"{'logit' if self.qsac else 'Euclidean'} error, k-means (≤ {self.n_centroids} {self.codebook_dtype} "
                 f"centroids, one per {self.min_tokens_per_centroid} tokens) or one mean per span{basis}")
+
+    def trellis_codes(self, kind: str) -> bool:
+        """Whether the `kind` ("k" or "v") half is coded by the trellis (else on its grids)."""
+        return self.codes == "trellis" and kind in self.trellis_kinds
 
     def weights(self, x: torch.Tensor, kind: str, ctx: SpanContext) -> torch.Tensor:
         """λ_i per (stream, channel): S_ii (normalised) for Keys with a history, else 1."""
@@ -171,7 +178,7 @@ class QuantWMAlloc(QVGBudget):
             if available < 0:
                 continue
             E, alpha = error_tables(r)
-            if self.codes == "trellis":
+            if self.trellis_codes(kind):
                 E = trellis_errors(E, r, self.trellis_price)
             weighted = w.float()[:, :, None] * E
             levels = allocate(weighted, cost, torch.full((S,), available, device=x.device))
@@ -189,7 +196,7 @@ class QuantWMAlloc(QVGBudget):
 
         def build():
             unbias = self.unbias and kind == "v"
-            if self.codes == "trellis":  # it unbiases from the decodes its grid-or-trellis choice made
+            if self.trellis_codes(kind):  # it unbiases from the decodes its grid-or-trellis choice made
                 return Codebook(stages, TrellisChannels.code(r, levels, alpha, capacity, unbias=unbias))
             return Codebook(stages, encode_channels(r, levels, alpha, capacity, unbias))
         return predicted, build
