@@ -141,6 +141,16 @@ def _stretched(low: torch.Tensor, step: torch.Tensor, bits: torch.Tensor, mean: 
     return torch.where(shrunk, mean + (low - mean) / s, low), torch.where(shrunk, step / s, step)
 
 
+def stretched_from(low: torch.Tensor, step: torch.Tensor, bits: torch.Tensor, decoded: torch.Tensor, r: torch.Tensor,
+                   floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(low, step) float32 (S, D) stretched (`_stretched`) so that the slope of `decoded` (S, N, D), the grids'
+    decode, on r (S, N, D), the values coded, becomes 1, both measured on every token."""
+    rf = r.float()
+    dm, rm = decoded.mean(1), rf.mean(1)  # (S, D)
+    cov = ((decoded - dm[:, None]) * (rf - rm[:, None])).mean(1)
+    return _stretched(low, step, bits, dm, cov, (rf - rm[:, None]).square().mean(1), floor)
+
+
 def unshrink_channels_ref(sums: torch.Tensor, bits: torch.Tensor, low: torch.Tensor, step: torch.Tensor,
                           n_tokens: int, floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(low, step (S, D) fp16, low float32 as the kernel view reads it): the grids low + code · step (fp16, widths
@@ -250,10 +260,7 @@ class Channels(Layout):
         where the caller already has it (then nothing is decoded again). Batched tensor ops on r's device, no host
         read (docs/method.md §2.6). `Channels.code(..., unbias=True)` does the same while it packs."""
         x = self.decode() if decoded is None else decoded
-        rf = r.float()
-        dm, rm = x.mean(1), rf.mean(1)  # (S, D)
-        cov = ((x - dm[:, None]) * (rf - rm[:, None])).mean(1)
-        low, step = _stretched(self.low, self.step_, self.bits, dm, cov, (rf - rm[:, None]).square().mean(1), floor)
+        low, step = stretched_from(self.low, self.step_, self.bits, x, r, floor)
         out = dataclasses.replace(self, low=low.half(), step_=step.half())
         out.__dict__["offsets"] = self.offsets  # the byte layout is unchanged
         return out

@@ -28,9 +28,9 @@ from .channels import (
     _buffer_size,
     _byte_layout,
     _scatter_codes,
-    _stretched,
     grid_codes,
     pack_channels_ref,
+    stretched_from,
 )
 
 _ERROR_STEP = torch.tensor(TRELLIS_ERROR_STEP, device="cpu")
@@ -63,10 +63,7 @@ def trellis_choice_ref(r: torch.Tensor, states: torch.Tensor, table: torch.Tenso
     grid = (b > 0) & ((on_plain - rf).square().sum(1) < (on_trellis - rf).square().sum(1))
     low, step = torch.where(grid, g_low, low), torch.where(grid, g_step, step)
     if unbias:
-        decoded = torch.where(grid[:, None], on_plain, on_trellis)
-        dm, rm = decoded.mean(1), rf.mean(1)  # (S, D)
-        cov = ((decoded - dm[:, None]) * (rf - rm[:, None])).mean(1)
-        low, step = _stretched(low, step, b, dm, cov, (rf - rm[:, None]).square().mean(1), floor)
+        low, step = stretched_from(low, step, b, torch.where(grid[:, None], on_plain, on_trellis), rf, floor)
     low = low.half()
     return grid, low, step.half(), torch.where(b > 0, low.float(), 0.0)
 
@@ -99,17 +96,18 @@ class TrellisChannels(Channels):
         tiny = torch.finfo(torch.float16).tiny
         low = torch.where(coded, rf.mean(1), 0.0).half().float()
         step = torch.where(coded, trellis.scale_of(std, b).clamp_min(tiny), 1.0).half().float()
-        # the search's path, row by row (S, D, N): its states' top bits are the codes, their lookup the decodes
-        state = trellis.encode(rf, b, low, step, states=True).permute(0, 2, 1)
+        # the search's path (S, N, D): its states' top bits are the codes, their lookup the decodes
+        path = trellis.encode(rf, b, low, step, states=True)
         offsets, needed = _byte_layout(b, N)
         size = _buffer_size(needed, capacity)
         if alpha is None:
-            codes = state.permute(0, 2, 1).long() >> (trellis.STATE_BITS - b[:, None])  # 0 on 0-bit channels
+            codes = path.long() >> (trellis.STATE_BITS - b[:, None])  # 0 on 0-bit channels
             out = cls(_scatter_codes(codes, b, offsets, size), b.to(torch.uint8), low.half(), step.half(), N)
             out.__dict__["offsets"] = offsets
             return out.unbiased(r) if unbias else out
         # the span on its grids as quantwm-alloc stores it, beside the trellis as its states decode (no buffer read):
         # per channel the better is kept (kernels/trellis_choice.py), then packed once (kernels/pack_channels.py)
+        state = path.permute(0, 2, 1)  # row by row (S, D, N), as the search wrote it: what both kernels read
         fast = use_kernels(r)
         grid_args = (rf, rf.amin(1), rf.amax(1), alpha.to(rf), b)
         choose = kernel("trellis_choice") if fast else trellis_choice_ref
