@@ -4,6 +4,7 @@ a few percent of a chunk").
     python benchmarks/commit_cost.py                          # every quantizing method, 2.5 bits, Wan-1.3B + LingBot
     python benchmarks/commit_cost.py --methods quantwm,kivi --preset wan-1.3b --where --json out/commit_cost.json
     python benchmarks/commit_cost.py --dry-run --methods kivi,quantwm    # CPU, tiny shapes: checks the script
+    python benchmarks/commit_cost.py --methods quantwm-trellis --set trellis_kinds=v    # a method option (--set)
 
 Per (preset, method) a one-layer `KVCache(CacheConfig(method, budget=B, selfcheck=False), 1)` (B=1; a chunk is
 frames_per_chunk x tokens_per_frame tokens at the preset's heads x head dim, quantwm.evaluation.memory.PRESETS) is
@@ -163,15 +164,17 @@ def chunk_inputs(i: int, s: Shapes, device: torch.device) -> tuple[torch.Tensor,
     return tuple(t.to(device, torch.bfloat16) for t in (q, k, v))
 
 
-def make_cache(method: str, s: Shapes, budget: float | None, target: str, check_inputs: bool):
-    """A one-layer cache (pre-RoPE methods get the 3-D RoPE they read keys through)."""
+def make_cache(method: str, s: Shapes, budget: float | None, target: str, check_inputs: bool, options: tuple = ()):
+    """A one-layer cache (pre-RoPE methods get the 3-D RoPE they read keys through); `options`: --set's
+    (key, value) pairs, every method's (CacheConfig.method_options)."""
     from math import isqrt
 
     from quantwm.core.cache import CacheConfig, KVCache
     from quantwm.core.methods import get_method
     from quantwm.core.rope import Rope3D
 
-    config = dict(method=method, target=target, budget=budget, check_inputs=check_inputs, selfcheck=False)
+    config = dict(method=method, target=target, budget=budget, check_inputs=check_inputs, selfcheck=False,
+                  method_options=options)
     if getattr(get_method(method), "pre_rope", False):
         T = s.tokens_per_frame
         h = max(d for d in range(1, isqrt(T) + 1) if T % d == 0)
@@ -209,7 +212,7 @@ def count_method(method: str, s: Shapes, a, device: torch.device, launches: Trit
     """Attend and commit chunks until the first quantized span and STEADY commits after it are counted; the
     denoising pass of each chunk after the first span is counted as a warm attend."""
     cuda = device.type == "cuda"
-    cache = make_cache(method, s, a.budget or None, a.target, not a.no_check_inputs)
+    cache = make_cache(method, s, a.budget or None, a.target, not a.no_check_inputs, a.options)
     commits, attends, first = [], [], None
     for i in range(3 + 2 * STEADY + 8):
         q, k, v = chunk_inputs(i, s, device)
@@ -257,7 +260,7 @@ def time_method(method: str, s: Shapes, a, device: torch.device, first: int) -> 
     attend (CUDA events), and a BF16 SDPA over the same cache length (median of 5)."""
     import torch.nn.functional as F
 
-    cache = make_cache(method, s, a.budget or None, a.target, not a.no_check_inputs)
+    cache = make_cache(method, s, a.budget or None, a.target, not a.no_check_inputs, a.options)
     commit, attend, sdpa = [], [], []
     for i in range(first + STEADY + 1):
         q, k, v = chunk_inputs(i, s, device)
@@ -357,7 +360,8 @@ def header(device: str, path: str, a, chunks: dict) -> str:
     budget = a.budget or "None (each method's fixed bits)"
     lines = [f"commit cost on {device}, torch {torch.__version__}; path: {path}",
              f"cache: CacheConfig(method, budget={budget}, target={a.target}, "
-             f"check_inputs={not a.no_check_inputs}, selfcheck=False), B=1, bf16 random q/k/v",
+             f"check_inputs={not a.no_check_inputs}, selfcheck=False"
+             + "".join(f", {k}={v!r}" for k, v in a.options) + "), B=1, bf16 random q/k/v",
              "cost model: " + ", ".join(f"{k}={v:g}" for k, v in COST_MODEL.items())]
     for name, c in chunks.items():
         lines.append(f"BF16 chunk {name}: {c['params'] / 1e9:.2f}B block params, {c['tokens']} tokens, "
@@ -387,6 +391,8 @@ def parse(argv=None):
     ap.add_argument("--passes", type=int, default=5, help="forward passes per chunk (Self-Forcing: 4 steps + clean)")
     ap.add_argument("--window-frames", type=int, default=21, help="latent frames attended (Self-Forcing: 21)")
     ap.add_argument("--no-check-inputs", action="store_true", help="CacheConfig(check_inputs=False)")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE", default=[],
+                    help="a method option for every method counted, as quantwm's --set (repeatable)")
     ap.add_argument("--reference", action="store_true", help="count the PyTorch reference path, not the kernels")
     ap.add_argument("--where", action="store_true", help="print every sync's source and each configuration")
     ap.add_argument("--json", metavar="OUT", help="write every figure here")
@@ -434,6 +440,9 @@ def main(argv=None) -> int:
     a = parse(argv)
     try:
         methods = resolve_methods(a.methods)
+        from quantwm.cli_values import set_options
+
+        a.options = set_options(a.set)
         shapes = [preset_shapes(p.strip(), a.dry_run) for p in a.preset.split(",") if p.strip()]
         if not shapes or a.passes < 1 or a.window_frames < 1 or a.budget < 0:
             raise ValueError("need a preset, --passes >= 1, --window-frames >= 1 and --budget >= 0")

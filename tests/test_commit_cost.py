@@ -121,6 +121,22 @@ def test_dry_run_writes_every_figure(tmp_path):
     assert "measured on CUDA" in printed and "commit 2.00/1.17" in printed and "measured share 1.00%" in printed
 
 
+def test_set_passes_a_method_option_to_every_cache_counted(tmp_path):
+    """--set trellis_kinds=v: the Keys keep their grids, so the commit runs half the Viterbi searches."""
+    counted = {}
+    for opts in ([], ["--set", "trellis_kinds=v"]):
+        out = tmp_path / f"cc{len(opts)}.json"
+        done = subprocess.run([sys.executable, "benchmarks/commit_cost.py", "--dry-run", "--methods", "quantwm-trellis",
+                               "--preset", "wan-1.3b", *opts, "--json", str(out)], cwd=ROOT, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        (row,) = json.loads(out.read_text())["rows"]
+        counted[len(opts)] = row["commit"]["steady"][0]
+        assert ("trellis_kinds='v'" in done.stdout) == bool(opts)
+    both, values = counted[0], counted[2]
+    assert both["triton"] > values["triton"] > 0 and both["flops"] > values["flops"]
+
+
 def test_cost_model_takes_the_slowest_of_floor_bytes_flops_and_per_matrix_decompositions():
     c = commit_cost
     assert c.kernel_us(Kernel("add", 8, 2, torch.float32)) == c.KERNEL_FLOOR_US
@@ -139,8 +155,9 @@ def test_cost_model_takes_the_slowest_of_floor_bytes_flops_and_per_matrix_decomp
 
 
 @pytest.mark.parametrize("flag, value, message", [("--methods", "kivi,nope", "unknown method 'nope'"),
-                                                  ("--preset", "wan-7b", "unknown preset 'wan-7b'")])
-def test_an_unknown_method_or_preset_is_one_line_and_exit_2(capsys, flag, value, message):
+                                                  ("--preset", "wan-7b", "unknown preset 'wan-7b'"),
+                                                  ("--set", "trellis_kinds", "--set expects KEY=VALUE")])
+def test_an_unknown_method_preset_or_option_is_one_line_and_exit_2(capsys, flag, value, message):
     assert commit_cost.main(["--dry-run", flag, value]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
