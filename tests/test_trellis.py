@@ -275,6 +275,40 @@ def test_the_allocators_two_prices_of_a_trellis_channel():
         QuantWMAlloc(codes="trellis", trellis_price="gaussian")
 
 
+def test_quantwm_trellis_v_moves_a_quarter_bit_of_one_budget_from_the_values_to_the_keys():
+    """quantwm-trellis-v at B: the Keys on grids at B + 0.25, the Values in the trellis at B − 0.25, B together."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, 128, 64, generator=g) for _ in range(3))
+    cache = KVCache(CacheConfig("quantwm-trellis-v", budget=2.5, sink_chunks=0, recent_chunks=0), 1)
+    cache.observe(0, q)
+    cache.write(0, k, v, 0)
+    cache.commit(0, 0)
+    said = cache.configuration
+    assert said["k"].startswith("quantwm-trellis-v at 2.75 bits") and said["v"].startswith("quantwm-trellis-v at 2.25 bits")
+    elems = 128 * 2 * 64
+    assert 8 * cache.quantized_bytes("k") / elems == pytest.approx(2.75, abs=0.01)
+    assert 8 * cache.quantized_bytes("v") / elems == pytest.approx(2.25, abs=0.01)
+    assert cache.bits_per_element() <= 2.5 + 1e-9
+    (span,) = [s for s in cache.inspect(0) if s.k_enc is not None and s.k_enc.quantized]
+    assert not isinstance(getattr(span.k_enc.coded()[1], "residual", span.k_enc.coded()[1]), TrellisChannels)
+    assert isinstance(getattr(span.v_enc.coded()[1], "residual", span.v_enc.coded()[1]), TrellisChannels)
+
+
+def test_kind_budgets_moves_bits_only_from_one_budget_for_both_halves():
+    from quantwm.core.budget import BudgetError, kind_budgets
+
+    assert kind_budgets("quantwm-trellis-v", 2.5, 2.5) == (2.75, 2.25)
+    assert kind_budgets("quantwm-trellis-v", 2.5, 2.0) == (2.5, 2.0)  # budgets apart: as given
+    assert kind_budgets("quantwm-trellis-v", 2.5, 2.5, target="k") == (2.5, 2.5)  # one half quantized
+    assert kind_budgets("quantwm", 2.5, 2.5) == kind_budgets("kivi", 2.5, 2.5) == (2.5, 2.5)
+    assert kind_budgets("quantwm", 3.0, 3.0, options={"key_extra_bits": 0.5}) == (3.5, 2.5)  # --set on quantwm
+    assert kind_budgets("quantwm", None, None) == (None, None)
+    with pytest.raises(BudgetError, match="a budget of 0.25 leaves its Values none"):
+        kind_budgets("quantwm-trellis-v", 0.25, 0.25)
+    with pytest.raises(ValueError, match="key_extra_bits must be"):
+        kind_budgets("quantwm", 2.5, 2.5, options={"key_extra_bits": -0.5})
+
+
 def test_trellis_kinds_codes_only_the_halves_it_names():
     """trellis_kinds="v": the Values in trellis codes, the Keys on quantwm-alloc's grids (and "k" the other way)."""
     from quantwm.core.methods.allocator import QuantWMAlloc
@@ -291,5 +325,9 @@ def test_trellis_kinds_codes_only_the_halves_it_names():
         for kind, enc in (("k", span.k_enc), ("v", span.v_enc)):
             layout = enc.coded()[1]
             assert isinstance(getattr(layout, "residual", layout), TrellisChannels) == want[kind], (kinds, kind)
+    described = {kinds: QuantWMAlloc(codes="trellis", trellis_kinds=kinds).grid() for kinds in ("k", "v", "kv")}
+    assert "trellis codes on the Values, the Keys on grids" in described["v"]
+    assert "trellis codes on the Keys, the Values on grids" in described["k"]
+    assert "(bitshift trellis codes)" in described["kv"]
     with pytest.raises(ValueError, match="trellis_kinds must be"):
         QuantWMAlloc(codes="trellis", trellis_kinds="q")

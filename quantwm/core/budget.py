@@ -124,6 +124,24 @@ def describe(options: dict) -> str:
     return ", ".join(f"{k}={v}" for k, v in sorted(options.items())) or "its fixed format"
 
 
+def kind_budgets(method: str, budget_k: float | None, budget_v: float | None, target: str = "kv",
+                 options: dict | None = None) -> tuple[float | None, float | None]:
+    """(Keys' budget, Values' budget) at which `method`'s halves are configured: as given, except where Keys and
+    Values are both quantized at one budget B and the method's allocator moves x bits per element of it from the
+    Values to the Keys (its `key_extra_bits`, `quantwm-trellis-v`): B + x and B − x. A Key span and its Value span
+    hold as many elements, so the two together store B bits per element."""
+    if budget_k is None or budget_k != budget_v or target != "kv":
+        return budget_k, budget_v
+    base = parse_method_name(method)[0]
+    if not REGISTRY[base].at_budget:
+        return budget_k, budget_v
+    extra = getattr(get_method(base, budget=budget_k, **(options or {})), "key_extra_bits", 0.0)
+    if extra and extra >= budget_v:
+        raise BudgetError(f"{method} moves {extra:g} bit per element of its budget from the Values to the Keys: a "
+                          f"budget of {budget_v:g} leaves its Values none")
+    return budget_k + extra, budget_v - extra
+
+
 def fit_methods(methods: list[str], budget_k: float | None, budget_v: float | None, head_dim: int, span_tokens: int,
                 target: str = "kv", options: dict | None = None,
                 layer_elements: int | None = None) -> tuple[list[str], dict[str, str]]:
@@ -141,7 +159,8 @@ def fit_methods(methods: list[str], budget_k: float | None, budget_v: float | No
         if any(b is not None for b in (budget_k, budget_v)):
             get_method(parse_method_name(m)[0], **(options or {}))  # a bad option is an error, not a left-out method
         try:
-            for kind, budget in (("k", budget_k), ("v", budget_v)):
+            halves = kind_budgets(m, budget_k, budget_v, target, options)
+            for kind, budget in zip("kv", halves):
                 if budget is not None and kind in target:
                     configure(m, budget, head_dim, span_tokens, kind, options=options, layer_elements=layer_elements)
             kept.append(m)

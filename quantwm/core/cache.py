@@ -156,13 +156,14 @@ class KVCache(MemoryAccounting, QueryHistory, CacheReads):
     def _budgeted(self, kind: str, span: torch.Tensor) -> None:
         """Configure `kind`'s method from its budget at the first span (S, N, D): its shape, and its data, which
         the chosen configuration must fit too (quantwm.core.budget.configure)."""
-        budget = self.config.budget_k if kind == "k" else self.config.budget_v
-        if budget is None or kind in self._chosen:
-            return
-        from .budget import configure, describe
-
-        S, N, D = span.shape
         c = self.config
+        if kind in self._chosen or (c.budget_k if kind == "k" else c.budget_v) is None:
+            return
+        from .budget import configure, describe, kind_budgets
+
+        budget = dict(zip("kv", kind_budgets(c.base_method, c.budget_k, c.budget_v, c.target,
+                                             dict(c.method_options))))[kind]
+        S, N, D = span.shape
         window = c.max_chunks - c.sink_chunks - c.recent_chunks if c.max_chunks is not None else None
         held = c.held_chunks or (window if window and window >= c.span_chunks else None)
         layer_elements = S * D * N * held // c.span_chunks if held else span.numel()  # chunks of N / span_chunks tokens

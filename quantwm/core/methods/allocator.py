@@ -92,6 +92,8 @@ class QuantWMAlloc(QVGBudget):
     trellis_kinds: str = "kv"  # codes="trellis": the halves it codes ("k", "v" or "kv"; the other keeps its grids)
     trellis_price: str = "ratio"  # codes="trellis": a channel priced at its grid's error times the Gaussian ratio
     # ("ratio"), or at the lesser of its grid's error and a Gaussian of its variance's trellis error ("variance")
+    key_extra_bits: float = 0.0  # a cache budget B for Keys and Values: the Keys configured at B + this, the Values
+    # at B − this (quantwm.core.budget.kind_budgets; 0: both at B)
 
     def __post_init__(self):
         super().__post_init__()
@@ -102,6 +104,8 @@ class QuantWMAlloc(QVGBudget):
             raise ValueError(f"trellis_kinds must be 'k', 'v' or 'kv', got {self.trellis_kinds!r}")
         if self.trellis_price not in ("ratio", "variance"):
             raise ValueError(f"trellis_price must be 'ratio' or 'variance', got {self.trellis_price!r}")
+        if not (isinstance(self.key_extra_bits, int | float) and 0 <= self.key_extra_bits < 8):
+            raise ValueError(f"key_extra_bits must be a number of bits in [0, 8), got {self.key_extra_bits!r}")
         if not isinstance(self.unbias, bool):
             raise ValueError(f"unbias must be true or false, got {self.unbias!r}")
         if self.basis_source not in ("weighted", "queries"):
@@ -122,7 +126,9 @@ class QuantWMAlloc(QVGBudget):
     def grid(self) -> str:
         basis = (f", Keys in the history Queries' basis (top {self.basis_rank} directions, shared while it captures "
                  f"{self.basis_reuse:.0%})" if self.query_basis and self.qsac else "")
-        codes = " (bitshift trellis codes)" if self.codes == "trellis" else ""
+        halves = {"k": " on the Keys, the Values on grids", "v": " on the Values, the Keys on grids", "kv": ""}[
+            self.trellis_kinds]
+        codes = f" (bitshift trellis codes{halves})" if self.codes == "trellis" else ""
         return (f"allocator at {self.budget:g} bits per element: 0-8 bits per channel{codes} by the predicted "
                 f"{'logit' if self.qsac else 'Euclidean'} error, k-means (≤ {self.n_centroids} {self.codebook_dtype} "
                 f"centroids, one per {self.min_tokens_per_centroid} tokens) or one mean per span{basis}")

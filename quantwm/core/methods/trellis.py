@@ -14,6 +14,11 @@ start's search, then the channel's) and the fused attention kernel reads the cod
 PyTorch searches per width. Opt-in: the search does 256 state updates per coded sample (2^8 states; the 2^12 this
 format first used would be 16 times as many), not yet timed on a GPU against the commit budget `quantwm` meets
 (docs/results.md, "Trellis codes").
+
+`quantwm-trellis-v` (opt-in) codes the Values alone in the trellis (the Keys on quantwm-alloc's grids) and moves
+0.25 bit per element of a budget for both from the Values to the Keys (`key_extra_bits`, read by
+quantwm.core.budget.kind_budgets): the trellis's Values code about 3 dB better at the same bits, and the place
+shift follows the Keys' bits (docs/method.md §2.10, "The Keys' share").
 """
 from __future__ import annotations
 
@@ -33,3 +38,19 @@ class QuantWMTrellis(QuantWMAlloc):
     sweep = tuple({"budget": b} for b in BUDGETS)
     unbias: bool = True  # Values decoded without shrinkage: its codes shrink more than a grid (docs/method.md §2.6)
     codes: str = "trellis"
+
+
+@register("quantwm-trellis-v")
+@dataclass(frozen=True)
+class QuantWMTrellisValues(QuantWMTrellis):
+    """The Values alone in the trellis (the Keys on quantwm-alloc's grids), and 0.25 bit per element of a budget
+    for both moved from the Values to the Keys (`key_extra_bits`): at B bits the Keys are configured at B + 0.25
+    and the Values at B − 0.25, the two together storing B (docs/method.md §2.10, "Which halves")."""
+
+    name = "quantwm-trellis-v"
+    source = ("this project (docs/method.md §2.10): quantwm-trellis with the Values alone in trellis codes and "
+              "0.25 bit of their budget spent on the Keys")
+    at_budget = "quantwm-trellis-v"
+    sweep = tuple({"budget": b} for b in BUDGETS)
+    trellis_kinds: str = "v"
+    key_extra_bits: float = 0.25
