@@ -23,8 +23,9 @@ gain is reported on another (seed 2).
 codebook) on unit-Gaussian tuning samples (24 sequences of 1728, generator seed 7): at each width 1-8, the codebook
 scale of least error (0.8 to 1.8 by 0.1), that error, and its ratio to the uniform grid with the allocator's clip
 search (quantwm/core/allocate.py) on the same samples: the SCALES, UNIT_MSE and ERROR_RATIO tables. `--state-bits
-L` measures the same trellis with 2^L states (the codebook `mad` of states 0 .. 2^L − 1), the state sizes not
-stored: 10 and 12 (QTIP's 16 is out of this machine's reach).
+L` measures the same trellis with 2^L states (the codebook `mad` of states 0 .. 2^L − 1) at the widths below L,
+the state sizes not stored: 10 and 12 (QTIP's 16 is out of this machine's reach), or 4-7, a search 2-16 times
+cheaper.
 
 `--trace`: the textbook transform coder (S's eigenbasis of the history Queries, reverse water-filling over the
 allocator's uniform tables, as benchmarks/bits_above_bound.py's step 2) on the trace's second and third chunks,
@@ -125,11 +126,11 @@ def bitshift_tables(state_bits: int | None = None) -> None:
     x = ((x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)).float()
     cols = x.T[None]  # (1, N, 24): the sequences as the allocator's channels
     L = trellis.STATE_BITS if state_bits is None else state_bits
-    if not 8 <= L <= 12:
-        raise SystemExit(f"--state-bits takes 8-12 (the stored code has {trellis.STATE_BITS}), got {L}")
+    if not 4 <= L <= 12:
+        raise SystemExit(f"--state-bits takes 4-12 (the stored code has {trellis.STATE_BITS}), got {L}")
     values = trellis.mad(torch.arange(1 << L))
     rows = []
-    for k in trellis.WIDTHS:
+    for k in (k for k in trellis.WIDTHS if k < L):  # a width of L bits would leave the trellis no memory
         E, _ = channel_errors_ref(cols, cols.amin(1), cols.amax(1), torch.tensor([2.0 ** k - 1]),
                                   torch.tensor(CLIPS), 1.0)
         uniform = E.sum().item() / x.numel()
@@ -358,7 +359,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trace", default=None, help="compare on this synthetic trace's Keys instead (docstring)")
     ap.add_argument("--budget", type=float, default=2.5)
     ap.add_argument("--tables", action="store_true", help="measure quantwm/core/trellis.py's constants (docstring)")
-    ap.add_argument("--state-bits", type=int, default=None, help="--tables for a trellis of 2^L states (8-12)")
+    ap.add_argument("--state-bits", type=int, default=None, help="--tables for a trellis of 2^L states (4-12)")
     ap.add_argument("--warmup", action="store_true", help="the trellis's error by token position (docstring)")
     ap.add_argument("--wrap", action="store_true", help="the tail-biting start's search window (docstring)")
     ap.add_argument("--encode-time", action="store_true", help="seconds to code one span here (docstring)")

@@ -37,5 +37,5 @@ def test_state_bits_is_checked(capsys):
     with pytest.raises(SystemExit):
         tg.main(["--state-bits", "10"])  # without --tables
     assert "--state-bits goes with --tables" in capsys.readouterr().err
-    with pytest.raises(SystemExit, match="--state-bits takes 8-12"):
+    with pytest.raises(SystemExit, match="--state-bits takes 4-12"):
         tg.main(["--tables", "--state-bits", "16"])
