@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-FP16_TINY = tl.constexpr(6.103515625e-05)  # torch.finfo(torch.float16).tiny: the least step a grid stores (a constexpr: a
-# kernel may read no other global)
+from .grid_tiles import _channel_grid, _grid_code
 
 
 @triton.jit
@@ -34,21 +33,13 @@ def _channel_errors_kernel(x_ptr, lo_ptr, hi_ptr, qmax_ptr, clips_ptr, err_ptr, 
     chosen = tl.full((BLOCK_D,), 1.0, tl.float32)
     for c in range(0, n_clips):
         alpha = tl.load(clips_ptr + c)
-        mid = (hi + lo) / 2
-        half = (hi - lo) / 2 * alpha
-        low = (mid - half).to(tl.float16).to(tl.float32)
-        step = tl.where(half > 0, tl.math.div_rn(2 * half, tl.maximum(qmax, 1.0)), 1.0).to(tl.float16).to(tl.float32)
-        step = tl.maximum(step, FP16_TINY)
+        _, low, step = _channel_grid(lo, hi, alpha, qmax, qmax)  # width 0 (qmax 0): its error is x itself, below
         acc = tl.zeros((BLOCK_D,), tl.float32)
         for n0 in range(0, N, BLOCK_N):
             n = n0 + tl.arange(0, BLOCK_N)
             m = (n[:, None] < N) & on[None, :]
             x = tl.load(x_ptr + (s * N + n[:, None]).to(tl.int64) * D + d[None, :], mask=m, other=0.0)
-            v = tl.math.div_rn(x - low[None, :], step[None, :])
-            f = tl.floor(v)
-            frac = v - f
-            q = tl.where(frac > 0.5, f + 1, tl.where(frac < 0.5, f, f + (f - 2 * tl.floor(f * 0.5))))
-            q = tl.minimum(tl.maximum(q, 0.0), qmax)
+            q = _grid_code(x, low[None, :], step[None, :], qmax)
             e = tl.where(qmax > 0, x - (low[None, :] + q * step[None, :]), x)  # width 0: nothing stored
             acc += tl.sum(tl.where(m, e * e, 0.0), axis=0)
         acc = acc * scale

@@ -20,11 +20,10 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid_tiles import _channel_grid, _grid_code
 from .span_args import TRELLIS_STATE_BITS
 
 BLOCK_C, BLOCK_B = 16, 32  # a program's channels and bytes of each (16 x 64 spilled on sm_90: docs/kernels.md)
-FP16_TINY = tl.constexpr(6.103515625e-05)  # torch.finfo(torch.float16).tiny: the least step a grid stores (a constexpr: a
-# kernel may read no other global)
 STATE_BITS = tl.constexpr(TRELLIS_STATE_BITS)  # L: a trellis code is its state's top bits
 
 
@@ -41,12 +40,7 @@ def _pack_channels_kernel(x_ptr, lo_ptr, hi_ptr, alpha_ptr, bits_ptr, off_ptr, o
     top = (1 << b) - 1
     lo = tl.load(lo_ptr + c, mask=cmask, other=0.0)
     hi = tl.load(hi_ptr + c, mask=cmask, other=0.0)
-    mid = (hi + lo) / 2  # the grid: [lo, hi] shrunk by alpha about its middle, low end and step stored in fp16
-    half = (hi - lo) / 2 * tl.load(alpha_ptr + c, mask=cmask, other=0.0)
-    low = (mid - half).to(tl.float16).to(tl.float32)
-    step = tl.where(half > 0, tl.math.div_rn(2 * half, tl.maximum(top, 1).to(tl.float32)), 1.0)
-    step = tl.maximum(step.to(tl.float16).to(tl.float32), FP16_TINY)
-    low, step = tl.where(b > 0, low, 0.0), tl.where(b > 0, step, 1.0)  # 0 bits: no grid (decodes to 0)
+    mid, low, step = _channel_grid(lo, hi, tl.load(alpha_ptr + c, mask=cmask, other=0.0), b, top)
     if TRELLIS:
         on_grid = tl.load(grid_ptr + c, mask=cmask, other=0) != 0
     if tl.program_id(1) == 0:
@@ -68,11 +62,7 @@ def _pack_channels_kernel(x_ptr, lo_ptr, hi_ptr, alpha_ptr, bits_ptr, off_ptr, o
         p = t * b[:, None] - 8 * j[None, :]  # the code's first bit within the byte (negative: began in the byte before)
         hit = on & (t < N) & (p < 8)
         x = tl.load(x_ptr + (s[:, None] * N + t).to(tl.int64) * D + i[:, None], mask=hit, other=0.0)
-        v = tl.math.div_rn(x - low[:, None], step[:, None])
-        f = tl.floor(v)
-        frac = v - f
-        q = tl.where(frac > 0.5, f + 1, tl.where(frac < 0.5, f, f + (f - 2 * tl.floor(f * 0.5))))
-        qf = tl.minimum(tl.maximum(q, 0.0), top.to(tl.float32)[:, None])
+        qf = _grid_code(x, low[:, None], step[:, None], top.to(tl.float32)[:, None])
         q = qf.to(tl.int32)
         if TRELLIS:  # a trellis channel's code: its state's top b bits
             state = tl.load(state_ptr + c.to(tl.int64)[:, None] * N + t, mask=hit, other=0).to(tl.int32)

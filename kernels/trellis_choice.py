@@ -19,8 +19,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .grid_tiles import _channel_grid, _grid_code
+
 BLOCK_C, BLOCK_N, WARPS = 32, 32, 8  # a program's channels, the tokens it reads at a time, its warps
-FP16_TINY = tl.constexpr(6.103515625e-05)  # torch.finfo(torch.float16).tiny: the least step a grid stores
 
 
 @triton.jit
@@ -35,12 +36,7 @@ def _trellis_choice_kernel(x_ptr, state_ptr, table_ptr, lo_ptr, hi_ptr, alpha_pt
     top = (1 << b) - 1
     lo = tl.load(lo_ptr + c, mask=cmask, other=0.0)
     hi = tl.load(hi_ptr + c, mask=cmask, other=0.0)
-    mid = (hi + lo) / 2  # the grid as kernels/pack_channels.py sets it
-    half = (hi - lo) / 2 * tl.load(alpha_ptr + c, mask=cmask, other=0.0)
-    g_low = (mid - half).to(tl.float16).to(tl.float32)
-    g_step = tl.where(half > 0, tl.math.div_rn(2 * half, tl.maximum(top, 1).to(tl.float32)), 1.0)
-    g_step = tl.maximum(g_step.to(tl.float16).to(tl.float32), FP16_TINY)
-    g_low, g_step = tl.where(b > 0, g_low, 0.0), tl.where(b > 0, g_step, 1.0)
+    mid, g_low, g_step = _channel_grid(lo, hi, tl.load(alpha_ptr + c, mask=cmask, other=0.0), b, top)  # as packed
     t_low = tl.load(tlow_ptr + c, mask=cmask, other=0.0)
     t_step = tl.load(tstep_ptr + c, mask=cmask, other=1.0)
     e_grid = tl.zeros((BLOCK_N, BLOCK_C), tl.float32)
@@ -55,11 +51,7 @@ def _trellis_choice_kernel(x_ptr, state_ptr, table_ptr, lo_ptr, hi_ptr, alpha_pt
         t = n0 + tl.arange(0, BLOCK_N)
         m = (t[:, None] < N) & cmask[None, :]
         x = tl.load(x_ptr + (s[None, :] * N + t[:, None]).to(tl.int64) * D + i[None, :], mask=m, other=0.0)
-        v = tl.math.div_rn(x - g_low[None, :], g_step[None, :])
-        f = tl.floor(v)
-        frac = v - f
-        q = tl.where(frac > 0.5, f + 1, tl.where(frac < 0.5, f, f + (f - 2 * tl.floor(f * 0.5))))
-        q = tl.minimum(tl.maximum(q, 0.0), top.to(tl.float32)[None, :])
+        q = _grid_code(x, g_low[None, :], g_step[None, :], top.to(tl.float32)[None, :])
         on_grid = g_low[None, :] + q * g_step[None, :]
         state = tl.load(state_ptr + c.to(tl.int64)[None, :] * N + t[:, None], mask=m, other=0)
         value = tl.where((b > 0)[None, :], tl.load(table_ptr + state.to(tl.int32), mask=m, other=0.0), 0.0)

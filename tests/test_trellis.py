@@ -303,6 +303,7 @@ def test_kind_budgets_moves_bits_only_from_one_budget_for_both_halves():
     assert kind_budgets("quantwm", 2.5, 2.5) == kind_budgets("kivi", 2.5, 2.5) == (2.5, 2.5)
     assert kind_budgets("quantwm", 3.0, 3.0, options={"key_extra_bits": 0.5}) == (3.5, 2.5)  # --set on quantwm
     assert kind_budgets("quantwm", None, None) == (None, None)
+    assert kind_budgets("quantwm-trellis-v", 2.5, 2.5, options={"budget": 3.0}) == (2.75, 2.25)  # --set budget too
     with pytest.raises(BudgetError, match="a budget of 0.25 leaves its Values none"):
         kind_budgets("quantwm-trellis-v", 0.25, 0.25)
     with pytest.raises(ValueError, match="key_extra_bits must be"):

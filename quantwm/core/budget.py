@@ -127,7 +127,7 @@ def describe(options: dict) -> str:
 def kind_budgets(method: str, budget_k: float | None, budget_v: float | None, target: str = "kv",
                  options: dict | None = None) -> tuple[float | None, float | None]:
     """(Keys' budget, Values' budget) at which `method`'s halves are configured: as given, except where Keys and
-    Values are both quantized at one budget B and the method's allocator moves x bits per element of it from the
+    Values are both quantized at the same budget B and the method's allocator moves x bits per element of it from the
     Values to the Keys (its `key_extra_bits`, `quantwm-trellis-v`): B + x and B − x. A Key span and its Value span
     hold as many elements, so the two together store B bits per element."""
     if budget_k is None or budget_k != budget_v or target != "kv":
@@ -135,7 +135,7 @@ def kind_budgets(method: str, budget_k: float | None, budget_v: float | None, ta
     base = parse_method_name(method)[0]
     if not REGISTRY[base].at_budget:
         return budget_k, budget_v
-    extra = getattr(get_method(base, budget=budget_k, **(options or {})), "key_extra_bits", 0.0)
+    extra = getattr(get_method(base, **{**(options or {}), "budget": budget_k}), "key_extra_bits", 0.0)
     if extra and extra >= budget_v:
         raise BudgetError(f"{method} moves {extra:g} bit per element of its budget from the Values to the Keys: a "
                           f"budget of {budget_v:g} leaves its Values none")

@@ -45,7 +45,7 @@ class QuantWMTrellis(QuantWMAlloc):
 class QuantWMTrellisValues(QuantWMTrellis):
     """The Values alone in the trellis (the Keys on quantwm-alloc's grids), and 0.25 bit per element of a budget
     for both moved from the Values to the Keys (`key_extra_bits`): at B bits the Keys are configured at B + 0.25
-    and the Values at B − 0.25, the two together storing B (docs/method.md §2.10, "Which halves")."""
+    and the Values at B − 0.25, the two together storing B (docs/method.md §2.10, "The Keys' share")."""
 
     name = "quantwm-trellis-v"
     source = ("this project (docs/method.md §2.10): quantwm-trellis with the Values alone in trellis codes and "
