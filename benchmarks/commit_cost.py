@@ -462,7 +462,11 @@ def main(argv=None) -> int:
         for s in shapes:
             budget = a.budget or None
             with _kernels("ref"):  # the budget rule's table: once per process, on the host (and warmed here)
-                fits, out = fit_methods(methods, budget, budget, s.head_dim, s.chunk, a.target)
+                try:
+                    fits, out = fit_methods(methods, budget, budget, s.head_dim, s.chunk, a.target, dict(a.options))
+                except ValueError as e:  # an option a method does not take (--set): the request's error
+                    print(f"commit_cost: {e}", file=sys.stderr)
+                    return 2
             out.update({m: "bf16 quantizes nothing: no commit cost" for m in fits if m == "bf16"})
             left_out[s.preset] = out
             for m in out:

@@ -17,7 +17,7 @@ from dataclasses import replace
 
 import torch
 
-from quantwm.core.budget import configure
+from quantwm.core.budget import configure, kind_budgets
 from quantwm.core.methods import SpanContext, get_method
 
 
@@ -26,7 +26,8 @@ def build(spec: str, D: int, N: int) -> tuple:
     name, _, budget = spec.partition("@")
     if not budget:
         return get_method(name), get_method(name)
-    return tuple(get_method(name, **configure(name, float(budget), D, N, kind)[0]) for kind in "kv")
+    halves = kind_budgets(name, float(budget), float(budget))  # Keys and Values as a cache at this budget splits it
+    return tuple(get_method(name, **configure(name, b, D, N, kind)[0]) for kind, b in zip("kv", halves))
 
 
 def main() -> None:

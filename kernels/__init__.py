@@ -1,6 +1,6 @@
 """Triton kernels for QuantWM: the CUDA fast path. One kernel and its launcher per file; the fused attention's typed
 arguments (`span_args`: what a span's layout hands the kernel) and its JIT tile helpers (`span_tiles`) live beside
-it.
+it, and so do the grid helpers the allocator's kernels share (`grid_tiles`).
 
 * `pack_bits` / `unpack_bits`: codes <-> little-endian packed uint8 rows (2/4/8 bits).
 * `quantize_pack`: a committed span's codes against its stored scales/zeros, packed, in one pass.

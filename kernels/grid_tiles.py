@@ -1,6 +1,6 @@
-"""JIT helpers the allocator's packing kernels share (kernels/pack_channels.py, kernels/trellis_choice.py): a
-channel's uniform grid as `Channels` stores it (quantwm/core/layouts/channels.py, docs/method.md §2.6). Triton JIT
-functions only.
+"""JIT helpers the allocator's kernels share (kernels/channel_errors.py, kernels/pack_channels.py,
+kernels/trellis_choice.py): a channel's uniform grid as `Channels` stores it (quantwm/core/layouts/channels.py,
+docs/method.md §2.6), and a value's code on it. Triton JIT functions only.
 """
 import triton
 import triton.language as tl
@@ -25,7 +25,7 @@ def _channel_grid(lo, hi, alpha, b, top):
 @triton.jit
 def _grid_code(x, low, step, top):
     """The code (float32) of x on the grid low + code · step: round((x − low) / step) half to even, as torch.round,
-    clamped to [0, top] (operands already broadcast to x's shape, top float32)."""
+    clamped to [0, top] (low, step and top float32, each of x's shape or broadcast to it)."""
     v = tl.math.div_rn(x - low, step)
     f = tl.floor(v)
     frac = v - f

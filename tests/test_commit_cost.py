@@ -153,7 +153,8 @@ def test_cost_model_takes_the_slowest_of_floor_bytes_flops_and_per_matrix_decomp
 
 @pytest.mark.parametrize("flag, value, message", [("--methods", "kivi,nope", "unknown method 'nope'"),
                                                   ("--preset", "wan-7b", "unknown preset 'wan-7b'"),
-                                                  ("--set", "trellis_kinds", "--set expects KEY=VALUE")])
+                                                  ("--set", "trellis_kinds", "--set expects KEY=VALUE"),
+                                                  ("--set", "nope=1", "unexpected keyword argument 'nope'")])
 def test_an_unknown_method_preset_or_option_is_one_line_and_exit_2(capsys, flag, value, message):
     assert commit_cost.main(["--dry-run", flag, value]) == 2
     err = capsys.readouterr().err

@@ -303,11 +303,23 @@ def test_kind_budgets_moves_bits_only_from_one_budget_for_both_halves():
     assert kind_budgets("quantwm", 2.5, 2.5) == kind_budgets("kivi", 2.5, 2.5) == (2.5, 2.5)
     assert kind_budgets("quantwm", 3.0, 3.0, options={"key_extra_bits": 0.5}) == (3.5, 2.5)  # --set on quantwm
     assert kind_budgets("quantwm", None, None) == (None, None)
-    assert kind_budgets("quantwm-trellis-v", 2.5, 2.5, options={"budget": 3.0}) == (2.75, 2.25)  # --set budget too
+    assert kind_budgets("quantwm-trellis-v", 2.5, 2.5, options={"budget": 3.0}) == (2.75, 2.25)  # the budget given
     with pytest.raises(BudgetError, match="a budget of 0.25 leaves its Values none"):
         kind_budgets("quantwm-trellis-v", 0.25, 0.25)
     with pytest.raises(ValueError, match="key_extra_bits must be"):
         kind_budgets("quantwm", 2.5, 2.5, options={"key_extra_bits": -0.5})
+    with pytest.raises(ValueError, match="key_extra_bits must be"):
+        kind_budgets("quantwm", 2.5, 2.5, options={"key_extra_bits": True})
+
+
+def test_an_allocators_own_budget_is_split_as_a_cache_budget_is_and_a_budget_given_twice_is_refused():
+    """The frontier's presets and --set budget=B give the allocator its budget: quantwm-trellis-v splits it too."""
+    for options, target, want in (((("budget", 2.5),), "kv", (2.75, 2.25)), ((), "kv", (2.75, 2.25)),
+                                  ((("budget", 3.0),), "k", (3.0, 3.0))):
+        cache = KVCache(CacheConfig("quantwm-trellis-v", target=target, method_options=options), 1)
+        assert (cache.k_method.budget, cache.v_method.budget) == want, (options, target)
+    with pytest.raises(ValueError, match="the budget is given twice"):
+        CacheConfig("quantwm", budget=2.5, method_options=(("budget", 3.0),))
 
 
 def test_trellis_kinds_codes_only_the_halves_it_names():

@@ -129,7 +129,8 @@ def kind_budgets(method: str, budget_k: float | None, budget_v: float | None, ta
     """(Keys' budget, Values' budget) at which `method`'s halves are configured: as given, except where Keys and
     Values are both quantized at the same budget B and the method's allocator moves x bits per element of it from the
     Values to the Keys (its `key_extra_bits`, `quantwm-trellis-v`): B + x and B − x. A Key span and its Value span
-    hold as many elements, so the two together store B bits per element."""
+    hold as many elements, so the two together store B bits per element. The cache splits so both its own budget
+    and an allocator's (`--set budget=B`, or the allocator's default)."""
     if budget_k is None or budget_k != budget_v or target != "kv":
         return budget_k, budget_v
     base = parse_method_name(method)[0]
@@ -147,7 +148,7 @@ def fit_methods(methods: list[str], budget_k: float | None, budget_v: float | No
                 layer_elements: int | None = None) -> tuple[list[str], dict[str, str]]:
     """(the methods that fit their budgets, {left-out method: the one-line reason}) for spans of this shape;
     only the halves `target` quantizes are held to a budget, each with the fixed `options` and `layer_elements`
-    (`configure`)."""
+    (`configure`), at the budgets `kind_budgets` gives its method."""
     for budget in (budget_k, budget_v):
         if budget is not None:  # a bad budget is the request's error, not every method's reason to be left out
             check_budget(budget)

@@ -40,7 +40,9 @@ class CacheConfig:
     span_chunks:   committed chunks quantized together as one span (QVG amortises codebooks so)
     jensen:        the +jensen read-path correction of quantized keys' logits (docs/method.md §3)
     budget:        bits per element for Keys and Values: the method configures itself (core/budget.py)
-    budget_k/budget_v: the Keys' and the Values' budgets apart (each defaults to `budget`)
+    budget_k/budget_v: the Keys' and the Values' budgets apart (each defaults to `budget`); where the two are equal
+                   and a method's allocator moves bits to the Keys (`key_extra_bits`), they are split so
+                   (core/budget.py `kind_budgets`)
     lowp:          the fused path's 8-bit products: None, "int8" (QKᵀ INT8, PV e4m3) or "e4m3" (core/fp8.py)
     track_queries: keep the running S of the history queries: None (default) where a quantizing method reads it,
                    True also for diagnostics that ask (`KVCache.query_stats`), False never
@@ -85,6 +87,10 @@ class CacheConfig:
         # one config however it is spelled: CacheConfig("qvg+jensen") == CacheConfig("qvg", jensen=True)
         object.__setattr__(self, "jensen", bool(self.jensen or suffix))
         object.__setattr__(self, "method", base + ("+jensen" if self.jensen else ""))
+        if any(b is not None for b in (self.budget, self.budget_k, self.budget_v)) and any(
+                isinstance(o, tuple | list) and len(o) == 2 and o[0] == "budget" for o in self.method_options):
+            raise ValueError("the budget is given twice: as the cache's budget and as a method option (--set "
+                             "budget=...); give one")
         for name in ("budget_k", "budget_v"):
             if getattr(self, name) is None:
                 object.__setattr__(self, name, self.budget)

@@ -104,7 +104,8 @@ class QuantWMAlloc(QVGBudget):
             raise ValueError(f"trellis_kinds must be 'k', 'v' or 'kv', got {self.trellis_kinds!r}")
         if self.trellis_price not in ("ratio", "variance"):
             raise ValueError(f"trellis_price must be 'ratio' or 'variance', got {self.trellis_price!r}")
-        if not (isinstance(self.key_extra_bits, int | float) and 0 <= self.key_extra_bits < 8):
+        if isinstance(self.key_extra_bits, bool) or not (isinstance(self.key_extra_bits, int | float)
+                                                          and 0 <= self.key_extra_bits < 8):
             raise ValueError(f"key_extra_bits must be a number of bits in [0, 8), got {self.key_extra_bits!r}")
         if not isinstance(self.unbias, bool):
             raise ValueError(f"unbias must be true or false, got {self.unbias!r}")
