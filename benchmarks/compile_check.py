@@ -27,6 +27,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.pop("TRITON_INTERPRET", None)  # real JIT functions (before kernels/ is imported)
+os.environ.pop("QUANTWM_KERNELS", None)  # the caches built for span_attention's inputs code on the CPU's reference path
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402

@@ -2,6 +2,7 @@
 launches, a bmm's FLOPs and bytes, a kernel launch once), the cost model's arithmetic, the dry run's every figure,
 and a bad method or preset as one line and exit 2."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -155,7 +156,11 @@ def test_cost_model_takes_the_slowest_of_floor_bytes_flops_and_per_matrix_decomp
                                                   ("--preset", "wan-7b", "unknown preset 'wan-7b'"),
                                                   ("--set", "trellis_kinds", "--set expects KEY=VALUE"),
                                                   ("--set", "nope=1", "unexpected keyword argument 'nope'")])
-def test_an_unknown_method_preset_or_option_is_one_line_and_exit_2(capsys, flag, value, message):
+def test_an_unknown_method_preset_or_option_is_one_line_and_exit_2(capsys, monkeypatch, flag, value, message):
+    for var in ("QUANTWM_KERNELS", "TRITON_INTERPRET"):  # main sets how its process runs kernels: undone afterwards,
+        monkeypatch.setenv(var, os.environ.get(var, ""))  # or a later test's subprocess in this worker inherits it
+        if not os.environ[var]:
+            monkeypatch.delenv(var)
     assert commit_cost.main(["--dry-run", flag, value]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
