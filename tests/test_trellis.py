@@ -318,6 +318,8 @@ def test_an_allocators_own_budget_is_split_as_a_cache_budget_is_and_a_budget_giv
                                   ((("budget", 3.0),), "k", (3.0, 3.0))):
         cache = KVCache(CacheConfig("quantwm-trellis-v", target=target, method_options=options), 1)
         assert (cache.k_method.budget, cache.v_method.budget) == want, (options, target)
+    cache = KVCache(CacheConfig("quantwm-alloc", budget=4.0, method_options=(("key_extra_bits", 3.0),)), 1)
+    assert cache.k_method.budget == 2.5  # a cache budget splits at its first span: the default 2.5 is not split
     with pytest.raises(ValueError, match="the budget is given twice"):
         CacheConfig("quantwm", budget=2.5, method_options=(("budget", 3.0),))
 

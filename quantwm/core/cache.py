@@ -132,17 +132,19 @@ class KVCache(MemoryAccounting, QueryHistory, CacheReads):
         self.layers = [LayerState() for _ in range(n_layers)]
 
     def _make_methods(self) -> None:
-        """The Keys' and Values' methods from the config (a budget replaces them at the first span). An allocator
-        run at its own budget (`--set budget=B` or its default) that moves bits to the Keys (`key_extra_bits`)
-        splits it as a cache budget would (quantwm.core.budget.kind_budgets)."""
-        opts = dict(self.config.method_options)
-        self.k_method = make_method(self.config.method, self.config.k_bits, opts)
-        self.v_method = make_method(self.config.method, self.config.v_bits, opts)
-        if getattr(self.k_method, "key_extra_bits", 0) and self.config.target == "kv":
+        """The Keys' and Values' methods from the config (a cache budget replaces them at the first span). Without
+        one, an allocator run at its own budget (`--set budget=B` or its default) that moves bits to the Keys
+        (`key_extra_bits`) splits it as a cache budget would (quantwm.core.budget.kind_budgets)."""
+        c = self.config
+        opts = dict(c.method_options)
+        self.k_method = make_method(c.method, c.k_bits, opts)
+        self.v_method = make_method(c.method, c.v_bits, opts)
+        own_budget = c.budget_k is None and c.budget_v is None
+        if own_budget and getattr(self.k_method, "key_extra_bits", 0) and c.target == "kv":
             from .budget import kind_budgets
 
             b = self.k_method.budget
-            k, v = kind_budgets(self.config.method, b, b, "kv", opts)
+            k, v = kind_budgets(c.method, b, b, "kv", opts)
             self.k_method = dataclasses.replace(self.k_method, budget=k)
             self.v_method = dataclasses.replace(self.v_method, budget=v)
         self._chosen: dict[str, str] = {}  # kind -> the configuration a budget chose (at the first span)
