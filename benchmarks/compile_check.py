@@ -163,11 +163,12 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
                                            torch.rand(H, D, len(LEVELS), generator=g), level_costs(N),
                                            torch.full((H,), 2.5 * N * D))))
     from quantwm.core.trellis import codebook
-    search = (x.permute(0, 2, 1).reshape(H * D, N), widths.flatten(), codebook(), torch.zeros(H * D, dtype=torch.long))
+    search = (x, widths.flatten(), codebook(), torch.zeros(H * D, dtype=torch.long))
+    norm = {"mean": x.mean(1).flatten(), "scale": x.std(1).flatten()}  # the span read in place, normalised on load
     out.append(("trellis_viterbi", capture(trellis_viterbi, "_viterbi_kernel", trellis_viterbi.trellis_viterbi,
                                            *search)))  # tail-biting: the wider variant
     out.append(("trellis_viterbi states", capture(trellis_viterbi, "_viterbi_kernel", trellis_viterbi.trellis_viterbi,
-                                                  *search, states=True)))  # what quantwm-trellis's commit runs
+                                                  *search, states=True, **norm)))  # what quantwm-trellis's commit runs
     states = torch.randint(0, 256, (H, D, N), generator=g, dtype=torch.uint8)  # then its choice and packing
     choice = (x, states, codebook(), lo, hi, torch.ones(H, D), widths, x.mean(1), x.std(1))
     for unbias in (False, True):

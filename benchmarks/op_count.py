@@ -303,10 +303,10 @@ def launch_flops(name: str, tensors: list[torch.Tensor]) -> float:
     """FLOPs of one kernels/ launch from its tensors (arguments, then outputs): the module docstring's rule."""
     if name.endswith("_assign"):
         return 2.0 * tensors[0].numel() * tensors[1].shape[-2]
-    if name == "trellis_viterbi":  # x (M, N) samples, widths (M,), table (2^L,): every state updated at every sample
-        x, widths, table = tensors[:3]  # of the coded rows (a 0-width row is skipped; on a GPU's run all are counted)
-        rows = int((widths > 0).sum()) if widths.device.type == "cpu" else widths.numel()
-        return VITERBI_OPS * rows * x.shape[-1] * table.numel()
+    if name == "trellis_viterbi":  # x (M, N) or a span (S, N, D), widths (M,), table (2^L,): every state updated at
+        x, widths, table = tensors[:3]  # every sample of the coded rows (a 0-width row is skipped; on a GPU's run all
+        rows = int((widths > 0).sum()) if widths.device.type == "cpu" else widths.numel()  # are counted)
+        return VITERBI_OPS * rows * x.shape[1] * table.numel()
     return float(max((x.numel() for x in tensors), default=0))
 
 

@@ -310,8 +310,8 @@ def _search_path(x: torch.Tensor, k: int, values: torch.Tensor, tail: bool, wind
     L = values.numel().bit_length() - 1
     start = torch.zeros(x.shape[0], dtype=torch.long)
     if tail:
-        start = trellis.wrap_states(x, torch.full_like(start, k), lambda w: trellis.viterbi(w, k, values),
-                                    window or trellis.WRAP_TOKENS, L)
+        start = trellis.wrap_states(x, lambda w: trellis.viterbi(w, k, values, states=True),
+                                    window or trellis.WRAP_TOKENS)
     return values[_states(trellis.viterbi(x, k, values, start if tail else None), k, start, L)]
 
 

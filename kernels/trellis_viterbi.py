@@ -11,7 +11,10 @@ passes through: the decode reads them without unpacking anything). Given start s
 search of quantwm.core.trellis.encode), a row of at least L bits begins after its start state and its walk back
 begins there too. The width is a runtime value; each of the eight widths is its own compiled branch (block shapes
 are constants), so one launch covers a batch of rows whatever their widths, and nothing is read back to the host.
-Rows go in batches whose backpointers (N x 2^(L−1) bytes a row at most) fit `scratch_bytes`.
+Rows go in batches whose backpointers (N x 2^(L−1) bytes a row at most) fit `scratch_bytes`. The samples are
+read where they lie: a row of an (M, N) x, or a channel of a span y (S, N, D) (row s·D + d, its samples along N),
+each normalised on load by its row's mean and scale when given ((y − mean) / scale, as the reference's fp32 ops):
+the commit writes no normalised copy of the span.
 
 Ties between equal path costs go to the lowest predecessor, as torch's min takes the first: the codes equal the
 reference's wherever no two paths cost the same to the last bit.
@@ -29,8 +32,8 @@ WARPS = max(1, (1 << TRELLIS_STATE_BITS) // 512)  # at most 16 path costs a thre
 
 
 @triton.jit
-def _search(x_ptr, table_ptr, back_ptr, codes_ptr, first, tail, row, r, N, K: tl.constexpr, L: tl.constexpr,
-            STATES: tl.constexpr):
+def _search(x_ptr, table_ptr, back_ptr, codes_ptr, first, tail, row, r, N, at, step, center, scale,
+            K: tl.constexpr, L: tl.constexpr, STATES: tl.constexpr, NORMAL: tl.constexpr):
     S: tl.constexpr = 1 << L
     KEEP: tl.constexpr = S >> K
     s = tl.arange(0, S)
@@ -41,7 +44,9 @@ def _search(x_ptr, table_ptr, back_ptr, codes_ptr, first, tail, row, r, N, K: tl
     for t in range(N):
         best, arg = tl.min(tl.reshape(cost, (KEEP, 1 << K)), axis=1, return_indices=True, return_indices_tie_break_left=True)
         tl.store(back_ptr + base + t * KEEP + h, arg.to(tl.uint8))
-        xt = tl.load(x_ptr + row.to(tl.int64) * N + t)
+        xt = tl.load(x_ptr + at + t * step)
+        if NORMAL:
+            xt = tl.math.div_rn(xt - center, scale)
         err = xt - table
         cost = tl.reshape(tl.broadcast_to(best[None, :], (1 << K, KEEP)), (S,)) + err * err
     state = tl.where(tail, first, tl.argmin(cost, axis=0, tie_break_left=True).to(tl.int32))
@@ -56,31 +61,41 @@ def _search(x_ptr, table_ptr, back_ptr, codes_ptr, first, tail, row, r, N, K: tl
 
 
 @triton.jit
-def _viterbi_kernel(x_ptr, w_ptr, start_ptr, table_ptr, back_ptr, codes_ptr, row0, N, L: tl.constexpr,
-                    TAIL: tl.constexpr, STATES: tl.constexpr):
+def _viterbi_kernel(x_ptr, w_ptr, start_ptr, table_ptr, back_ptr, codes_ptr, mean_ptr, scale_ptr, row0, N, D,
+                    L: tl.constexpr, TAIL: tl.constexpr, STATES: tl.constexpr, NORMAL: tl.constexpr):
     r = tl.program_id(0)
     row = row0 + r
     width = tl.load(w_ptr + row)
+    at = (row // D).to(tl.int64) * N * D + row % D  # sample 0 of the row: x (M, N) is D = 1, a span (S, N, D) its D
+    center, scale = 0.0, 1.0
+    if NORMAL:
+        center, scale = tl.load(mean_ptr + row), tl.load(scale_ptr + row)
     tail = (N * width >= L) & TAIL  # a row of at least L bits: the tail-biting path through its start state
     first = tl.load(start_ptr + row, mask=tail, other=0).to(tl.int32)
     for k in tl.static_range(1, 9):  # unrolled: each width its own branch with constant block shapes
         if width == k:
-            _search(x_ptr, table_ptr, back_ptr, codes_ptr, first, tail, row, r, N, k, L, STATES)
+            _search(x_ptr, table_ptr, back_ptr, codes_ptr, first, tail, row, r, N, at, D, center, scale, k, L, STATES,
+                    NORMAL)
 
 
 def trellis_viterbi(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, start: torch.Tensor | None = None,
-                    scratch_bytes: int = SCRATCH_BYTES, states: bool = False) -> torch.Tensor:
-    """x (M, N) float32 normalised samples, widths (M,) 0-8, table (2^L,) float32 the states' values -> codes (M, N)
-    int64 (0 on 0-width rows): every row's path from state 0 with a free end, or, given `start` (M,) states, the
-    tail-biting path through start[r] of every row of at least L bits (N · width >= L; the others' from state 0).
-    `states`: the path's states (M, N) uint8 instead (each sample's L bits; code = state >> (L − width), value =
-    table[state]; 0 on 0-width rows). A launch per batch of rows (the batches depend on shapes only)."""
-    M, N = x.shape
+                    scratch_bytes: int = SCRATCH_BYTES, states: bool = False, mean: torch.Tensor | None = None,
+                    scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x (M, N) float32 samples, or a span (S, N, D) whose M = S·D rows are its channels (row s·D + d: y[s, :, d]),
+    widths (M,) 0-8, table (2^L,) float32 the states' values -> codes (M, N) int64 (0 on 0-width rows): every row's
+    path from state 0 with a free end, or, given `start` (M,) states, the tail-biting path through start[r] of every
+    row of at least L bits (N · width >= L; the others' from state 0). `mean`, `scale` (M,): each row searched as
+    (x − mean) / scale, normalised as it is read. `states`: the path's states (M, N) uint8 instead (each sample's L
+    bits; code = state >> (L − width), value = table[state]; 0 on 0-width rows). A launch per batch of rows (the
+    batches depend on shapes only)."""
+    M, N, D = rows_of(x)
     if (tuple(widths.shape) != (M,) or table.numel() != 1 << TRELLIS_STATE_BITS
-            or (start is not None and tuple(start.shape) != (M,))):
-        raise ValueError(f"need widths ({M},), start states None or ({M},) and a table of {1 << TRELLIS_STATE_BITS} "
-                         f"values, got {tuple(widths.shape)}, {None if start is None else tuple(start.shape)} and "
-                         f"{table.numel()}")
+            or any(t is not None and tuple(t.shape) != (M,) for t in (start, mean, scale)) or (mean is None) != (scale is None)):
+        raise ValueError(f"need widths ({M},), start states None or ({M},), mean and scale both None or both ({M},) "
+                         f"and a table of {1 << TRELLIS_STATE_BITS} values, got {tuple(widths.shape)}, "
+                         f"{None if start is None else tuple(start.shape)}, "
+                         f"{None if mean is None else tuple(mean.shape)}, {None if scale is None else tuple(scale.shape)} "
+                         f"and {table.numel()}")
     codes = torch.zeros(M, N, dtype=torch.uint8 if states else torch.int64, device=x.device)
     if M == 0 or N == 0:
         return codes
@@ -89,8 +104,20 @@ def trellis_viterbi(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, 
     back = torch.empty(rows * per_row, dtype=torch.uint8, device=x.device)
     xs, ws, tab = x.float().contiguous(), widths.to(torch.int32).contiguous(), table.float().contiguous()
     starts = None if start is None else start.to(torch.int32).contiguous()
+    normal = mean is not None
+    centers, scales = (mean.float().contiguous(), scale.float().contiguous()) if normal else (tab, tab)
     for row0 in range(0, M, rows):  # batches by shape, not by value
         n = min(rows, M - row0)
-        _viterbi_kernel[(n,)](xs, ws, ws if start is None else starts, tab, back, codes, row0, N, L=TRELLIS_STATE_BITS,
-                              TAIL=start is not None, STATES=states, num_warps=WARPS)
+        _viterbi_kernel[(n,)](xs, ws, ws if start is None else starts, tab, back, codes, centers, scales, row0, N, D,
+                              L=TRELLIS_STATE_BITS, TAIL=start is not None, STATES=states, NORMAL=normal,
+                              num_warps=WARPS)
     return codes
+
+
+def rows_of(x: torch.Tensor) -> tuple[int, int, int]:
+    """(rows M, samples N, channels D) of a search's samples: an (M, N) x (D = 1), or a span (S, N, D) (M = S·D)."""
+    if x.dim() == 2:
+        return x.shape[0], x.shape[1], 1
+    if x.dim() == 3:
+        return x.shape[0] * x.shape[2], x.shape[1], x.shape[2]
+    raise ValueError(f"trellis samples must be (rows, samples) or (streams, samples, channels), got {tuple(x.shape)}")

@@ -198,6 +198,41 @@ def test_the_viterbi_kernel_codes_every_width_as_the_reference_does():
         trellis_viterbi(x, widths[:3], trellis.codebook())
 
 
+def test_the_viterbi_kernel_reads_a_span_in_place_normalised_as_the_reference_does():
+    """A span (S, N, D) searched channel by channel, each (y − mean) / scale as it is read: the codes of the rows
+    normalised beforehand, kernel and reference alike."""
+    from quantwm.kernels.trellis_viterbi import trellis_viterbi
+
+    g = torch.Generator().manual_seed(4)
+    y = torch.randn(2, 19, 5, generator=g) * 3 + 1
+    widths = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 2])
+    mean, scale = torch.randn(10, generator=g), torch.rand(10, generator=g) + 0.5
+    rows = (y.permute(0, 2, 1).reshape(10, 19) - mean[:, None]) / scale[:, None]
+    assert torch.equal(trellis.normalised_rows(y, mean, scale), rows)
+    start = torch.randint(0, 1 << trellis.STATE_BITS, (10,), generator=g)
+    for tail in (False, True):
+        want = trellis.trellis_viterbi_ref(rows, widths, trellis.codebook(), start if tail else None, states=True)
+        for search in (trellis_viterbi, trellis.trellis_viterbi_ref):
+            got = search(y, widths, trellis.codebook(), start if tail else None, states=True, mean=mean, scale=scale)
+            assert torch.equal(got, want), (search, tail)
+    with pytest.raises(ValueError, match="mean and scale both None"):
+        trellis_viterbi(y, widths, trellis.codebook(), mean=mean)
+    with pytest.raises(ValueError, match="rows, samples"):
+        trellis_viterbi(y[0, 0], widths, trellis.codebook())
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_the_wrap_state_is_the_state_the_window_path_ends_its_last_sample_in(k):
+    """wrap_states reads the end state off the window search's states: the L bits that end at the row's last
+    sample, as end_state computes them from the same path's codes."""
+    g = torch.Generator().manual_seed(k)
+    x = torch.randn(4, 41, generator=g)
+    got = trellis.wrap_states(x, lambda w: trellis.viterbi(w, k, trellis.codebook(), states=True), window=9)
+    window = torch.cat([x[:, 41 - 9:], x[:, :9]], 1)
+    codes = trellis.viterbi(window, k, trellis.codebook())
+    assert torch.equal(got, trellis.end_state(codes, torch.full((4,), k), 8))
+
+
 def test_a_span_coded_on_the_kernel_path_stores_the_same_bytes(monkeypatch):
     """The search, and with clips the grid-or-trellis choice and the packing (kernels/trellis_choice.py,
     kernels/pack_channels.py given the states), store what the PyTorch path stores: the same bytes and grid flags,

@@ -131,15 +131,15 @@ def end_state(codes: torch.Tensor, widths: torch.Tensor, at: int, state_bits: in
     return torch.where(shift > -widths.long()[:, None], part, 0).sum(1)
 
 
-def wrap_states(x: torch.Tensor, widths: torch.Tensor, search, window: int = WRAP_TOKENS,
-                state_bits: int = STATE_BITS) -> torch.Tensor:
+def wrap_states(x: torch.Tensor, search, window: int = WRAP_TOKENS) -> torch.Tensor:
     """Each row's tail-biting state (M,): the state after its last sample on the free-start search over a window
     around the wrap, its last `window` samples (at most half the row) then its first (so that the last sample sits
-    mid-path); QTIP's rotation trick, over a window. `search(w)` codes the window w (M, W) at `widths` in a trellis
-    of 2^state_bits states."""
+    mid-path); QTIP's rotation trick, over a window. x: (M, N) rows, or a span (S, N, D) (its samples along dim 1);
+    `search(w)` returns the free-start path's states (M, W) through the window w (x's form, W samples): the state
+    after a sample is the L bits that end there, so the one after the row's last sample is read off the path."""
     N = x.shape[1]
     before, after = min(N - N // 2, window), min(N // 2, window)
-    return end_state(search(torch.cat([x[:, N - before:], x[:, :after]], 1)), widths, before - 1, state_bits)
+    return search(torch.cat([x[:, N - before:], x[:, :after]], 1))[:, before - 1].long()
 
 
 def encode(y: torch.Tensor, widths: torch.Tensor, mean: torch.Tensor, scale: torch.Tensor,
@@ -148,20 +148,30 @@ def encode(y: torch.Tensor, widths: torch.Tensor, mean: torch.Tensor, scale: tor
     (0: nothing, code 0) against the stored mean and scale (S, D) (their fp16 values; ŷ = mean + scale ·
     CODEBOOK[state]). A coordinate of N · k >= L bits takes the tail-biting path through the state `wrap_states`
     picks (`states` reads the bits before its first from its end); a shorter one the path from state 0.
-    kernels/trellis_viterbi.py on the fast path (every width in one launch a search), else the searches of
-    `viterbi`, width by width present (the widths' counts read on the host once, for both searches). `states`: the
-    paths' states (S, N, D) uint8 instead of their codes (code = state >> (L − width); `values` decodes them)."""
+    kernels/trellis_viterbi.py on the fast path (every width in one launch a search, the span read in place and
+    normalised as it is read), else the searches of `viterbi`, width by width present (the widths' counts read on
+    the host once, for both searches). `states`: the paths' states (S, N, D) uint8 instead of their codes (code =
+    state >> (L − width); `values` decodes them)."""
     S, N, D = y.shape
-    x = ((y.float() - mean[:, None]) / scale[:, None]).permute(0, 2, 1).reshape(S * D, N)
     flat = widths.reshape(-1).long()
     table = on_device(codebook(), y.device)
+    norm = {"mean": mean.reshape(-1), "scale": scale.reshape(-1)}
     if use_kernels(y):  # two launches per batch of rows, every width at once, nothing read back
         search = kernel("trellis_viterbi")
     else:  # the widths' rows grouped once (host read: one a span), then a search per width present
         groups = _width_groups(flat)
         search = functools.partial(_search_by_width, groups=groups)
-    start = wrap_states(x, flat, lambda w: search(w, flat, table))
-    return search(x, flat, table, start, states=states).reshape(S, D, N).permute(0, 2, 1)
+    start = wrap_states(y, lambda w: search(w, flat, table, states=True, **norm))
+    return search(y, flat, table, start, states=states, **norm).reshape(S, D, N).permute(0, 2, 1)
+
+
+def normalised_rows(x: torch.Tensor, mean: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """The search's rows (M, N) float32 of x (M, N) or of a span (S, N, D) (row s·D + d: its channel d along N), each
+    as (x − mean) / scale where mean and scale (M,) are given: what kernels/trellis_viterbi.py reads in place."""
+    if x.dim() == 3:
+        x = x.permute(0, 2, 1).reshape(-1, x.shape[1])
+    x = x.float()
+    return x if mean is None else (x - mean.float()[:, None]) / scale.float()[:, None]
 
 
 def _width_groups(widths: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
@@ -173,10 +183,13 @@ def _width_groups(widths: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
 
 
 def _search_by_width(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, start: torch.Tensor | None = None,
-                     groups: list | None = None, states: bool = False) -> torch.Tensor:
-    """Codes (M, N) of every row of x (M, N) at its width (0: code 0) by `viterbi`, width by width: from state 0,
-    or given `start` (M,), tail-biting through start[r] where the row holds at least L bits; `states`: the paths'
-    states (M, N) uint8 instead (0 on 0-width rows)."""
+                     groups: list | None = None, states: bool = False, mean: torch.Tensor | None = None,
+                     scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes (M, N) of every row of x (M, N), or of a span (S, N, D)'s channels (`normalised_rows`, by mean and
+    scale (M,) where given), at its width (0: code 0) by `viterbi`, width by width: from state 0, or given `start`
+    (M,), tail-biting through start[r] where the row holds at least L bits; `states`: the paths' states (M, N)
+    uint8 instead (0 on 0-width rows)."""
+    x = normalised_rows(x, mean, scale)
     M, N = x.shape
     L = table.numel().bit_length() - 1
     codes = torch.zeros(M, N, dtype=torch.uint8 if states and L <= 8 else torch.long, device=x.device)
@@ -187,10 +200,12 @@ def _search_by_width(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor,
 
 
 def trellis_viterbi_ref(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, start: torch.Tensor | None = None,
-                        scratch_bytes: int | None = None, states: bool = False) -> torch.Tensor:
+                        scratch_bytes: int | None = None, states: bool = False, mean: torch.Tensor | None = None,
+                        scale: torch.Tensor | None = None) -> torch.Tensor:
     """The PyTorch twin of kernels/trellis_viterbi.py (same arguments, the same codes or states): `viterbi` width by
-    width (the widths' counts read on the host once); `scratch_bytes` is the kernel's and unused here."""
-    return _search_by_width(x, widths, table, start, states=states)
+    width on the rows as the kernel reads them (`normalised_rows`; the widths' counts read on the host once);
+    `scratch_bytes` is the kernel's and unused here."""
+    return _search_by_width(x, widths, table, start, states=states, mean=mean, scale=scale)
 
 
 def states(buffer: torch.Tensor, offsets: torch.Tensor, widths: torch.Tensor, n_tokens: int) -> torch.Tensor:
