@@ -106,7 +106,7 @@ def error_tables(r: torch.Tensor, levels: tuple[int, ...] = LEVELS) -> tuple[tor
     S, N, D = r.shape
     sample = r[:, :: max(1, math.ceil(N / SAMPLE_TOKENS))].float()  # (S, n, D)
     qmax, clips = (on_device(t, sample.device) for t in _tables(levels))
-    E, A = channel_errors(sample, sample.amin(1), sample.amax(1), qmax, clips, N / sample.shape[1])
+    E, A = channel_errors(sample, *torch.aminmax(sample, dim=1), qmax, clips, N / sample.shape[1])
     return E.permute(1, 2, 0), A.permute(1, 2, 0)
 
 

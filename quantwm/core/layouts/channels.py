@@ -200,7 +200,7 @@ class Channels(Layout):
         rf = r.float()
         offsets, needed = _byte_layout(bits, N)
         b = bits.long()
-        args = (rf, rf.amin(1), rf.amax(1), alpha.to(rf), b, offsets, _buffer_size(needed, capacity))
+        args = (rf, *torch.aminmax(rf, dim=1), alpha.to(rf), b, offsets, _buffer_size(needed, capacity))  # one read
         fast = use_kernels(r)
         packed = kernel("pack_channels")(*args, sums=unbias) if fast else pack_channels_ref(*args, sums=unbias)
         buf, low, step, low_read = packed[:4]

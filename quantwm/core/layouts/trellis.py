@@ -109,7 +109,7 @@ class TrellisChannels(Channels):
         # per channel the better is kept (kernels/trellis_choice.py), then packed once (kernels/pack_channels.py)
         state = path.permute(0, 2, 1)  # row by row (S, D, N), as the search wrote it: what both kernels read
         fast = use_kernels(r)
-        grid_args = (rf, rf.amin(1), rf.amax(1), alpha.to(rf), b)
+        grid_args = (rf, *torch.aminmax(rf, dim=1), alpha.to(rf), b)
         choose = kernel("trellis_choice") if fast else trellis_choice_ref
         table = on_device(trellis.codebook(), r.device)
         grid, low16, step16, low_read = choose(rf, state, table, *grid_args[1:], low, step, unbias, UNBIAS_FLOOR)
