@@ -13,6 +13,7 @@ gain is reported on another (seed 2).
     python benchmarks/trellis_gain.py [--sequences 64] [--length 1728]
     python benchmarks/trellis_gain.py --trace t.pt [--budget 2.5]     # on a synthetic trace's Keys (below)
     python benchmarks/trellis_gain.py --tables [--state-bits L]  # quantwm/core/trellis.py's constants (2^L states)
+    python benchmarks/trellis_gain.py --trained [--restarts 4]  # smaller trellises with trained tables (below)
     python benchmarks/trellis_gain.py --warmup      # its error by token position: the first samples of a channel
     python benchmarks/trellis_gain.py --wrap        # the tail-biting start's search window (WRAP_TOKENS)
     python benchmarks/trellis_gain.py --encode-time [--device cuda] [--shape 12,4680,128]  # seconds to code a span
@@ -26,6 +27,14 @@ search (quantwm/core/allocate.py) on the same samples: the SCALES, UNIT_MSE and 
 L` measures the same trellis with 2^L states (the codebook `mad` of states 0 .. 2^L − 1) at the widths below L,
 the state sizes not stored: 10 and 12 (QTIP's 16 is out of this machine's reach), or 4-7, a search 2-16 times
 cheaper.
+
+`--trained`: the search's work grows as 2^L, and QuantWM's computed codebook needs L = 8 at every width (with 2^6
+values it codes worse than the grid from 2 bits). A stored table of 2^L values a width instead, L = k + m (m bits
+of memory: 2^m states, 2^k branches into each), trained by Lloyd's iteration on the trellis (each value the mean of
+the samples its state decoded, the search run again) from Gaussian quantiles in `--restarts` random orders on
+unit-Gaussian training samples (24 x 1728, generator seed 11), the best restart kept; measured by the stored
+tail-biting search on the `--tables` samples (seed 7) against the stored code's error there and the uniform grid's.
+Work: 2^L values a sample against the stored code's 256.
 
 `--trace`: the textbook transform coder (S's eigenbasis of the history Queries, reverse water-filling over the
 allocator's uniform tables, as benchmarks/bits_above_bound.py's step 2) on the trace's second and third chunks,
@@ -144,6 +153,55 @@ def bitshift_tables(state_bits: int | None = None) -> None:
     print("SCALES =", tuple(r[2] for r in rows))
     print("UNIT_MSE =", (1.0, *(float(f"{r[1]:.3g}") for r in rows)))
     print("ERROR_RATIO =", (1.0, *(round(r[1] / r[3], 3) for r in rows)))
+
+
+def trained_table(x: torch.Tensor, k: int, L: int, seed: int, iterations: int = 25) -> torch.Tensor:
+    """A 2^L-value table for k-bit codes trained on x (M, N) by Lloyd's iteration on the trellis: the Gaussian's
+    2^L quantiles in a random order (generator `seed`), then each value the mean of the samples its state decodes on
+    the free-start search's paths (a value no path visits is kept), `iterations` times."""
+    from quantwm.core import trellis
+
+    n = 1 << L
+    quantiles = torch.distributions.Normal(0.0, 1.0).icdf((torch.arange(n, dtype=torch.float64) + 0.5) / n).float()
+    table = quantiles[torch.randperm(n, generator=torch.Generator().manual_seed(seed))]
+    for _ in range(iterations):
+        state = trellis.viterbi(x, k, table, states=True).reshape(-1)
+        sums = torch.zeros(n).index_add_(0, state, x.reshape(-1))
+        seen = torch.bincount(state, minlength=n)
+        table = torch.where(seen > 0, sums / seen.clamp_min(1), table)
+    return table
+
+
+def trained_tables(restarts: int = 4) -> None:
+    """The module docstring's `--trained`, printed as a table, then the best tables (L = k + 4) as tuples."""
+    from quantwm.core import trellis
+    from quantwm.core.allocate import CLIPS, channel_errors_ref
+
+    if restarts < 1:
+        raise SystemExit(f"--restarts takes 1 or more, got {restarts}")
+    train = torch.randn(24, 1728, generator=torch.Generator().manual_seed(11))
+    x = torch.randn(24, 1728, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    x = ((x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)).float()  # the --tables samples
+    cols = x.T[None]
+    stored = dict(zip(trellis.WIDTHS, trellis.SCALES))
+    print("| width k | memory m | values 2^L | search work | MSE | / stored code (256, computed) | / uniform grid |\n"
+          "|---|---|---|---|---|---|---|")
+    kept = {}
+    for k in (1, 2, 3, 4):
+        E, _ = channel_errors_ref(cols, cols.amin(1), cols.amax(1), torch.tensor([2.0 ** k - 1]),
+                                  torch.tensor(CLIPS), 1.0)
+        uniform = E.sum().item() / x.numel()
+        ours = (x - stored[k] * _search_path(x / stored[k], k, trellis.codebook(), tail=True)).square().mean().item()
+        for m in (3, 4):
+            L = k + m
+            tables = [trained_table(train, k, L, seed) for seed in range(restarts)]  # the best on its training
+            table = min(tables, key=lambda t: (t[trellis.viterbi(train, k, t, states=True)] - train).square().mean())
+            err = (x - _search_path(x, k, table, tail=True)).square().mean().item()
+            kept[(k, m)] = table
+            print(f"| {k} | {m} | {1 << L} | {(1 << L) / 256:.3g} | {err:.4g} | {err / ours:.3f} | {err / uniform:.3f} |",
+                  flush=True)
+    for k in (1, 2, 3, 4):
+        print(f"TABLE_{k} =", tuple(round(v, 5) for v in kept[(k, 4)].tolist()))
 
 
 def warmup() -> None:
@@ -360,6 +418,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--budget", type=float, default=2.5)
     ap.add_argument("--tables", action="store_true", help="measure quantwm/core/trellis.py's constants (docstring)")
     ap.add_argument("--state-bits", type=int, default=None, help="--tables for a trellis of 2^L states (4-12)")
+    ap.add_argument("--trained", action="store_true", help="smaller trellises with trained tables (docstring)")
+    ap.add_argument("--restarts", type=int, default=4, help="--trained: random starts of each table's training")
     ap.add_argument("--warmup", action="store_true", help="the trellis's error by token position (docstring)")
     ap.add_argument("--wrap", action="store_true", help="the tail-biting start's search window (docstring)")
     ap.add_argument("--encode-time", action="store_true", help="seconds to code one span here (docstring)")
@@ -372,6 +432,8 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--state-bits goes with --tables")
     if a.tables:
         return bitshift_tables(a.state_bits)
+    if a.trained:
+        return trained_tables(a.restarts)
     if a.warmup:
         return warmup()
     if a.wrap:

@@ -39,3 +39,22 @@ def test_state_bits_is_checked(capsys):
     assert "--state-bits goes with --tables" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="--state-bits takes 4-12"):
         tg.main(["--tables", "--state-bits", "16"])
+
+
+def test_a_trained_table_never_codes_its_training_samples_worse_than_before():
+    """--trained's Lloyd iteration on the trellis: the search is optimal for a table and each value the mean of its
+    samples is optimal for the paths, so the training error cannot rise from the start, iteration by iteration."""
+    import torch
+
+    from quantwm.core import trellis
+
+    x = torch.randn(4, 96, generator=torch.Generator().manual_seed(5))
+
+    def error(table):
+        return (table[trellis.viterbi(x, 2, table, states=True)] - x).square().mean().item()
+
+    errors = [error(tg.trained_table(x, 2, 5, seed=1, iterations=n)) for n in (0, 1, 3, 6)]
+    assert all(b <= a + 1e-6 for a, b in zip(errors, errors[1:])), errors
+    assert errors[-1] < 0.9 * errors[0]  # the shuffled quantiles are a poor start; training must move them
+    with pytest.raises(SystemExit, match="--restarts takes 1 or more"):
+        tg.trained_tables(0)
