@@ -169,6 +169,8 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
                                            *search)))  # tail-biting: the wider variant
     out.append(("trellis_viterbi states", capture(trellis_viterbi, "_viterbi_kernel", trellis_viterbi.trellis_viterbi,
                                                   *search, states=True, **norm)))  # what quantwm-trellis's commit runs
+    out.append(("trellis_viterbi window", capture(trellis_viterbi, "_viterbi_kernel", trellis_viterbi.trellis_viterbi,
+                                                  *search[:3], states=True, **norm)))  # the tail-biting start's search
     states = torch.randint(0, 256, (H, D, N), generator=g, dtype=torch.uint8)  # then its choice and packing
     choice = (x, states, codebook(), lo, hi, torch.ones(H, D), widths, x.mean(1), x.std(1))
     for unbias in (False, True):

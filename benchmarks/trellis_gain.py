@@ -13,7 +13,8 @@ gain is reported on another (seed 2).
     python benchmarks/trellis_gain.py [--sequences 64] [--length 1728]
     python benchmarks/trellis_gain.py --trace t.pt [--budget 2.5]     # on a synthetic trace's Keys (below)
     python benchmarks/trellis_gain.py --tables [--state-bits L]  # quantwm/core/trellis.py's constants (2^L states)
-    python benchmarks/trellis_gain.py --trained [--restarts 4]  # smaller trellises with trained tables (below)
+    python benchmarks/trellis_gain.py --trained [--restarts 4] [--save T.json]  # smaller trellises, trained tables
+    python benchmarks/trellis_gain.py --probe T.json 4 --methods quantwm-trellis-v --budget 2.5 --seeds 5,6,7
     python benchmarks/trellis_gain.py --warmup      # its error by token position: the first samples of a channel
     python benchmarks/trellis_gain.py --wrap        # the tail-biting start's search window (WRAP_TOKENS)
     python benchmarks/trellis_gain.py --encode-time [--device cuda] [--shape 12,4680,128]  # seconds to code a span
@@ -35,6 +36,12 @@ the samples its state decoded, the search run again) from Gaussian quantiles in 
 unit-Gaussian training samples (24 x 1728, generator seed 11), the best restart kept; measured by the stored
 tail-biting search on the `--tables` samples (seed 7) against the stored code's error there and the uniform grid's.
 Work: 2^L values a sample against the stored code's 256.
+
+`--probe T.json M EVAL-ARGS`: what those tables would do on the built-in model before the format holds them:
+`quantwm eval EVAL-ARGS` with quantwm-trellis's codes and decodes through the tables of memory M saved by
+`--trained --save T.json` (`stored_tables`: the reference path, the search still over 256 states, the allocator's
+prices the stored code's); `stored` instead of a file runs the same patches with the stored codebook and scales,
+which reproduces plain `quantwm eval` figure for figure (its check).
 
 `--trace`: the textbook transform coder (S's eigenbasis of the history Queries, reverse water-filling over the
 allocator's uniform tables, as benchmarks/bits_above_bound.py's step 2) on the trace's second and third chunks,
@@ -172,8 +179,11 @@ def trained_table(x: torch.Tensor, k: int, L: int, seed: int, iterations: int = 
     return table
 
 
-def trained_tables(restarts: int = 4) -> None:
-    """The module docstring's `--trained`, printed as a table, then the best tables (L = k + 4) as tuples."""
+def trained_tables(restarts: int = 4, save: str | None = None) -> None:
+    """The module docstring's `--trained`, printed as a table; `save`: every trained table written to a JSON file
+    (what `--probe` reads)."""
+    import json
+
     from quantwm.core import trellis
     from quantwm.core.allocate import CLIPS, channel_errors_ref
 
@@ -187,21 +197,105 @@ def trained_tables(restarts: int = 4) -> None:
     print("| width k | memory m | values 2^L | search work | MSE | / stored code (256, computed) | / uniform grid |\n"
           "|---|---|---|---|---|---|---|")
     kept = {}
-    for k in (1, 2, 3, 4):
+    for k in TRAINED_WIDTHS:
         E, _ = channel_errors_ref(cols, cols.amin(1), cols.amax(1), torch.tensor([2.0 ** k - 1]),
                                   torch.tensor(CLIPS), 1.0)
         uniform = E.sum().item() / x.numel()
         ours = (x - stored[k] * _search_path(x / stored[k], k, trellis.codebook(), tail=True)).square().mean().item()
-        for m in (3, 4):
+        for m in TRAINED_MEMORY:
             L = k + m
             tables = [trained_table(train, k, L, seed) for seed in range(restarts)]  # the best on its training
             table = min(tables, key=lambda t: (t[trellis.viterbi(train, k, t, states=True)] - train).square().mean())
             err = (x - _search_path(x, k, table, tail=True)).square().mean().item()
-            kept[(k, m)] = table
+            kept[f"{k},{m}"] = [round(v, 6) for v in table.tolist()]
             print(f"| {k} | {m} | {1 << L} | {(1 << L) / 256:.3g} | {err:.4g} | {err / ours:.3f} | {err / uniform:.3f} |",
                   flush=True)
-    for k in (1, 2, 3, 4):
-        print(f"TABLE_{k} =", tuple(round(v, 5) for v in kept[(k, 4)].tolist()))
+    if save:
+        Path(save).parent.mkdir(parents=True, exist_ok=True)
+        Path(save).write_text(json.dumps({"training": "unit Gaussian, 24 x 1728, generator seed 11",
+                                          "restarts": restarts, "tables": kept}, indent=1))
+        print(f"wrote {save}")
+
+
+TRAINED_WIDTHS, TRAINED_MEMORY = (1, 2, 3, 4), (3, 4)
+
+
+class stored_tables:
+    """`with stored_tables(path, m):` quantwm-trellis's reference path (QUANTWM_KERNELS=ref) codes and decodes
+    through per-width tables instead of the computed codebook: at widths 1-4 the trained table of 2^(k+m) values
+    from `path` (`--trained --save`), read by the top k + m bits of a sample's 8-bit state, at 5-8 the stored
+    codebook as stored (its scale in the stored scale); a trained table holds its own scale, so a channel coded
+    through one stores its standard deviation. The
+    search still runs over 256 states (the state's low bits change no value, so its least-error path is the small
+    trellis's); the allocator still prices a channel by the stored code's ratios. What `--probe` runs the built-in
+    model with; the fused kernel does not read these tables (the probe forces the reference path)."""
+
+    def __init__(self, path: str | None, memory: int):
+        import json
+
+        from quantwm.core import trellis
+
+        n = 1 << trellis.STATE_BITS
+        rows = [trellis.codebook()] * 9  # widths 0-8, as stored: the computed codebook, each width's scale stored
+        factor = [1.0, *trellis.SCALES]  # the stored scale's factor at widths 0-8 (`trellis.scale_of`)
+        if path is not None:
+            saved = json.loads(Path(path).read_text())["tables"]
+            for k in TRAINED_WIDTHS:
+                if f"{k},{memory}" not in saved:
+                    raise SystemExit(f"{path} holds no table for width {k} and memory {memory}")
+                small = torch.tensor(saved[f"{k},{memory}"])
+                rows[k] = small[torch.arange(n) >> (trellis.STATE_BITS - k - memory)]
+                factor[k] = 1.0  # the trained table holds its scale: the stored one is the channel's deviation
+        self.tables, self.factor = torch.stack(rows), torch.tensor(factor)  # (9, 256): a width's value of a state
+        self.saved = []
+
+    def __enter__(self):
+        from quantwm.core import trellis
+        from quantwm.core.layouts import trellis as layout
+
+        tables = self.tables
+        choice = layout.trellis_choice_ref
+
+        def by_width(x, widths, table, start=None, groups=None, states=False, mean=None, scale=None):
+            x = trellis.normalised_rows(x, mean, scale)
+            L = trellis.STATE_BITS
+            codes = torch.zeros(x.shape, dtype=torch.uint8 if states else torch.long, device=x.device)
+            for k, rows in groups if groups is not None else trellis._width_groups(widths.long()):
+                tail = start is not None and x.shape[1] * k >= L
+                codes[rows] = trellis.viterbi(x[rows], k, tables[k], start[rows] if tail else None,
+                                              states).to(codes.dtype)
+            return codes
+
+        def chosen(r, states, table, lo, hi, alpha, bits, *rest):
+            flat = states.long() + tables.shape[1] * bits.long()[:, :, None]  # (S, D, N): row `width` of the tables
+            return choice(r, flat, tables.flatten(), lo, hi, alpha, bits, *rest)
+
+        patches = [(trellis, "_search_by_width", by_width), (layout, "trellis_choice_ref", chosen),
+                   (trellis, "values", lambda state, widths: torch.where(
+                       widths[:, None, :] > 0, tables[widths.long()[:, None, :], state.long()], 0.0)),
+                   (trellis, "scale_of", lambda std, widths: std * self.factor[widths.long()])]
+        for module, name, f in patches:
+            self.saved.append((module, name, getattr(module, name)))
+            setattr(module, name, f)
+        return self
+
+    def __exit__(self, *exc):
+        for module, name, f in self.saved:
+            setattr(module, name, f)
+        self.saved = []
+
+
+def probe(path: str | None, memory: int, eval_args: list[str]) -> int:
+    """`--probe`: `quantwm eval eval_args` with quantwm-trellis's codes through `stored_tables(path, memory)` on
+    the reference path (no path: the stored codebook through the same patches, a check that they change nothing
+    but the tables)."""
+    import os
+
+    from quantwm.cli import main as cli
+
+    os.environ["QUANTWM_KERNELS"] = "ref"
+    with stored_tables(path, memory):
+        return cli(["eval", *eval_args])
 
 
 def warmup() -> None:
@@ -420,6 +514,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--state-bits", type=int, default=None, help="--tables for a trellis of 2^L states (4-12)")
     ap.add_argument("--trained", action="store_true", help="smaller trellises with trained tables (docstring)")
     ap.add_argument("--restarts", type=int, default=4, help="--trained: random starts of each table's training")
+    ap.add_argument("--save", default=None, help="--trained: write the trained tables to this JSON file")
+    ap.add_argument("--probe", nargs=argparse.REMAINDER, default=None,
+                    help="TABLES.json|stored M EVAL-ARGS...: quantwm eval with trained tables of memory M (docstring)")
     ap.add_argument("--warmup", action="store_true", help="the trellis's error by token position (docstring)")
     ap.add_argument("--wrap", action="store_true", help="the tail-biting start's search window (docstring)")
     ap.add_argument("--encode-time", action="store_true", help="seconds to code one span here (docstring)")
@@ -430,10 +527,16 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.state_bits is not None and not a.tables:
         ap.error("--state-bits goes with --tables")
+    if (a.save is not None or a.restarts != 4) and not a.trained:
+        ap.error("--restarts and --save go with --trained")
     if a.tables:
         return bitshift_tables(a.state_bits)
+    if a.probe is not None:
+        if len(a.probe) < 2 or not a.probe[1].isdigit() or int(a.probe[1]) not in TRAINED_MEMORY:
+            ap.error(f"--probe takes TABLES.json (or 'stored'), a memory of {TRAINED_MEMORY} and eval's arguments")
+        raise SystemExit(probe(None if a.probe[0] == "stored" else a.probe[0], int(a.probe[1]), a.probe[2:]))
     if a.trained:
-        return trained_tables(a.restarts)
+        return trained_tables(a.restarts, a.save)
     if a.warmup:
         return warmup()
     if a.wrap:

@@ -81,3 +81,12 @@ class PsacArgs(NamedTuple):
 def full_side(x: torch.Tensor) -> SideArgs:
     """A full-precision span (S, N, D)."""
     return SideArgs(FULL, x, x.shape[1])
+
+
+def rows_of(x: torch.Tensor) -> tuple[int, int, int]:
+    """(rows M, samples N, channels D) of a search's samples: an (M, N) x (D = 1), or a span (S, N, D) (M = S·D)."""
+    if x.dim() == 2:
+        return x.shape[0], x.shape[1], 1
+    if x.dim() == 3:
+        return x.shape[0] * x.shape[2], x.shape[1], x.shape[2]
+    raise ValueError(f"trellis samples must be (rows, samples) or (streams, samples, channels), got {tuple(x.shape)}")

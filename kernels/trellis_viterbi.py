@@ -1,9 +1,10 @@
 """The bitshift trellis's Viterbi search, every row of a span at once: the twin of quantwm.core.trellis.encode's
 search (quantwm.core.trellis.viterbi, width by width), for `quantwm-trellis` (docs/method.md §2.10).
 
-Row r of x (M, N) (a channel's normalised samples along the span) is coded with widths[r] bits a sample (0: left
-at code 0). The trellis has 2^L states (L = STATE_BITS): state s' = (code << (L − k)) | (s >> k), and state s
-decodes to table[s]. One program per row holds the 2^L path costs in registers and takes one step per sample:
+Row r of x (M, N) (a channel's samples along the span, or channel d of stream s of a span (S, N, D) for r = s·D +
+d; normalised on load where a mean and scale are given) is coded with widths[r] bits a sample (0: left at code 0).
+The trellis has 2^L states (L = STATE_BITS): state s' = (code << (L − k)) | (s >> k), and state s decodes to
+table[s]. One program per row holds the 2^L path costs in registers and takes one step per sample:
 the least cost over each state's 2^k predecessors (a (2^(L−k), 2^k) min, its argmin kept as a uint8 backpointer
 in `back`), then that cost, broadcast to the state's 2^k successors, plus the squared error of their values. Then
 it walks the backpointers from the cheapest final state and writes the codes (or, asked, the states the path
@@ -17,7 +18,8 @@ each normalised on load by its row's mean and scale when given ((y − mean) / s
 the commit writes no normalised copy of the span.
 
 Ties between equal path costs go to the lowest predecessor, as torch's min takes the first: the codes equal the
-reference's wherever no two paths cost the same to the last bit.
+reference's wherever no two paths cost the same to the last bit. Compiled without floating-point contraction
+(`enable_fp_fusion=False`): a cost plus a squared error rounds twice, as the reference's does, not as one FMA.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .span_args import TRELLIS_STATE_BITS
+from .span_args import TRELLIS_STATE_BITS, rows_of
 
 SCRATCH_BYTES = 1 << 30  # backpointers kept at once on a GPU (the interpreter's batches are the caller's)
 WARPS = max(1, (1 << TRELLIS_STATE_BITS) // 512)  # at most 16 path costs a thread (2^8 states: one warp, 8 each)
@@ -89,6 +91,8 @@ def trellis_viterbi(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, 
     bits; code = state >> (L − width), value = table[state]; 0 on 0-width rows). A launch per batch of rows (the
     batches depend on shapes only)."""
     M, N, D = rows_of(x)
+    if any(t is not None and t.device != x.device for t in (widths, table, start, mean, scale)):
+        raise ValueError(f"the trellis search's tensors must all be on the samples' device {x.device}")
     if (tuple(widths.shape) != (M,) or table.numel() != 1 << TRELLIS_STATE_BITS
             or any(t is not None and tuple(t.shape) != (M,) for t in (start, mean, scale)) or (mean is None) != (scale is None)):
         raise ValueError(f"need widths ({M},), start states None or ({M},), mean and scale both None or both ({M},) "
@@ -110,14 +114,5 @@ def trellis_viterbi(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, 
         n = min(rows, M - row0)
         _viterbi_kernel[(n,)](xs, ws, ws if start is None else starts, tab, back, codes, centers, scales, row0, N, D,
                               L=TRELLIS_STATE_BITS, TAIL=start is not None, STATES=states, NORMAL=normal,
-                              num_warps=WARPS)
+                              num_warps=WARPS, enable_fp_fusion=False)
     return codes
-
-
-def rows_of(x: torch.Tensor) -> tuple[int, int, int]:
-    """(rows M, samples N, channels D) of a search's samples: an (M, N) x (D = 1), or a span (S, N, D) (M = S·D)."""
-    if x.dim() == 2:
-        return x.shape[0], x.shape[1], 1
-    if x.dim() == 3:
-        return x.shape[0] * x.shape[2], x.shape[1], x.shape[2]
-    raise ValueError(f"trellis samples must be (rows, samples) or (streams, samples, channels), got {tuple(x.shape)}")

@@ -215,10 +215,18 @@ def test_the_viterbi_kernel_reads_a_span_in_place_normalised_as_the_reference_do
         for search in (trellis_viterbi, trellis.trellis_viterbi_ref):
             got = search(y, widths, trellis.codebook(), start if tail else None, states=True, mean=mean, scale=scale)
             assert torch.equal(got, want), (search, tail)
-    with pytest.raises(ValueError, match="mean and scale both None"):
-        trellis_viterbi(y, widths, trellis.codebook(), mean=mean)
-    with pytest.raises(ValueError, match="rows, samples"):
-        trellis_viterbi(y[0, 0], widths, trellis.codebook())
+        # batches of 3 rows (each batch's first row mid-stream: row0 % D != 0) and rows too short to wrap (3 x k < 8)
+        batched = trellis_viterbi(y, widths, trellis.codebook(), start if tail else None, states=True, mean=mean,
+                                  scale=scale, scratch_bytes=3 * 19 * 128)
+        assert torch.equal(batched, want), tail
+        short = trellis_viterbi(y[:, :3], widths, trellis.codebook(), start if tail else None, mean=mean, scale=scale)
+        assert torch.equal(short, trellis.trellis_viterbi_ref(rows[:, :3], widths, trellis.codebook(),
+                                                              start if tail else None)), tail
+    for search in (trellis_viterbi, trellis.trellis_viterbi_ref):
+        with pytest.raises(ValueError, match="mean and scale both None"):
+            search(y, widths, trellis.codebook(), mean=mean)
+        with pytest.raises(ValueError, match="rows, samples"):
+            search(y[0, 0], widths, trellis.codebook())
 
 
 @pytest.mark.parametrize("k", [1, 2, 3])

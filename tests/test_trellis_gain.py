@@ -5,6 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -58,3 +59,46 @@ def test_a_trained_table_never_codes_its_training_samples_worse_than_before():
     assert errors[-1] < 0.9 * errors[0]  # the shuffled quantiles are a poor start; training must move them
     with pytest.raises(SystemExit, match="--restarts takes 1 or more"):
         tg.trained_tables(0)
+
+
+def _coded(r, bits):
+    t = TrellisChannels.code(r, bits, alpha=torch.ones(bits.shape))
+    return t, t.decode()
+
+
+def test_the_probe_with_the_stored_codebook_changes_nothing(monkeypatch):
+    """--probe's patches with the stored codebook (`stored`) code and decode a span bit for bit as the library."""
+    monkeypatch.setenv("QUANTWM_KERNELS", "ref")
+    g = torch.Generator().manual_seed(2)
+    r, bits = torch.randn(2, 60, 9, generator=g) * 2 + 1, torch.arange(9).repeat(2, 1)
+    plain, decoded = _coded(r, bits)
+    with tg.stored_tables(None, 4):
+        patched, again = _coded(r, bits)
+    assert torch.equal(plain.codes, patched.codes) and torch.equal(decoded, again)
+    assert torch.equal(plain.step_, patched.step_) and torch.equal(plain.on_grid, patched.on_grid)
+
+
+def test_the_probe_decodes_through_the_trained_tables(monkeypatch, tmp_path):
+    """With a tables file, a width-k trellis channel decodes to its mean plus its stored deviation times a value of
+    its width's table (read by the top k + m bits of the state), and the patches are undone on leaving."""
+    import json
+
+    from quantwm.core import trellis
+
+    monkeypatch.setenv("QUANTWM_KERNELS", "ref")
+    g = torch.Generator().manual_seed(3)
+    small = {f"{k},3": (torch.randn(1 << (k + 3), generator=g)).tolist() for k in tg.TRAINED_WIDTHS}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"tables": small}))
+    r = torch.randn(1, 80, 4, generator=g)
+    bits = torch.tensor([[1, 2, 3, 4]])
+    with tg.stored_tables(str(path), 3):
+        t = TrellisChannels.code(r, bits)
+        decoded = t.decode()
+    assert trellis.scale_of.__module__ == "quantwm.core.trellis"  # restored
+    for d, k in enumerate(bits[0].tolist()):
+        values = torch.tensor(small[f"{k},3"])
+        unit = (decoded[0, :, d] - t.low[0, d].float()) / t.step_[0, d].float()
+        assert (unit[:, None] - values[None]).abs().amin(1).max() < 1e-3, k
+    with pytest.raises(SystemExit, match="no table for width 1 and memory 4"):
+        tg.stored_tables(str(path), 4)

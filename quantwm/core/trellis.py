@@ -52,6 +52,7 @@ from ..kernels.span_args import (
     TRELLIS_SCALES,
     TRELLIS_STATE_BITS,
     TRELLIS_UNIT_MSE,
+    rows_of,
 )
 from .backend import kernel, use_kernels
 from .tables import on_device
@@ -168,6 +169,10 @@ def encode(y: torch.Tensor, widths: torch.Tensor, mean: torch.Tensor, scale: tor
 def normalised_rows(x: torch.Tensor, mean: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The search's rows (M, N) float32 of x (M, N) or of a span (S, N, D) (row s·D + d: its channel d along N), each
     as (x − mean) / scale where mean and scale (M,) are given: what kernels/trellis_viterbi.py reads in place."""
+    M = rows_of(x)[0]
+    if (mean is None) != (scale is None) or any(t is not None and tuple(t.shape) != (M,) for t in (mean, scale)):
+        raise ValueError(f"need mean and scale both None or both ({M},), got "
+                         f"{None if mean is None else tuple(mean.shape)} and {None if scale is None else tuple(scale.shape)}")
     if x.dim() == 3:
         x = x.permute(0, 2, 1).reshape(-1, x.shape[1])
     x = x.float()
