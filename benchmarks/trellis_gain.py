@@ -37,6 +37,10 @@ unit-Gaussian training samples (24 x 1728, generator seed 11), the best restart 
 tail-biting search on the `--tables` samples (seed 7) against the stored code's error there and the uniform grid's.
 Work: 2^L values a sample against the stored code's 256.
 
+`--laplace T.json`: the saved tables against the stored code on unit-variance Laplacian samples, a heavier-tailed
+source, beside Gaussian ones and 128-sample spans. `--trained --source mixture` trains on half Gaussian, half
+Laplacian rows instead (`--widths` a subset of 1-4).
+
 `--probe T.json M EVAL-ARGS`: what those tables would do on the built-in model before the format holds them:
 `quantwm eval EVAL-ARGS` with quantwm-trellis's codes and decodes through the tables of memory M saved by
 `--trained --save T.json` (`stored_tables`: the reference path, the search still over 256 states, the allocator's
@@ -179,9 +183,17 @@ def trained_table(x: torch.Tensor, k: int, L: int, seed: int, iterations: int = 
     return table
 
 
-def trained_tables(restarts: int = 4, save: str | None = None) -> None:
+def laplacian(rows: int, n: int, seed: int) -> torch.Tensor:
+    """(rows, n) unit-variance Laplacian samples (generator `seed`): a heavier-tailed source than the Gaussian."""
+    u = torch.rand(rows, n, generator=torch.Generator().manual_seed(seed), dtype=torch.float64) - 0.5
+    return (-torch.sign(u) * torch.log1p(-2 * u.abs()) / 2 ** 0.5).float()
+
+
+def trained_tables(restarts: int = 4, save: str | None = None, source: str = "gauss",
+                   widths: tuple[int, ...] = (1, 2, 3, 4)) -> None:
     """The module docstring's `--trained`, printed as a table; `save`: every trained table written to a JSON file
-    (what `--probe` reads)."""
+    (what `--probe` and `--laplace` read); `source`: "gauss" (24 Gaussian rows) or "mixture" (12 Gaussian and 12
+    Laplacian rows) to train on; `widths`: a subset of 1-4."""
     import json
 
     from quantwm.core import trellis
@@ -189,7 +201,12 @@ def trained_tables(restarts: int = 4, save: str | None = None) -> None:
 
     if restarts < 1:
         raise SystemExit(f"--restarts takes 1 or more, got {restarts}")
+    if source not in ("gauss", "mixture") or not widths or not set(widths) <= set(TRAINED_WIDTHS):
+        raise SystemExit(f"--source takes gauss or mixture and --widths a subset of {TRAINED_WIDTHS}, got {source!r} "
+                         f"and {widths}")
     train = torch.randn(24, 1728, generator=torch.Generator().manual_seed(11))
+    if source == "mixture":
+        train = torch.cat([train[:12], laplacian(12, 1728, 11)])
     x = torch.randn(24, 1728, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     x = ((x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)).float()  # the --tables samples
     cols = x.T[None]
@@ -197,7 +214,7 @@ def trained_tables(restarts: int = 4, save: str | None = None) -> None:
     print("| width k | memory m | values 2^L | search work | MSE | / stored code (256, computed) | / uniform grid |\n"
           "|---|---|---|---|---|---|---|")
     kept = {}
-    for k in TRAINED_WIDTHS:
+    for k in widths:
         E, _ = channel_errors_ref(cols, cols.amin(1), cols.amax(1), torch.tensor([2.0 ** k - 1]),
                                   torch.tensor(CLIPS), 1.0)
         uniform = E.sum().item() / x.numel()
@@ -212,12 +229,36 @@ def trained_tables(restarts: int = 4, save: str | None = None) -> None:
                   flush=True)
     if save:
         Path(save).parent.mkdir(parents=True, exist_ok=True)
-        Path(save).write_text(json.dumps({"training": "unit Gaussian, 24 x 1728, generator seed 11",
-                                          "restarts": restarts, "tables": kept}, indent=1))
+        training = {"gauss": "unit Gaussian, 24 x 1728, generator seed 11",
+                    "mixture": "12 x 1728 unit Gaussian and 12 x 1728 unit Laplacian, generator seed 11"}[source]
+        Path(save).write_text(json.dumps({"training": training, "restarts": restarts, "tables": kept}, indent=1))
         print(f"wrote {save}")
 
 
 TRAINED_WIDTHS, TRAINED_MEMORY = (1, 2, 3, 4), (3, 4)
+
+
+def on_laplace(path: str) -> None:
+    """`--laplace T.json`: each saved table's error over the stored code's, both by the stored tail-biting search, on
+    unit-variance Gaussian and Laplacian samples (8 x 1728, generator seed 21) and on 128-sample Gaussian spans (64
+    of them, the built-in model's span length), every row normalised."""
+    import json
+
+    from quantwm.core import trellis
+
+    saved = json.loads(Path(path).read_text())["tables"]
+    g = torch.Generator().manual_seed(21)
+    sources = {"Gaussian": torch.randn(8, 1728, generator=g), "Laplacian": laplacian(8, 1728, 21),
+               "Gaussian, 128-sample spans": torch.randn(64, 128, generator=g)}
+    stored = dict(zip(trellis.WIDTHS, trellis.SCALES))
+    print(f"{path}: error / the stored code's\n| samples | width k | memory m | ratio |\n|---|---|---|---|")
+    for name, x in sources.items():
+        x = (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)
+        for key in sorted(saved):
+            k, m = map(int, key.split(","))
+            ours = (x - stored[k] * _search_path(x / stored[k], k, trellis.codebook(), tail=True)).square().mean()
+            err = (x - _search_path(x, k, torch.tensor(saved[key]), tail=True)).square().mean()
+            print(f"| {name} | {k} | {m} | {(err / ours).item():.3f} |", flush=True)
 
 
 class stored_tables:
@@ -515,6 +556,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--trained", action="store_true", help="smaller trellises with trained tables (docstring)")
     ap.add_argument("--restarts", type=int, default=4, help="--trained: random starts of each table's training")
     ap.add_argument("--save", default=None, help="--trained: write the trained tables to this JSON file")
+    ap.add_argument("--source", default="gauss", help="--trained: train on gauss or mixture (Gaussian and Laplacian)")
+    ap.add_argument("--widths", default="1,2,3,4", help="--trained: these widths (of 1-4)")
+    ap.add_argument("--laplace", default=None, help="saved tables' error on Laplacian samples (docstring)")
     ap.add_argument("--probe", nargs=argparse.REMAINDER, default=None,
                     help="TABLES.json|stored M EVAL-ARGS...: quantwm eval with trained tables of memory M (docstring)")
     ap.add_argument("--warmup", action="store_true", help="the trellis's error by token position (docstring)")
@@ -527,8 +571,10 @@ def main(argv: list[str] | None = None) -> None:
     a = ap.parse_args(argv)
     if a.state_bits is not None and not a.tables:
         ap.error("--state-bits goes with --tables")
-    if (a.save is not None or a.restarts != 4) and not a.trained:
-        ap.error("--restarts and --save go with --trained")
+    if (a.save is not None or a.restarts != 4 or a.source != "gauss" or a.widths != "1,2,3,4") and not a.trained:
+        ap.error("--restarts, --save, --source and --widths go with --trained")
+    if a.laplace:
+        return on_laplace(a.laplace)
     if a.tables:
         return bitshift_tables(a.state_bits)
     if a.probe is not None:
@@ -536,7 +582,11 @@ def main(argv: list[str] | None = None) -> None:
             ap.error(f"--probe takes TABLES.json (or 'stored'), a memory of {TRAINED_MEMORY} and eval's arguments")
         raise SystemExit(probe(None if a.probe[0] == "stored" else a.probe[0], int(a.probe[1]), a.probe[2:]))
     if a.trained:
-        return trained_tables(a.restarts, a.save)
+        try:
+            widths = tuple(int(w) for w in a.widths.split(","))
+        except ValueError:
+            ap.error(f"--widths takes widths like 1,2,3,4, got {a.widths!r}")
+        return trained_tables(a.restarts, a.save, a.source, widths)
     if a.warmup:
         return warmup()
     if a.wrap:

@@ -102,3 +102,17 @@ def test_the_probe_decodes_through_the_trained_tables(monkeypatch, tmp_path):
         assert (unit[:, None] - values[None]).abs().amin(1).max() < 1e-3, k
     with pytest.raises(SystemExit, match="no table for width 1 and memory 4"):
         tg.stored_tables(str(path), 4)
+
+
+def test_the_heavier_tailed_source_and_the_training_options_are_checked(capsys):
+    """--laplace's source has unit variance and a Laplacian's kurtosis (6, against the Gaussian's 3); --trained's
+    options are refused alone or out of range."""
+    x = tg.laplacian(4, 20000, 3).double()
+    assert abs(x.var().item() - 1) < 0.05 and 5 < ((x - x.mean()) ** 4).mean().item() / x.var().item() ** 2 < 7
+    with pytest.raises(SystemExit):
+        tg.main(["--source", "mixture"])
+    assert "go with --trained" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="--source takes gauss or mixture"):
+        tg.trained_tables(1, None, "student", (2,))
+    with pytest.raises(SystemExit, match="a subset of"):
+        tg.trained_tables(1, None, "gauss", (5,))
