@@ -238,15 +238,24 @@ def trained_tables(restarts: int = 4, save: str | None = None, source: str = "ga
 TRAINED_WIDTHS, TRAINED_MEMORY = (1, 2, 3, 4), (3, 4)
 
 
+def saved_tables(path: str) -> dict:
+    """The tables a `--trained --save` file holds ({"k,m": values}), or a clear exit naming what is wrong."""
+    import json
+
+    try:
+        saved = json.loads(Path(path).read_text())["tables"]
+        return {key: [float(v) for v in values] for key, values in saved.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SystemExit(f"{path}: not a tables file written by --trained --save ({type(e).__name__}: {e})") from None
+
+
 def on_laplace(path: str) -> None:
     """`--laplace T.json`: each saved table's error over the stored code's, both by the stored tail-biting search, on
     unit-variance Gaussian and Laplacian samples (8 x 1728, generator seed 21) and on 128-sample Gaussian spans (64
     of them, the built-in model's span length), every row normalised."""
-    import json
-
     from quantwm.core import trellis
 
-    saved = json.loads(Path(path).read_text())["tables"]
+    saved = saved_tables(path)
     g = torch.Generator().manual_seed(21)
     sources = {"Gaussian": torch.randn(8, 1728, generator=g), "Laplacian": laplacian(8, 1728, 21),
                "Gaussian, 128-sample spans": torch.randn(64, 128, generator=g)}
@@ -266,24 +275,23 @@ class stored_tables:
     through per-width tables instead of the computed codebook: at widths 1-4 the trained table of 2^(k+m) values
     from `path` (`--trained --save`), read by the top k + m bits of a sample's 8-bit state, at 5-8 the stored
     codebook as stored (its scale in the stored scale); a trained table holds its own scale, so a channel coded
-    through one stores its standard deviation. The
-    search still runs over 256 states (the state's low bits change no value, so its least-error path is the small
-    trellis's); the allocator still prices a channel by the stored code's ratios. What `--probe` runs the built-in
-    model with; the fused kernel does not read these tables (the probe forces the reference path)."""
+    through one stores its standard deviation. The search still runs over 256 states (the state's low bits change
+    no value, so its least-error path is the small trellis's); the allocator still prices a channel by the stored
+    code's ratios. What `--probe` runs the built-in model with; the fused kernel does not read these tables (the
+    probe forces the reference path)."""
 
     def __init__(self, path: str | None, memory: int):
-        import json
-
         from quantwm.core import trellis
 
         n = 1 << trellis.STATE_BITS
         rows = [trellis.codebook()] * 9  # widths 0-8, as stored: the computed codebook, each width's scale stored
         factor = [1.0, *trellis.SCALES]  # the stored scale's factor at widths 0-8 (`trellis.scale_of`)
         if path is not None:
-            saved = json.loads(Path(path).read_text())["tables"]
+            saved = saved_tables(path)
             for k in TRAINED_WIDTHS:
-                if f"{k},{memory}" not in saved:
-                    raise SystemExit(f"{path} holds no table for width {k} and memory {memory}")
+                if len(saved.get(f"{k},{memory}", ())) != 1 << (k + memory):
+                    raise SystemExit(f"{path} holds no table of {1 << (k + memory)} values for width {k} and memory "
+                                     f"{memory}")
                 small = torch.tensor(saved[f"{k},{memory}"])
                 rows[k] = small[torch.arange(n) >> (trellis.STATE_BITS - k - memory)]
                 factor[k] = 1.0  # the trained table holds its scale: the stored one is the channel's deviation

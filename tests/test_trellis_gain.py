@@ -100,8 +100,14 @@ def test_the_probe_decodes_through_the_trained_tables(monkeypatch, tmp_path):
         values = torch.tensor(small[f"{k},3"])
         unit = (decoded[0, :, d] - t.low[0, d].float()) / t.step_[0, d].float()
         assert (unit[:, None] - values[None]).abs().amin(1).max() < 1e-3, k
-    with pytest.raises(SystemExit, match="no table for width 1 and memory 4"):
+    with pytest.raises(SystemExit, match="no table of 32 values for width 1 and memory 4"):
         tg.stored_tables(str(path), 4)
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(SystemExit, match="not a tables file"):
+        tg.stored_tables(str(bad), 3)
+    with pytest.raises(SystemExit, match="not a tables file"):
+        tg.on_laplace(str(tmp_path / "missing.json"))
 
 
 def test_the_heavier_tailed_source_and_the_training_options_are_checked(capsys):
