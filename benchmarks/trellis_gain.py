@@ -303,23 +303,16 @@ class stored_tables:
         from quantwm.core.layouts import trellis as layout
 
         tables = self.tables
-        choice = layout.trellis_choice_ref
+        choice, search = layout.trellis_choice_ref, trellis.viterbi
 
-        def by_width(x, widths, table, start=None, groups=None, states=False, mean=None, scale=None):
-            x = trellis.normalised_rows(x, mean, scale)
-            L = trellis.STATE_BITS
-            codes = torch.zeros(x.shape, dtype=torch.uint8 if states else torch.long, device=x.device)
-            for k, rows in groups if groups is not None else trellis._width_groups(widths.long()):
-                tail = start is not None and x.shape[1] * k >= L
-                codes[rows] = trellis.viterbi(x[rows], k, tables[k], start[rows] if tail else None,
-                                              states).to(codes.dtype)
-            return codes
+        def by_width(x, bits, values, start=None, states=False):  # the search of one width, through its table
+            return search(x, bits, tables[bits], start, states)
 
         def chosen(r, states, table, lo, hi, alpha, bits, *rest):
             flat = states.long() + tables.shape[1] * bits.long()[:, :, None]  # (S, D, N): row `width` of the tables
             return choice(r, flat, tables.flatten(), lo, hi, alpha, bits, *rest)
 
-        patches = [(trellis, "_search_by_width", by_width), (layout, "trellis_choice_ref", chosen),
+        patches = [(trellis, "viterbi", by_width), (layout, "trellis_choice_ref", chosen),
                    (trellis, "values", lambda state, widths: torch.where(
                        widths[:, None, :] > 0, tables[widths.long()[:, None, :], state.long()], 0.0)),
                    (trellis, "scale_of", lambda std, widths: std * self.factor[widths.long()])]

@@ -83,10 +83,16 @@ def full_side(x: torch.Tensor) -> SideArgs:
     return SideArgs(FULL, x, x.shape[1])
 
 
-def rows_of(x: torch.Tensor) -> tuple[int, int, int]:
-    """(rows M, samples N, channels D) of a search's samples: an (M, N) x (D = 1), or a span (S, N, D) (M = S·D)."""
+def rows_of(x: torch.Tensor, mean: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> tuple[int, int, int]:
+    """(rows M, samples N, channels D) of a trellis search's samples: an (M, N) x (D = 1), or a span (S, N, D) (M =
+    S·D); `mean` and `scale`, the rows' normalisation, both None or both (M,). The kernel and its twin check so."""
     if x.dim() == 2:
-        return x.shape[0], x.shape[1], 1
-    if x.dim() == 3:
-        return x.shape[0] * x.shape[2], x.shape[1], x.shape[2]
-    raise ValueError(f"trellis samples must be (rows, samples) or (streams, samples, channels), got {tuple(x.shape)}")
+        M, N, D = x.shape[0], x.shape[1], 1
+    elif x.dim() == 3:
+        M, N, D = x.shape[0] * x.shape[2], x.shape[1], x.shape[2]
+    else:
+        raise ValueError(f"trellis samples must be (rows, samples) or (streams, samples, channels), got {tuple(x.shape)}")
+    if (mean is None) != (scale is None) or any(t is not None and tuple(t.shape) != (M,) for t in (mean, scale)):
+        raise ValueError(f"need mean and scale both None or both ({M},), got "
+                         f"{None if mean is None else tuple(mean.shape)} and {None if scale is None else tuple(scale.shape)}")
+    return M, N, D

@@ -90,16 +90,14 @@ def trellis_viterbi(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor, 
     (x − mean) / scale, normalised as it is read. `states`: the path's states (M, N) uint8 instead (each sample's L
     bits; code = state >> (L − width), value = table[state]; 0 on 0-width rows). A launch per batch of rows (the
     batches depend on shapes only)."""
-    M, N, D = rows_of(x)
+    M, N, D = rows_of(x, mean, scale)
     if any(t is not None and t.device != x.device for t in (widths, table, start, mean, scale)):
         raise ValueError(f"the trellis search's tensors must all be on the samples' device {x.device}")
     if (tuple(widths.shape) != (M,) or table.numel() != 1 << TRELLIS_STATE_BITS
-            or any(t is not None and tuple(t.shape) != (M,) for t in (start, mean, scale)) or (mean is None) != (scale is None)):
-        raise ValueError(f"need widths ({M},), start states None or ({M},), mean and scale both None or both ({M},) "
-                         f"and a table of {1 << TRELLIS_STATE_BITS} values, got {tuple(widths.shape)}, "
-                         f"{None if start is None else tuple(start.shape)}, "
-                         f"{None if mean is None else tuple(mean.shape)}, {None if scale is None else tuple(scale.shape)} "
-                         f"and {table.numel()}")
+            or (start is not None and tuple(start.shape) != (M,))):
+        raise ValueError(f"need widths ({M},), start states None or ({M},) and a table of {1 << TRELLIS_STATE_BITS} "
+                         f"values, got {tuple(widths.shape)}, {None if start is None else tuple(start.shape)} and "
+                         f"{table.numel()}")
     codes = torch.zeros(M, N, dtype=torch.uint8 if states else torch.int64, device=x.device)
     if M == 0 or N == 0:
         return codes

@@ -34,6 +34,19 @@ def _path_values(codes: torch.Tensor, k: int, tail: bool = False) -> torch.Tenso
     return torch.stack(out, 1)
 
 
+def _end_state(codes: torch.Tensor, widths: torch.Tensor, at: int) -> torch.Tensor:
+    """The state (M,) int64 after code `at` of every row of codes (M, N) of widths (M,) (0-8), read from state 0:
+    the L bits that end where code `at` ends (the codes before the row's first read 0), rebuilt from the codes: what
+    a tail-biting path must end in, and what the encoder reads off the window search's states instead."""
+    state_bits = trellis.STATE_BITS
+    j = torch.arange(state_bits, device=codes.device)  # code at − j ...
+    pos = at - j
+    window = codes[:, pos.clamp_min(0)] * (pos >= 0)  # (M, L)
+    shift = state_bits - widths.long()[:, None] * (j + 1)  # ... sits at bit `shift` of the state (< 0: partly out)
+    part = torch.where(shift >= 0, window << shift.clamp_min(0), window >> (-shift).clamp(0, 63))
+    return torch.where(shift > -widths.long()[:, None], part, 0).sum(1)
+
+
 @pytest.mark.parametrize("k,n,tail", [(1, 7, False), (2, 4, False), (3, 3, False), (1, 12, True), (2, 6, True),
                                       (3, 4, True), (5, 3, True)])
 def test_viterbi_finds_the_least_error_path(k, n, tail):
@@ -43,13 +56,13 @@ def test_viterbi_finds_the_least_error_path(k, n, tail):
     start = None
     if tail:  # a tail-biting path ends in its start state: the sequences that do
         start = torch.randint(0, 1 << trellis.STATE_BITS, (3,), generator=g)
-        ends = trellis.end_state(every, torch.full((len(every),), k), n - 1)
+        ends = _end_state(every, torch.full((len(every),), k), n - 1)
     codes = trellis.viterbi(x, k, trellis.codebook(), start)
     got = (_path_values(codes, k, tail) - x).square().sum(1)
     for row in range(x.shape[0]):
         pool = every if start is None else every[ends == start[row]]
         if start is not None:
-            assert trellis.end_state(codes[row:row + 1], torch.tensor([k]), n - 1) == start[row]
+            assert _end_state(codes[row:row + 1], torch.tensor([k]), n - 1) == start[row]
             assert len(pool) == 1 << (n * k - trellis.STATE_BITS)
         best = (_path_values(pool, k, tail) - x[row]).square().sum(1).min()
         assert got[row] <= best + 1e-5
@@ -232,13 +245,13 @@ def test_the_viterbi_kernel_reads_a_span_in_place_normalised_as_the_reference_do
 @pytest.mark.parametrize("k", [1, 2, 3])
 def test_the_wrap_state_is_the_state_the_window_path_ends_its_last_sample_in(k):
     """wrap_states reads the end state off the window search's states: the L bits that end at the row's last
-    sample, as end_state computes them from the same path's codes."""
+    sample, as _end_state computes them from the same path's codes."""
     g = torch.Generator().manual_seed(k)
     x = torch.randn(4, 41, generator=g)
     got = trellis.wrap_states(x, lambda w: trellis.viterbi(w, k, trellis.codebook(), states=True), window=9)
     window = torch.cat([x[:, 41 - 9:], x[:, :9]], 1)
     codes = trellis.viterbi(window, k, trellis.codebook())
-    assert torch.equal(got, trellis.end_state(codes, torch.full((4,), k), 8))
+    assert torch.equal(got, _end_state(codes, torch.full((4,), k), 8))
 
 
 def test_a_span_coded_on_the_kernel_path_stores_the_same_bytes(monkeypatch):

@@ -120,18 +120,6 @@ def viterbi(x: torch.Tensor, bits: int, values: torch.Tensor, start: torch.Tenso
     return out
 
 
-def end_state(codes: torch.Tensor, widths: torch.Tensor, at: int, state_bits: int = STATE_BITS) -> torch.Tensor:
-    """The state (M,) int64 after code `at` of every row of codes (M, N) of widths (M,) (0-8), read from state 0:
-    the L = state_bits bits that end where code `at` ends (the codes before the row's first read 0). Batched over
-    the window's at most L codes."""
-    j = torch.arange(state_bits, device=codes.device)  # code at − j ...
-    pos = at - j
-    window = codes[:, pos.clamp_min(0)] * (pos >= 0)  # (M, L)
-    shift = state_bits - widths.long()[:, None] * (j + 1)  # ... sits at bit `shift` of the state (< 0: partly out)
-    part = torch.where(shift >= 0, window << shift.clamp_min(0), window >> (-shift).clamp(0, 63))
-    return torch.where(shift > -widths.long()[:, None], part, 0).sum(1)
-
-
 def wrap_states(x: torch.Tensor, search, window: int = WRAP_TOKENS) -> torch.Tensor:
     """Each row's tail-biting state (M,): the state after its last sample on the free-start search over a window
     around the wrap, its last `window` samples (at most half the row) then its first (so that the last sample sits
@@ -169,10 +157,7 @@ def encode(y: torch.Tensor, widths: torch.Tensor, mean: torch.Tensor, scale: tor
 def normalised_rows(x: torch.Tensor, mean: torch.Tensor | None = None, scale: torch.Tensor | None = None) -> torch.Tensor:
     """The search's rows (M, N) float32 of x (M, N) or of a span (S, N, D) (row s·D + d: its channel d along N), each
     as (x − mean) / scale where mean and scale (M,) are given: what kernels/trellis_viterbi.py reads in place."""
-    M = rows_of(x)[0]
-    if (mean is None) != (scale is None) or any(t is not None and tuple(t.shape) != (M,) for t in (mean, scale)):
-        raise ValueError(f"need mean and scale both None or both ({M},), got "
-                         f"{None if mean is None else tuple(mean.shape)} and {None if scale is None else tuple(scale.shape)}")
+    rows_of(x, mean, scale)  # the kernel's checks
     if x.dim() == 3:
         x = x.permute(0, 2, 1).reshape(-1, x.shape[1])
     x = x.float()
