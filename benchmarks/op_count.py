@@ -26,8 +26,9 @@ Host syncs, each counted once:
 Each sync's `where` is the innermost frame in quantwm/ or kernels/ ("quantwm/core/quant.py:120 quantize").
 Bytes of an op: its tensors' distinct elements, in and out. FLOPs: 2MNK for mm/bmm/addmm/baddbmm, 4·B·H·Nq·Nkv·D
 for SDPA, 2·x·K for a k-means or QSAC assignment, a constant x n³ per matrix for decompositions (DECOMPOSITIONS),
-VITERBI_OPS per state update for the trellis's Viterbi search (rows x samples x 2^L updates, its sequential steps
-as work: see the constant), else the largest tensor's numel (elementwise: the output; a reduction: its input).
+VITERBI_OPS per state update and VITERBI_STEP_OPS per step for the trellis's Viterbi search (a coded row's samples x
+2^TABLE_BITS[width] updates, its sequential steps as work: see the constants), else the largest tensor's numel
+(elementwise: the output; a reduction: its input).
 Known limits: on the CPU every tensor is a host tensor, so a copy from the host to the device (a tensor built
 without `device=` then moved) cannot be told from device-resident code; a CUDA run sees it.
 """
@@ -293,20 +294,27 @@ class TritonLaunches:
         return counted
 
 
-VITERBI_OPS = 7.5  # lane operations per state update and sample of kernels/trellis_viterbi.py: some 60 warp
-# instructions a step for 256 states on one warp (each lane's 8 states: their errors and sums, the least of each
-# state's 2^k predecessors, the costs exchanged, the backpointer stored), 60 x 32 / 256; an estimate from the kernel's
-# code, not a measurement (docs/results.md, "Trellis codes")
+VITERBI_OPS, VITERBI_STEP_OPS = 6.0, 384.0  # lane operations of kernels/trellis_viterbi.py a sample: 6 a state update
+# (its error and sum, the least of its predecessors, the cost exchanged) and 384 (12 warp instructions) a step and row
+# whatever its trellis's size (the sample's load and normalisation, the loop, the backpointers' address), so that a
+# 256-state step is some 60 warp instructions on its one warp (each lane's 8 states) and a 32-state one some 18; an
+# estimate from the kernel's code, not a measurement (docs/results.md, "Trellis codes")
 
 
 def launch_flops(name: str, tensors: list[torch.Tensor]) -> float:
     """FLOPs of one kernels/ launch from its tensors (arguments, then outputs): the module docstring's rule."""
     if name.endswith("_assign"):
         return 2.0 * tensors[0].numel() * tensors[1].shape[-2]
-    if name == "trellis_viterbi":  # x (M, N) or a span (S, N, D), widths (M,), table (2^L,): every state updated at
-        x, widths, table = tensors[:3]  # every sample of the coded rows (a 0-width row is skipped; on a GPU's run all
-        rows = int((widths > 0).sum()) if widths.device.type == "cpu" else widths.numel()  # are counted)
-        return VITERBI_OPS * rows * x.shape[1] * table.numel()
+    if name == "trellis_viterbi":  # x (M, N) or a span (S, N, D), widths (M,): every state of a coded row's trellis
+        from quantwm.core.trellis import TABLE_BITS  # (2^TABLE_BITS[width]) updated at every sample, and its step
+
+        x, widths = tensors[:2]
+        if widths.device.type == "cpu":  # a 0-width row is skipped; on a GPU's run every row counts as 256 states
+            states = torch.tensor([0] + [1 << b for b in TABLE_BITS[1:]], device="cpu")[widths.long().cpu()]
+            updates, steps = float(states.sum()), float((widths > 0).sum())
+        else:
+            updates, steps = 256.0 * widths.numel(), float(widths.numel())
+        return x.shape[1] * (VITERBI_OPS * updates + VITERBI_STEP_OPS * steps)
     return float(max((x.numel() for x in tensors), default=0))
 
 

@@ -148,14 +148,16 @@ def bitshift_tables(state_bits: int | None = None) -> None:
     L = trellis.STATE_BITS if state_bits is None else state_bits
     if not 4 <= L <= 12:
         raise SystemExit(f"--state-bits takes 4-12 (the stored code has {trellis.STATE_BITS}), got {L}")
-    values = trellis.mad(torch.arange(1 << L))
     rows = []
     for k in (k for k in trellis.WIDTHS if k < L):  # a width of L bits would leave the trellis no memory
         E, _ = channel_errors_ref(cols, cols.amin(1), cols.amax(1), torch.tensor([2.0 ** k - 1]),
                                   torch.tensor(CLIPS), 1.0)
         uniform = E.sum().item() / x.numel()
-        best = None
-        for scale in [round(0.8 + 0.1 * i, 1) for i in range(11)]:  # the stored search: tail-biting
+        best, values, scales = None, trellis.mad(torch.arange(1 << L)), [round(0.8 + 0.1 * i, 1) for i in range(11)]
+        if state_bits is None:  # the format's code: a stored table holds its own scale
+            values = trellis.table_of(trellis.tables(), k)
+            scales = [1.0] if k in trellis.TRELLIS_TRAINED else scales
+        for scale in scales:  # the stored search: tail-biting
             path = _search_path(x / scale, k, values, tail=True)
             err = (x - scale * path).square().mean().item()
             best = min(best or (err, scale), (err, scale))
@@ -210,7 +212,7 @@ def trained_tables(restarts: int = 4, save: str | None = None, source: str = "ga
     x = torch.randn(24, 1728, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     x = ((x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)).float()  # the --tables samples
     cols = x.T[None]
-    stored = dict(zip(trellis.WIDTHS, trellis.SCALES))
+    stored = COMPUTED_SCALES
     print("| width k | memory m | values 2^L | search work | MSE | / stored code (256, computed) | / uniform grid |\n"
           "|---|---|---|---|---|---|---|")
     kept = {}
@@ -236,6 +238,8 @@ def trained_tables(restarts: int = 4, save: str | None = None, source: str = "ga
 
 
 TRAINED_WIDTHS, TRAINED_MEMORY = (1, 2, 3, 4), (3, 4)
+COMPUTED_SCALES = {1: 0.9, 2: 1.1, 3: 1.2, 4: 1.2}  # the computed 256-state code's scales at widths 1-4 (stored until
+# the trained tables replaced it there): what --trained and --laplace measure the tables against
 
 
 def saved_tables(path: str) -> dict:
@@ -259,7 +263,7 @@ def on_laplace(path: str) -> None:
     g = torch.Generator().manual_seed(21)
     sources = {"Gaussian": torch.randn(8, 1728, generator=g), "Laplacian": laplacian(8, 1728, 21),
                "Gaussian, 128-sample spans": torch.randn(64, 128, generator=g)}
-    stored = dict(zip(trellis.WIDTHS, trellis.SCALES))
+    stored = COMPUTED_SCALES
     print(f"{path}: error / the stored code's\n| samples | width k | memory m | ratio |\n|---|---|---|---|")
     for name, x in sources.items():
         x = (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True)
@@ -272,19 +276,18 @@ def on_laplace(path: str) -> None:
 
 class stored_tables:
     """`with stored_tables(path, m):` quantwm-trellis's reference path (QUANTWM_KERNELS=ref) codes and decodes
-    through per-width tables instead of the computed codebook: at widths 1-4 the trained table of 2^(k+m) values
-    from `path` (`--trained --save`), read by the top k + m bits of a sample's 8-bit state, at 5-8 the stored
-    codebook as stored (its scale in the stored scale); a trained table holds its own scale, so a channel coded
-    through one stores its standard deviation. The search still runs over 256 states (the state's low bits change
-    no value, so its least-error path is the small trellis's); the allocator still prices a channel by the stored
-    code's ratios. What `--probe` runs the built-in model with; the fused kernel does not read these tables (the
-    probe forces the reference path)."""
+    through other tables than the format's: at widths 1-4 the trained table of 2^(k+m) values from `path`
+    (`--trained --save`), read by the top k + m bits of a sample's 8-bit window (`trellis.tables` and
+    `trellis.TABLE_BITS` patched), each holding its own scale (a channel stores its standard deviation); at 5-8
+    the format's codebook. No path: the format's own tables through the same patches (a check that they change
+    nothing). The allocator still prices a channel by the format's ratios; the fused kernel does not read these
+    tables (the probe forces the reference path)."""
 
     def __init__(self, path: str | None, memory: int):
         from quantwm.core import trellis
 
         n = 1 << trellis.STATE_BITS
-        rows = [trellis.codebook()] * 9  # widths 0-8, as stored: the computed codebook, each width's scale stored
+        tables, bits = trellis.tables().clone(), list(trellis.TABLE_BITS)
         factor = [1.0, *trellis.SCALES]  # the stored scale's factor at widths 0-8 (`trellis.scale_of`)
         if path is not None:
             saved = saved_tables(path)
@@ -292,29 +295,16 @@ class stored_tables:
                 if len(saved.get(f"{k},{memory}", ())) != 1 << (k + memory):
                     raise SystemExit(f"{path} holds no table of {1 << (k + memory)} values for width {k} and memory "
                                      f"{memory}")
-                small = torch.tensor(saved[f"{k},{memory}"])
-                rows[k] = small[torch.arange(n) >> (trellis.STATE_BITS - k - memory)]
+                bits[k] = k + memory
+                tables[k] = torch.tensor(saved[f"{k},{memory}"])[torch.arange(n) >> (trellis.STATE_BITS - bits[k])]
                 factor[k] = 1.0  # the trained table holds its scale: the stored one is the channel's deviation
-        self.tables, self.factor = torch.stack(rows), torch.tensor(factor)  # (9, 256): a width's value of a state
+        self.tables, self.bits, self.factor = tables, tuple(bits), torch.tensor(factor)
         self.saved = []
 
     def __enter__(self):
         from quantwm.core import trellis
-        from quantwm.core.layouts import trellis as layout
 
-        tables = self.tables
-        choice, search = layout.trellis_choice_ref, trellis.viterbi
-
-        def by_width(x, bits, values, start=None, states=False):  # the search of one width, through its table
-            return search(x, bits, tables[bits], start, states)
-
-        def chosen(r, states, table, lo, hi, alpha, bits, *rest):
-            flat = states.long() + tables.shape[1] * bits.long()[:, :, None]  # (S, D, N): row `width` of the tables
-            return choice(r, flat, tables.flatten(), lo, hi, alpha, bits, *rest)
-
-        patches = [(trellis, "viterbi", by_width), (layout, "trellis_choice_ref", chosen),
-                   (trellis, "values", lambda state, widths: torch.where(
-                       widths[:, None, :] > 0, tables[widths.long()[:, None, :], state.long()], 0.0)),
+        patches = [(trellis, "tables", lambda: self.tables), (trellis, "TABLE_BITS", self.bits),
                    (trellis, "scale_of", lambda std, widths: std * self.factor[widths.long()])]
         for module, name, f in patches:
             self.saved.append((module, name, getattr(module, name)))
@@ -353,7 +343,7 @@ def warmup() -> None:
     x = (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True, correction=0)
     print("| bits | search | error of tokens 0-5 over the mean | MSE |\n|---|---|---|---|")
     for k in (1, 2, 3, 4):
-        values = trellis.codebook() * trellis.SCALES[k - 1]
+        values = trellis.table_of(trellis.tables(), k) * trellis.SCALES[k - 1]  # the stored code
         for name, tail in (("from state 0 (before)", False), ("tail-biting (stored)", True)):
             e = (_search_path(x, k, values, tail) - x).square()
             ratio = e.mean(0)[:6] / e.mean(0)[12:116].mean()
@@ -374,7 +364,7 @@ def wrap_window() -> None:
         x = torch.randn(m, n, generator=torch.Generator().manual_seed(0))
         x = (x - x.mean(1, keepdim=True)) / x.std(1, keepdim=True, correction=0)
         for k in (1, 2, 3):
-            values = trellis.codebook() * trellis.SCALES[k - 1]
+            values = trellis.table_of(trellis.tables(), k) * trellis.SCALES[k - 1]  # the stored code
             cells = [f"{(_search_path(x, k, values, True, w or n) - x).square().mean().item():.5f}" for w in windows]
             print(f"| {n} | {k} | " + " | ".join(cells) + " |", flush=True)
 

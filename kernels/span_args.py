@@ -32,6 +32,9 @@ from typing import NamedTuple
 
 import torch
 
+from .trellis_tables import MEMORY as TRELLIS_MEMORY
+from .trellis_tables import TRAINED as TRELLIS_TRAINED  # noqa: F401 (the tables' values, for quantwm.core.trellis)
+
 FULL, GROUPED, CHANNELS, TRELLIS = 0, 1, 2, 3
 # key rows per tile of the fused kernel; the 8-bit path's PV blocks (quantwm/core/fp8.py) and the token groups whose
 # codes it reads as they are follow it
@@ -43,8 +46,11 @@ TRELLIS_STATE_BITS = 8  # the state a sample decodes from
 MAD_MULT, MAD_ADD = 34038481, 76625530  # QTIP's "1MAD" codebook: a 32-bit linear congruential step of the state,
 MAD_CENTER = 510.0  # then the sum of its four bytes less their mean,
 MAD_SCALE = 0.006765875034034252  # times 1 / their standard deviation (√(4 (256² − 1) / 12)), exact in fp32
-TRELLIS_SCALES = (1.0, 0.9, 1.1, 1.2, 1.2, 1.4, 1.4, 1.4, 1.6)  # the codebook's scale at widths 0-8
-TRELLIS_UNIT_MSE = (1.0, 0.305, 0.0859, 0.0245, 0.00672, 0.00204, 0.000642, 0.000308, 0.000124)  # unit Gaussian
+# widths 1-4 decode through stored tables of 2^(k + 4) values (kernels/trellis_tables.py) read by the top k + 4 bits
+# of the state, widths 5-8 through the computed codebook read by all 8: the bits of the state each width reads
+TRELLIS_TABLE_BITS = (0,) + tuple(min(k + TRELLIS_MEMORY, TRELLIS_STATE_BITS) for k in range(1, 9))
+TRELLIS_SCALES = (1.0, 1.0, 1.0, 1.0, 1.0, 1.4, 1.4, 1.4, 1.6)  # the code's scale at widths 0-8 (a table holds its own)
+TRELLIS_UNIT_MSE = (1.0, 0.312, 0.0901, 0.025, 0.00651, 0.00204, 0.000642, 0.000308, 0.000124)  # unit Gaussian
 # a channel's equivalent grid step (the Jensen term's Δ) per unit of its stored scale: √(12 MSE) / codebook scale
 TRELLIS_ERROR_STEP = tuple(0.0 if b == 0 else (12 * m) ** 0.5 / c
                            for b, (m, c) in enumerate(zip(TRELLIS_UNIT_MSE, TRELLIS_SCALES)))
@@ -61,6 +67,7 @@ class SideArgs(NamedTuple):
     meta: torch.Tensor | None = None
     codebook: torch.Tensor | None = None
     ids: torch.Tensor | None = None
+    table: torch.Tensor | None = None
     bits: int = 0
     group_size: int = 1
     axis_token: bool = False

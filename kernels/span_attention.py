@@ -79,8 +79,8 @@ def _trellis_error_step(bits):
 @triton.jit
 def _span_attention_kernel(
         q_ptr, acc_ptr, m_ptr, l_ptr,
-        k_data, k_scales, k_zeros, k_meta, k_cb, k_ids,
-        v_data, v_scales, v_zeros, v_meta, v_cb, v_ids,
+        k_data, k_scales, k_zeros, k_meta, k_cb, k_ids, k_table,
+        v_data, v_scales, v_zeros, v_meta, v_cb, v_ids, v_table,
         pq_ptr, pc0_ptr, pcodes_ptr, kmu_ptr, qcb_ptr,
         Nq, N, D, P, split_len, qk_scale, jensen_coef, k_ncb, v_ncb, R,
         K_FORM: tl.constexpr, K_BITS: tl.constexpr, K_G: tl.constexpr, K_AXIS_TOKEN: tl.constexpr,
@@ -144,7 +144,7 @@ def _span_attention_kernel(
                               qmask, rows, n0, d, N, Nq, D, k_ncb, rmask, dmask, K_FORM, K_BITS, K_G, K_AXIS_TOKEN,
                               K_SYM, K_CODEBOOK, LOWP, INTERP, BLOCK_N, BLOCK_D)
         elif LOWP:  # keys less the centre and queries in two terms each (value, remainder): three products
-            k = _rebuild(k_data, k_scales, k_zeros, k_meta, k_cb, k_ids, s, rows, d, N, D, k_ncb, rmask, dmask,
+            k = _rebuild(k_data, k_scales, k_zeros, k_meta, k_cb, k_ids, k_table, s, rows, d, N, D, k_ncb, rmask, dmask,
                          K_FORM, K_BITS, K_G, K_AXIS_TOKEN, K_SYM, K_CODEBOOK)
             kc = tl.where(rmask[:, None] & dmask[None, :], k - mu[None, :], 0.0)
             k_hi, hi_sc = _lowp_rows(kc, LOWP, INTERP)
@@ -153,7 +153,7 @@ def _span_attention_kernel(
                     + _dot_lowp(q_lp, tl.trans(k_lo), LOWP == 1, INTERP) * lo_sc[None, :]) * q_sc[:, None]
             dots += _dot_lowp(qr_lp, tl.trans(k_hi), LOWP == 1, INTERP) * hi_sc[None, :] * qr_sc[:, None] + q_mu[:, None]
         else:
-            k = _rebuild(k_data, k_scales, k_zeros, k_meta, k_cb, k_ids, s, rows, d, N, D, k_ncb, rmask, dmask,
+            k = _rebuild(k_data, k_scales, k_zeros, k_meta, k_cb, k_ids, k_table, s, rows, d, N, D, k_ncb, rmask, dmask,
                          K_FORM, K_BITS, K_G, K_AXIS_TOKEN, K_SYM, K_CODEBOOK)
             dots = _dot(q, tl.trans(k), q.dtype, DOT_F32)  # (BM, BN)
         if PSAC:
@@ -178,7 +178,7 @@ def _span_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         pexp = tl.exp2(logits - m_new[:, None])
         l_i = l_i * alpha + tl.sum(pexp, axis=1)
-        v = _rebuild(v_data, v_scales, v_zeros, v_meta, v_cb, v_ids, s, rows, d, N, D, v_ncb, rmask, dmask,
+        v = _rebuild(v_data, v_scales, v_zeros, v_meta, v_cb, v_ids, v_table, s, rows, d, N, D, v_ncb, rmask, dmask,
                      V_FORM, V_BITS, V_G, V_AXIS_TOKEN, V_SYM, V_CODEBOOK)
         if LOWP:  # P as it is (in [0, 1]), V with one scale per channel of the block
             vmax = tl.max(tl.abs(v), axis=0)
@@ -216,7 +216,7 @@ def _loadable(t: torch.Tensor | None, fp8: bool, dummy: torch.Tensor) -> torch.T
 
 
 class _Side(NamedTuple):
-    """One side's kernel arguments: six pointers (data, scales, zeros, meta, codebook, ids), the codebook's row
+    """One side's kernel arguments: seven pointers (data, scales, zeros, meta, codebook, ids, table), the codebook's row
     count, and the side's constexprs (FORM, BITS, G, AXIS_TOKEN, SYM, CODEBOOK)."""
 
     pointers: tuple
@@ -234,6 +234,10 @@ def _check_side(side: SideArgs, S: int, N: int, D: int, what: str) -> None:
                                       == (S, D)):
         raise ValueError(f"{what}: the channel table, steps and low ends must be {(S, D)}, got "
                          f"{tuple(side.meta.shape)}, {tuple(side.scales.shape)}, {tuple(side.zeros.shape)}")
+    if side.form == args.TRELLIS and (side.table is None or tuple(side.table.shape) != (9, 1 << args.TRELLIS_STATE_BITS)
+                                      or side.table.dtype != torch.float32):
+        raise ValueError(f"{what}: a trellis side reads its widths' value tables, (9, {1 << args.TRELLIS_STATE_BITS}) "
+                         f"float32, got {None if side.table is None else (tuple(side.table.shape), side.table.dtype)}")
     if side.form == args.GROUPED:
         G, row_bytes = side.group_size, (D * side.bits + 7) // 8
         if side.bits not in (2, 4, 8):
@@ -248,7 +252,7 @@ def _side(side: SideArgs, S: int, N: int, D: int, dummy: torch.Tensor, what: str
     _check_side(side, S, N, D, what)
     pointers = (_loadable(side.data, fp8, dummy), _loadable(side.scales, fp8, dummy),
                 _loadable(side.zeros, fp8, dummy), _loadable(side.meta, fp8, dummy),
-                _loadable(side.codebook, fp8, dummy), _loadable(side.ids, fp8, dummy))
+                _loadable(side.codebook, fp8, dummy), _loadable(side.ids, fp8, dummy), _loadable(side.table, fp8, dummy))
     n_cb = 0 if side.codebook is None else side.codebook.shape[1]
     constants = (side.form, side.bits or 2, side.group_size, side.axis_token, side.symmetric, side.codebook is not None)
     return _Side(pointers, n_cb, constants)

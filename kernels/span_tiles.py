@@ -13,10 +13,6 @@ GROUPED: tl.constexpr = tl.constexpr(span_args.GROUPED)
 CHANNELS: tl.constexpr = tl.constexpr(span_args.CHANNELS)
 TRELLIS: tl.constexpr = tl.constexpr(span_args.TRELLIS)
 STATE_BITS: tl.constexpr = tl.constexpr(span_args.TRELLIS_STATE_BITS)
-MAD_MULT: tl.constexpr = tl.constexpr(span_args.MAD_MULT)
-MAD_ADD: tl.constexpr = tl.constexpr(span_args.MAD_ADD)
-MAD_CENTER: tl.constexpr = tl.constexpr(span_args.MAD_CENTER)
-MAD_SCALE: tl.constexpr = tl.constexpr(span_args.MAD_SCALE)
 
 
 @triton.jit
@@ -167,12 +163,13 @@ def _code_dots(q_lp, q_sc, q3, qsum, qf32, codes_ptr, scale_ptr, zero_ptr, meta_
 
 
 @triton.jit
-def _trellis_values(codes_ptr, meta_ptr, s, rows, d, N, D, m2, dmask):
+def _trellis_values(codes_ptr, meta_ptr, table_ptr, s, rows, d, N, D, m2, dmask):
     """(values (BN, BD) fp32, bits (BD,) int32) of a TRELLIS side's samples `rows` of stream s (meta = offset * 32 +
     16 on a grid channel + bits). A trellis channel's state is the STATE_BITS bits of its stream ending where the
     sample's code ends, the bits before the stream's first read from its end where it holds at least STATE_BITS
-    bits (tail-biting), else 0 (each part at most two bytes, all the channel's own), and its value QTIP's 1MAD of
-    the state, the integer and fp32 steps of quantwm/core/trellis.py's `mad`; a grid channel's value is its code.
+    bits (tail-biting), else 0 (each part at most two bytes, all the channel's own), and its value that width's entry
+    for the state in table_ptr, the (9, 2^STATE_BITS) fp32 tables of quantwm/core/trellis.py's `tables` (one load);
+    a grid channel's value is its code.
     0-bit channels and rows outside m2 read 0."""
     meta = tl.load(meta_ptr + s * D + d, mask=dmask, other=0)
     bits = (meta & 15).to(tl.int32)
@@ -188,9 +185,7 @@ def _trellis_values(codes_ptr, meta_ptr, s, rows, d, N, D, m2, dmask):
         wrap = live & (end < STATE_BITS) & (n_bits >= STATE_BITS)
         missing = tl.where(wrap, STATE_BITS - end, 0)  # the window's oldest bits: the stream's last ones
         state |= _stream_bits(codes_ptr, base + (n_bits - missing), missing, wrap)
-    x = state.to(tl.uint32) * MAD_MULT + MAD_ADD  # mod 2^32
-    total = (x & 255) + ((x >> 8) & 255) + ((x >> 16) & 255) + (x >> 24)
-    value = (total.to(tl.float32) - MAD_CENTER) * MAD_SCALE
+    value = tl.load(table_ptr + ((bits << STATE_BITS)[None, :] + state), mask=live, other=0.0)
     on_grid = live & grid[None, :]
     code = _stream_bits(codes_ptr, base + rows[:, None] * bits[None, :], bits[None, :], on_grid)
     return tl.where(live, tl.where(on_grid, code.to(tl.float32), value), 0.0), bits
@@ -209,7 +204,7 @@ def _stream_bits(codes_ptr, pos, length, live):
 
 
 @triton.jit
-def _rebuild(data_ptr, scale_ptr, zero_ptr, meta_ptr, cb_ptr, ids_ptr, s, rows, d, N, D, n_cb, rmask, dmask,
+def _rebuild(data_ptr, scale_ptr, zero_ptr, meta_ptr, cb_ptr, ids_ptr, table_ptr, s, rows, d, N, D, n_cb, rmask, dmask,
              FORM: tl.constexpr, BITS: tl.constexpr, G: tl.constexpr, AXIS_TOKEN: tl.constexpr, SYM: tl.constexpr,
              CODEBOOK: tl.constexpr):
     """A (BLOCK_N, BLOCK_D) fp32 tile of rebuilt keys or values for token rows `rows` of stream s (0 outside the
@@ -219,7 +214,7 @@ def _rebuild(data_ptr, scale_ptr, zero_ptr, meta_ptr, cb_ptr, ids_ptr, s, rows, 
     through the same table, against per-channel scales (scale_ptr) and means (zero_ptr)."""
     m2 = rmask[:, None] & dmask[None, :]
     if FORM == TRELLIS:
-        value, _ = _trellis_values(data_ptr, meta_ptr, s, rows, d, N, D, m2, dmask)
+        value, _ = _trellis_values(data_ptr, meta_ptr, table_ptr, s, rows, d, N, D, m2, dmask)
         scale = tl.load(scale_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32)
         mean = tl.load(zero_ptr + s * D + d, mask=dmask, other=0.0).to(tl.float32)
         x = tl.where(m2, mean[None, :] + value * scale[None, :], 0.0)

@@ -6,7 +6,7 @@ it coded (docs/method.md §2.6 step 5, §2.10): the twin of quantwm.core.layouts
 Per channel (stream s, channel i; BLOCK_C neighbouring channels a program, the span's tokens BLOCK_N at a time): the
 grid is the channel's range [lo, hi] shrunk by alpha about its middle with 2^b levels (low end and step rounded to
 fp16, as kernels/pack_channels.py sets them), a value's code round((x − low) / step) half to even, clamped; the
-trellis decodes sample t to low_t + step_t · table[state_t] (the trellis's mean and scale, already fp16 values). The
+trellis decodes sample t to low + step · table[b, state_t] (the trellis's mean and scale, already fp16 values). The
 program adds up both decodes' squared errors and, for the stretch, the sums of u = x − mid, u² and each decode's
 deviation from mid and its product with u, then stores the chosen channel's flag and its two fp16 numbers (the
 stretched ones where asked: slope = cov(decode, x) / var(x), kept in [floor, 1]; 0-bit channels keep low 0 and step
@@ -20,8 +20,10 @@ import triton
 import triton.language as tl
 
 from .grid_tiles import _channel_grid, _grid_code
+from .span_args import TRELLIS_STATE_BITS
 
 BLOCK_C, BLOCK_N, WARPS = 32, 32, 8  # a program's channels, the tokens it reads at a time, its warps
+STATE_BITS = tl.constexpr(TRELLIS_STATE_BITS)  # L: a b-bit sample's value is table[b · 2^L + its window]
 
 
 @triton.jit
@@ -54,7 +56,7 @@ def _trellis_choice_kernel(x_ptr, state_ptr, table_ptr, lo_ptr, hi_ptr, alpha_pt
         q = _grid_code(x, g_low[None, :], g_step[None, :], top.to(tl.float32)[None, :])
         on_grid = g_low[None, :] + q * g_step[None, :]
         state = tl.load(state_ptr + c.to(tl.int64)[None, :] * N + t[:, None], mask=m, other=0)
-        value = tl.where((b > 0)[None, :], tl.load(table_ptr + state.to(tl.int32), mask=m, other=0.0), 0.0)
+        value = tl.load(table_ptr + ((b << STATE_BITS)[None, :] + state.to(tl.int32)), mask=m, other=0.0)
         on_trellis = t_low[None, :] + value * t_step[None, :]
         e_grid += tl.where(m, (on_grid - x) * (on_grid - x), 0.0)
         e_trellis += tl.where(m, (on_trellis - x) * (on_trellis - x), 0.0)
@@ -93,18 +95,20 @@ def _trellis_choice_kernel(x_ptr, state_ptr, table_ptr, lo_ptr, hi_ptr, alpha_pt
 def trellis_choice(r: torch.Tensor, states: torch.Tensor, table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor,
                    alpha: torch.Tensor, bits: torch.Tensor, low: torch.Tensor, step: torch.Tensor, unbias: bool,
                    floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """r (S, N, D) float32; states (S, D, N) uint8 (the search's paths, row by row); table (2^L,) float32 the
-    codebook; per channel (S, D): the range lo/hi, the grid's clip alpha, the width bits (0-8), the trellis's mean
-    low and scale step (fp16 values); unbias, and the least slope undone, floor in (0, 1] -> (grid (S, D) bool: the
-    channels kept on their grid; low, step (S, D) fp16 of the code kept, stretched where unbias; low as float32, 0
-    on 0-bit channels, as the kernel view reads it) (the module)."""
+    """r (S, N, D) float32; states (S, D, N) uint8 (the search's paths, row by row); table (9, 2^L) float32 the
+    widths' values of each window (quantwm.core.trellis.tables); per channel (S, D): the range lo/hi, the grid's
+    clip alpha, the width bits (0-8), the trellis's mean low and scale step (fp16 values); unbias, and the least
+    slope undone, floor in (0, 1] -> (grid (S, D) bool: the channels kept on their grid; low, step (S, D) fp16 of
+    the code kept, stretched where unbias; low as float32, 0 on 0-bit channels, as the kernel view reads it) (the
+    module)."""
     S, N, D = r.shape
     shapes = (lo.shape, hi.shape, alpha.shape, bits.shape, low.shape, step.shape)
     if r.dim() != 3 or tuple(states.shape) != (S, D, N) or any(x != (S, D) for x in shapes):
         raise ValueError(f"expected r (S, N, D), states (S, D, N) and lo, hi, alpha, bits, low, step (S, D), got "
                          f"{tuple(r.shape)}, {tuple(states.shape)}, {[tuple(x) for x in shapes]}")
-    if states.dtype != torch.uint8:
-        raise ValueError(f"trellis states must be uint8, got {states.dtype}")
+    if states.dtype != torch.uint8 or tuple(table.shape) != (9, 1 << TRELLIS_STATE_BITS):
+        raise ValueError(f"trellis states must be uint8 and the widths' tables (9, {1 << TRELLIS_STATE_BITS}), got "
+                         f"{states.dtype} and {tuple(table.shape)}")
     if not 0 < floor <= 1:
         raise ValueError(f"the least slope undone must be in (0, 1], got {floor}")
     grid = torch.zeros(S, D, dtype=torch.int8, device=r.device)

@@ -75,20 +75,21 @@ def test_counter_counts_a_kernel_launch_once_and_not_the_twin_that_stands_in_for
 
 
 def test_a_viterbi_launch_is_priced_by_its_state_updates_of_coded_rows(monkeypatch):
-    """The trellis search's cost is its sequential steps' work (VITERBI_OPS a state update and sample, its coded
-    rows only), not its few bytes of arguments; counting it reads nothing the commit would."""
+    """The trellis search's cost is its sequential steps' work (VITERBI_OPS a state update and sample, each coded row's
+    trellis as its width sizes it, and VITERBI_STEP_OPS a step), not its few bytes of arguments; counting it reads
+    nothing the commit would."""
     monkeypatch.setenv("QUANTWM_KERNELS", "triton")
-    from op_count import VITERBI_OPS
+    from op_count import VITERBI_OPS, VITERBI_STEP_OPS
 
     from quantwm.core import trellis
     from quantwm.core.backend import kernel
 
-    x, widths, table = torch.randn(5, 40), torch.tensor([0, 2, 3, 0, 8]), trellis.codebook()
+    x, widths, table = torch.randn(5, 40), torch.tensor([0, 2, 3, 0, 8]), trellis.tables()
     with TritonLaunches(reference=True) as launches, counting(launches) as t:
         states = kernel("trellis_viterbi")(x, widths, table, states=True)
     assert torch.equal(states, trellis.trellis_viterbi_ref(x, widths, table, states=True))
     assert (t.ops, t.triton) == (1, 1) and not t.syncs
-    assert t.flops == VITERBI_OPS * 3 * 40 * 256
+    assert t.flops == 40 * (VITERBI_OPS * (64 + 128 + 256) + VITERBI_STEP_OPS * 3)  # 2^6, 2^7, 2^8 states
 
 
 def test_dry_run_writes_every_figure(tmp_path):

@@ -452,7 +452,7 @@ def test_trellis_choice_and_packing_from_states_equal_their_refs(N, D):
     states[bits == 0] = 0  # a 0-bit row's path
     low = torch.where(bits > 0, r.mean(1), 0.0).half().float()
     step = torch.where(bits > 0, r.std(1, correction=0).clamp_min(1e-3), 1.0).half().float()
-    table = trellis.codebook()
+    table = trellis.tables()
     ulp = lambda a, b: ((a.float() - b.float()).abs() <= b.float().abs() * 2 ** -10 + 1e-7).all()  # fp16: 1 ulp
     for unbias in (False, True):
         args = (r, states, table, lo, hi, alpha, bits, low, step, unbias, 0.5)
@@ -477,6 +477,8 @@ def test_trellis_choice_and_packing_from_states_equal_their_refs(N, D):
     assert torch.equal(codes, torch.where(grid[:, None], grid_codes, torch.where(bits[:, None] > 0, tops, 0)))
     with pytest.raises(ValueError, match="states"):
         _tc.trellis_choice(r, states.permute(0, 2, 1), table, lo, hi, alpha, bits, low, step, False, 0.5)
+    with pytest.raises(ValueError, match=r"widths' tables \(9, 256\)"):
+        _tc.trellis_choice(r, states, trellis.codebook(), lo, hi, alpha, bits, low, step, False, 0.5)
     with pytest.raises(ValueError, match="go together"):
         _pc.pack_channels(r, lo, hi, alpha, bits, offsets, total, states=states)
     with pytest.raises(ValueError, match="least slope"):

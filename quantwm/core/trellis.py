@@ -3,37 +3,44 @@ sample, read at random (docs/method.md §2.10; issue 44's block code).
 
 A coordinate's N samples, normalised x_t = (y_t − mean) / scale, are coded with k bits each (k = 1..8), exactly
 as many bits as a k-bit uniform grid stores, in the same little-endian bitstream (`Channels`' buffer: code t at
-bits [t k, t k + k)). What differs is what a code means. The reader of sample t takes the STATE_BITS = L bits of
-the stream that end where code t ends, bits [(t + 1) k − L, (t + 1) k), as an integer s_t, and decodes
+bits [t k, t k + k)). What differs is what a code means. The reader of sample t takes the STATE_BITS = L = 8 bits
+of the stream that end where code t ends, bits [(t + 1) k − L, (t + 1) k), as an integer w_t (its window), and
+decodes
 
-    ŷ_t = mean + scale · CODEBOOK[s_t]      (scale: the coordinate's standard deviation times SCALES[k]).
+    ŷ_t = mean + scale · T_k[w_t >> (L − L_k)]      (L_k = TABLE_BITS[k]; scale: the standard deviation times SCALES[k]).
 
-So s_t = (s_{t−1} >> k) | (code_t << (L − k)): a shift register, and each code picks one of 2^k successors of the
-previous state, a path through a trellis of 2^L states. The bits before the stream's first are its last ones (a
-tail-biting trellis: s_{−1} = s_{N−1}) where the stream holds at least L bits, else 0, so that no sample decodes
-from a window of padding. The encoder finds the path of least squared error by the Viterbi search (one step per
-token, every sequence and state at once), tail-biting by QTIP's rotation trick (`wrap_states`). CODEBOOK holds
-2^L values whose histogram is close to the unit Gaussian's, computed from s alone (QTIP's "1MAD": a 32-bit linear
-congruential step of s, then the sum of its four bytes, centred and scaled: `mad`), so the paths through it fill
-space better than any scalar grid (the "bitshift trellis" of QTIP, Tseng et al., arXiv 2406.11235). Decoding
-needs no scan and no table: one or two window reads and a few integer operations per sample.
+So width k's state s_t = w_t >> (L − L_k), its window's newest L_k bits, is s_t = (s_{t−1} >> k) | (code_t << (L_k −
+k)): a shift register, and each code picks one of 2^k successors of the previous state, a path through a trellis of
+2^L_k states. The bits before the stream's first are its last ones (a tail-biting trellis) where the stream holds at
+least L bits, else 0, so that no sample decodes from a window of padding. The encoder finds the path of least
+squared error by the Viterbi search (one step per token, every sequence and state at once), tail-biting by QTIP's
+rotation trick (`wrap_states`). Paths through a trellis of values spread like the source's fill space better than
+any scalar grid (the "bitshift trellis" of QTIP, Tseng et al., arXiv 2406.11235). Decoding needs no scan: one or two
+window reads and one table load per sample.
+
+The values (`tables`): at widths 1-4, L_k = k + 4 and T_k is a stored table of 2^(k+4) values (kernels/
+trellis_tables.py) trained by Lloyd's iteration on the trellis from half unit-Gaussian, half unit-Laplacian samples
+(keys and values have heavier tails than a Gaussian), each in units of the coordinate's standard deviation (SCALES
+1); at widths 5-8, L_k = 8 and T_k is QTIP's computed "1MAD" codebook of the window (a 32-bit linear congruential
+step, then the sum of its four bytes, centred and scaled: `mad`), whose histogram is close to the unit Gaussian's.
+The search's work per sample is 2^L_k state updates: 32, 64, 128 at 1-3 bits against 256 for a computed code of 8
+bits at every width (the code this format stored before the tables).
 
 Measured on unit-Gaussian tuning samples (24 sequences of 1728, generator seed 7; no trace or world seed):
 `python benchmarks/trellis_gain.py --tables`. The mean squared error per sample of the tail-biting search the format
-stores, at the best of the codebook's scales 0.8 .. 1.8, against a uniform grid with the allocator's clip search on
-the same samples:
+stores (at widths 5-7 the best of the codebook's scales 0.8 .. 1.8), against a uniform grid with the allocator's
+clip search on the same samples:
 
     k                1      2      3       4        5        6        7        8
-    trellis MSE      0.305  0.0859 0.0245  0.00672  0.00204  0.000642 0.000308 0.000124
-    / uniform grid   0.650  0.660  0.605   0.547    0.583    0.649    1.261    2.033
-    codebook scale   0.9    1.1    1.2     1.2      1.4      1.4      1.4      1.6
+    trellis MSE      0.312  0.0901 0.025   0.00651  0.00204  0.000642 0.000308 0.000124
+    / uniform grid   0.664  0.692  0.618   0.531    0.583    0.649    1.261    2.033
+    scale            1      1      1       1        1.4      1.4      1.4      1.6
 
 (the Gaussian bound 2^−2k: 0.25, 0.0625, 0.0156, 0.0039; a Lloyd-Max scalar grid: 0.363, 0.118, 0.0345, 0.0095).
-L = 8 (256 states), not QTIP's 16 or the 12 this format first used (0.281, 0.0748, 0.0192 at 1-3 bits, 0.575 of the
-grid at 2): the search's work and its backpointers grow as 2^L per sample, and a commit must fit the GPU budget
-`quantwm` meets; at 7-8 bits 256 values are too few and the grid codes a channel better (the commit keeps it).
-The allocator prices a trellis coordinate as its uniform grid's measured error times the ratio (ERROR_RATIO), at
-most 1 (the grid is kept where it is better).
+On Gaussians the tables give up 2-5% at 1-3 bits to the computed code of 256 states (0.305, 0.0859, 0.0245); on
+Laplacian samples they err 0.50-0.97x as much (docs/method.md §2.10, "Stored tables"). At 7-8 bits 256 values are too
+few and the grid codes a channel better (the commit keeps it). The allocator prices a trellis coordinate as its
+uniform grid's measured error times the ratio (ERROR_RATIO), at most 1 (the grid is kept where it is better).
 The constants the fused kernel needs live in quantwm/kernels/span_args.py.
 """
 from __future__ import annotations
@@ -51,17 +58,20 @@ from ..kernels.span_args import (
     MAD_SCALE,
     TRELLIS_SCALES,
     TRELLIS_STATE_BITS,
+    TRELLIS_TABLE_BITS,
+    TRELLIS_TRAINED,
     TRELLIS_UNIT_MSE,
     rows_of,
 )
 from .backend import kernel, use_kernels
 from .tables import on_device
 
-STATE_BITS = TRELLIS_STATE_BITS  # L = 8: the state a sample decodes from (256 trellis states)
+STATE_BITS = TRELLIS_STATE_BITS  # L = 8: the window a sample decodes from
+TABLE_BITS = TRELLIS_TABLE_BITS  # the top bits of it each width 0..8 reads: its trellis has 2^TABLE_BITS[k] states
 WIDTHS = tuple(range(1, 9))  # the widths a trellis coordinate may take
 SCALES = TRELLIS_SCALES[1:]  # codebook scale per width 1..8 (module docstring's table)
 UNIT_MSE = TRELLIS_UNIT_MSE  # per unit variance, widths 0..8
-ERROR_RATIO = (1.0, 0.65, 0.66, 0.605, 0.547, 0.583, 0.649, 1.261, 2.033)  # trellis / uniform MSE, widths 0..8
+ERROR_RATIO = (1.0, 0.664, 0.692, 0.618, 0.531, 0.583, 0.649, 1.261, 2.033)  # trellis / uniform MSE, widths 0..8
 BACKPOINTER_BYTES = 1 << 27  # the Viterbi search keeps at most this many bytes of backpointers at once
 WRAP_TOKENS = 64  # the tail-biting start's search sees this many samples either side of the wrap (`wrap_states`)
 _SCALE_TABLE = torch.tensor(TRELLIS_SCALES, device="cpu")
@@ -78,8 +88,28 @@ def mad(state: torch.Tensor) -> torch.Tensor:
 
 @functools.cache
 def codebook() -> torch.Tensor:
-    """(2^L,) float32 on the host: CODEBOOK[s] for every state (`mad`), the Viterbi search's table."""
+    """(2^L,) float32 on the host: CODEBOOK[s] for every state (`mad`), the computed code of widths 5-8."""
     return mad(torch.arange(1 << STATE_BITS, device="cpu"))
+
+
+@functools.cache
+def tables() -> torch.Tensor:
+    """(9, 2^L) float32 on the host: row k the value a k-bit sample decodes to from each L-bit window s (row 0:
+    zeros). A width with a stored table (1-4, kernels/trellis_tables.py) reads its top TABLE_BITS[k] bits,
+    TRAINED[k][s >> (L − TABLE_BITS[k])]; widths 5-8 the computed codebook, `mad`(s). What the search, the choice and
+    the fused kernel read (flattened: value = tables[k · 2^L + s])."""
+    s = torch.arange(1 << STATE_BITS, device="cpu")
+    rows = [torch.zeros(1 << STATE_BITS, device="cpu")]
+    for k in WIDTHS:
+        trained = TRELLIS_TRAINED.get(k)
+        rows.append(mad(s) if trained is None else torch.tensor(trained, device="cpu")[s >> (STATE_BITS - TABLE_BITS[k])])
+    return torch.stack(rows).float()
+
+
+def table_of(table: torch.Tensor, k: int) -> torch.Tensor:
+    """Width k's own trellis (2^TABLE_BITS[k],) of the (9, 2^L) `tables`: the value of each of its states (the
+    window's top bits; the rest change nothing)."""
+    return table[k, ::1 << (STATE_BITS - TABLE_BITS[k])]
 
 
 def viterbi(x: torch.Tensor, bits: int, values: torch.Tensor, start: torch.Tensor | None = None,
@@ -143,7 +173,7 @@ def encode(y: torch.Tensor, widths: torch.Tensor, mean: torch.Tensor, scale: tor
     state >> (L − width); `values` decodes them)."""
     S, N, D = y.shape
     flat = widths.reshape(-1).long()
-    table = on_device(codebook(), y.device)
+    table = on_device(tables(), y.device)
     norm = {"mean": mean.reshape(-1), "scale": scale.reshape(-1)}
     if use_kernels(y):  # two launches per batch of rows, every width at once, nothing read back
         search = kernel("trellis_viterbi")
@@ -176,16 +206,20 @@ def _search_by_width(x: torch.Tensor, widths: torch.Tensor, table: torch.Tensor,
                      groups: list | None = None, states: bool = False, mean: torch.Tensor | None = None,
                      scale: torch.Tensor | None = None) -> torch.Tensor:
     """Codes (M, N) of every row of x (M, N), or of a span (S, N, D)'s channels (`normalised_rows`, by mean and
-    scale (M,) where given), at its width (0: code 0) by `viterbi`, width by width: from state 0, or given `start`
-    (M,), tail-biting through start[r] where the row holds at least L bits; `states`: the paths' states (M, N)
-    uint8 instead (0 on 0-width rows)."""
+    scale (M,) where given), at its width (0: code 0) by `viterbi` through that width's trellis (`table_of` the
+    (9, 2^L) `tables`), width by width: from state 0, or given `start` (M,) L-bit windows, tail-biting through
+    start[r]'s top TABLE_BITS[k] bits where the row holds at least L bits; `states`: the paths' L-bit windows
+    (M, N) uint8 instead, each state in their top bits (the rest 0; 0 on 0-width rows)."""
     x = normalised_rows(x, mean, scale)
     M, N = x.shape
-    L = table.numel().bit_length() - 1
-    codes = torch.zeros(M, N, dtype=torch.uint8 if states and L <= 8 else torch.long, device=x.device)
+    if tuple(table.shape) != (len(WIDTHS) + 1, 1 << STATE_BITS):
+        raise ValueError(f"the trellis search reads the widths' tables (9, {1 << STATE_BITS}), got {tuple(table.shape)}")
+    codes = torch.zeros(M, N, dtype=torch.uint8 if states else torch.long, device=x.device)
     for k, rows in groups if groups is not None else _width_groups(widths.long()):
-        tail = start is not None and N * k >= L
-        codes[rows] = viterbi(x[rows], k, table, start[rows] if tail else None, states).to(codes.dtype)
+        tail = start is not None and N * k >= STATE_BITS
+        drop = STATE_BITS - TABLE_BITS[k]  # the window's bits below width k's state
+        path = viterbi(x[rows], k, table_of(table, k), start[rows] >> drop if tail else None, states)
+        codes[rows] = (path << drop if states else path).to(codes.dtype)
     return codes
 
 
@@ -221,10 +255,10 @@ def _read_bits(buf: torch.Tensor, bit: torch.Tensor, length: torch.Tensor, live:
 
 
 def values(state: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:
-    """CODEBOOK[state] for states (S, N, D) in [0, 2^L) and widths (S, D): the normalised samples (S, N, D) float32,
-    0 at width 0. Looked up in `codebook()` (one gather; `mad`'s dozen integer ops over the span give the same
-    values, which the fused kernel computes in registers instead)."""
-    return torch.where(widths[:, None, :] > 0, on_device(codebook(), state.device)[state.long()], 0.0)
+    """The normalised samples (S, N, D) float32 of L-bit windows (S, N, D) in [0, 2^L) at widths (S, D) 0-8: each
+    looked up in its width's row of `tables()` (row 0 is zeros), one gather, as the fused kernel reads it."""
+    flat = widths.long()[:, None, :] * (1 << STATE_BITS) + state.long()
+    return on_device(tables(), state.device).reshape(-1)[flat]
 
 
 def scale_of(std: torch.Tensor, widths: torch.Tensor) -> torch.Tensor:

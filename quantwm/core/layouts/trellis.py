@@ -51,14 +51,15 @@ def trellis_choice_ref(r: torch.Tensor, states: torch.Tensor, table: torch.Tenso
                        floor: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(grid (S, D) bool, low, step (S, D) fp16, low float32 as the kernel view reads it): each coded channel of r
     (S, N, D) kept on whichever code errs less over the span, its uniform grid (`grid_codes` of its range lo/hi, clip
-    alpha and width bits) or the trellis as its search's states (S, D, N) uint8 decode (table[state], its mean low
+    alpha and width bits) or the trellis as its search's states (S, D, N) uint8 decode (table[bits, state], the
+    (9, 2^L) `trellis.tables()`; its mean low
     and scale step, fp16 values), with that code's two numbers; `unbias`: stretched to a slope of 1 on r from the
     chosen decode (`Channels.unbiased`'s rule, the slope no lower than floor). The twin of kernels/trellis_choice.py."""
     rf, b = r.float(), bits.long()
     g_low, g_step, g_codes = grid_codes(rf, lo, hi, alpha.to(rf), b)
     # both decodes are 0 on 0-bit channels as they stand (low 0, code and value 0): no mask needed
     on_plain = g_low[:, None] + g_codes * g_step[:, None]
-    value = torch.where(b[:, None, :] > 0, table[states.permute(0, 2, 1).long()], 0.0)
+    value = table.reshape(-1)[b[:, None, :] * table.shape[1] + states.permute(0, 2, 1).long()]  # row 0: zeros
     on_trellis = low[:, None] + value * step[:, None]
     grid = (b > 0) & ((on_plain - rf).square().sum(1) < (on_trellis - rf).square().sum(1))
     low, step = torch.where(grid, g_low, low), torch.where(grid, g_step, step)
@@ -111,7 +112,7 @@ class TrellisChannels(Channels):
         fast = use_kernels(r)
         grid_args = (rf, *torch.aminmax(rf, dim=1), alpha.to(rf), b)
         choose = kernel("trellis_choice") if fast else trellis_choice_ref
-        table = on_device(trellis.codebook(), r.device)
+        table = on_device(trellis.tables(), r.device)
         grid, low16, step16, low_read = choose(rf, state, table, *grid_args[1:], low, step, unbias, UNBIAS_FLOOR)
         pack = kernel("pack_channels") if fast else pack_channels_ref
         buf = pack(*grid_args, offsets, size, states=state, grid=grid)[0]
@@ -159,7 +160,7 @@ class TrellisChannels(Channels):
     def make_kernel_side(self) -> SideArgs:
         meta = self.width_byte.long() + 32 * self.offsets  # offset * 32 + 16 on a grid channel + bits
         return SideArgs(TRELLIS, self.codes, self.n_tokens, self.step_, self.low_read, meta,
-                        max_bits=self.__dict__.get("max_bits", 8))
+                        table=on_device(trellis.tables(), self.codes.device), max_bits=self.__dict__.get("max_bits", 8))
 
     def settle_widest(self, lowp: str | None) -> None:
         """Nothing: no 8-bit rule reads a trellis span's widest channel (it has no integer-code form)."""
