@@ -162,8 +162,8 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
     out.append(("allocate_levels", capture(allocate_levels, "_allocate_levels_kernel", allocate_levels.allocate_levels,
                                            torch.rand(H, D, len(LEVELS), generator=g), level_costs(N),
                                            torch.full((H,), 2.5 * N * D))))
-    from quantwm.core.trellis import codebook
-    search = (x, widths.flatten(), codebook(), torch.zeros(H * D, dtype=torch.long))
+    from quantwm.core.trellis import tables
+    search = (x, widths.flatten(), tables(), torch.zeros(H * D, dtype=torch.long))
     norm = {"mean": x.mean(1).flatten(), "scale": x.std(1).flatten()}  # the span read in place, normalised on load
     out.append(("trellis_viterbi", capture(trellis_viterbi, "_viterbi_kernel", trellis_viterbi.trellis_viterbi,
                                            *search)))  # tail-biting: the wider variant
@@ -172,7 +172,7 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
     out.append(("trellis_viterbi window", capture(trellis_viterbi, "_viterbi_kernel", trellis_viterbi.trellis_viterbi,
                                                   *search[:3], states=True, **norm)))  # the tail-biting start's search
     states = torch.randint(0, 256, (H, D, N), generator=g, dtype=torch.uint8)  # then its choice and packing
-    choice = (x, states, codebook(), lo, hi, torch.ones(H, D), widths, x.mean(1), x.std(1))
+    choice = (x, states, tables(), lo, hi, torch.ones(H, D), widths, x.mean(1), x.std(1))
     for unbias in (False, True):
         out.append(("trellis_choice" + " unbias" * unbias, capture(trellis_choice, "_trellis_choice_kernel",
                                                                     trellis_choice.trellis_choice, *choice, unbias, 0.5)))

@@ -15,6 +15,7 @@ gain is reported on another (seed 2).
     python benchmarks/trellis_gain.py --tables [--state-bits L]  # quantwm/core/trellis.py's constants (2^L states)
     python benchmarks/trellis_gain.py --trained [--restarts 4] [--save T.json]  # smaller trellises, trained tables
     python benchmarks/trellis_gain.py --probe T.json 4 --methods quantwm-trellis-v --budget 2.5 --seeds 5,6,7
+    python benchmarks/trellis_gain.py --emit T.json 4 kernels/trellis_tables.py  # the format's stored tables
     python benchmarks/trellis_gain.py --warmup      # its error by token position: the first samples of a channel
     python benchmarks/trellis_gain.py --wrap        # the tail-biting start's search window (WRAP_TOKENS)
     python benchmarks/trellis_gain.py --encode-time [--device cuda] [--shape 12,4680,128]  # seconds to code a span
@@ -251,6 +252,42 @@ def saved_tables(path: str) -> dict:
         return {key: [float(v) for v in values] for key, values in saved.items()}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SystemExit(f"{path}: not a tables file written by --trained --save ({type(e).__name__}: {e})") from None
+
+
+def emit(path: str, memory: int, out: str) -> None:
+    """`--emit T.json M OUT.py`: the memory-M tables of a `--trained --save` file written as the Python module the
+    format reads (kernels/trellis_tables.py: MEMORY and TRAINED, width k's 2^(k + M) values)."""
+    saved = saved_tables(path)
+    rows = {}
+    for k in TRAINED_WIDTHS:
+        values = saved.get(f"{k},{memory}", ())
+        if len(values) != 1 << (k + memory):
+            raise SystemExit(f"{path} holds no table of {1 << (k + memory)} values for width {k} and memory {memory}")
+        rows[k] = values
+    import json
+
+    meta = json.loads(Path(path).read_text())
+    training = f"{meta.get('training', 'samples not recorded')}, best of {meta.get('restarts', '?')} restarts"
+    lines = ['"""The stored value tables of the TRELLIS form\'s widths 1-4 (kernels/span_args.py, quantwm/core/trellis.py):',
+             f"width k's 2^(k + {memory}) values, read by the top k + {memory} bits of a sample's 8-bit window. Trained by",
+             f"Lloyd's iteration on the trellis from {training}. Written by", "",
+             "    python benchmarks/trellis_gain.py --trained --source mixture --save docs/frontier/trellis-tables-mixture.json",
+             f"    python benchmarks/trellis_gain.py --emit {path} {memory} {out}", "",
+             "(tests/test_trellis.py checks the two agree). Generated: change the tables by running those commands again.",
+             '"""', "", f"MEMORY = {memory}  # width k reads the top k + MEMORY bits of its 8-bit window (at most 8)",
+             "TRAINED = {"]
+    for k, values in rows.items():
+        lines.append(f"    {k}: (")
+        row = " " * 8
+        for v in values:
+            cell = f"{float(v)!r}, "
+            if len(row) + len(cell) > 119:
+                lines.append(row.rstrip())
+                row = " " * 8
+            row += cell
+        lines += [row.rstrip(), "    ),"]
+    Path(out).write_text("\n".join(lines + ["}"]) + "\n")
+    print(f"wrote {out}: widths {', '.join(map(str, rows))}, memory {memory}")
 
 
 def on_laplace(path: str) -> None:
@@ -552,6 +589,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--laplace", default=None, help="saved tables' error on Laplacian samples (docstring)")
     ap.add_argument("--probe", nargs=argparse.REMAINDER, default=None,
                     help="TABLES.json|stored M EVAL-ARGS...: quantwm eval with trained tables of memory M (docstring)")
+    ap.add_argument("--emit", nargs=3, default=None, metavar=("TABLES.json", "M", "OUT.py"),
+                    help="write the memory-M tables of a --trained --save file as kernels/trellis_tables.py")
     ap.add_argument("--warmup", action="store_true", help="the trellis's error by token position (docstring)")
     ap.add_argument("--wrap", action="store_true", help="the tail-biting start's search window (docstring)")
     ap.add_argument("--encode-time", action="store_true", help="seconds to code one span here (docstring)")
@@ -568,6 +607,10 @@ def main(argv: list[str] | None = None) -> None:
         return on_laplace(a.laplace)
     if a.tables:
         return bitshift_tables(a.state_bits)
+    if a.emit is not None:
+        if not a.emit[1].isdigit() or int(a.emit[1]) not in TRAINED_MEMORY:
+            ap.error(f"--emit takes TABLES.json, a memory of {TRAINED_MEMORY} and the module to write")
+        return emit(a.emit[0], int(a.emit[1]), a.emit[2])
     if a.probe is not None:
         if len(a.probe) < 2 or not a.probe[1].isdigit() or int(a.probe[1]) not in TRAINED_MEMORY:
             ap.error(f"--probe takes TABLES.json (or 'stored'), a memory of {TRAINED_MEMORY} and eval's arguments")

@@ -122,3 +122,21 @@ def test_the_heavier_tailed_source_and_the_training_options_are_checked(capsys):
         tg.trained_tables(1, None, "student", (2,))
     with pytest.raises(SystemExit, match="a subset of"):
         tg.trained_tables(1, None, "gauss", (5,))
+
+
+def test_the_formats_tables_module_is_what_emit_writes_from_the_saved_tables(tmp_path, capsys):
+    """kernels/trellis_tables.py is generated: --emit from the committed JSON writes its values as they are (all but
+    the docstring, which names the output path); a file short of a width's table is a clear exit."""
+    import json
+
+    out = tmp_path / "tables.py"
+    tg.main(["--emit", str(ROOT / "docs/frontier/trellis-tables-mixture.json"), "4", str(out)])
+    assert "wrote" in capsys.readouterr().out
+    body = lambda text: text.split('"""', 2)[2]
+    assert body(out.read_text()) == body((ROOT / "kernels/trellis_tables.py").read_text())
+    short = tmp_path / "short.json"
+    short.write_text(json.dumps({"tables": {"1,4": [0.0] * 32}}))
+    with pytest.raises(SystemExit, match="no table of 64 values for width 2 and memory 4"):
+        tg.emit(str(short), 4, str(out))
+    with pytest.raises(SystemExit):
+        tg.main(["--emit", str(short), "5", str(out)])
