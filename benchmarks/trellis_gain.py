@@ -270,10 +270,11 @@ def emit(path: str, memory: int, out: str) -> None:
     training = f"{meta.get('training', 'samples not recorded')}, best of {meta.get('restarts', '?')} restarts"
     lines = ['"""The stored value tables of the TRELLIS form\'s widths 1-4 (kernels/span_args.py, quantwm/core/trellis.py):',
              f"width k's 2^(k + {memory}) values, read by the top k + {memory} bits of a sample's 8-bit window. Trained by",
-             f"Lloyd's iteration on the trellis from {training}. Written by", "",
+             "Lloyd's iteration on the trellis from", f"{training}. Written by", "",
              "    python benchmarks/trellis_gain.py --trained --source mixture --save docs/frontier/trellis-tables-mixture.json",
              f"    python benchmarks/trellis_gain.py --emit {path} {memory} {out}", "",
-             "(tests/test_trellis.py checks the two agree). Generated: change the tables by running those commands again.",
+             "(tests/test_trellis.py and tests/test_trellis_gain.py check the two agree). Generated: change the tables by",
+             "running those commands again.",
              '"""', "", f"MEMORY = {memory}  # width k reads the top k + MEMORY bits of its 8-bit window (at most 8)",
              "TRAINED = {"]
     for k, values in rows.items():

@@ -1,11 +1,13 @@
 """The stored value tables of the TRELLIS form's widths 1-4 (kernels/span_args.py, quantwm/core/trellis.py):
 width k's 2^(k + 4) values, read by the top k + 4 bits of a sample's 8-bit window. Trained by
-Lloyd's iteration on the trellis from 12 x 1728 unit Gaussian and 12 x 1728 unit Laplacian, generator seed 11, best of 4 restarts. Written by
+Lloyd's iteration on the trellis from
+12 x 1728 unit Gaussian and 12 x 1728 unit Laplacian, generator seed 11, best of 4 restarts. Written by
 
     python benchmarks/trellis_gain.py --trained --source mixture --save docs/frontier/trellis-tables-mixture.json
     python benchmarks/trellis_gain.py --emit docs/frontier/trellis-tables-mixture.json 4 kernels/trellis_tables.py
 
-(tests/test_trellis.py checks the two agree). Generated: change the tables by running those commands again.
+(tests/test_trellis.py and tests/test_trellis_gain.py check the two agree). Generated: change the tables by
+running those commands again.
 """
 
 MEMORY = 4  # width k reads the top k + MEMORY bits of its 8-bit window (at most 8)
