@@ -18,9 +18,11 @@ A span has a key side and a value side, each in one of four forms:
   its grids: `data` as there, `meta` = byte offset * 32 + 16 on a grid channel + bits, `scales` the channels'
   scales (S, D) fp16 and `zeros` their means (S, D) fp32. Sample j of a b-bit trellis channel decodes from the L = 8
   bits of the channel's stream that end where its code ends (bits [(j + 1) b − 8, (j + 1) b); bits before the
-  channel's first are its last where its stream holds at least 8 bits (tail-biting), else 0) as a state s:
-  zero + scale · c(s), c the codebook quantwm/core/trellis.py computes from s (`mad`). A grid channel (flag 16)
-  decodes as CHANNELS does, zero + scale · code, its zero and scale then its low end and step.
+  channel's first are its last where its stream holds at least 8 bits (tail-biting), else 0) as a window w:
+  zero + scale · table[b, w], `table` (9, 2^L) fp32 the widths' values of each window (quantwm/core/trellis.py's
+  `tables`: at b = 1-4 a stored table read by w's top b + 4 bits, at 5-8 the codebook computed from w, `mad`). A
+  grid channel (flag 16) decodes as CHANNELS does, zero + scale · code, its zero and scale then its low end and
+  step.
 
 GROUPED, CHANNELS and TRELLIS sides may add a codebook stage: `codebook` (S, K, D) and `ids` (S, N), the row of every
 token added to its value. A key side may carry PSAC coefficients; their per-query terms come as `PsacArgs`.

@@ -4,9 +4,9 @@
 Stored exactly as `Channels` stores it: per stream and channel a width b (uint8, 0-8; 16 added where the channel
 is on its grid), two fp16 numbers and the channel's N codes of b bits packed along the span in one uint8 buffer.
 A grid channel is a `Channels` one (its low end and step, code t at bits [t b, t b + b)); on a trellis channel the
-two numbers are the channel's mean and scale over the span, and sample t decodes to mean + scale · CODEBOOK[s_t],
-s_t the 8 bits of the channel's stream that end where code t ends (tail-biting: those before the stream's first
-are its last). A 0-bit channel decodes to 0 (its centroid alone). The fused kernel reads it as its TRELLIS form
+two numbers are the channel's mean and scale over the span, and sample t decodes to mean + scale · T_b[w_t], w_t
+the 8 bits of the channel's stream that end where code t ends (tail-biting: those before the stream's first are its
+last) and T_b its width's row of `trellis.tables()`. A 0-bit channel decodes to 0 (its centroid alone). The fused kernel reads it as its TRELLIS form
 (kernels/span_args.py), window by window; the 8-bit path's QKᵀ takes its rebuilt keys (it has no integer-code
 form).
 """
@@ -155,7 +155,8 @@ class TrellisChannels(Channels):
 
     def describe(self) -> str:
         widest = self.__dict__.get("max_bits") or int(self.bits.max())  # a report: its host read is not kept
-        return f"per-channel trellis codes over the span ({trellis.STATE_BITS}-bit states), 0-{widest} bits per channel"
+        return (f"per-channel trellis codes over the span ({trellis.STATE_BITS}-bit windows, stored tables at 1-4 bits), "
+                f"0-{widest} bits per channel")
 
     def make_kernel_side(self) -> SideArgs:
         meta = self.width_byte.long() + 32 * self.offsets  # offset * 32 + 16 on a grid channel + bits
