@@ -99,9 +99,11 @@ def kernel_us(k: Kernel) -> float:
 
 def price(t: Tally) -> dict:
     """Every figure of a counted call, the cost model applied (ms per layer)."""
-    us = Counter()
+    us, lines, launches = Counter(), Counter(), Counter()
     for k in t.kernels:
         us[k.name] += kernel_us(k)
+        lines[k.source] += kernel_us(k)
+        launches[k.source] += 1
     n, kernels = len(t.syncs), sum(us.values())
     decompositions = sum(us[name] for name in LOOPED)
     return {"ops": t.ops, "launches": t.launches, "views": t.views, "metadata": t.metadata, "host_ops": t.host_ops,
@@ -109,7 +111,8 @@ def price(t: Tally) -> dict:
             "decomposition_ms": decompositions / 1e3, "drain_ms": n * SYNC_DRAIN_US / 1e3,
             "gpu_ms": (kernels + n * SYNC_DRAIN_US) / 1e3, "host_ms": t.launches * HOST_US_PER_LAUNCH / 1e3,
             "sync_calls": [list(s) for s in t.syncs], "top_ops": dict(t.by_op.most_common(12)),
-            "top_ms": {name: v / 1e3 for name, v in us.most_common(12)}}
+            "top_ms": {name: v / 1e3 for name, v in us.most_common(12)},
+            "top_lines": {line: [launches[line], v / 1e3] for line, v in lines.most_common(16)}}
 
 
 # ---- the run ----------------------------------------------------------------------------------------------------
@@ -353,6 +356,9 @@ def where(rows: list[dict]) -> str:
             top.update({n: t / len(r["commit"]["steady"]) for n, t in f["top_ms"].items()})
         lines.append(f"  commit steady, the model's {ms:.2f} ms: " + ", ".join(
             f"{n} {t:.2f}" for n, t in top.most_common(8)) + f", syncs {r['commit']['mean']['drain_ms']:.2f}")
+        last = r["commit"]["steady"][-1].get("top_lines", {})  # the last steady commit, by the line that launched
+        lines.append("  by source line (last steady commit: launching ops, ms): " + "; ".join(
+            f"{line} {n}x {t:.3f}" for line, (n, t) in list(last.items())[:12]))
     return "\n".join(lines)
 
 

@@ -108,8 +108,9 @@ def op_flops(name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> fl
 
 @dataclass(frozen=True)
 class Kernel:
-    """One launching op: its name, bytes, FLOPs, dtype, whether tensor cores take it (a matmul), and the matrices
-    a decomposition that runs matrix by matrix works through (0 for any other op)."""
+    """One launching op: its name, bytes, FLOPs, dtype, whether tensor cores take it (a matmul), the matrices
+    a decomposition that runs matrix by matrix works through (0 for any other op), and the source line that ran it
+    (`where`)."""
 
     name: str
     nbytes: float
@@ -117,6 +118,7 @@ class Kernel:
     dtype: torch.dtype
     matmul: bool = False
     matrices: int = 0
+    source: str = field(default_factory=lambda: where())
 
 
 @dataclass

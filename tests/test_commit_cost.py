@@ -110,6 +110,10 @@ def test_dry_run_writes_every_figure(tmp_path):
             assert first["syncs"] == len(first["sync_calls"])
         assert r["commit"]["first"]["gpu_ms"] > 0
         assert r["commit"]["first"]["triton"] > 0 or r["method"] != "kivi"  # kivi packs with a kernel
+        lines = r["commit"]["steady"][-1]["top_lines"]  # the launching ops by the source line that ran them
+        assert lines and all(line.startswith(("quantwm/", "kernels/")) and n >= 1 and ms > 0
+                             for line, (n, ms) in lines.items())
+        assert sum(n for n, _ in lines.values()) <= r["commit"]["steady"][-1]["launches"]
         e = r["estimate"]
         assert e["commit_share"]["steady"] == pytest.approx(
             e["commit_gpu_ms"]["steady"] * r["shapes"]["layers"] / report["chunk"][r["preset"]]["ms"])
