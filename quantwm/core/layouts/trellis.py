@@ -6,9 +6,9 @@ is on its grid), two fp16 numbers and the channel's N codes of b bits packed alo
 A grid channel is a `Channels` one (its low end and step, code t at bits [t b, t b + b)); on a trellis channel the
 two numbers are the channel's mean and scale over the span, and sample t decodes to mean + scale · T_b[w_t], w_t
 the 8 bits of the channel's stream that end where code t ends (tail-biting: those before the stream's first are its
-last) and T_b its width's row of `trellis.tables()`. A 0-bit channel decodes to 0 (its centroid alone). The fused kernel reads it as its TRELLIS form
-(kernels/span_args.py), window by window; the 8-bit path's QKᵀ takes its rebuilt keys (it has no integer-code
-form).
+last) and T_b its width's row of `trellis.tables()`. A 0-bit channel decodes to 0 (its centroid alone). The fused
+kernel reads it as its TRELLIS form (kernels/span_args.py), window by window; the 8-bit path's QKᵀ takes its rebuilt
+keys (it has no integer-code form).
 """
 from __future__ import annotations
 
