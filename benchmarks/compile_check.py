@@ -112,12 +112,15 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
     from quantwm.kernels import (
         allocate_levels,
         channel_errors,
+        key_covariance,
+        key_rotate,
         kmeans_assign,
         pack_bits,
         pack_channels,
         qsac_assign,
         quantize_pack,
         span_attention,
+        storage_check,
         trellis_choice,
         trellis_viterbi,
         unpack_bits,
@@ -145,6 +148,18 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
         sc, zero = torch.rand(*shape, generator=g).half() + 0.1, torch.zeros(*shape).half()
         out.append((f"quantize_pack {axis} groups", capture(quantize_pack, "_quantize_pack_kernel",
                                                             quantize_pack.quantize_pack, x, sc, zero, 2, group, axis)))
+    keys = x.bfloat16()  # the Keys in the Queries' basis, and their covariance (the allocator's, BF16 dots)
+    out.append(("key_rotate", capture(key_rotate, "_key_rotate_kernel", key_rotate.key_rotate, keys,
+                                      torch.linalg.qr(torch.randn(H, D, D, generator=g)).Q)))
+    for keep in (None, torch.rand(N, generator=g) > 0.1):
+        out.append(("key_covariance" + " kept" * (keep is not None),
+                    capture(key_covariance, "_key_covariance_kernel", key_covariance.key_covariance, keys, keep)))
+    row = x.mean(1, keepdim=True)  # a stored table checked as it is cast (fp8 and fp16)
+    rms = torch.linalg.vector_norm(row) * row.numel() ** -0.5
+    for dt in (torch.float8_e4m3fn, torch.float16):
+        out.append((f"storage_check {str(dt)[6:]}", capture(storage_check, "_storage_check_kernel",
+                                                            storage_check.storage_check, row, row.to(dt), rms,
+                                                            torch.finfo(dt).max)))
     widths = torch.randint(0, 9, (H, D), generator=g)  # QuantWM's allocator format: a width of 0-8 bits a channel
     lo, hi = x.amin(1), x.amax(1)
     pack_args = (x, lo, hi, torch.ones(H, D), widths, channel_offsets(widths, N), int(channel_bytes(N, widths).sum()))

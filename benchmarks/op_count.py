@@ -291,7 +291,9 @@ class TritonLaunches:
                 finally:
                     counter.paused -= 1
                 counter.tally.triton += 1
-                counter.tally.launch(Kernel(f"triton:{name}", sum(map(touched, tensors)), flops, torch.float32))
+                dtype = torch.bfloat16 if name in TENSOR_CORE else torch.float32  # BF16 dots on tensor cores
+                counter.tally.launch(Kernel(f"triton:{name}", sum(map(touched, tensors)), flops, dtype,
+                                            matmul=name in TENSOR_CORE))
             return out
         return counted
 
@@ -303,10 +305,17 @@ VITERBI_OPS, VITERBI_STEP_OPS = 6.0, 384.0  # lane operations of kernels/trellis
 # estimate from the kernel's code, not a measurement (docs/results.md, "Trellis codes")
 
 
+TENSOR_CORE = {"key_rotate": 3, "key_covariance": 6}  # kernels of BF16 dots, and how many a product takes (FP32's
+# accuracy from BF16 parts): priced at the tensor cores' rate
+
+
 def launch_flops(name: str, tensors: list[torch.Tensor]) -> float:
     """FLOPs of one kernels/ launch from its tensors (arguments, then outputs): the module docstring's rule."""
     if name.endswith("_assign"):
         return 2.0 * tensors[0].numel() * tensors[1].shape[-2]
+    if name in TENSOR_CORE:  # x (S, N, D) first: each product 2 S N D² FLOPs
+        S, N, D = tensors[0].shape
+        return TENSOR_CORE[name] * 2.0 * S * N * D * D
     if name == "trellis_viterbi":  # x (M, N) or a span (S, N, D), widths (M,): every state of a coded row's trellis
         from quantwm.core.trellis import TABLE_BITS  # (2^TABLE_BITS[width]) updated at every sample, and its step
 
@@ -322,13 +331,13 @@ def launch_flops(name: str, tensors: list[torch.Tensor]) -> float:
 
 def _twin(name: str):
     """The PyTorch twin of kernels/<name>.py under the kernel's own rule, or None (span_attention)."""
-    from quantwm.core import allocate, kmeans, qsac, quant, trellis
+    from quantwm.core import allocate, kmeans, qsac, quant, query_basis, trellis
     from quantwm.core.layouts import channels
     from quantwm.core.layouts import trellis as trellis_layout
 
     if name == "qsac_assign":  # the kernel's rule is the exact one: J on every centroid
         return lambda *a, **k: qsac.qsac_assign_ref(*a, **k, candidates=None)
-    for module in (quant, kmeans, allocate, channels, trellis, trellis_layout):
+    for module in (quant, kmeans, allocate, channels, trellis, trellis_layout, query_basis):
         if hasattr(module, f"{name}_ref"):
             return getattr(module, f"{name}_ref")
     return None

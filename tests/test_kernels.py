@@ -483,3 +483,75 @@ def test_trellis_choice_and_packing_from_states_equal_their_refs(N, D):
         _pc.pack_channels(r, lo, hi, alpha, bits, offsets, total, states=states)
     with pytest.raises(ValueError, match="least slope"):
         _tc.trellis_choice(r, states, table, lo, hi, alpha, bits, low, step, True, 0.0)
+
+
+@pytest.mark.parametrize("dt", [torch.float8_e4m3fn, torch.float16])
+def test_storage_check_equals_its_twin_bit_for_bit(dt):
+    """kernels/storage_check.py: the cast's negative zeros made positive (the same bytes as the twin's) and the same
+    fits flag, for a table that fits, one past the dtype's largest value, one holding a NaN, one too fine for it."""
+    from quantwm.kernels import storage_check as _sc
+
+    from quantwm.core.quant import storage_check_ref
+
+    g = torch.Generator().manual_seed(7)
+    words = torch.uint8 if dt == torch.float8_e4m3fn else torch.int16
+    base = torch.randn(2100, generator=g) * 3  # more than one block of the one program
+    base[[3, 4]] = torch.tensor([-0.0, -1e-12])  # negative zeros once cast
+    big, nan, fine = base.clone(), base.clone(), base * 1e-6
+    big[9] = 1e3 if dt == torch.float8_e4m3fn else 1e5
+    nan[11] = float("nan")
+    for x, fits in ((base, True), (big, False), (nan, False), (fine, dt == torch.float16)):
+        rms = torch.linalg.vector_norm(x) * x.numel() ** -0.5
+        largest = torch.finfo(dt).max
+        want = storage_check_ref(x, x.to(dt), rms, largest)
+        got = [t.cpu() for t in _sc.storage_check(*map(_move, (x, x.to(dt), rms)), largest)]
+        assert torch.equal(got[0].view(words), want[0].view(words)) and bool(got[1]) == bool(want[1]) == fits
+    assert bool((storage_check_ref(base, base.to(dt), rms, largest)[0].view(words) != (-0.0 * torch.ones(1)).to(dt)
+                 .view(words)).all())  # no negative zero left
+    with pytest.raises(ValueError, match="float32 and its cast"):
+        _sc.storage_check(base.double(), base.to(dt), rms, largest)
+
+
+def test_to_storage_through_the_kernel_stores_and_records_what_the_steps_do(monkeypatch):
+    """Under deferred checks with the kernels on, to_storage takes kernels/storage_check.py: the same tensor, and
+    the same check recorded, as its steps without the kernel (a table that fits, and one fp8 cannot hold)."""
+    from quantwm.core.quant import deferred_checks, to_storage
+
+    g = torch.Generator().manual_seed(8)
+    for x, ok in ((torch.randn(3, 1, 40, generator=g), True), (torch.randn(3, 1, 40, generator=g) * 1e3, False)):
+        out = {}
+        for mode in ("ref", "triton"):
+            monkeypatch.setenv("QUANTWM_KERNELS", mode)
+            with deferred_checks() as checks:
+                stored = to_storage(x, torch.float8_e4m3fn)
+            out[mode] = (stored, checks.passed(), len(checks.flags))
+        assert torch.equal(out["ref"][0].view(torch.uint8), out["triton"][0].view(torch.uint8))
+        assert out["ref"][1:] == out["triton"][1:] == (ok, 1)
+
+
+def test_key_rotate_and_key_covariance_equal_their_twins_to_fp32_rounding():
+    """kernels/key_rotate.py (y = x U from BF16 parts of U) and kernels/key_covariance.py (Σ y yᵀ of the shifted,
+    masked keys from BF16 parts of y, in stretches): within FP32 rounding of the twins, on offset keys, a head dim
+    below a tile, spans shorter than a stretch and longer than one, with and without kept tokens."""
+    from quantwm.kernels import key_covariance as _kc
+    from quantwm.kernels import key_rotate as _kr
+
+    from quantwm.core.query_basis import key_covariance_ref, key_rotate_ref
+
+    g = torch.Generator().manual_seed(9)
+    for S, N, D in ((2, 600, 128), (3, 97, 64), (1, 1, 40)):
+        x = (torch.randn(S, N, D, generator=g) * torch.linspace(0.1, 3, D) + 5).bfloat16()
+        U = torch.linalg.qr(torch.randn(S, D, D, generator=g, dtype=torch.float64)).Q.float()
+        y = _kr.key_rotate(*map(_move, (x, U))).cpu()
+        torch.testing.assert_close(y, key_rotate_ref(x, U), rtol=1e-6, atol=2e-5)
+        for keep in (None, torch.rand(N, generator=g) > 0.2):
+            if keep is not None:
+                keep[0] = True
+            C = _kc.key_covariance(_move(x), _move(keep)).cpu()
+            want = key_covariance_ref(x, keep)
+            assert C.dtype == torch.float64 and C.shape == (S, D, D)
+            torch.testing.assert_close(C, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+    with pytest.raises(ValueError, match="bfloat16 and U"):
+        _kr.key_rotate(x.float(), U)
+    with pytest.raises(ValueError, match="kept tokens"):
+        _kc.key_covariance(x, torch.ones(N + 1, dtype=torch.bool))

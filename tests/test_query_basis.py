@@ -130,3 +130,38 @@ def test_the_gaussian_price_is_reverse_water_filling():
     assert abs(got / (4096 * 8 * var * 2 ** -4) - 1) < 0.05
     w = torch.tensor([[1.0] * 4 + [0.0] * 4])
     assert gaussian_price(w, y.var(1), 4096, bits=2.0 * 4096 * 8) < got  # the bits go where the weight is
+
+
+def test_bf16_keys_commit_through_the_tensor_core_kernels_as_through_the_reference(monkeypatch):
+    """BF16 keys in the Queries' basis take kernels/key_rotate.py and kernels/key_covariance.py when the kernels run
+    (their stored tables kernels/storage_check.py where checks are deferred): the same basis decisions and the same
+    decoded keys as the reference path, to FP32 rounding (then BF16's)."""
+    from quantwm.core import query_basis
+    from quantwm.core.backend import kernel
+
+    torch.manual_seed(3)
+    B, H, D, N = 1, 2, 64, 96
+    A = torch.randn(H, D, 8)
+    chunks = [(torch.randn(B, H, N, 8) @ A.transpose(1, 2), (torch.randn(B, H, N, D) * 2 + 1).bfloat16(),
+               torch.randn(B, H, N, D).bfloat16()) for _ in range(4)]
+    called = []
+    decoded = {}
+    for mode in ("ref", "triton"):
+        monkeypatch.setenv("QUANTWM_KERNELS", mode)
+        if mode == "triton":  # the kernels are reached through the cache
+            for name in ("key_rotate", "key_covariance"):
+                real = kernel(name)
+                monkeypatch.setattr(f"quantwm.kernels.{name}.{name}",
+                                    lambda *a, _f=real, _n=name, **k: called.append(_n) or _f(*a, **k))
+        cache = KVCache(CacheConfig("quantwm", budget=2.5, target="k", sink_chunks=0, recent_chunks=0), 1)
+        for i, (q, k, v) in enumerate(chunks):
+            cache.attend(0, q.bfloat16(), k, v, chunk=i, commit=True)
+        decoded[mode] = (cache.keys(0).float(), [s.k_enc.describe() for s in cache.inspect(0)
+                                                 if s.k_enc is not None and s.k_enc.quantized])
+    assert {"key_rotate", "key_covariance"} <= set(called) and query_basis.rotated.__name__ == "rotated"
+    (ref, kinds), (fast, kinds_fast) = decoded["ref"], decoded["triton"]
+    assert kinds == kinds_fast and any("basis" in k for k in kinds), kinds
+    torch.testing.assert_close(fast, ref, rtol=0, atol=2e-3)  # FP32 rounding apart, then rounded to BF16 (0.0009 here)
+    exact = torch.cat([k for _, k, _ in chunks], 2).float()
+    err = [(x - exact).square().mean() for x in (ref, fast)]
+    assert abs(err[0] - err[1]) < 1e-3 * err[0]

@@ -224,8 +224,19 @@ STORAGE_REL_TOL, STORAGE_RMS_TOL = 2.0 ** -3, 2.0 ** -4
 def _fits(x: torch.Tensor, ax: torch.Tensor, rms: torch.Tensor, dt: torch.dtype) -> torch.Tensor:
     """0-dim bool: x survives the cast to dt: every element within STORAGE_REL_TOL |x_i| + STORAGE_RMS_TOL rms(x)
     of itself and none past dt's largest value (fp8 clamps there, fp16 overflows)."""
-    excess = torch.add((x.to(dt).float() - x).abs(), ax, alpha=-STORAGE_REL_TOL)  # error beyond the relative part
-    return (excess <= torch.where(ax <= torch.finfo(dt).max, STORAGE_RMS_TOL * rms, -1.0)).all()
+    return _cast_fits(x, x.to(dt), ax, rms, torch.finfo(dt).max)
+
+
+def _cast_fits(x: torch.Tensor, s: torch.Tensor, ax: torch.Tensor, rms: torch.Tensor, largest: float) -> torch.Tensor:
+    """`_fits` given the cast s and the dtype's largest value."""
+    excess = torch.add((s.float() - x).abs(), ax, alpha=-STORAGE_REL_TOL)  # error beyond the relative part
+    return (excess <= torch.where(ax <= largest, STORAGE_RMS_TOL * rms, -1.0)).all()
+
+
+def storage_check_ref(x: torch.Tensor, s: torch.Tensor, rms: torch.Tensor, largest: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of kernels/storage_check.py: s = x.to(dt) (x float32, rms = ‖x‖ / √n) with its negative zeros made
+    positive, and 0-dim bool: every element of x survives the cast (`_fits`)."""
+    return torch.where(s.float() == 0, torch.zeros_like(s), s), _cast_fits(x, s, x.abs(), rms, largest)
 
 
 def storage_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
@@ -253,7 +264,12 @@ def storage_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
 
 def to_storage(x: torch.Tensor, dtype: torch.dtype, toward: str | None = None) -> torch.Tensor:
     """Cast to the storage dtype (widened by `storage_dtype` where the requested one cannot hold x),
-    optionally never rounding "up"-wards values down (or "down" values up)."""
+    optionally never rounding "up"-wards values down (or "down" values up). With the checks deferred and the
+    kernels on (an accelerator's commit), a cast without `toward` is checked by kernels/storage_check.py in one
+    launch: the same dtype, bytes and recorded check as the steps below."""
+    fused = _fused_storage(x, dtype) if toward is None else None
+    if fused is not None:
+        return fused
     dtype = storage_dtype(x, dtype)
     if dtype == torch.float32:
         return x.float().clone()
@@ -274,6 +290,24 @@ def to_storage(x: torch.Tensor, dtype: torch.dtype, toward: str | None = None) -
         stepped = torch.where(sf == 0, torch.full_like(bits, sign + 1), stepped)
     stepped = stepped.to(int_t).view(dtype)
     return torch.where(wrong, stepped, s)
+
+
+def _fused_storage(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
+    """`to_storage(x, dtype)` through kernels/storage_check.py where the checks are deferred and the kernels on (the
+    dtype `storage_dtype` would assume, the cast, its check recorded); None elsewhere (the steps of `to_storage`)."""
+    from .backend import kernel
+
+    checks, widened = deferring(), _WIDENED.get()
+    if checks is None or not x.numel() or dtype not in STORAGE_LADDER or not use_kernels(x):
+        return None
+    start = dtype if widened is None else widened.get((dtype, tuple(x.shape)), dtype)
+    if start == torch.float32:
+        return None
+    xf = x.float()
+    rms = torch.linalg.vector_norm(xf) * xf.numel() ** -0.5
+    stored, ok = kernel("storage_check")(xf.contiguous(), xf.to(start), rms, torch.finfo(start).max)
+    checks.record(ok)
+    return stored
 
 
 def _group_view(x: torch.Tensor, group_size: int, axis: str) -> torch.Tensor:

@@ -80,9 +80,36 @@ SQRT_ITERS = 13  # Newton–Schulz steps of `psd_sqrt` (Frobenius-scaled): the h
 TOP_ITERS = 2  # subspace iterations of `captured`'s top energy, from a stored basis
 
 
+def key_rotate_ref(x: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
+    """y = x U (streams, N, D) float32 of keys x (streams, N, D) in the basis U (streams, D, D) float32: the twin of
+    kernels/key_rotate.py (which takes BF16 keys)."""
+    return torch.bmm(x.float(), U)
+
+
+def rotated(x: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
+    """`key_rotate_ref`'s y = x U, by kernels/key_rotate.py where the kernels run and the keys are BF16 of a head
+    dim up to 128 (three BF16 tensor-core products to FP32's accuracy, instead of one FP32 product)."""
+    from .backend import kernel, use_kernels
+
+    if use_kernels(x) and x.dtype == torch.bfloat16 and x.shape[-1] <= 128:
+        return kernel("key_rotate")(x, U)
+    return key_rotate_ref(x, U)
+
+
 def key_covariance(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """`key_covariance_ref`'s C, by kernels/key_covariance.py where the kernels run and the keys are BF16 of a head
+    dim up to 128 (one pass over the span, BF16 tensor-core products to FP32's accuracy)."""
+    from .backend import kernel, use_kernels
+
+    if use_kernels(x) and x.dtype == torch.bfloat16 and x.shape[-1] <= 128 and x.shape[1]:
+        return kernel("key_covariance")(x, keep)
+    return key_covariance_ref(x, keep)
+
+
+def key_covariance_ref(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
     """C (streams, D, D) float64: the covariance of a span's keys x (streams, N, D) about their mean; `keep` (N,)
-    bool: over those tokens only (the same as the covariance of x[:, keep], without a host read).
+    bool: over those tokens only (the same as the covariance of x[:, keep], without a host read). The twin of
+    kernels/key_covariance.py.
 
     One pass over the span: shifted by its first token (so the keys' offset does not cancel in fp32), masked, then
     C = Σ y yᵀ / n − ȳ ȳᵀ in fp32 (a third of a centred fp64 pass's bytes), returned in fp64."""
@@ -121,7 +148,8 @@ def weighted_source(stats: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
 
 def coordinate_weights(U: torch.Tensor, stats: torch.Tensor) -> torch.Tensor:
     """λ_i = u_iᵀ S u_i per (stream, coordinate) (streams, D): the Queries' energy along each coded coordinate."""
-    return torch.einsum("sdi,sde,sei->si", U.double(), stats.double(), U.double()).clamp_min(0).float()
+    Ud = U.double()
+    return torch.einsum("sdi,sde,sei->si", Ud, stats.double(), Ud).clamp_min(0).float()
 
 
 def captured(U: torch.Tensor, stats: torch.Tensor, rank: int) -> torch.Tensor:

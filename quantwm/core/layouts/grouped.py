@@ -162,7 +162,9 @@ class Codebook(Layout):
             return None
         codebook, ids = self.stages[0]
         if ids is None:  # one row per stream: part of every channel's low end (the allocator's grids)
-            return side._replace(zeros=side.zeros + codebook.float()[:, 0]) if side.form in (CHANNELS, TRELLIS) else None
+            # one add where the row is fp16 (widened exactly as it is added); fp8 does not promote: widened first
+            row = codebook[:, 0].float() if codebook.element_size() == 1 else codebook[:, 0]
+            return side._replace(zeros=torch.add(side.zeros, row)) if side.form in (CHANNELS, TRELLIS) else None
         return side._replace(codebook=codebook, ids=ids)
 
     def reads_codes(self, qk: str) -> bool:

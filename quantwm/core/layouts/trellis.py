@@ -143,7 +143,8 @@ class TrellisChannels(Channels):
     @functools.cached_property
     def width_byte(self) -> torch.Tensor:
         """What each channel's byte stores (S, D) uint8: its width, and 16 where it is on its grid."""
-        return (self.bits.long() + 16 * self.on_grid.long()).to(torch.uint8)
+        bits = self.bits.to(torch.uint8)  # 0-8: no overflow
+        return bits if self.grid is None else torch.where(self.grid, bits + 16, bits)
 
     def components(self) -> dict[str, torch.Tensor]:
         return {"alloc_bits": self.width_byte, "trellis_mean": self.low, "trellis_scale": self.step_,

@@ -45,6 +45,7 @@ from ..query_basis import (
     gaussian_price,
     key_covariance,
     make_reflectors,
+    rotated,
     weighted_source,
 )
 from ..tables import on_device
@@ -166,10 +167,10 @@ class QuantWMAlloc(QVGBudget):
                 continue
             if K > 1:
                 yield smoother.smooth(x, kind, ctx, assign=lambda xs, c: weighted_sqdist(xs, c, w).argmin(-1))
-            else:
-                xf = x.float()
-                row = to_storage(xf.mean(1, keepdim=True), SCALE_DTYPES[self.codebook_dtype])
-                yield xf - row.float(), ((row, None),)
+            else:  # no fp32 copy of the span: the mean accumulates in fp32, the difference promotes
+                row = to_storage(x.mean(1, keepdim=True, dtype=torch.float32), SCALE_DTYPES[self.codebook_dtype])
+                diff = torch.sub(x, row.float())
+                yield diff if diff.dtype == torch.float32 else diff.float(), ((row, None),)  # fp64 spans: fp32 too
 
     def allocated(self, x: torch.Tensor, kind: str, ctx: SpanContext, w: torch.Tensor, charge: float = 0.0):
         """(predicted error (a 0-dim tensor), build) of the best smoothing of x (S, N, D) with weights w within the
@@ -298,7 +299,7 @@ class QuantWMAlloc(QVGBudget):
         """(λ_i = u_iᵀ S u_i (S, D), the coordinates y = x U (S, N, D)) of x in the stored `basis` (reflectors,
         scales)."""
         U = basis_matrix(*basis)
-        return coordinate_weights(U, stats), torch.bmm(x.float(), U)
+        return coordinate_weights(U, stats), rotated(x, U)
 
     def coded_in(self, basis: tuple, ctx: SpanContext, lam: torch.Tensor, y: torch.Tensor, charge: float = 0.0):
         """(predicted error, build) of the coordinates y in `basis` with weights λ (normalised to mean 1) within the
