@@ -112,7 +112,7 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
     from quantwm.kernels import (
         allocate_levels,
         channel_errors,
-        key_covariance,
+        key_covariance_sums,
         key_rotate,
         kmeans_assign,
         pack_bits,
@@ -152,8 +152,9 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
     out.append(("key_rotate", capture(key_rotate, "_key_rotate_kernel", key_rotate.key_rotate, keys,
                                       torch.linalg.qr(torch.randn(H, D, D, generator=g)).Q)))
     for keep in (None, torch.rand(N, generator=g) > 0.1):
-        out.append(("key_covariance" + " kept" * (keep is not None),
-                    capture(key_covariance, "_key_covariance_kernel", key_covariance.key_covariance, keys, keep)))
+        out.append(("key_covariance_sums" + " kept" * (keep is not None),
+                    capture(key_covariance_sums, "_key_covariance_kernel", key_covariance_sums.key_covariance_sums, keys,
+                            keep)))
     row = x.mean(1, keepdim=True)  # a stored table checked as it is cast (fp8 and fp16)
     rms = torch.linalg.vector_norm(row) * row.numel() ** -0.5
     for dt in (torch.float8_e4m3fn, torch.float16):

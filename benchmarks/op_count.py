@@ -305,7 +305,7 @@ VITERBI_OPS, VITERBI_STEP_OPS = 6.0, 384.0  # lane operations of kernels/trellis
 # estimate from the kernel's code, not a measurement (docs/results.md, "Trellis codes")
 
 
-TENSOR_CORE = {"key_rotate": 3, "key_covariance": 6}  # kernels of BF16 dots, and how many a product takes (FP32's
+TENSOR_CORE = {"key_rotate": 3, "key_covariance_sums": 6}  # kernels of BF16 dots, and how many a product takes (FP32's
 # accuracy from BF16 parts): priced at the tensor cores' rate
 
 

@@ -46,11 +46,12 @@ def storage_check(x: torch.Tensor, s: torch.Tensor, rms: torch.Tensor, largest: 
                          f"got {x.dtype} {tuple(x.shape)} and {s.dtype} {tuple(s.shape)}")
     if rms.numel() != 1 or s.device != x.device or rms.device != x.device:
         raise ValueError("the storage check's rms is one value, and every tensor on x's device")
-    ok = torch.ones((), dtype=torch.bool, device=x.device)
     if not s.is_contiguous():
         raise ValueError("the storage check writes its cast in place: it must be contiguous")
-    if x.numel():
-        words = s.view(torch.uint8 if s.element_size() == 1 else torch.int16)
-        _storage_check_kernel[(1,)](x.contiguous(), s, words, rms.float().reshape(()).contiguous(), ok, x.numel(),
-                                    float(largest), REL=STORAGE_REL_TOL, RMS=STORAGE_RMS_TOL, BLOCK=BLOCK, num_warps=4)
+    if not x.numel():
+        return s, torch.ones((), dtype=torch.bool, device=x.device)
+    ok = torch.empty((), dtype=torch.bool, device=x.device)  # the kernel writes it
+    words = s.view(torch.uint8 if s.element_size() == 1 else torch.int16)
+    _storage_check_kernel[(1,)](x.contiguous(), s, words, rms.float().reshape(()).contiguous(), ok, x.numel(),
+                                float(largest), REL=STORAGE_REL_TOL, RMS=STORAGE_RMS_TOL, BLOCK=BLOCK, num_warps=4)
     return s, ok

@@ -530,13 +530,14 @@ def test_to_storage_through_the_kernel_stores_and_records_what_the_steps_do(monk
 
 
 def test_key_rotate_and_key_covariance_equal_their_twins_to_fp32_rounding():
-    """kernels/key_rotate.py (y = x U from BF16 parts of U) and kernels/key_covariance.py (Σ y yᵀ of the shifted,
+    """kernels/key_rotate.py (y = x U from BF16 parts of U) and kernels/key_covariance_sums.py (Σ y yᵀ of the shifted,
     masked keys from BF16 parts of y, in stretches): within FP32 rounding of the twins, on offset keys, a head dim
     below a tile, spans shorter than a stretch and longer than one, with and without kept tokens."""
-    from quantwm.kernels import key_covariance as _kc
+    from quantwm.kernels import key_covariance_sums as _kc
     from quantwm.kernels import key_rotate as _kr
 
-    from quantwm.core.query_basis import key_covariance_ref, key_rotate_ref
+    from quantwm.core import query_basis
+    from quantwm.core.query_basis import key_covariance_sums_ref, key_rotate_ref
 
     g = torch.Generator().manual_seed(9)
     for S, N, D in ((2, 600, 128), (3, 97, 64), (1, 1, 40)):
@@ -547,11 +548,16 @@ def test_key_rotate_and_key_covariance_equal_their_twins_to_fp32_rounding():
         for keep in (None, torch.rand(N, generator=g) > 0.2):
             if keep is not None:
                 keep[0] = True
-            C = _kc.key_covariance(_move(x), _move(keep)).cpu()
-            want = key_covariance_ref(x, keep)
-            assert C.dtype == torch.float64 and C.shape == (S, D, D)
-            torch.testing.assert_close(C, want, rtol=1e-5, atol=1e-4 * float(want.abs().max()))
+            yy, y = (t.cpu() for t in _kc.key_covariance_sums(_move(x), _move(keep)))
+            want = key_covariance_sums_ref(x, keep)
+            torch.testing.assert_close(yy.sum(1), want[0][:, 0], rtol=1e-5, atol=1e-5 * float(want[0].abs().max()))
+            torch.testing.assert_close(y.sum(1), want[1][:, 0], rtol=1e-5, atol=1e-5 * float(want[1].abs().max()))
+            assert yy.shape[1] == y.shape[1] == (3 if N == 600 else 1)  # stretches of 256 tokens or more
+            C = query_basis.key_covariance(x, keep)  # the reference path's covariance, from the twin's sums
+            kept = x.float() if keep is None else x.float()[:, keep]
+            truth = torch.stack([torch.cov(kept[s].double().T, correction=0).reshape(D, D) for s in range(S)])
+            assert C.dtype == torch.float64 and (C - truth).abs().max() < 1e-4 * truth.abs().max() + 1e-6
     with pytest.raises(ValueError, match="bfloat16 and U"):
         _kr.key_rotate(x.float(), U)
     with pytest.raises(ValueError, match="kept tokens"):
-        _kc.key_covariance(x, torch.ones(N + 1, dtype=torch.bool))
+        _kc.key_covariance_sums(x, torch.ones(N + 1, dtype=torch.bool))

@@ -133,7 +133,7 @@ def test_the_gaussian_price_is_reverse_water_filling():
 
 
 def test_bf16_keys_commit_through_the_tensor_core_kernels_as_through_the_reference(monkeypatch):
-    """BF16 keys in the Queries' basis take kernels/key_rotate.py and kernels/key_covariance.py when the kernels run
+    """BF16 keys in the Queries' basis take kernels/key_rotate.py and kernels/key_covariance_sums.py when the kernels run
     (their stored tables kernels/storage_check.py where checks are deferred): the same basis decisions and the same
     decoded keys as the reference path, to FP32 rounding (then BF16's)."""
     from quantwm.core import query_basis
@@ -149,7 +149,7 @@ def test_bf16_keys_commit_through_the_tensor_core_kernels_as_through_the_referen
     for mode in ("ref", "triton"):
         monkeypatch.setenv("QUANTWM_KERNELS", mode)
         if mode == "triton":  # the kernels are reached through the cache
-            for name in ("key_rotate", "key_covariance"):
+            for name in ("key_rotate", "key_covariance_sums"):
                 real = kernel(name)
                 monkeypatch.setattr(f"quantwm.kernels.{name}.{name}",
                                     lambda *a, _f=real, _n=name, **k: called.append(_n) or _f(*a, **k))
@@ -158,7 +158,7 @@ def test_bf16_keys_commit_through_the_tensor_core_kernels_as_through_the_referen
             cache.attend(0, q.bfloat16(), k, v, chunk=i, commit=True)
         decoded[mode] = (cache.keys(0).float(), [s.k_enc.describe() for s in cache.inspect(0)
                                                  if s.k_enc is not None and s.k_enc.quantized])
-    assert {"key_rotate", "key_covariance"} <= set(called) and query_basis.rotated.__name__ == "rotated"
+    assert {"key_rotate", "key_covariance_sums"} <= set(called) and query_basis.rotated.__name__ == "rotated"
     (ref, kinds), (fast, kinds_fast) = decoded["ref"], decoded["triton"]
     assert kinds == kinds_fast and any("basis" in k for k in kinds), kinds
     torch.testing.assert_close(fast, ref, rtol=0, atol=2e-3)  # FP32 rounding apart, then rounded to BF16 (0.0009 here)

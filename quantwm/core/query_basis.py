@@ -97,29 +97,34 @@ def rotated(x: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
 
 
 def key_covariance(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """`key_covariance_ref`'s C, by kernels/key_covariance.py where the kernels run and the keys are BF16 of a head
-    dim up to 128 (one pass over the span, BF16 tensor-core products to FP32's accuracy)."""
+    """C (streams, D, D) float64: the covariance of a span's keys x (streams, N, D) about their mean; `keep` (N,)
+    bool: over those tokens only (the same as the covariance of x[:, keep], without a host read). Its sums come from
+    kernels/key_covariance_sums.py where the kernels run and the keys are BF16 of a head dim up to 128 (one pass,
+    BF16 tensor-core products to FP32's accuracy), else from `key_covariance_sums_ref`."""
     from .backend import kernel, use_kernels
 
-    if use_kernels(x) and x.dtype == torch.bfloat16 and x.shape[-1] <= 128 and x.shape[1]:
-        return kernel("key_covariance")(x, keep)
-    return key_covariance_ref(x, keep)
+    if use_kernels(x) and x.dtype == torch.bfloat16 and x.shape[-1] <= 128 and x.shape[1] > 0:
+        yy, y = kernel("key_covariance_sums")(x, keep)
+        total, n = y.sum(1), float(x.shape[1]) if keep is None else keep.sum()  # (S, D); the kept tokens
+        # (Σ y yᵀ − Σy Σyᵀ / n) / n: the same C in two ops fewer than the twin's form below
+        return (torch.baddbmm(yy.sum(1), total[:, :, None], (total / n)[:, None, :], alpha=-1) / n).double()
+    yy, y = key_covariance_sums_ref(x, keep)
+    n = x.new_full((), float(x.shape[1]), dtype=torch.float32) if keep is None else keep.sum().float()
+    mean = y.sum(1, keepdim=True) / n  # (S, 1, D)
+    return (yy.sum(1) / n - mean.transpose(1, 2) @ mean).double()
 
 
-def key_covariance_ref(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """C (streams, D, D) float64: the covariance of a span's keys x (streams, N, D) about their mean; `keep` (N,)
-    bool: over those tokens only (the same as the covariance of x[:, keep], without a host read). The twin of
-    kernels/key_covariance.py.
+def key_covariance_sums_ref(x: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Σ y yᵀ (streams, 1, D, D), Σ y (streams, 1, D)) float32 of a span's keys x (streams, N, D), y_t = x_t − x_0
+    where kept (`keep` (N,) bool, None: all), else 0: the twin of kernels/key_covariance_sums.py (one stretch).
 
-    One pass over the span: shifted by its first token (so the keys' offset does not cancel in fp32), masked, then
-    C = Σ y yᵀ / n − ȳ ȳᵀ in fp32 (a third of a centred fp64 pass's bytes), returned in fp64."""
-    N = x.shape[1]
+    One pass over the span: shifted by its first token (so the keys' offset does not cancel in fp32), masked; the
+    covariance `key_covariance` forms from these is C = Σ y yᵀ / n − ȳ ȳᵀ in fp32 (a third of a centred fp64 pass's
+    bytes), returned in fp64."""
     y = x - x[:, :1].float()  # (S, N, D) fp32
     if keep is not None:
         y = y * keep.to(y)[None, :, None]
-    n = y.new_full((), float(N)) if keep is None else keep.sum().to(y)
-    mean = y.sum(1, keepdim=True) / n  # (S, 1, D)
-    return ((y.transpose(1, 2) @ y) / n - mean.transpose(1, 2) @ mean).double()
+    return (y.transpose(1, 2) @ y)[:, None], y.sum(1)[:, None]
 
 
 def psd_sqrt(A: torch.Tensor, iters: int = SQRT_ITERS) -> torch.Tensor:

@@ -1,14 +1,15 @@
-"""A span's key covariance on tensor cores at FP32's accuracy: the twin of quantwm.core.query_basis.key_covariance_ref,
-what the allocator prices a basis with and the Queries' basis check reads (docs/method.md §2.7).
+"""The sums of a span's key covariance on tensor cores at FP32's accuracy: the twin of
+quantwm.core.query_basis.key_covariance_sums_ref, from which quantwm.core.query_basis.key_covariance forms the
+covariance the allocator prices a basis with and the Queries' basis check reads (docs/method.md §2.7).
 
 x (S, N, D) BF16 keys, keep (N,) bool or None. Each key is shifted by the stream's first, y_t = x_t − x_0 (exact in
 FP32: both are BF16), and zeroed where not kept; then Σ_t y_t y_tᵀ and Σ_t y_t. y is split into three BF16 parts,
 y = y1 + y2 + y3 to 24 bits, so y yᵀ = Σ_ij y_i y_jᵀ with every product exact in FP32; the six terms down to y1 y3ᵀ
 are kept (the others are below 2^−24 of it) as BF16 dots accumulated in FP32, where one FP32 product ran on the FP32
 units at a fifteenth of the tensor cores' rate. A program sums one stretch of one stream's tokens into a (D, D)
-partial and a (D,) one (grid: streams × stretches, enough programs for the GPU); the launcher adds the stretches up
-and forms C = Σ y yᵀ / n − ȳ ȳᵀ in FP32, returned in FP64, as the twin does. The sums equal the twin's to FP32
-rounding (another order). Under TRITON_INTERPRET=1 the parts are multiplied in IEEE FP32 (the interpreter's BF16 dot
+partial and a (D,) one (grid: streams × stretches, enough programs for the GPU), returned as they are; the caller
+adds the stretches up and forms C = Σ y yᵀ / n − ȳ ȳᵀ (PyTorch ops, counted as such). The sums equal the twin's to
+FP32 rounding (another order). Under TRITON_INTERPRET=1 the parts are multiplied in IEEE FP32 (the interpreter's BF16 dot
 is unusable: kernels/span_attention.py `_dot_f32`).
 """
 from __future__ import annotations
@@ -67,12 +68,12 @@ def _key_covariance_kernel(x_ptr, keep_ptr, part_ptr, sum_ptr, N, D, span, P, KE
     tl.store(sum_ptr + at * D + d, total, mask=dmask)
 
 
-def key_covariance(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
-    """x (S, N, D) bfloat16 (D at most 128), keep (N,) bool or None -> C (S, D, D) float64: the covariance of each
-    stream's keys (the kept ones) about their mean (the module)."""
+def key_covariance_sums(x: torch.Tensor, keep: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (S, N, D) bfloat16 (D at most 128), keep (N,) bool or None -> (Σ y yᵀ (S, P, D, D), Σ y (S, P, D)) float32
+    over P stretches of the tokens, y_t = x_t − x_0 where kept, else 0 (the module)."""
     S, N, D = x.shape
     if x.dtype != torch.bfloat16 or D > 128 or N == 0:
-        raise ValueError(f"key_covariance takes keys (S, N, D) bfloat16 with D <= 128 and N > 0, got {x.dtype} "
+        raise ValueError(f"key_covariance_sums takes keys (S, N, D) bfloat16 with D <= 128 and N > 0, got {x.dtype} "
                          f"{tuple(x.shape)}")
     if keep is not None and (tuple(keep.shape) != (N,) or keep.device != x.device):
         raise ValueError(f"the kept tokens must be ({N},) on the keys' device {x.device}, got "
@@ -82,10 +83,7 @@ def key_covariance(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.T
     P = triton.cdiv(N, span)
     part = torch.empty(S, P, D, D, dtype=torch.float32, device=x.device)
     sums = torch.empty(S, P, D, dtype=torch.float32, device=x.device)
-    flags = x if keep is None else keep.to(torch.int8)
-    _key_covariance_kernel[(S, P)](x.contiguous(), flags, part, sums, N, D, span, P, KEEP=keep is not None,
-                                   INTERP=os.environ.get("TRITON_INTERPRET") == "1", BLOCK_T=BLOCK_T,
-                                   BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=8)
-    n = torch.full((), float(N), device=x.device) if keep is None else keep.sum().float()
-    mean = sums.sum(1, keepdim=True) / n  # (S, 1, D)
-    return (part.sum(1) / n - mean.transpose(1, 2) @ mean).double()
+    _key_covariance_kernel[(S, P)](x.contiguous(), x if keep is None else keep.contiguous(), part, sums, N, D, span, P,
+                                   KEEP=keep is not None, INTERP=os.environ.get("TRITON_INTERPRET") == "1",
+                                   BLOCK_T=BLOCK_T, BLOCK_D=max(16, triton.next_power_of_2(D)), num_warps=8)
+    return part, sums
