@@ -70,7 +70,8 @@ def steps(out: Path, dry: bool) -> list[dict]:
         {"name": "warm attend", "limit": 60 if dry else 50,
          "cmd": [py, "benchmarks/warm_attend.py", *(["--dry-run"] if dry else [])]},
         {"name": "commit cost", "limit": 60 if dry else 90,  # issue 42: a commit's cost, counted, priced and timed
-         "cmd": [py, "benchmarks/commit_cost.py", "--preset", "wan-1.3b", "--methods", "quantwm,kivi", "--budget", "2.5",
+         "cmd": [py, "benchmarks/commit_cost.py", "--preset", "wan-1.3b", "--methods",
+                 "quantwm,kivi" if dry else "quantwm,quantwm-trellis-v,kivi", "--budget", "2.5",
                  "--json", str(out / "commit_cost.json"), *(["--dry-run"] if dry else [])]},
         {"name": "trellis encode", "limit": 30 if dry else 60,  # quantwm-trellis's search, choice and packing, one span timed
          "cmd": [py, "benchmarks/trellis_gain.py", "--encode-time",
