@@ -160,7 +160,7 @@ def variants(only: str | None, cc: int) -> list[tuple[str, Captured | ValueError
     for dt in (torch.float8_e4m3fn, torch.float16):
         out.append((f"storage_check {str(dt)[6:]}", capture(storage_check, "_storage_check_kernel",
                                                             storage_check.storage_check, row, row.to(dt), rms,
-                                                            torch.finfo(dt).max)))
+                                                            torch.finfo(dt).max, 2.0 ** -3, 2.0 ** -4)))
     widths = torch.randint(0, 9, (H, D), generator=g)  # QuantWM's allocator format: a width of 0-8 bits a channel
     lo, hi = x.amin(1), x.amax(1)
     pack_args = (x, lo, hi, torch.ones(H, D), widths, channel_offsets(widths, N), int(channel_bytes(N, widths).sum()))

@@ -36,11 +36,12 @@ def _storage_check_kernel(x_ptr, s_ptr, bits_ptr, rms_ptr, ok_ptr, n, largest, R
     tl.store(ok_ptr, tl.sum(bad, axis=0) == 0)
 
 
-def storage_check(x: torch.Tensor, s: torch.Tensor, rms: torch.Tensor, largest: float) -> tuple[torch.Tensor, torch.Tensor]:
+def storage_check(x: torch.Tensor, s: torch.Tensor, rms: torch.Tensor, largest: float, rel: float,
+                  rms_tol: float) -> tuple[torch.Tensor, torch.Tensor]:
     """x float32, s = x.to(dt) of x's shape in float8_e4m3fn or float16, rms 0-dim float32 (‖x‖ / √n), largest:
-    dt's largest finite value -> (s, its negative zeros made positive in place; 0-dim bool: every element fits)."""
-    from quantwm.core.quant import STORAGE_REL_TOL, STORAGE_RMS_TOL
-
+    dt's largest finite value, the tolerances rel and rms_tol (quantwm.core.quant's STORAGE_REL_TOL and
+    STORAGE_RMS_TOL, powers of two) -> (s, its negative zeros made positive in place; 0-dim bool: every element
+    fits)."""
     if x.dtype != torch.float32 or s.shape != x.shape or s.dtype not in (torch.float8_e4m3fn, torch.float16):
         raise ValueError(f"the storage check takes x float32 and its cast (same shape) in float8_e4m3fn or float16, "
                          f"got {x.dtype} {tuple(x.shape)} and {s.dtype} {tuple(s.shape)}")
@@ -53,5 +54,5 @@ def storage_check(x: torch.Tensor, s: torch.Tensor, rms: torch.Tensor, largest: 
     ok = torch.empty((), dtype=torch.bool, device=x.device)  # the kernel writes it
     words = s.view(torch.uint8 if s.element_size() == 1 else torch.int16)
     _storage_check_kernel[(1,)](x.contiguous(), s, words, rms.float().reshape(()).contiguous(), ok, x.numel(),
-                                float(largest), REL=STORAGE_REL_TOL, RMS=STORAGE_RMS_TOL, BLOCK=BLOCK, num_warps=4)
+                                float(largest), REL=float(rel), RMS=float(rms_tol), BLOCK=BLOCK, num_warps=4)
     return s, ok

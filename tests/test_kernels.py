@@ -504,12 +504,12 @@ def test_storage_check_equals_its_twin_bit_for_bit(dt):
         rms = torch.linalg.vector_norm(x) * x.numel() ** -0.5
         largest = torch.finfo(dt).max
         want = storage_check_ref(x, x.to(dt), rms, largest)
-        got = [t.cpu() for t in _sc.storage_check(*map(_move, (x, x.to(dt), rms)), largest)]
+        got = [t.cpu() for t in _sc.storage_check(*map(_move, (x, x.to(dt), rms)), largest, 2.0 ** -3, 2.0 ** -4)]
         assert torch.equal(got[0].view(words), want[0].view(words)) and bool(got[1]) == bool(want[1]) == fits
     assert bool((storage_check_ref(base, base.to(dt), rms, largest)[0].view(words) != (-0.0 * torch.ones(1)).to(dt)
                  .view(words)).all())  # no negative zero left
     with pytest.raises(ValueError, match="float32 and its cast"):
-        _sc.storage_check(base.double(), base.to(dt), rms, largest)
+        _sc.storage_check(base.double(), base.to(dt), rms, largest, 2.0 ** -3, 2.0 ** -4)
 
 
 def test_to_storage_through_the_kernel_stores_and_records_what_the_steps_do(monkeypatch):

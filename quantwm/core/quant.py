@@ -227,16 +227,18 @@ def _fits(x: torch.Tensor, ax: torch.Tensor, rms: torch.Tensor, dt: torch.dtype)
     return _cast_fits(x, x.to(dt), ax, rms, torch.finfo(dt).max)
 
 
-def _cast_fits(x: torch.Tensor, s: torch.Tensor, ax: torch.Tensor, rms: torch.Tensor, largest: float) -> torch.Tensor:
+def _cast_fits(x: torch.Tensor, s: torch.Tensor, ax: torch.Tensor, rms: torch.Tensor, largest: float,
+               rel: float = STORAGE_REL_TOL, rms_tol: float = STORAGE_RMS_TOL) -> torch.Tensor:
     """`_fits` given the cast s and the dtype's largest value."""
-    excess = torch.add((s.float() - x).abs(), ax, alpha=-STORAGE_REL_TOL)  # error beyond the relative part
-    return (excess <= torch.where(ax <= largest, STORAGE_RMS_TOL * rms, -1.0)).all()
+    excess = torch.add((s.float() - x).abs(), ax, alpha=-rel)  # error beyond the relative part
+    return (excess <= torch.where(ax <= largest, rms_tol * rms, -1.0)).all()
 
 
-def storage_check_ref(x: torch.Tensor, s: torch.Tensor, rms: torch.Tensor, largest: float) -> tuple[torch.Tensor, torch.Tensor]:
+def storage_check_ref(x: torch.Tensor, s: torch.Tensor, rms: torch.Tensor, largest: float,
+                      rel: float = STORAGE_REL_TOL, rms_tol: float = STORAGE_RMS_TOL) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin of kernels/storage_check.py: s = x.to(dt) (x float32, rms = ‖x‖ / √n) with its negative zeros made
-    positive, and 0-dim bool: every element of x survives the cast (`_fits`)."""
-    return torch.where(s.float() == 0, torch.zeros_like(s), s), _cast_fits(x, s, x.abs(), rms, largest)
+    positive, and 0-dim bool: every element of x survives the cast (`_fits`, with the tolerances rel and rms_tol)."""
+    return torch.where(s.float() == 0, torch.zeros_like(s), s), _cast_fits(x, s, x.abs(), rms, largest, rel, rms_tol)
 
 
 def storage_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
@@ -305,7 +307,8 @@ def _fused_storage(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
         return None
     xf = x.float()
     rms = torch.linalg.vector_norm(xf) * xf.numel() ** -0.5
-    stored, ok = kernel("storage_check")(xf.contiguous(), xf.to(start), rms, torch.finfo(start).max)
+    stored, ok = kernel("storage_check")(xf.contiguous(), xf.to(start), rms, torch.finfo(start).max, STORAGE_REL_TOL,
+                                         STORAGE_RMS_TOL)
     checks.record(ok)
     return stored
 
