@@ -20,7 +20,7 @@ window reads and one table load per sample.
 
 The values (`tables`): at widths 1-4, L_k = k + 4 and T_k is a stored table of 2^(k+4) values (kernels/
 trellis_tables.py) trained by Lloyd's iteration on the trellis from half unit-Gaussian, half unit-Laplacian samples
-(keys and values have heavier tails than a Gaussian), each in units of the coordinate's standard deviation (SCALES
+(the built-in model's Values have heavier tails than a Gaussian), each in units of the coordinate's standard deviation (SCALES
 1); at widths 5-8, L_k = 8 and T_k is QTIP's computed "1MAD" codebook of the window (a 32-bit linear congruential
 step, then the sum of its four bytes, centred and scaled: `mad`), whose histogram is close to the unit Gaussian's.
 The search's work per sample is 2^L_k state updates: 32, 64, 128 at 1-3 bits against 256 for a computed code of 8
