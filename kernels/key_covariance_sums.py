@@ -9,8 +9,8 @@ are kept (the others are below 2^−24 of it) as BF16 dots accumulated in FP32, 
 units at a fifteenth of the tensor cores' rate. A program sums one stretch of one stream's tokens into a (D, D)
 partial and a (D,) one (grid: streams × stretches, enough programs for the GPU), returned as they are; the caller
 adds the stretches up and forms C = Σ y yᵀ / n − ȳ ȳᵀ (PyTorch ops, counted as such). The sums equal the twin's to
-FP32 rounding (another order). Under TRITON_INTERPRET=1 the parts are multiplied in IEEE FP32 (the interpreter's BF16 dot
-is unusable: kernels/span_attention.py `_dot_f32`).
+FP32 rounding (another order). Under TRITON_INTERPRET=1 the parts are multiplied in IEEE FP32 (span_tiles `_dot`; the
+interpreter's BF16 dot is unusable: kernels/span_attention.py `_dot_f32`).
 """
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .key_rotate import _split
+from .span_tiles import _dot
 
 BLOCK_T = 32  # tokens a step
 PROGRAMS = 264  # programs a launch aims at (two per SM of an H100 / H200), in stretches of at least 256 tokens
@@ -48,21 +49,10 @@ def _key_covariance_kernel(x_ptr, keep_ptr, part_ptr, sum_ptr, N, D, span, P, KE
                      .to(tl.float32) - x0[None, :], 0.0)
         total += tl.sum(y, axis=0)
         y1, y2, y3 = _split(y)
-        if INTERP:
-            f1, f2, f3 = y1.to(tl.float32), y2.to(tl.float32), y3.to(tl.float32)
-            acc = tl.dot(tl.trans(f1), f1, acc, input_precision="ieee")
-            acc = tl.dot(tl.trans(f1), f2, acc, input_precision="ieee")
-            acc = tl.dot(tl.trans(f2), f1, acc, input_precision="ieee")
-            acc = tl.dot(tl.trans(f2), f2, acc, input_precision="ieee")
-            acc = tl.dot(tl.trans(f1), f3, acc, input_precision="ieee")
-            acc = tl.dot(tl.trans(f3), f1, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(tl.trans(y1), y1, acc)
-            acc = tl.dot(tl.trans(y1), y2, acc)
-            acc = tl.dot(tl.trans(y2), y1, acc)
-            acc = tl.dot(tl.trans(y2), y2, acc)
-            acc = tl.dot(tl.trans(y1), y3, acc)
-            acc = tl.dot(tl.trans(y3), y1, acc)
+        t1, t2 = tl.trans(y1), tl.trans(y2)
+        acc += (_dot(t1, y1, tl.bfloat16, INTERP) + _dot(t1, y2, tl.bfloat16, INTERP) + _dot(t2, y1, tl.bfloat16, INTERP)
+                + _dot(t2, y2, tl.bfloat16, INTERP) + _dot(t1, y3, tl.bfloat16, INTERP)
+                + _dot(tl.trans(y3), y1, tl.bfloat16, INTERP))
     at = (s * P + p).to(tl.int64)
     tl.store(part_ptr + at * D * D + d[:, None] * D + d[None, :], acc, mask=dmask[:, None] & dmask[None, :])
     tl.store(sum_ptr + at * D + d, total, mask=dmask)

@@ -6,9 +6,8 @@ FP32 is split into three BF16 parts, U = U1 + U2 + U3 to 24 bits (each the round
 y = x U1 + x U2 + x U3: three BF16 dots accumulated in FP32, where one FP32 product ran on the FP32 units at a
 fifteenth of the tensor cores' rate. The result equals the FP32 product to its rounding (the terms are summed in
 another order). One program per (stream, BLOCK_N tokens, BLOCK_J output columns), reading those columns of U (D at
-most 128). Under TRITON_INTERPRET=1
-the interpreter's BF16 dot is unusable (kernels/span_attention.py `_dot_f32`): there the parts are widened and
-multiplied in IEEE FP32, the same sum of the same three products.
+most 128). Under TRITON_INTERPRET=1 the interpreter's BF16 dot is unusable (kernels/span_attention.py `_dot_f32`):
+there the parts are widened and multiplied in IEEE FP32 (span_tiles `_dot`), the same sum of the same products.
 """
 from __future__ import annotations
 
@@ -17,6 +16,8 @@ import os
 import torch
 import triton
 import triton.language as tl
+
+from .span_tiles import _dot
 
 BLOCK_N, BLOCK_J = 64, 64  # tokens a program, and the output columns (of U's) it writes
 
@@ -43,15 +44,7 @@ def _key_rotate_kernel(x_ptr, u_ptr, y_ptr, N, D, INTERP: tl.constexpr, BLOCK_N:
     u = tl.load(u_ptr + (s * D + d[:, None]).to(tl.int64) * D + j[None, :], mask=dmask[:, None] & jmask[None, :],
                 other=0.0)
     u1, u2, u3 = _split(u)
-    if INTERP:
-        xf = x.to(tl.float32)
-        y = tl.dot(xf, u1.to(tl.float32), input_precision="ieee")
-        y = tl.dot(xf, u2.to(tl.float32), y, input_precision="ieee")
-        y = tl.dot(xf, u3.to(tl.float32), y, input_precision="ieee")
-    else:
-        y = tl.dot(x, u1)
-        y = tl.dot(x, u2, y)
-        y = tl.dot(x, u3, y)
+    y = _dot(x, u1, tl.bfloat16, INTERP) + _dot(x, u2, tl.bfloat16, INTERP) + _dot(x, u3, tl.bfloat16, INTERP)
     tl.store(y_ptr + (s * N + rows[:, None]).to(tl.int64) * D + j[None, :], y, mask=rmask[:, None] & jmask[None, :])
 
 

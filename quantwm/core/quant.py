@@ -241,6 +241,18 @@ def storage_check_ref(x: torch.Tensor, s: torch.Tensor, rms: torch.Tensor, large
     return torch.where(s.float() == 0, torch.zeros_like(s), s), _cast_fits(x, s, x.abs(), rms, largest, rel, rms_tol)
 
 
+def _rms(x: torch.Tensor) -> torch.Tensor:
+    """0-dim: the root mean square of float32 x, ‖x‖ / √n, as the storage check's tolerance reads it."""
+    return torch.linalg.vector_norm(x) * x.numel() ** -0.5
+
+
+def _start_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
+    """The dtype a storage check starts from: `dtype`, or the wider one an earlier span of x's shape had to take
+    (the `remembering` dict)."""
+    widened = _WIDENED.get()
+    return dtype if widened is None else widened.get((dtype, tuple(x.shape)), dtype)
+
+
 def storage_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     """The narrowest dtype at or above `dtype` on STORAGE_LADDER (fp8-e4m3 -> fp16 -> fp32) that stores x
     without saturating or underflowing (the tolerance above). Widening is counted in the stored bytes. Under
@@ -249,9 +261,8 @@ def storage_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
         return dtype
     x = x.float()
     ax = x.abs()
-    rms = torch.linalg.vector_norm(x) * x.numel() ** -0.5
-    widened, key = _WIDENED.get(), (dtype, tuple(x.shape))
-    start = dtype if widened is None else widened.get(key, dtype)
+    rms = _rms(x)
+    widened, start = _WIDENED.get(), _start_dtype(x, dtype)
     checks = deferring()
     if checks is not None:
         if start != torch.float32:
@@ -260,7 +271,7 @@ def storage_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.dtype:
     chosen = next(dt for dt in STORAGE_LADDER[STORAGE_LADDER.index(start):] if dt == torch.float32 or
                   _fits(x, ax, rms, dt))
     if widened is not None and chosen != start:
-        widened[key] = chosen
+        widened[(dtype, tuple(x.shape))] = chosen
     return chosen
 
 
@@ -299,16 +310,15 @@ def _fused_storage(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor | None:
     dtype `storage_dtype` would assume, the cast, its check recorded); None elsewhere (the steps of `to_storage`)."""
     from .backend import kernel
 
-    checks, widened = deferring(), _WIDENED.get()
+    checks = deferring()
     if checks is None or not x.numel() or dtype not in STORAGE_LADDER or not use_kernels(x):
         return None
-    start = dtype if widened is None else widened.get((dtype, tuple(x.shape)), dtype)
+    start = _start_dtype(x, dtype)
     if start == torch.float32:
         return None
     xf = x.float()
-    rms = torch.linalg.vector_norm(xf) * xf.numel() ** -0.5
-    stored, ok = kernel("storage_check")(xf.contiguous(), xf.to(start), rms, torch.finfo(start).max, STORAGE_REL_TOL,
-                                         STORAGE_RMS_TOL)
+    stored, ok = kernel("storage_check")(xf.contiguous(), xf.to(start), _rms(xf), torch.finfo(start).max,
+                                         STORAGE_REL_TOL, STORAGE_RMS_TOL)
     checks.record(ok)
     return stored
 

@@ -89,11 +89,17 @@ def key_rotate_ref(x: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
 def rotated(x: torch.Tensor, U: torch.Tensor) -> torch.Tensor:
     """`key_rotate_ref`'s y = x U, by kernels/key_rotate.py where the kernels run and the keys are BF16 of a head
     dim up to 128 (three BF16 tensor-core products to FP32's accuracy, instead of one FP32 product)."""
-    from .backend import kernel, use_kernels
+    from .backend import kernel
 
-    if use_kernels(x) and x.dtype == torch.bfloat16 and x.shape[-1] <= 128:
-        return kernel("key_rotate")(x, U)
-    return key_rotate_ref(x, U)
+    return kernel("key_rotate")(x, U) if _on_tensor_cores(x) else key_rotate_ref(x, U)
+
+
+def _on_tensor_cores(x: torch.Tensor) -> bool:
+    """Whether keys x (S, N, D) take the BF16 tensor-core kernels (kernels/key_rotate.py,
+    kernels/key_covariance_sums.py): the kernels run, and the keys are BF16, non-empty, of a head dim up to 128."""
+    from .backend import use_kernels
+
+    return use_kernels(x) and x.dtype == torch.bfloat16 and x.shape[-1] <= 128 and x.shape[1] > 0
 
 
 def key_covariance(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,9 +107,9 @@ def key_covariance(x: torch.Tensor, keep: torch.Tensor | None = None) -> torch.T
     bool: over those tokens only (the same as the covariance of x[:, keep], without a host read). Its sums come from
     kernels/key_covariance_sums.py where the kernels run and the keys are BF16 of a head dim up to 128 (one pass,
     BF16 tensor-core products to FP32's accuracy), else from `key_covariance_sums_ref`."""
-    from .backend import kernel, use_kernels
+    from .backend import kernel
 
-    if use_kernels(x) and x.dtype == torch.bfloat16 and x.shape[-1] <= 128 and x.shape[1] > 0:
+    if _on_tensor_cores(x):
         yy, y = kernel("key_covariance_sums")(x, keep)
         total, n = y.sum(1), float(x.shape[1]) if keep is None else keep.sum()  # (S, D); the kept tokens
         # (Σ y yᵀ − Σy Σyᵀ / n) / n: the same C in two ops fewer than the twin's form below
