@@ -42,11 +42,14 @@ Work: 2^L values a sample against the stored code's 256.
 source, beside Gaussian ones and 128-sample spans. `--trained --source mixture` trains on half Gaussian, half
 Laplacian rows instead (`--widths` a subset of 1-4).
 
-`--probe T.json M EVAL-ARGS`: what those tables would do on the built-in model before the format holds them:
-`quantwm eval EVAL-ARGS` with quantwm-trellis's codes and decodes through the tables of memory M saved by
-`--trained --save T.json` (`stored_tables`: the reference path, the search still over 256 states, the allocator's
-prices the stored code's); `stored` instead of a file runs the same patches with the stored codebook and scales,
-which reproduces plain `quantwm eval` figure for figure (its check).
+`--probe T.json M EVAL-ARGS`: what other tables would do on the built-in model: `quantwm eval EVAL-ARGS` with
+quantwm-trellis's codes and decodes through the tables of memory M saved by `--trained --save T.json`
+(`stored_tables`: the reference path, each width's trellis of 2^(k+M) states, the allocator's prices the format's);
+`stored` instead of a file runs the same patches with the format's own tables, which reproduces plain `quantwm
+eval` figure for figure (its check). How the format's tables (kernels/trellis_tables.py) were chosen, before the
+format held them (then the search ran over 256 states): docs/method.md §2.10, "Stored tables".
+
+`--emit T.json M OUT.py`: the memory-M tables of a `--trained --save` file written as the module the format reads.
 
 `--trace`: the textbook transform coder (S's eigenbasis of the history Queries, reverse water-filling over the
 allocator's uniform tables, as benchmarks/bits_above_bound.py's step 2) on the trace's second and third chunks,
@@ -245,11 +248,16 @@ COMPUTED_SCALES = {1: 0.9, 2: 1.1, 3: 1.2, 4: 1.2}  # the computed 256-state cod
 
 def saved_tables(path: str) -> dict:
     """The tables a `--trained --save` file holds ({"k,m": values}), or a clear exit naming what is wrong."""
+    return _tables_file(path)["tables"]
+
+
+def _tables_file(path: str) -> dict:
+    """A `--trained --save` file read once: its fields, the tables as floats, or a clear exit naming what is wrong."""
     import json
 
     try:
-        saved = json.loads(Path(path).read_text())["tables"]
-        return {key: [float(v) for v in values] for key, values in saved.items()}
+        meta = json.loads(Path(path).read_text())
+        return {**meta, "tables": {key: [float(v) for v in values] for key, values in meta["tables"].items()}}
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SystemExit(f"{path}: not a tables file written by --trained --save ({type(e).__name__}: {e})") from None
 
@@ -257,16 +265,13 @@ def saved_tables(path: str) -> dict:
 def emit(path: str, memory: int, out: str) -> None:
     """`--emit T.json M OUT.py`: the memory-M tables of a `--trained --save` file written as the Python module the
     format reads (kernels/trellis_tables.py: MEMORY and TRAINED, width k's 2^(k + M) values)."""
-    saved = saved_tables(path)
+    meta = _tables_file(path)
     rows = {}
     for k in TRAINED_WIDTHS:
-        values = saved.get(f"{k},{memory}", ())
+        values = meta["tables"].get(f"{k},{memory}", ())
         if len(values) != 1 << (k + memory):
             raise SystemExit(f"{path} holds no table of {1 << (k + memory)} values for width {k} and memory {memory}")
         rows[k] = values
-    import json
-
-    meta = json.loads(Path(path).read_text())
     training = f"{meta.get('training', 'samples not recorded')}, best of {meta.get('restarts', '?')} restarts"
     lines = ['"""The stored value tables of the TRELLIS form\'s widths 1-4 (kernels/span_args.py, quantwm/core/trellis.py):',
              f"width k's 2^(k + {memory}) values, read by the top k + {memory} bits of a sample's 8-bit window. Trained by",
